@@ -1,0 +1,32 @@
+"""The embedded default: a tiny Mixture-of-Experts LM trained on text every Python install has.
+
+Nothing can be downloaded, so the demo and the quality tests build their own model:
+`build_corpus` writes a code / prose / math corpus from the standard library and generated word
+problems, and `get_demo_model` trains (once, then cached) a small Qwen3-MoE on it.
+"""
+
+from __future__ import annotations
+
+from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, SPLITS, build_corpus, load_split
+from moeprune.demo.train import (
+    DEMO,
+    FIXTURE,
+    DemoModelSpec,
+    get_demo_model,
+    heldout_stats,
+    train_demo_model,
+)
+
+__all__ = [
+    "CORPUS_VERSION",
+    "DEMO",
+    "DOMAINS",
+    "FIXTURE",
+    "SPLITS",
+    "DemoModelSpec",
+    "build_corpus",
+    "get_demo_model",
+    "heldout_stats",
+    "load_split",
+    "train_demo_model",
+]

@@ -1,0 +1,266 @@
+"""One view of every supported MoE family: layers, routers and per-expert weights.
+
+The adapter never re-implements routing. It reads the router's own output and, for removal,
+slices the router's own per-expert tensors, so a virtual mask and physical surgery run the very
+same routing code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import UnsupportedModelError
+from .spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec, supported_families
+
+EXPERT_IDS_ATTR = "moeprune_expert_ids"  # original expert ids kept by a block after surgery
+
+
+def get_path(module: nn.Module, dotted: str) -> torch.Tensor:
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_path(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        module = getattr(module, part)
+    old = getattr(module, leaf)
+    if isinstance(old, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=old.requires_grad)
+    elif not isinstance(value, nn.Parameter) and leaf in module._buffers:
+        module._buffers[leaf] = value
+        return
+    setattr(module, leaf, value)
+
+
+@dataclass
+class MoELayer:
+    """One MoE block: its router, its routed experts and how they are stored."""
+
+    index: int  # decoder layer index
+    block: nn.Module
+    spec: FamilySpec
+
+    @property
+    def router(self) -> nn.Module:
+        return getattr(self.block, self.spec.router_attr)
+
+    @property
+    def experts(self) -> nn.Module:
+        return self.block.experts
+
+    @property
+    def layer(self) -> int:  # ExpertWeightSource protocol
+        return self.index
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.experts.gate_up_proj.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.router.top_k)
+
+    @property
+    def hidden_size(self) -> int:
+        down = self.experts.down_proj
+        return int(down.shape[1] if self.spec.layout == FUSED else down.shape[2])
+
+    @property
+    def intermediate_size(self) -> int:
+        down = self.experts.down_proj
+        return int(down.shape[2] if self.spec.layout == FUSED else down.shape[1])
+
+    @property
+    def n_group(self) -> int:
+        """Number of routing groups when routing is group-limited, else 1."""
+        if not self.spec.group_routing:
+            return 1
+        groups = getattr(self.router, "num_group", None) or 1
+        if getattr(self.router, "topk_method", "group_limited_greedy") != "group_limited_greedy":
+            return 1
+        return int(groups)
+
+    @property
+    def topk_group(self) -> int:
+        return int(getattr(self.router, "topk_group", None) or 1)
+
+    @property
+    def expert_ids(self) -> list[int]:
+        """Original ids of the experts this block still holds (identity before any surgery)."""
+        ids = getattr(self.block, EXPERT_IDS_ATTR, None)
+        return list(ids) if ids is not None else list(range(self.num_experts))
+
+    @property
+    def shared_modules(self) -> list[nn.Module]:
+        return [m for a in self.spec.shared_attrs if (m := getattr(self.block, a, None)) is not None]
+
+    # ----------------------------------------------------------------- expert weights
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,d], up [I,d], down [d,I]) views of one expert, whatever the storage."""
+        gate_up, down = self.experts.gate_up_proj[expert], self.experts.down_proj[expert]
+        inter = self.intermediate_size
+        if self.spec.layout == FUSED:
+            return gate_up[:inter], gate_up[inter:], down
+        if self.spec.layout == TRANSPOSED:
+            return gate_up[:, :inter].T, gate_up[:, inter:].T, down.T
+        return gate_up[:, 0::2].T, gate_up[:, 1::2].T, down.T  # INTERLEAVED
+
+    def expert_biases(
+        self, expert: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        if self.spec.layout != INTERLEAVED:
+            return None, None, None
+        b = self.experts.gate_up_proj_bias[expert]
+        return b[0::2], b[1::2], self.experts.down_proj_bias[expert]
+
+    def expert_param_count(self) -> int:
+        """Parameters of one routed expert (weights and biases)."""
+        total = sum(p[0].numel() for p in self.experts.parameters(recurse=False) if p.dim() >= 1)
+        return int(total)
+
+    def activate(self, gate_pre: torch.Tensor, up_pre: torch.Tensor) -> torch.Tensor:
+        """The family's gated activation m = act(gate) * up, using the model's own function."""
+        if self.spec.layout == INTERLEAVED:
+            interleaved = torch.stack((gate_pre, up_pre), dim=-1).flatten(-2)
+            return self.experts._apply_gate(interleaved)
+        return self.experts.act_fn(gate_pre) * up_pre
+
+    def expert_forward(
+        self,
+        expert: int,
+        x: torch.Tensor,
+        return_intermediate: bool = False,
+        neuron_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Expert output E_i(x) for rows x [n, d] (and the intermediate activations m [n, I]).
+
+        `neuron_mask` [I] zeroes intermediate neurons (virtual neuron pruning).
+        """
+        gate_up, down = self.experts.gate_up_proj[expert], self.experts.down_proj[expert]
+        if self.spec.layout == FUSED:
+            gate_pre, up_pre = F.linear(x, gate_up).chunk(2, dim=-1)
+            m = self.activate(gate_pre, up_pre)
+        elif self.spec.layout == TRANSPOSED:
+            gate_pre, up_pre = (x @ gate_up).chunk(2, dim=-1)
+            m = self.activate(gate_pre, up_pre)
+        else:
+            m = self.experts._apply_gate(x @ gate_up + self.experts.gate_up_proj_bias[expert])
+        if neuron_mask is not None:
+            m = m * neuron_mask.to(m.dtype)
+        if self.spec.layout == FUSED:
+            y = F.linear(m, down)
+        elif self.spec.layout == TRANSPOSED:
+            y = m @ down
+        else:
+            y = m @ down + self.experts.down_proj_bias[expert]
+        return (y, m) if return_intermediate else y
+
+    def down_matrix(self, expert: int) -> torch.Tensor:
+        """W_down [d, I] of one expert (so that y = W_down m (+ bias))."""
+        return self.expert_weights(expert)[2]
+
+
+class MoEModel:
+    """A causal LM of a supported family, with its MoE layers exposed uniformly."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        self.spec = family_spec(self.config)
+        self.layers = self._find_layers()
+        if not self.layers:
+            raise UnsupportedModelError(
+                f"this {self.spec.model_type} model has no MoE layers (every decoder layer is dense)"
+            )
+
+    def _find_layers(self) -> list[MoELayer]:
+        found = []
+        for i, decoder_layer in enumerate(decoder_layers(self.model)):
+            block = getattr(decoder_layer, self.spec.block_attr, None)
+            if block is None or not hasattr(block, "experts") or not hasattr(block, self.spec.router_attr):
+                continue
+            found.append(MoELayer(index=i, block=block, spec=self.spec))
+        return found
+
+    def __iter__(self) -> Iterator[MoELayer]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, index: int) -> MoELayer:
+        for layer in self.layers:
+            if layer.index == index:
+                return layer
+        raise KeyError(
+            f"decoder layer {index} is not an MoE layer (MoE layers: {[m.index for m in self.layers]})"
+        )
+
+    @property
+    def model_type(self) -> str:
+        return self.spec.model_type
+
+    def is_uniform(self) -> bool:
+        """Whether every MoE layer has the same expert count and intermediate size."""
+        return len({(m.num_experts, m.intermediate_size) for m in self.layers}) == 1
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total, routed-expert and active-per-token parameters (TENP's E and A)."""
+        total = sum(p.numel() for p in self.model.parameters())
+        routed = sum(p.numel() for m in self.layers for p in m.experts.parameters())
+        active_routed = sum(m.top_k * m.expert_param_count() for m in self.layers)
+        return {
+            "total": int(total),
+            "routed_experts": int(routed),
+            "active_routed_experts": int(active_routed),
+            "active_per_token": int(total - routed + active_routed),
+        }
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for base in (getattr(model, "model", None), model):
+        layers = getattr(base, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    layers = None
+    if layers is None:
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers  # pragma: no cover
+
+
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def family_spec(config) -> FamilySpec:
+    """The spec of a supported MoE family; a clear error for dense or unsupported models."""
+    model_type = getattr(config, "model_type", None)
+    spec = FAMILIES.get(model_type)
+    if spec is not None:
+        return spec
+    if not any(getattr(config, f, None) for f in _EXPERT_COUNT_FIELDS):
+        raise UnsupportedModelError(
+            f"this model has no MoE layers (model type {model_type!r} is dense); moeprune prunes MoE models: "
+            f"{', '.join(supported_families())}"
+        )
+    raise UnsupportedModelError(
+        f"model type {model_type!r} is not a supported MoE family; supported: {', '.join(supported_families())}"
+    )
+
+
+def check_config(config) -> FamilySpec:
+    """Fail early (before loading weights) on unsupported or dense configs."""
+    spec = family_spec(config)
+    count = getattr(config, spec.count_field, None)
+    if not count:
+        raise UnsupportedModelError(
+            f"this model has no MoE layers ({spec.model_type} with {spec.count_field}={count})"
+        )
+    return spec

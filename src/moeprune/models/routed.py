@@ -1,0 +1,115 @@
+"""moeprune's own routed-experts computation, swapped in reversibly when a stage needs it.
+
+The router still runs unchanged; only the experts' computation is replaced, by one that runs
+each expert on exactly the tokens routed to it and can (a) report each expert's unweighted
+output to an observer, (b) substitute a constant novice vector, (c) mask intermediate neurons.
+Swapping an instance's `forward` touches no weights and is undone on exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapter import MoELayer, MoEModel
+
+# on_expert(layer, expert, rows, block_input, expert_output, intermediate, weight)
+ExpertCallback = Callable[
+    [MoELayer, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], None
+]
+
+
+@dataclass
+class RoutedOptions:
+    """What the replacement computation does besides computing the experts."""
+
+    on_expert: ExpertCallback | None = None
+    need_intermediate: bool = False
+    novices: Mapping[int, Mapping[int, torch.Tensor]] = field(default_factory=dict)  # layer -> expert -> [d]
+    neuron_masks: Mapping[int, Mapping[int, torch.Tensor]] = field(
+        default_factory=dict
+    )  # layer -> expert -> [I]
+
+
+def routed_compute(
+    layer: MoELayer, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, options: RoutedOptions
+) -> torch.Tensor:
+    """sum_j g_j E_{i_j}(h) over the selected experts (Llama-4: sum_j E_{i_j}(g_j h))."""
+    tokens, top_k = index.shape
+    out = torch.zeros_like(hidden)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=layer.num_experts).tolist()
+    flat_weights = weights.reshape(-1)
+    novices = options.novices.get(layer.index, {})
+    masks = options.neuron_masks.get(layer.index, {})
+    want_m = options.need_intermediate and options.on_expert is not None
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        picked = order[start : start + n]
+        start += n
+        rows = picked // top_k
+        x = hidden[rows]
+        g = flat_weights[picked]
+        x_in = x * g.unsqueeze(1).to(x.dtype) if layer.spec.weight_on_input else x
+        m = None
+        if expert in novices:
+            y = novices[expert].to(x.dtype).expand(n, -1)
+        else:
+            y, m = layer.expert_forward(expert, x_in, return_intermediate=True, neuron_mask=masks.get(expert))
+        contribution = y if layer.spec.weight_on_input else y * g.unsqueeze(1).to(y.dtype)
+        out.index_add_(0, rows, contribution.to(out.dtype))
+        if options.on_expert is not None:
+            options.on_expert(layer, expert, rows, x, y, m if want_m else None, g)
+    return out
+
+
+def _experts_forward(layer: MoELayer, options: RoutedOptions):
+    def forward(hidden_states, top_k_index=None, top_k_weights=None, **_: object):
+        return routed_compute(layer, hidden_states, top_k_index, top_k_weights, options)
+
+    return forward
+
+
+def _input_weighted_block_forward(layer: MoELayer, options: RoutedOptions):
+    """Llama-4's block, computing only the selected experts (transformers runs all of them)."""
+    block = layer.block
+
+    def forward(hidden_states):
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores, logits = block.router(hidden)
+        index = torch.topk(logits, layer.top_k, dim=1).indices  # the router's own selection rule
+        weights = scores.gather(1, index)
+        out = block.shared_expert(hidden)
+        out = out + routed_compute(layer, hidden, index, weights, options)
+        return out, logits
+
+    return forward
+
+
+@contextmanager
+def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
+    """Replace every MoE layer's routed computation for the duration of the context."""
+    with ExitStack() as stack:
+        for layer in moe.layers:
+            if layer.spec.weight_on_input:
+                target, forward = layer.block, _input_weighted_block_forward(layer, options)
+            else:
+                target, forward = layer.experts, _experts_forward(layer, options)
+            had_own = "forward" in target.__dict__
+            previous = target.__dict__.get("forward")
+            target.forward = forward
+            stack.callback(_restore_forward, target, had_own, previous)
+        yield
+
+
+def _restore_forward(module: torch.nn.Module, had_own: bool, previous) -> None:
+    if had_own:
+        module.forward = previous
+    else:
+        del module.forward

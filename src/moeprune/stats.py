@@ -1,0 +1,153 @@
+"""Per-expert calibration statistics, accumulated in fp64.
+
+The observer fills these; every data-driven criterion, novice surgery and neuron pruning read
+them. Means and variances use Chan's parallel form of Welford's update, so merging batches (or
+ranks, or domains) is exact rather than approximate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass
+class LayerStats:
+    """Statistics of one MoE layer; every tensor is indexed by the original expert id."""
+
+    layer: int  # decoder layer index
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    count: torch.Tensor  # [E] n_i, routed (non-padding) tokens
+    weight_sum: torch.Tensor  # [E] sum g_i(t)
+    norm_sum: torch.Tensor  # [E] sum ||E_i(h_t)||
+    weighted_norm_sum: torch.Tensor  # [E] sum g_i(t) ||E_i(h_t)||
+    tenp_sum: torch.Tensor  # [E] sum g_i(t) ||E_i(h_t)|| (1 - cos(h_t, E_i(h_t)))
+    mean: torch.Tensor  # [E, d] running mean of E_i(h_t)
+    m2: torch.Tensor  # [E, d] running sum of squared deviations (Welford)
+    neuron_proj_sum: torch.Tensor | None = None  # [E, I] sum <y_k, y> / (||y|| + 1e-8)
+    neuron_l2_sum: torch.Tensor | None = None  # [E, I] sum ||y_k||
+
+    @classmethod
+    def zeros(
+        cls, layer: int, num_experts: int, hidden_size: int, intermediate_size: int, neurons: bool = False
+    ) -> LayerStats:
+        e, d, i = num_experts, hidden_size, intermediate_size
+
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=F64)
+
+        return cls(
+            layer=layer,
+            num_experts=e,
+            hidden_size=d,
+            intermediate_size=i,
+            count=z(e),
+            weight_sum=z(e),
+            norm_sum=z(e),
+            weighted_norm_sum=z(e),
+            tenp_sum=z(e),
+            mean=z(e, d),
+            m2=z(e, d),
+            neuron_proj_sum=z(e, i) if neurons else None,
+            neuron_l2_sum=z(e, i) if neurons else None,
+        )
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Unbiased per-dimension variance [E, d]; zero where fewer than two tokens were seen."""
+        denom = (self.count - 1).clamp(min=1).unsqueeze(1)
+        var = self.m2 / denom
+        return torch.where((self.count > 1).unsqueeze(1), var, torch.zeros_like(var))
+
+    def add_moments(self, expert: int, n: int, batch_mean: torch.Tensor, batch_m2: torch.Tensor) -> None:
+        """Merge a batch's mean and M2 (Chan et al.); call before updating `count`."""
+        n_a = self.count[expert]
+        n_ab = n_a + n
+        delta = batch_mean - self.mean[expert]
+        self.mean[expert] += delta * (n / n_ab)
+        self.m2[expert] += batch_m2 + delta.square() * (n_a * n / n_ab)
+
+    def merge(self, other: LayerStats) -> None:
+        """Add another accumulation of the same layer (another batch set, rank or domain)."""
+        if (other.layer, other.num_experts, other.hidden_size) != (
+            self.layer,
+            self.num_experts,
+            self.hidden_size,
+        ):
+            raise ValueError(f"cannot merge statistics of different layers ({other.layer} vs {self.layer})")
+        for e in torch.nonzero(other.count > 0).flatten().tolist():
+            self.add_moments(e, float(other.count[e]), other.mean[e], other.m2[e])
+        for name in ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum"):
+            getattr(self, name).add_(getattr(other, name))
+        for name in ("neuron_proj_sum", "neuron_l2_sum"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None:
+                mine.add_(theirs)
+
+    def to_dict(self) -> dict[str, object]:
+        """Tensors as plain tensors (for torch.save); keys mirror the field names."""
+        return {k: v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> LayerStats:
+        return cls(**data)  # type: ignore[arg-type]
+
+
+@dataclass
+class ExpertStats:
+    """Statistics of every MoE layer of a model over one calibration set."""
+
+    layers: list[LayerStats]
+    tokens: int = 0  # non-padding tokens seen
+    samples: int = 0
+    truncated: int = 0  # samples cut at max length
+    data_fingerprint: str = ""
+    domain: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def layer(self, layer_index: int) -> LayerStats:
+        for stats in self.layers:
+            if stats.layer == layer_index:
+                return stats
+        raise KeyError(f"no statistics for decoder layer {layer_index}")
+
+    def merge(self, other: ExpertStats) -> None:
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.merge(theirs)
+        self.tokens += other.tokens
+        self.samples += other.samples
+        self.truncated += other.truncated
+
+    def unseen_experts(self) -> dict[int, list[int]]:
+        """Experts that no calibration token reached, per decoder layer (reports mention them)."""
+        out = {}
+        for stats in self.layers:
+            ids = torch.nonzero(stats.count == 0).flatten().tolist()
+            if ids:
+                out[stats.layer] = ids
+        return out
+
+    def save(self, path: str) -> None:
+        torch.save(
+            {
+                "layers": [s.to_dict() for s in self.layers],
+                "tokens": self.tokens,
+                "samples": self.samples,
+                "truncated": self.truncated,
+                "data_fingerprint": self.data_fingerprint,
+                "domain": self.domain,
+                "notes": self.notes,
+            },
+            path,
+        )
+
+    @classmethod
+    def load(cls, path: str) -> ExpertStats:
+        raw = torch.load(path, weights_only=True)
+        raw["layers"] = [LayerStats.from_dict(d) for d in raw["layers"]]
+        return cls(**raw)

@@ -1,0 +1,208 @@
+"""Adapters, routing capture, virtual masks and physical removal on every supported family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from moeprune.errors import MoePruneError, UnsupportedModelError
+from moeprune.io import load_config, load_model, save_stock
+from moeprune.models import MoEModel, supported_families
+from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.surgery import drop_experts, mask_experts
+
+FAMILIES = supported_families()
+TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def removal_for(moe: MoEModel, uniform: bool) -> dict[int, list[int]]:
+    """Two experts per layer (balanced across routing groups); one more in the first layer if not uniform."""
+    removed = {}
+    for j, layer in enumerate(moe.layers):
+        if layer.n_group > 1:
+            size = layer.num_experts // layer.n_group
+            removed[layer.index] = [g * size + (j % size) for g in range(layer.n_group)]
+        else:
+            removed[layer.index] = [1, 6] if uniform or j else [1, 3, 6]
+    return removed
+
+
+def logits(model, tokens=TOKENS, attention_mask=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, attention_mask=attention_mask).logits
+
+
+def test_all_eleven_families_are_supported():
+    assert set(FAMILIES) == {
+        "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2", "deepseek_v3",
+        "glm4_moe", "ernie4_5_moe", "gpt_oss", "llama4_text",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_finds_moe_layers_and_expert_weights(family):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    config = model.config
+    assert moe.layers, "no MoE layer found"
+    for layer in moe.layers:
+        assert layer.num_experts == 8 and layer.hidden_size == 32
+        assert layer.top_k == config.num_experts_per_tok
+        gate, up, down = layer.expert_weights(3)
+        inter = layer.intermediate_size
+        assert gate.shape == (inter, 32) and up.shape == (inter, 32) and down.shape == (32, inter)
+        x = torch.randn(5, 32)
+        gate_b, up_b, down_b = layer.expert_biases(3)
+        g, u = x @ gate.T, x @ up.T
+        if gate_b is not None:
+            g, u = g + gate_b, u + up_b
+        expected = layer.activate(g, u) @ down.T + (down_b if down_b is not None else 0)
+        torch.testing.assert_close(layer.expert_forward(3, x), expected, rtol=1e-5, atol=1e-6)
+    # dense layers are skipped: the tiny configs make some layers dense where the family allows it
+    dense_capable = {
+        "qwen2_moe",
+        "qwen3_moe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "glm4_moe",
+        "ernie4_5_moe",
+        "llama4_text",
+    }
+    if family in dense_capable:
+        assert len(moe.layers) < config.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recorded_expert_outputs_sum_to_the_routed_output(family):
+    """Each selected expert's unweighted output, weighted by the router's own g and summed, is the block's routed output."""
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    reference: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer in moe.layers:
+        if layer.spec.weight_on_input:  # Llama-4 block output = routed + shared expert
+
+            def hook(mod, args, out, layer=layer):
+                hidden = args[0].reshape(-1, args[0].shape[-1])
+                reference[layer.index] = out[0] - layer.block.shared_expert(hidden)
+
+            handles.append(layer.block.register_forward_hook(hook))
+        else:
+
+            def hook(mod, args, out, layer=layer):
+                reference[layer.index] = out.detach().clone()
+
+            handles.append(layer.experts.register_forward_hook(hook))
+    logits(model)
+    for h in handles:
+        h.remove()
+
+    rebuilt = {m.index: torch.zeros_like(reference[m.index]) for m in moe.layers}
+    selections = {m.index: 0 for m in moe.layers}
+
+    def record(layer, expert, rows, x, y, m, g):
+        contribution = y if layer.spec.weight_on_input else g.unsqueeze(1) * y
+        rebuilt[layer.index].index_add_(0, rows, contribution)
+        selections[layer.index] += len(rows)
+
+    with override_routed(moe, RoutedOptions(on_expert=record)):
+        logits(model)
+    for layer in moe.layers:
+        assert selections[layer.index] == TOKENS.numel() * layer.top_k  # only selected experts ran
+        assert (rebuilt[layer.index] - reference[layer.index]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_virtual_mask_equals_physical_removal(family):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    full = logits(model)
+    for uniform in (True, False):
+        removed = removal_for(moe, uniform)
+        with mask_experts(moe, removed):
+            masked = logits(model)
+        assert (logits(model) - full).abs().max() == 0, "mask was not undone"
+        assert (masked - full).abs().max() > 1e-4, "removing experts changed nothing"
+        pruned = copy.deepcopy(model)
+        pruned_moe = MoEModel(pruned)
+        drop_experts(pruned_moe, removed)
+        assert (logits(pruned) - masked).abs().max() <= 1e-5
+        for layer in pruned_moe.layers:
+            assert layer.num_experts == 8 - len(removed[layer.index])
+            assert layer.expert_ids == [e for e in range(8) if e not in removed[layer.index]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_uniform_drop_reloads_with_stock_transformers(family, tmp_path):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    drop_experts(moe, removal_for(moe, uniform=True))
+    before = logits(model)
+    save_stock(model, tmp_path / "pruned")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
+    assert MoEModel(reloaded).layers[0].num_experts == 6
+    assert (logits(reloaded) - before).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_non_uniform_drop_works_in_memory_but_stock_save_refuses(family, tmp_path):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    removed = removal_for(moe, uniform=False)
+    if len({len(v) for v in removed.values()}) == 1:  # group-limited: vary by whole groups instead
+        first = moe.layers[0]
+        removed[first.index] = []
+    drop_experts(moe, removed)
+    assert torch.isfinite(logits(model)).all()
+    with pytest.raises(MoePruneError, match="moeprune.save_pretrained"):
+        save_stock(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_removing_below_top_k_is_refused():
+    moe = MoEModel(tiny_model("olmoe"))
+    layer = moe.layers[0]
+    with pytest.raises(MoePruneError, match="fewer than its top-k"):
+        with mask_experts(moe, {layer.index: list(range(7))}):
+            pass
+    with pytest.raises(MoePruneError, match="out of range"):
+        drop_experts(moe, {layer.index: [8]})
+
+
+def test_unbalanced_group_removal_is_refused():
+    moe = MoEModel(tiny_model("deepseek_v3"))
+    layer = moe.layers[0]
+    assert layer.n_group == 2
+    with pytest.raises(MoePruneError, match="unbalanced"), mask_experts(moe, {layer.index: [0, 1]}):
+        pass
+    # mask state untouched after the refusal
+    assert layer.router.weight.shape[0] == 8
+
+
+def test_dense_and_unsupported_models_get_clear_errors(tmp_path):
+    dense = AutoConfig.for_model(
+        "llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=16
+    )
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(UnsupportedModelError, match="no MoE layers"):
+        load_config(tmp_path / "dense")
+    other = AutoConfig.for_model("phimoe", hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    other.save_pretrained(tmp_path / "phimoe")
+    with pytest.raises(UnsupportedModelError, match="not a supported MoE family; supported: deepseek_v2"):
+        load_config(tmp_path / "phimoe")
+    with pytest.raises(MoePruneError, match="does not exist"):
+        load_config(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MoePruneError, match="no config.json"):
+        load_config(tmp_path / "empty")
+
+
+def test_load_model_from_local_folder(tmp_path):
+    path = save_tiny_model("qwen3_moe", tmp_path / "m")
+    model, tokenizer = load_model(path)
+    assert tokenizer is None
+    assert (logits(model) - logits(tiny_model("qwen3_moe"))).abs().max() == 0
