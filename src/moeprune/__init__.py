@@ -4,4 +4,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "load_pretrained", "save_pretrained"]
+
+
+def load_pretrained(path, dtype=None, device=None):
+    """Reload any moeprune output (stock or moeprune format); see moeprune.checkpoint."""
+    from .checkpoint import load_pretrained as _load
+    from .io import resolve_dtype
+
+    return _load(path, dtype=resolve_dtype(dtype), device=device)
+
+
+def save_pretrained(model, directory, tokenizer=None) -> str:
+    """Save a (pruned) model: stock format when its config can express it, moeprune's otherwise."""
+    from .checkpoint import save_pretrained as _save
+
+    return _save(model, directory, tokenizer)

@@ -450,7 +450,10 @@ class EvoSearch:
         return nxt
 
     def run(self, resume: bool = False) -> EvoResult:
-        """Search (or continue a saved search) for ``config.generations`` generations."""
+        """Search for ``config.generations`` generations; ``resume`` continues the saved state.
+
+        Without ``resume`` a fresh search starts and overwrites any state at ``state_path``.
+        """
         self._last_save = time.monotonic()
         if resume:
             start, population, rng = self._load()

@@ -70,7 +70,7 @@ class DemoModelSpec:
                 "spec": dataclasses.asdict(self),
                 "corpus": CORPUS_VERSION,
                 "trainer": TRAINER_VERSION,
-                "python": list(sys.version_info[:2]),
+                "python": sys.version,  # the stdlib, hence the corpus, can change in any release
             },
             sort_keys=True,
         )
@@ -88,8 +88,8 @@ FIXTURE = DemoModelSpec(
     moe_intermediate=64,
     vocab=512,
     seq_len=128,
-    steps=300,
-    batch=12,
+    steps=500,
+    batch=16,
     lr=4e-3,
     warmup=20,
     corpus_train=1500,
@@ -207,8 +207,8 @@ def train_demo_model(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
-            aux = float(out.aux_loss)
-            ce = float(out.loss) - spec.aux_loss_coef * aux
+            aux = float(out.aux_loss.detach())
+            ce = float(out.loss.detach()) - spec.aux_loss_coef * aux
             losses.append({"ce": round(ce, 4), "aux": round(aux, 4)})
             bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.3f}")
         train_seconds = time.perf_counter() - start
@@ -270,7 +270,9 @@ def heldout_stats(
     """
     max_len = model.config.max_position_embeddings
     n_experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
-    seqs = {d: [s[:max_len] for s in encode_rows(tokenizer, load_split(corpus_dir, d, split))] for d in DOMAINS}
+    seqs = {
+        d: [s[:max_len] for s in encode_rows(tokenizer, load_split(corpus_dir, d, split))] for d in DOMAINS
+    }
     counts: torch.Tensor | None = None  # [layer, domain, expert]
     per_domain = {}
     for di, domain in enumerate(DOMAINS):
@@ -315,7 +317,9 @@ def heldout_stats(
             "used_fraction": [float((c > 0).double().mean()) for c in per_layer],
             "domain_mi": [
                 _entropy(per_layer[layer])
-                - sum(float(domain_weights[layer, d]) * _entropy(counts[layer, d]) for d in range(len(DOMAINS)))
+                - sum(
+                    float(domain_weights[layer, d]) * _entropy(counts[layer, d]) for d in range(len(DOMAINS))
+                )
                 for layer in range(counts.shape[0])
             ],
         },
@@ -340,6 +344,7 @@ def get_demo_model(
     cache_dir: str | os.PathLike | None = None,
     rebuild: bool = False,
     progress: bool = True,
+    threads: int | None = None,
 ) -> Path:
     """Folder of the trained model for ``spec``, training it on first use; its corpus is in ``corpus/``.
 
@@ -353,7 +358,7 @@ def get_demo_model(
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        train_demo_model(spec, tmp / CORPUS_SUBDIR, tmp, progress=progress)
+        train_demo_model(spec, tmp / CORPUS_SUBDIR, tmp, progress=progress, threads=threads)
         if final.exists():  # rebuild, or a leftover without training.json
             trash = root / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)

@@ -1,0 +1,185 @@
+"""`moeprune ...`: a thin command layer over the Python API in moeprune.pipeline.
+
+User errors (MoePruneError) print one line on stderr and exit with code 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+from . import __version__
+from .criteria import list_criteria
+from .errors import MoePruneError
+from .models.spec import supported_families
+
+
+class MoePruneGroup(click.Group):
+    """Turns MoePruneError into one clear line and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except MoePruneError as exc:
+            click.echo(f"moeprune: error: {exc}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=MoePruneGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="moeprune")
+def main() -> None:
+    """Compress Mixture-of-Experts language models: observe, score, allocate, prune, evaluate."""
+
+
+def data_options(func):
+    """Options shared by every command that reads calibration data."""
+    options = [
+        click.option("--data", "data", multiple=True, metavar="FILE[:WEIGHT]",
+                     help="Calibration data (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat to mix."),
+        click.option("--samples", type=int, default=128, show_default=True, help="Samples to draw (0 = all)."),
+        click.option("--max-length", type=int, default=512, show_default=True, help="Truncate samples to L tokens."),
+        click.option("--batch-size", type=int, default=8, show_default=True),
+        click.option("--packing/--no-packing", default=False, show_default=True, help="Pack samples into full rows."),
+        click.option("--tokenizer", "tokenizer_path", type=click.Path(), default=None,
+                     help="Tokenizer folder, if the checkpoint has none."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+                     help="Model dtype (default fp32)."),
+        click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _data(kwargs) -> object:
+    from .pipeline import DataOptions
+
+    if kwargs.get("threads"):
+        torch.set_num_threads(kwargs["threads"])
+    samples = kwargs["samples"]
+    return DataOptions(
+        sources=kwargs["data"],
+        samples=None if not samples else samples,
+        max_length=kwargs["max_length"],
+        batch_size=kwargs["batch_size"],
+        seed=kwargs["seed"],
+        packing=kwargs["packing"],
+    )
+
+
+def _check_criterion(name: str) -> str:
+    from .criteria import get_criterion
+
+    get_criterion(name)
+    return name
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option(
+    "--tiny", type=click.Choice(supported_families()), help="Inspect a built-in tiny random model instead."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
+    """Show a checkpoint's MoE structure and parameter counts (weights are not loaded)."""
+    from .inspect import describe_checkpoint, describe_model, format_description
+
+    if tiny:
+        from .models.factory import tiny_model
+
+        info = describe_model(tiny_model(tiny), source=f"built-in tiny {tiny}")
+    elif model:
+        info = describe_checkpoint(model)
+    else:
+        raise MoePruneError("pass a MODEL folder, or --tiny FAMILY for a built-in tiny model")
+    click.echo(json.dumps(info, indent=2) if as_json else format_description(info))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
+@click.option("--output", required=True, type=click.Path(), help="Where to write scores.json.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+@data_options
+def score(model: str, criterion: str, output: str, overwrite: bool, **kwargs) -> None:
+    """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
+    from .io import load_model, write_json
+    from .models import MoEModel
+    from .pipeline import require_tokenizer, score_experts, scores_document
+
+    _check_criterion(criterion)
+    if Path(output).exists() and not overwrite:
+        raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
+    data = _data(kwargs)
+    loaded, tokenizer = load_model(model, dtype=kwargs["dtype"])
+    from .criteria import get_criterion
+
+    if get_criterion(criterion).needs_data:
+        tokenizer = require_tokenizer(tokenizer, model, kwargs["tokenizer_path"])
+    crit, scores, stats, _ = score_experts(
+        MoEModel(loaded),
+        criterion,
+        tokenizer=tokenizer,
+        data=data,
+        seed=kwargs["seed"],
+        progress=not kwargs["quiet"],
+    )
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    write_json(output, scores_document(crit, scores, stats))
+    click.echo(
+        f"wrote {output} ({len(scores)} MoE layers, criterion {crit.name}, pruned first: {crit.prune_first})"
+    )
+
+
+@main.command()
+@click.argument("model")
+@click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
+@click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
+@click.option("--sparsity", required=True, type=float, help="Fraction of all routed experts to remove.")
+@click.option("--allocation", type=click.Choice(["uniform", "global"]), default="uniform", show_default=True)
+@click.option("--method", type=click.Choice(["drop"]), default="drop", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@data_options
+def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str, method: str,
+          overwrite: bool, **kwargs) -> None:  # fmt: skip
+    """Prune MODEL's routed experts and save the result with plan.json and report.json."""
+    from .pipeline import prune as run_prune
+
+    _check_criterion(criterion)
+    report = run_prune(
+        model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
+        data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
+        overwrite=overwrite, progress=not kwargs["quiet"],
+    )  # fmt: skip
+    before, after = report["parameters_before"], report["parameters_after"]
+    click.echo(
+        f"pruned {report['budget_experts_removed']} experts ({criterion}, {allocation}); parameters "
+        f"{before['total']:,} -> {after['total']:,}; saved ({report['format']} format) to {output}"
+    )
+
+
+def _register_optional_commands() -> None:
+    """Commands that live in their own modules (evaluation, demo), added when present."""
+    import importlib
+
+    for module_name in ("moeprune.cli_eval", "moeprune.cli_demo"):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        for command in getattr(module, "COMMANDS", []):
+            main.add_command(command)
+
+
+_register_optional_commands()
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

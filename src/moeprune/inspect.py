@@ -1,0 +1,82 @@
+"""`moeprune inspect`: a checkpoint's MoE structure and parameter counts, without loading weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from .io import load_config
+from .models import MoEModel
+
+
+def describe_checkpoint(path: str | Path) -> dict:
+    """Build the model on the meta device (no weights read) and describe it."""
+    from .checkpoint import build_skeleton
+
+    load_config(path)  # clear errors for missing, dense or unsupported checkpoints
+    return describe_model(build_skeleton(Path(path), meta=True), source=str(path))
+
+
+def describe_model(model: nn.Module, source: str = "") -> dict:
+    moe = MoEModel(model)
+    config = model.config
+    layers = []
+    for m in moe.layers:
+        layers.append(
+            {
+                "layer": m.index,
+                "experts": m.num_experts,
+                "top_k": m.top_k,
+                "intermediate_size": m.intermediate_size,
+                "params_per_expert": m.expert_param_count(),
+                "routing_groups": m.n_group,
+                "shared_experts": [a for a in m.spec.shared_attrs if getattr(m.block, a, None) is not None],
+            }
+        )
+    return {
+        "source": source,
+        "family": moe.model_type,
+        "architecture": type(model).__name__,
+        "decoder_layers": int(config.num_hidden_layers),
+        "moe_layers": [m.index for m in moe.layers],
+        "dense_layers": [
+            i for i in range(config.num_hidden_layers) if i not in {m.index for m in moe.layers}
+        ],
+        "hidden_size": moe.layers[0].hidden_size,
+        "routing": moe.spec.routing,
+        "uniform": moe.is_uniform(),
+        "layers": layers,
+        "parameters": moe.parameter_counts(),
+    }
+
+
+def format_description(info: dict) -> str:
+    params = info["parameters"]
+    lines = [
+        f"{info['source']}: {info['family']} ({info['architecture']})",
+        f"  decoder layers {info['decoder_layers']}; MoE layers {_ranges(info['moe_layers'])}"
+        + (f"; dense layers {_ranges(info['dense_layers'])}" if info["dense_layers"] else ""),
+        f"  routing: {info['routing']}",
+        f"  parameters: total {params['total']:,}; routed experts {params['routed_experts']:,}; "
+        f"active per token {params['active_per_token']:,}",
+        "  layer  experts  top-k  intermediate  params/expert  groups  shared",
+    ]
+    for row in info["layers"]:
+        lines.append(
+            f"  {row['layer']:>5}  {row['experts']:>7}  {row['top_k']:>5}  {row['intermediate_size']:>12}  "
+            f"{row['params_per_expert']:>13,}  {row['routing_groups']:>6}  {','.join(row['shared_experts']) or '-'}"
+        )
+    return "\n".join(lines)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0,1,2,5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, value in enumerate(ids):
+        if start is None:
+            start = value
+        if i + 1 == len(ids) or ids[i + 1] != value + 1:
+            parts.append(f"{start}-{value}" if value != start else f"{value}")
+            start = None
+    return ",".join(parts) or "-"

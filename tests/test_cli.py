@@ -1,0 +1,175 @@
+"""The command line end to end on tiny local checkpoints and data: outputs, formats and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+
+import moeprune
+from moeprune.cli import main
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
+from moeprune.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE with a byte-level tokenizer saved beside it."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    tokenizer = byte_tokenizer()
+    tiny_model(
+        "qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[]
+    ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "calib.jsonl"
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i}?", "answer": f" It is {2 * i}."} for i in range(12)
+    ]
+    rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def run(*args: str, ok: bool = True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def test_help_lists_commands():
+    out = run("--help").output
+    for command in ("inspect", "score", "prune"):
+        assert command in out
+
+
+def test_inspect_folder_json(checkpoint):
+    info = json.loads(run("inspect", checkpoint, "--json").output)
+    assert info["family"] == "qwen3_moe" and info["moe_layers"] == [0, 1, 2, 3]
+    assert info["layers"][0]["experts"] == 8 and info["layers"][0]["top_k"] == 2
+    params = info["parameters"]
+    assert (
+        params["active_per_token"]
+        == params["total"] - params["routed_experts"] + params["active_routed_experts"]
+    )
+    assert params["active_routed_experts"] * 4 == params["routed_experts"]  # top-2 of 8 experts
+
+
+def test_score_writes_contract_json(checkpoint, data, tmp_path):
+    out = tmp_path / "scores.json"
+    run("score", checkpoint, "--criterion", "reap", "--data", data, "--output", out, "--quiet")
+    doc = json.loads(out.read_text())
+    assert doc["criterion"] == "reap" and doc["prune_first"] == "lowest" and doc["tokens"] > 0
+    assert [layer["layer"] for layer in doc["layers"]] == [0, 1, 2, 3]
+    for layer in doc["layers"]:
+        assert sorted(layer["order"]) == list(range(8))
+        ranked = [layer["scores"][e] for e in layer["order"]]
+        assert ranked == sorted(ranked)  # lowest pruned first
+    run(
+        "score", checkpoint, "--criterion", "aimer", "--output", tmp_path / "aimer.json"
+    )  # weights only, no data
+    assert json.loads((tmp_path / "aimer.json").read_text())["prune_first"] == "highest"
+
+
+def test_prune_uniform_drop_reloads_with_stock_transformers(checkpoint, data, tmp_path):
+    out = tmp_path / "pruned"
+    run(
+        "prune",
+        checkpoint,
+        "--output",
+        out,
+        "--criterion",
+        "frequency",
+        "--sparsity",
+        "0.25",
+        "--data",
+        data,
+        "--quiet",
+    )
+    report = json.loads((out / "report.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert report["format"] == "stock" and report["budget_experts_removed"] == 8
+    assert (
+        report["parameters_after"]["routed_experts"] * 4 == report["parameters_before"]["routed_experts"] * 3
+    )
+    assert all(len(layer["dropped"]) == 2 for layer in plan["layers"])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert [m.num_experts for m in MoEModel(model).layers] == [6, 6, 6, 6]
+    # the dropped experts are the least used ones according to the scores the report carries
+    for layer, scores in zip(plan["layers"], report["scores"]["layers"]):
+        assert sorted(layer["dropped"]) == sorted(scores["order"][:2])
+
+
+def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
+    out = tmp_path / "global"
+    run("prune", checkpoint, "--output", out, "--criterion", "reap", "--sparsity", "0.5", "--allocation", "global",
+        "--data", data, "--quiet")  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert sum(report["removed_per_layer"].values()) == 16
+    model = moeprune.load_pretrained(out)
+    counts = [m.num_experts for m in MoEModel(model).layers]
+    assert sum(counts) == 16 and min(counts) >= 2
+    assert torch.isfinite(model(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--criterion", "nope", "--sparsity", "0.5"], "unknown criterion 'nope'"),
+        (["--criterion", "reap", "--sparsity", "0.5"], "needs calibration data: pass --data"),
+        (["--criterion", "aimer", "--sparsity", "0.9"], "outside the feasible range"),
+        (["--criterion", "frequency", "--sparsity", "0.5", "--data", "missing.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, args, message):
+    out = tmp_path / "never"
+    result = run("prune", checkpoint, "--output", out, *args, ok=False)
+    assert result.exit_code == 2 and message in result.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_malformed_data_names_file_and_line(checkpoint, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    result = run(
+        "score", checkpoint, "--criterion", "ean", "--data", bad, "--output", tmp_path / "s.json", ok=False
+    )
+    assert result.exit_code == 2 and "bad.jsonl" in result.output and "line 2" in result.output
+
+
+def test_existing_output_is_refused_unless_overwrite(checkpoint, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = run("prune", checkpoint, "--output", out, "--criterion", "aimer", "--sparsity", "0.25", ok=False)
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "precious"
+    run(
+        "prune",
+        checkpoint,
+        "--output",
+        out,
+        "--criterion",
+        "aimer",
+        "--sparsity",
+        "0.25",
+        "--overwrite",
+        "--quiet",
+    )
+    assert (out / "plan.json").is_file() and not (out / "keep.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["exists"]  # no temporary folder left behind
+
+
+def test_non_moe_and_missing_model_paths(tmp_path):
+    result = run("inspect", tmp_path / "nothing", ok=False)
+    assert result.exit_code == 2 and "does not exist" in result.output

@@ -1,0 +1,127 @@
+"""The observer's fp64 statistics equal a brute-force recomputation from captured tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeprune.data import CalibrationData, Sample
+from moeprune.models import MoEModel, supported_families
+from moeprune.models.factory import tiny_model
+from moeprune.observe import observe
+
+F64 = torch.float64
+
+
+def calibration(lengths=(9, 6, 4)) -> CalibrationData:
+    gen = torch.Generator().manual_seed(1)
+    samples = [
+        Sample(
+            input_ids=torch.randint(3, 96, (n,), generator=gen).tolist(),
+            answer_mask=[True] * n,
+            source="t",
+            truncated=False,
+        )
+        for n in lengths
+    ]
+    return CalibrationData(samples=samples, fingerprint="test", truncated=0, text_only=True, sources=["t"])
+
+
+def capture_routing(moe: MoEModel, data: CalibrationData):
+    """Run the stock model and capture each MoE layer's block input, selected experts and applied weights."""
+    captured = {m.index: [] for m in moe.layers}
+    handles = []
+    for layer in moe.layers:
+
+        def hook(mod, args, out, layer=layer):
+            h = args[0].reshape(-1, args[0].shape[-1]).detach()
+            if layer.spec.weight_on_input:
+                scores, logits = out
+                idx = torch.topk(logits, layer.top_k, dim=1).indices
+                w = scores.gather(1, idx)
+            else:
+                _, w, idx = out
+            captured[layer.index].append((h, idx, w))
+
+        handles.append(layer.router.register_forward_hook(hook))
+    valid = []
+    with torch.no_grad():
+        for batch in data.batches(2, 0):
+            moe.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            valid.append(batch.attention_mask.reshape(-1).bool())
+    for h in handles:
+        h.remove()
+    return captured, valid
+
+
+def stock_expert_output(layer, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """E_i(x) through the model's own experts module (not moeprune's computation)."""
+    n = x.shape[0]
+    if layer.spec.weight_on_input:  # Llama-4 experts take [E * n, d] with each expert's rows in its slot
+        routed_in = torch.zeros(layer.num_experts, n, x.shape[1])
+        routed_in[expert] = x
+        return layer.experts(routed_in.reshape(-1, x.shape[1])).reshape(layer.num_experts, n, -1)[expert]
+    index = torch.full((n, 1), expert, dtype=torch.long)
+    return layer.experts(x, index, torch.ones(n, 1))
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_observer_matches_brute_force(family):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    data = calibration()
+    stats = observe(moe, data, batch_size=2, neurons=True, progress=False)
+    captured, valid = capture_routing(moe, data)
+    assert stats.tokens == sum(len(s.input_ids) for s in data.samples)
+    for layer in moe.layers:
+        outputs = {e: [] for e in range(layer.num_experts)}  # (g, h, y, m)
+        with torch.no_grad():
+            for (h, idx, w), ok in zip(captured[layer.index], valid):
+                for t in torch.nonzero(ok).flatten().tolist():  # padding never counts
+                    for j in range(layer.top_k):
+                        e, g = int(idx[t, j]), float(w[t, j])
+                        x = h[t : t + 1] * g if layer.spec.weight_on_input else h[t : t + 1]
+                        y = stock_expert_output(layer, e, x)[0]
+                        gate, up, _ = layer.expert_weights(e)
+                        gb, ub, _ = layer.expert_biases(e)
+                        gp, upp = x[0] @ gate.T, x[0] @ up.T
+                        if gb is not None:
+                            gp, upp = gp + gb, upp + ub
+                        outputs[e].append((g, h[t].to(F64), y.to(F64), layer.activate(gp, upp).to(F64)))
+        s = stats.layer(layer.index)
+        for e, rows in outputs.items():
+            assert int(s.count[e]) == len(rows)
+            if not rows:
+                assert s.weight_sum[e] == 0 and s.norm_sum[e] == 0
+                continue
+            g = torch.tensor([r[0] for r in rows], dtype=F64)
+            h = torch.stack([r[1] for r in rows])
+            y = torch.stack([r[2] for r in rows])
+            m = torch.stack([r[3] for r in rows])
+            norms = y.norm(dim=1)
+            cos = torch.nn.functional.cosine_similarity(h, y, dim=1)
+            close = dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(s.weight_sum[e], g.sum(), **close)
+            torch.testing.assert_close(s.norm_sum[e], norms.sum(), **close)
+            torch.testing.assert_close(s.weighted_norm_sum[e], (g * norms).sum(), **close)
+            torch.testing.assert_close(s.tenp_sum[e], (g * norms * (1 - cos)).sum(), **close)
+            torch.testing.assert_close(s.mean[e], y.mean(0), **close)
+            if len(rows) > 1:
+                torch.testing.assert_close(s.variance[e], y.var(0, unbiased=True), **close)
+            down = layer.expert_weights(e)[2].to(F64)  # y_k = W_down[:, k] m_k
+            shares = down.unsqueeze(0) * m.unsqueeze(1)  # [n, d, I]
+            proj = (shares * y.unsqueeze(2)).sum(1) / (norms.unsqueeze(1) + 1e-8)
+            torch.testing.assert_close(s.neuron_proj_sum[e], proj.sum(0), **close)
+            torch.testing.assert_close(s.neuron_l2_sum[e], shares.norm(dim=1).sum(0), **close)
+
+
+def test_padding_is_excluded_and_batching_does_not_matter():
+    moe = MoEModel(tiny_model("qwen3_moe"))
+    data = calibration((9, 3, 7, 2))
+    one = observe(moe, data, batch_size=1, progress=False)
+    four = observe(moe, data, batch_size=4, progress=False)
+    for a, b in zip(one.layers, four.layers):
+        assert int(a.count.sum()) == sum(len(s.input_ids) for s in data.samples) * 2
+        torch.testing.assert_close(a.count, b.count)
+        torch.testing.assert_close(a.weight_sum, b.weight_sum, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.variance, b.variance, rtol=1e-5, atol=1e-7)
