@@ -104,12 +104,14 @@ def test_recorded_expert_outputs_sum_to_the_routed_output(family):
     rebuilt = {m.index: torch.zeros_like(reference[m.index]) for m in moe.layers}
     selections = {m.index: 0 for m in moe.layers}
 
-    def record(layer, expert, rows, x, y, m, g):
+    def record(layer, routed):
+        y, g = routed.outputs, routed.weights
         contribution = y if layer.spec.weight_on_input else g.unsqueeze(1) * y
-        rebuilt[layer.index].index_add_(0, rows, contribution)
-        selections[layer.index] += len(rows)
+        rebuilt[layer.index].index_add_(0, routed.rows, contribution)
+        selections[layer.index] += len(routed.rows)
+        assert routed.experts.tolist() == sorted(routed.experts.tolist())
 
-    with override_routed(moe, RoutedOptions(on_expert=record)):
+    with override_routed(moe, RoutedOptions(on_layer=record)):
         logits(model)
     for layer in moe.layers:
         assert selections[layer.index] == TOKENS.numel() * layer.top_k  # only selected experts ran

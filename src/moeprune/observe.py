@@ -15,12 +15,16 @@ from tqdm.auto import tqdm
 from .data import CalibrationData
 from .errors import MoePruneError
 from .models import MoELayer, MoEModel
-from .models.routed import RoutedOptions, override_routed
+from .models.routed import RoutedOptions, RoutedRows, override_routed
 from .stats import F64, ExpertStats, LayerStats
 
 
 class _Accumulator:
-    """Receives each expert's outputs for one batch and folds them into LayerStats."""
+    """Folds one layer call's routed rows into LayerStats with segment sums by expert id.
+
+    Per-token terms are computed in fp32 or fp64 and every sum is accumulated in fp64; moments
+    merge per batch with Chan's exact parallel update.
+    """
 
     def __init__(self, moe: MoEModel, neurons: bool):
         self.neurons = neurons
@@ -30,41 +34,69 @@ class _Accumulator:
         }
         self.valid: torch.Tensor | None = None  # [B*L] bool, set per batch
 
-    def __call__(self, layer: MoELayer, expert: int, rows, x, y, m, g) -> None:
-        keep = self.valid[rows]
+    def __call__(self, layer: MoELayer, routed: RoutedRows) -> None:
+        keep = self.valid[routed.rows]
+        ids, x, y, g, m = routed.experts, routed.inputs, routed.outputs, routed.weights, routed.intermediate
         if not bool(keep.all()):
-            x, y, g = x[keep], y[keep], g[keep]
+            ids, x, y, g = ids[keep], x[keep], y[keep], g[keep]
             m = m[keep] if m is not None else None
-        n = int(y.shape[0])
-        if n == 0:
+        if ids.numel() == 0:
             return
         stats = self.stats[layer.index]
-        y64, x64, g64 = y.to(F64), x.to(F64), g.to(F64)
-        norms = y64.norm(dim=1)
-        cos = (x64 * y64).sum(1) / (x64.norm(dim=1) * norms).clamp_min(1e-30)
-        total_norm = norms.sum()
-        if not torch.isfinite(total_norm):
+        n_experts = stats.num_experts
+        y32, x32 = y.float(), x.float()
+        norms = y32.norm(dim=1)
+        if not torch.isfinite(norms).all():
+            bad = sorted(set(ids[~torch.isfinite(norms)].tolist()))
             raise MoePruneError(
-                f"non-finite expert output in decoder layer {layer.index} (expert {expert}); "
+                f"non-finite expert output in decoder layer {layer.index} (experts {bad}); "
                 "check the weights or use a wider dtype (--dtype fp32)"
             )
-        batch_mean = y64.mean(0)
-        stats.add_moments(expert, n, batch_mean, (y64 - batch_mean).square().sum(0))
-        stats.count[expert] += n
-        stats.weight_sum[expert] += g64.sum()
-        stats.norm_sum[expert] += total_norm
-        stats.weighted_norm_sum[expert] += (g64 * norms).sum()
-        stats.tenp_sum[expert] += (g64 * norms * (1 - cos)).sum()
+        cos = (x32 * y32).sum(1) / (x32.norm(dim=1) * norms).clamp_min(1e-30)
+        g64, norms64 = g.to(F64), norms.to(F64)
+
+        def segment(values: torch.Tensor) -> torch.Tensor:
+            shape = (n_experts, *values.shape[1:])
+            return torch.zeros(shape, dtype=F64, device=values.device).index_add_(0, ids, values.to(F64))
+
+        # Per-batch moments from fp64 sums, merged into the running mean/M2 with Chan's update.
+        y64 = y32.to(F64)
+        counts = segment(torch.ones_like(g64))
+        seen = counts > 0
+        batch_mean = segment(y64) / counts.clamp_min(1).unsqueeze(1)
+        batch_m2 = (segment(y64.square()) - counts.unsqueeze(1) * batch_mean.square()).clamp_min(0)
+        n_a = stats.count
+        n_ab = n_a + counts
+        delta = batch_mean - stats.mean
+        ratio = torch.where(seen, counts / n_ab.clamp_min(1), torch.zeros_like(counts))
+        stats.mean += delta * ratio.unsqueeze(1)
+        stats.m2 += torch.where(seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0)
+        stats.count += counts
+        stats.weight_sum += segment(g64)
+        stats.norm_sum += segment(norms64)
+        stats.weighted_norm_sum += segment(g64 * norms64)
+        stats.tenp_sum += segment(g64 * norms64 * (1 - cos.to(F64)))
         if self.neurons and m is not None:
-            self._neurons(layer, expert, stats, y64, m.to(F64), norms)
+            self._neurons(layer, stats, ids, y32, m.float(), norms)
 
     @staticmethod
-    def _neurons(layer: MoELayer, expert: int, stats: LayerStats, y64, m64, norms) -> None:
-        """Neuron k's share y_k = W_down[:, k] m_k: projection <y_k, y>/(||y||+eps) and ||y_k||."""
-        down = layer.down_matrix(expert).to(F64)  # [d, I]
-        projection = m64 * (y64 @ down) / (norms.unsqueeze(1) + 1e-8)
-        stats.neuron_proj_sum[expert] += projection.sum(0)
-        stats.neuron_l2_sum[expert] += (m64.abs() * down.norm(dim=0)).sum(0)
+    def _neurons(layer: MoELayer, stats: LayerStats, ids, y, m, norms) -> None:
+        """Neuron k's share y_k = W_down[:, k] m_k: projection <y_k, y>/(||y||+eps) and ||y_k||.
+
+        Per-token terms in fp32 (an fp64 matmul here would cost as much as the expert itself),
+        summed into fp64 accumulators; rows arrive grouped by expert.
+        """
+        bounds = torch.bincount(ids, minlength=stats.num_experts).tolist()
+        start = 0
+        for expert, n in enumerate(bounds):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            start += n
+            down = layer.down_matrix(expert).float()  # [d, I]
+            projection = m[sl] * (y[sl] @ down) / (norms[sl].unsqueeze(1) + 1e-8)
+            stats.neuron_proj_sum[expert] += projection.sum(0, dtype=F64)
+            stats.neuron_l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
 
 
 def observe(
@@ -81,7 +113,7 @@ def observe(
     model = moe.model
     device = next(model.parameters()).device
     acc = _Accumulator(moe, neurons)
-    options = RoutedOptions(on_expert=acc, need_intermediate=neurons)
+    options = RoutedOptions(on_layer=acc, need_intermediate=neurons)
     tokens = 0
     start = time.perf_counter()
     batches = data.batches(batch_size, pad_token_id)

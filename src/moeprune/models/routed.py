@@ -16,17 +16,27 @@ import torch
 
 from .adapter import MoELayer, MoEModel
 
-# on_expert(layer, expert, rows, block_input, expert_output, intermediate, weight)
-ExpertCallback = Callable[
-    [MoELayer, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], None
-]
+
+@dataclass
+class RoutedRows:
+    """Every (token, selected expert) pair of one layer call, grouped by expert (ascending id)."""
+
+    rows: torch.Tensor  # [N] token row in the flattened batch
+    experts: torch.Tensor  # [N] expert position
+    inputs: torch.Tensor  # [N, d] block input h_t (before any input weighting)
+    outputs: torch.Tensor  # [N, d] unweighted expert output E_i (Llama-4: E_i(g h))
+    weights: torch.Tensor  # [N] applied routing weight g_i(t)
+    intermediate: torch.Tensor | None  # [N, I] gated activations m (when asked for)
+
+
+LayerCallback = Callable[[MoELayer, RoutedRows], None]
 
 
 @dataclass
 class RoutedOptions:
     """What the replacement computation does besides computing the experts."""
 
-    on_expert: ExpertCallback | None = None
+    on_layer: LayerCallback | None = None
     need_intermediate: bool = False
     novices: Mapping[int, Mapping[int, torch.Tensor]] = field(default_factory=dict)  # layer -> expert -> [d]
     neuron_masks: Mapping[int, Mapping[int, torch.Tensor]] = field(
@@ -46,7 +56,9 @@ def routed_compute(
     flat_weights = weights.reshape(-1)
     novices = options.novices.get(layer.index, {})
     masks = options.neuron_masks.get(layer.index, {})
-    want_m = options.need_intermediate and options.on_expert is not None
+    record = options.on_layer is not None
+    want_m = options.need_intermediate and record
+    parts: list[tuple] = []
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
@@ -64,9 +76,24 @@ def routed_compute(
             y, m = layer.expert_forward(expert, x_in, return_intermediate=True, neuron_mask=masks.get(expert))
         contribution = y if layer.spec.weight_on_input else y * g.unsqueeze(1).to(y.dtype)
         out.index_add_(0, rows, contribution.to(out.dtype))
-        if options.on_expert is not None:
-            options.on_expert(layer, expert, rows, x, y, m if want_m else None, g)
+        if record:
+            parts.append((rows, x, y, m if want_m else None, g))
+    if record and parts:
+        options.on_layer(layer, _gather(parts, index, order))
     return out
+
+
+def _gather(parts: list[tuple], index: torch.Tensor, order: torch.Tensor) -> RoutedRows:
+    """Concatenate per-expert pieces; rows stay grouped by ascending expert id."""
+    rows, x, y, m, g = zip(*parts)
+    return RoutedRows(
+        rows=torch.cat(rows),
+        experts=index.reshape(-1)[order],
+        inputs=torch.cat(x),
+        outputs=torch.cat([t.expand(t.shape) for t in y]),
+        weights=torch.cat(g),
+        intermediate=torch.cat(m) if m[0] is not None and all(t is not None for t in m) else None,
+    )
 
 
 def _experts_forward(layer: MoELayer, options: RoutedOptions):

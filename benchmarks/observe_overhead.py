@@ -1,0 +1,93 @@
+"""Observer overhead: one observe() pass collecting every statistic vs a plain forward.
+
+Both run over the same batches of the same model in one process, alternating, best of N.
+Prints the ratio last. Target: <= 1.3x.
+
+    .venv/bin/python benchmarks/observe_overhead.py [--layers 8 --hidden 256 --experts 32 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from moeprune.data import CalibrationData, Sample
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
+from moeprune.observe import observe
+
+
+def build(args) -> MoEModel:
+    model = tiny_model(
+        args.family,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.intermediate,
+        mlp_only_layers=[],
+        max_position_embeddings=args.seq_len,
+    )
+    return MoEModel(model)
+
+
+def calibration(args) -> CalibrationData:
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(args.samples):
+        n = args.seq_len - (i % 4) * (args.seq_len // 8)  # some padding, as in real calibration batches
+        ids = torch.randint(3, args.vocab, (n,), generator=gen).tolist()
+        samples.append(Sample(input_ids=ids, answer_mask=[True] * n, source="bench", truncated=False))
+    return CalibrationData(samples=samples, fingerprint="bench", truncated=0, text_only=True, sources=["bench"])
+
+
+def plain_pass(moe: MoEModel, data: CalibrationData, batch_size: int) -> None:
+    with torch.no_grad():
+        for batch in data.batches(batch_size, 0):
+            moe.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="qwen3_moe")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-neurons", action="store_true", help="Skip per-neuron statistics.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    moe = build(args)
+    data = calibration(args)
+    params = sum(p.numel() for p in moe.model.parameters())
+    print(f"model: {args.family}, {params / 1e6:.1f}M parameters, {len(moe.layers)} MoE layers x {args.experts} "
+          f"experts (top-{args.top_k}); {data.num_tokens()} tokens in batches of {args.batch_size}")  # fmt: skip
+    plain_pass(moe, data, args.batch_size)  # warm-up
+    plain, observed = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        plain_pass(moe, data, args.batch_size)
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        observe(moe, data, batch_size=args.batch_size, neurons=not args.no_neurons, progress=False)
+        observed.append(time.perf_counter() - start)
+    print(f"plain forward: best {min(plain):.3f}s of {args.repeats}")
+    print(f"observe (all statistics{'' if args.no_neurons else ' + neurons'}): best {min(observed):.3f}s")
+    print(f"observe / plain forward ratio: {min(observed) / min(plain):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
