@@ -173,3 +173,34 @@ def test_existing_output_is_refused_unless_overwrite(checkpoint, tmp_path):
 def test_non_moe_and_missing_model_paths(tmp_path):
     result = run("inspect", tmp_path / "nothing", ok=False)
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("novice", []), ("neurons", ["--neuron-importance", "l2"]), ("tenp", ["--slope", "0.5"])],
+)
+def test_prune_methods_end_to_end(checkpoint, data, tmp_path, method, extra):
+    out = tmp_path / method
+    run("prune", checkpoint, "--output", out, "--criterion", "reap", "--sparsity", "0.5", "--method", method,
+        "--data", data, "--quiet", *extra)  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    before, after = report["parameters_before"], report["parameters_after"]
+    assert plan["method"] == method and report["allocation"] == ("trapezoid" if method == "tenp" else "uniform")
+    if method == "novice":  # half the experts become d-vectors: routed parameters shrink by about half
+        assert all(len(layer["novice"]) == 4 for layer in plan["layers"])
+        assert after["routed_experts"] < 0.55 * before["routed_experts"]
+    else:  # sparsity = fraction of routed-expert parameters removed
+        assert after["routed_experts"] == pytest.approx(0.5 * before["routed_experts"], rel=0.05)
+    model = moeprune.load_pretrained(out)
+    assert torch.isfinite(model(torch.tensor([[5, 6, 7, 8]])).logits).all()
+
+
+def test_method_needs_data_and_valid_combinations(checkpoint, tmp_path):
+    result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "aimer", "--sparsity", "0.25",
+                 "--method", "novice", ok=False)  # fmt: skip
+    assert result.exit_code == 2 and "--method novice needs calibration data" in result.output
+    result = run("prune", checkpoint, "--output", tmp_path / "y", "--criterion", "aimer", "--sparsity", "0.25",
+                 "--method", "tenp", "--allocation", "global", ok=False)  # fmt: skip
+    assert result.exit_code == 2 and "trapezoid" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -1,10 +1,13 @@
 """moeprune's checkpoint format, for results a stock transformers config cannot express.
 
 A folder with the usual `config.json`, safetensors weights and tokenizer, plus `moeprune.json`
-that records, per MoE layer, how many experts it keeps (and their original ids). The config
-keeps the largest per-layer count, so transformers builds a model that is at least as wide;
-`load_pretrained` then narrows each layer to its recorded shape and loads the weights strictly.
-Uniform results are saved as plain stock checkpoints instead (no moeprune.json).
+that records, per MoE layer, how many experts it keeps (and their original ids), and for packed
+layers (surgery/packed.py) which router positions are novices and each other expert's neuron
+count. The config keeps the largest per-layer count and the full expert width, so transformers
+builds a model that is at least as wide; `load_pretrained` then narrows and packs each layer to
+its recorded shape and loads the weights strictly. Uniform results are saved as plain stock
+checkpoints instead (no moeprune.json). Format version 2 adds the packed entries; files without
+packed layers are still written as version 1.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from .errors import MoePruneError
 from .io import MOEPRUNE_CONFIG, check_model_path, save_stock, stock_expressible, write_json
 from .models import MoEModel
 from .surgery.drop import EXPERT_IDS_ATTR, drop_experts
+from .surgery.packed import is_packed, pack_like, packed_structure, router_count
 
 FORMAT = "moeprune-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this moeprune reads and writes
+PACKED_VERSION = 2  # first version with packed layers (novices, per-expert neuron counts)
 WEIGHTS = "model.safetensors"
 
 
@@ -32,12 +37,12 @@ def save_pretrained(model: PreTrainedModel, directory: str | Path, tokenizer=Non
     """Write `model` into `directory`; returns "stock" or "moeprune" (the format used)."""
     directory = Path(directory)
     moe = MoEModel(model)
-    if stock_expressible(moe):
+    if not any(is_packed(m) for m in moe.layers) and stock_expressible(moe):
         save_stock(model, directory, tokenizer)
         return "stock"
     field = moe.spec.count_field
     original = getattr(model.config, field)
-    setattr(model.config, field, max(m.num_experts for m in moe.layers))
+    setattr(model.config, field, max(router_count(m) for m in moe.layers))
     try:
         directory.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(directory)
@@ -54,15 +59,21 @@ def save_pretrained(model: PreTrainedModel, directory: str | Path, tokenizer=Non
 
 
 def describe_structure(moe: MoEModel) -> dict:
+    packed = any(is_packed(m) for m in moe.layers)
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": PACKED_VERSION if packed else 1,
         "moeprune_version": __version__,
         "model_type": moe.model_type,
-        "layers": [
-            {"layer": m.index, "num_experts": m.num_experts, "expert_ids": m.expert_ids} for m in moe.layers
-        ],
+        "layers": [_layer_entry(m) for m in moe.layers],
     }
+
+
+def _layer_entry(layer) -> dict:
+    entry = {"layer": layer.index, "num_experts": router_count(layer), "expert_ids": layer.expert_ids}
+    if is_packed(layer):
+        entry["packed"] = packed_structure(layer)
+    return entry
 
 
 def read_structure(path: Path) -> dict:
@@ -94,6 +105,8 @@ def build_skeleton(path: Path, dtype: torch.dtype = torch.float32, meta: bool = 
         drop_experts(moe, {m.index: _surplus(m, layers[m.index]["num_experts"]) for m in moe.layers})
         for m in moe.layers:
             setattr(m.block, EXPERT_IDS_ATTR, list(layers[m.index]["expert_ids"]))
+            if "packed" in layers[m.index]:
+                pack_like(m, layers[m.index]["packed"])
     return model
 
 

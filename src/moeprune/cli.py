@@ -65,7 +65,7 @@ def _data(kwargs) -> object:
     samples = kwargs["samples"]
     return DataOptions(
         sources=kwargs["data"],
-        samples=None if not samples else samples,
+        samples=samples or None,
         max_length=kwargs["max_length"],
         batch_size=kwargs["batch_size"],
         seed=kwargs["seed"],
@@ -141,26 +141,55 @@ def score(model: str, criterion: str, output: str, overwrite: bool, **kwargs) ->
 @click.argument("model")
 @click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
 @click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
-@click.option("--sparsity", required=True, type=float, help="Fraction of all routed experts to remove.")
-@click.option("--allocation", type=click.Choice(["uniform", "global"]), default="uniform", show_default=True)
-@click.option("--method", type=click.Choice(["drop"]), default="drop", show_default=True)
+@click.option("--sparsity", required=True, type=float,
+              help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.")
+@click.option("--allocation", type=click.Choice(["uniform", "global", "evo", "trapezoid"]), default=None,
+              help="How many experts each layer loses [default: uniform; trapezoid for tenp].")
+@click.option("--method", type=click.Choice(["drop", "novice", "neurons", "tenp"]), default="drop", show_default=True,
+              help="What happens to the chosen experts.")
+@click.option("--neuron-importance", type=click.Choice(["projection", "l2"]), default="projection", show_default=True,
+              help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.")
+@click.option("--important-fraction", type=float, default=None,
+              help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].")
+@click.option("--slope", type=float, default=0.5, show_default=True,
+              help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).")
+@click.option("--search-data", multiple=True, metavar="FILE[:WEIGHT]", help="evo: search data (prompt/answer JSONL...).")
+@click.option("--search-samples", type=int, default=64, show_default=True, help="evo: search samples.")
+@click.option("--fitness", type=click.Choice(["esap", "sap", "kl", "nll"]), default="esap", show_default=True)
+@click.option("--population", type=int, default=32, show_default=True)
+@click.option("--elites", type=int, default=4, show_default=True)
+@click.option("--generations", type=int, default=50, show_default=True)
+@click.option("--delta-max", type=int, default=4, show_default=True)
+@click.option("--tau-max", type=int, default=3, show_default=True)
+@click.option("--search-seed", type=int, default=42, show_default=True, help="evo: seed of the search.")
+@click.option("--resume", is_flag=True, help="evo: continue an interrupted search from OUTPUT's state file.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @data_options
-def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str, method: str,
-          overwrite: bool, **kwargs) -> None:  # fmt: skip
-    """Prune MODEL's routed experts and save the result with plan.json and report.json."""
+def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
+          neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
+          search_samples: int, fitness: str, population: int, elites: int, generations: int, delta_max: int,
+          tau_max: int, search_seed: int, resume: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+    """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
+    from .pipeline import MethodOptions
     from .pipeline import prune as run_prune
 
     _check_criterion(criterion)
+    search = None
+    if allocation == "evo":
+        search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness,
+                      population=population, elites=elites, generations=generations, delta_max=delta_max,
+                      tau_max=tau_max, search_seed=search_seed, resume=resume)  # fmt: skip
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
         data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
-        overwrite=overwrite, progress=not kwargs["quiet"],
+        overwrite=overwrite or resume, progress=not kwargs["quiet"], search=search,
+        options=MethodOptions(neuron_importance=neuron_importance, important_fraction=important_fraction, slope=slope),
     )  # fmt: skip
     before, after = report["parameters_before"], report["parameters_after"]
     click.echo(
-        f"pruned {report['budget_experts_removed']} experts ({criterion}, {allocation}); parameters "
-        f"{before['total']:,} -> {after['total']:,}; saved ({report['format']} format) to {output}"
+        f"pruned with {method} ({criterion}, {report['allocation']}); parameters {before['total']:,} -> "
+        f"{after['total']:,}, routed experts {before['routed_experts']:,} -> {after['routed_experts']:,}; "
+        f"saved ({report['format']} format) to {output}"
     )
 
 

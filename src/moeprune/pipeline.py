@@ -27,10 +27,35 @@ from .models import MoEModel
 from .observe import observe
 from .plan import Plan
 from .stats import ExpertStats
-from .surgery import drop_experts
 
-ALLOCATIONS = ("uniform", "global")
-METHODS = ("drop",)
+ALLOCATIONS = ("uniform", "global", "trapezoid")
+METHODS = ("drop", "novice", "neurons", "tenp")
+EXPERT_METHODS = ("drop", "novice")  # sparsity = fraction of experts; else fraction of routed parameters
+
+
+@dataclass
+class MethodOptions:
+    """Options of the surgery methods beyond drop (see formulas.md: MoNE, ENP, TENP)."""
+
+    neuron_importance: str = "projection"  # or "l2"
+    important_fraction: float | None = None  # TENP: default half the kept budget
+    slope: float = 0.5  # TENP: how fast the whole-expert count grows with depth
+
+
+def default_allocation(method: str) -> str:
+    return "trapezoid" if method == "tenp" else "uniform"
+
+
+def check_method(method: str, allocation: str) -> None:
+    """Reject combinations that have no meaning, before any work is done."""
+    if method not in METHODS:
+        raise MoePruneError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if allocation not in ALLOCATIONS + ("evo",):
+        raise MoePruneError(f"unknown allocation {allocation!r}; choose one of: {', '.join(ALLOCATIONS + ('evo',))}")
+    if (method == "tenp") != (allocation == "trapezoid"):
+        raise MoePruneError("--method tenp goes with --allocation trapezoid (and trapezoid only with tenp)")
+    if method == "neurons" and allocation != "uniform":
+        raise MoePruneError("--method neurons prunes every expert to the same width: use --allocation uniform")
 
 
 @dataclass
@@ -73,10 +98,10 @@ def _no_tokenizer(path) -> None:
     )
 
 
-def calibration_sets(tokenizer, criterion: Criterion, options: DataOptions) -> list[CalibrationData]:
+def calibration_sets(tokenizer, criterion: Criterion, options: DataOptions, why: str = "") -> list[CalibrationData]:
     """One mixed set, or one set per source for TENP (it normalises per calibration domain)."""
     if not options.sources:
-        raise DataError(f"criterion {criterion.name!r} needs calibration data: pass --data FILE")
+        raise DataError(f"{why or f'criterion {criterion.name!r}'} needs calibration data: pass --data FILE")
 
     def load(sources: Sequence[str], samples: int | None) -> CalibrationData:
         return load_data(
@@ -102,22 +127,25 @@ def score_experts(
     data: DataOptions | None = None,
     seed: int = 0,
     progress: bool = True,
+    observe_for: str = "",
+    neurons: bool = False,
 ) -> tuple[Criterion, list[LayerScores], list[ExpertStats], list[CalibrationData]]:
-    """Scores of every MoE layer under one criterion (observing calibration data if it needs it)."""
+    """Scores of every MoE layer under one criterion (observing calibration data if it, or the
+    surgery method named in `observe_for`, needs it)."""
     criterion = get_criterion(criterion_name)
     stats: list[ExpertStats] = []
     sets: list[CalibrationData] = []
-    if criterion.needs_data:
-        sets = calibration_sets(tokenizer, criterion, data or DataOptions())
+    if criterion.needs_data or observe_for:
+        sets = calibration_sets(tokenizer, criterion, data or DataOptions(), observe_for)
         pad = getattr(tokenizer, "pad_token_id", None) or 0
         stats = [
             observe(moe, d, batch_size=(data or DataOptions()).batch_size, pad_token_id=pad, progress=progress,
-                    domain=d.sources[0] if len(sets) > 1 else "")
+                    neurons=neurons, domain=d.sources[0] if len(sets) > 1 else "")
             for d in sets
         ]  # fmt: skip
     scores = compute_scores(
         criterion.name,
-        stats=(stats if len(stats) > 1 else stats[0]) if stats else None,
+        stats=(stats if len(stats) > 1 else stats[0]) if stats and criterion.needs_data else None,
         weights=moe.layers if criterion.needs_weights else None,
         seed=seed,
         num_experts=[m.num_experts for m in moe.layers],
@@ -150,48 +178,105 @@ def build_plan(
     allocation: str = "uniform",
     method: str = "drop",
     data_fingerprint: str = "",
+    stats: Sequence[ExpertStats] = (),
+    options: MethodOptions | None = None,
+    removed: Sequence[int] | None = None,
 ) -> Plan:
-    """Turn scores and a global expert budget into a per-layer plan."""
-    if allocation not in ALLOCATIONS:
-        raise MoePruneError(f"unknown allocation {allocation!r}; choose one of: {', '.join(ALLOCATIONS)}")
-    if method not in METHODS:
-        raise MoePruneError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    """Turn scores and a global budget into a per-layer plan, for any method.
+
+    `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
+    """
+    check_method(method, allocation)
+    options = options or MethodOptions()
+    domains = list(stats) if len(stats) > 1 else (stats[0] if stats else None)
+    if method == "neurons":
+        from .surgery.neurons import neuron_plan
+
+        return neuron_plan(moe, domains, sparsity, importance=options.neuron_importance, criterion=criterion.name,
+                           data_fingerprint=data_fingerprint)  # fmt: skip
+    if method == "tenp":
+        from .allocate.trapezoid import tenp_plan
+
+        return tenp_plan(moe, domains, importance_scores(criterion, scores), sparsity,
+                         important_fraction=options.important_fraction, slope=options.slope,
+                         importance=options.neuron_importance, criterion=criterion.name,
+                         data_fingerprint=data_fingerprint)  # fmt: skip
+    if removed is None:
+        removed = expert_allocation(moe, criterion, scores, sparsity, allocation)
+    if method == "novice":
+        from .surgery.novice import novice_plan
+
+        plan = novice_plan(moe, domains, scores, sparsity, criterion=criterion, allocation=allocation,
+                           removed=list(removed), data_fingerprint=data_fingerprint)  # fmt: skip
+        plan.extra["budget"] = sum(removed)
+        return plan
+    return drop_plan(moe, criterion, scores, removed, sparsity, allocation, data_fingerprint)
+
+
+def importance_scores(criterion: Criterion, scores: Sequence[LayerScores]) -> list[LayerScores]:
+    """Scores where higher means more important (TENP keeps the highest whole)."""
+    if criterion.prune_first == "lowest":
+        return list(scores)
+    return [LayerScores(layer=s.layer, scores=-s.scores, order=s.order) for s in scores]
+
+
+def removal_limits(moe: MoEModel) -> dict[str, list[int]]:
+    """Per MoE layer: removals must be multiples of the routing groups and stay under the cap."""
+    caps = [
+        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group) if m.n_group > 1 else m.num_experts - m.top_k
+        for m in moe.layers
+    ]
+    return {"multiple_of": [m.n_group for m in moe.layers], "max_removed": caps}
+
+
+def expert_allocation(
+    moe: MoEModel, criterion: Criterion, scores: Sequence[LayerScores], sparsity: float, allocation: str
+) -> list[int]:
+    """How many experts each MoE layer loses under the global budget (uniform or global)."""
     layers = moe.layers
     num_experts = [m.num_experts for m in layers]
     top_k = [m.top_k for m in layers]
-    groups = [m.n_group for m in layers]
-    caps = [
-        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group)
-        if m.n_group > 1
-        else m.num_experts - m.top_k
-        for m in layers
-    ]
     budget = budget_from_sparsity(sparsity, num_experts, top_k)
-    limits = dict(multiple_of=groups, max_removed=caps)
+    limits = removal_limits(moe)
     if allocation == "uniform":
-        removed = uniform_allocation(budget, num_experts, top_k, **limits)
-    else:
+        return uniform_allocation(budget, num_experts, top_k, **limits)
+    if allocation == "global":
         normalize = not criterion.comparable_across_layers
-        removed = global_allocation(
+        return global_allocation(
             [s.scores for s in scores], criterion.prune_first, budget, num_experts, top_k, normalize, **limits
         )
-    positions = plan_removals([s.order for s in scores], removed, groups)
+    raise MoePruneError(f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)")
+
+
+def drop_plan(
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    removed: Sequence[int],
+    sparsity: float,
+    allocation: str,
+    data_fingerprint: str,
+) -> Plan:
+    """Drop the first r_l experts of each layer's pruning order (group-balanced where needed)."""
+    layers = moe.layers
+    positions = plan_removals([s.order for s in scores], list(removed), [m.n_group for m in layers])
     ids = [[m.expert_ids[p] for p in sorted(pos)] for m, pos in zip(layers, positions)]
     plan = Plan.from_removals(
         model_type=moe.model_type,
-        num_experts=num_experts,
-        top_k=top_k,
+        num_experts=[m.num_experts for m in layers],
+        top_k=[m.top_k for m in layers],
         layer_indices=[m.index for m in layers],
         removals=ids,
         criterion=criterion.name,
         allocation=allocation,
-        method=method,
+        method="drop",
         sparsity=sparsity,
         data_fingerprint=data_fingerprint,
     )
-    plan.extra["budget"] = budget
+    plan.extra["budget"] = sum(removed)
     if allocation == "global":
-        plan.extra["global_normalisation"] = "per-layer sum of |score|" if normalize else "none (raw scores)"
+        normal = "none (raw scores)" if criterion.comparable_across_layers else "per-layer sum of |score|"
+        plan.extra["global_normalisation"] = normal
     return plan
 
 
@@ -210,21 +295,24 @@ def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
     return out
 
 
-def apply_plan(moe: MoEModel, plan: Plan) -> None:
-    """Physical surgery of a drop plan."""
-    drop_experts(moe, plan_positions(moe, plan))
+def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> dict:
+    """Physical surgery of any plan (drops, novices, neuron counts); returns what was done."""
+    from .surgery.plans import apply_plan_physical
+
+    return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
 
 
 def layer_summary(moe: MoEModel) -> list[dict]:
-    return [
-        {
-            "layer": m.index,
-            "experts": m.num_experts,
-            "top_k": m.top_k,
-            "intermediate_size": m.intermediate_size,
-        }
-        for m in moe.layers
-    ]
+    from .parameters import describe_layers
+
+    return describe_layers(moe)
+
+
+def parameter_summary(moe: MoEModel) -> dict[str, int]:
+    """Total, routed-expert (TENP's E) and active-per-token (A) parameters, packed layers included."""
+    from .parameters import routed_parameters
+
+    return routed_parameters(moe)
 
 
 def data_summary(sets: Sequence[CalibrationData], stats: Sequence[ExpertStats]) -> dict:
@@ -247,7 +335,7 @@ def prune(
     *,
     criterion: str,
     sparsity: float,
-    allocation: str = "uniform",
+    allocation: str | None = None,
     method: str = "drop",
     data: DataOptions | None = None,
     tokenizer_path: str | Path | None = None,
@@ -255,34 +343,49 @@ def prune(
     dtype: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    options: MethodOptions | None = None,
+    search: dict | None = None,
 ) -> dict:
-    """Load, score, plan, cut and save; returns the report written beside the checkpoint."""
+    """Load, score, plan, cut and save; returns the report written beside the checkpoint.
+
+    `search` holds the EvoESAP settings when `allocation == "evo"` (see moeprune.search).
+    """
     from .checkpoint import save_pretrained
 
+    allocation = allocation or default_allocation(method)
+    check_method(method, allocation)
     check_output_dir(output, overwrite)  # fail before any expensive work
-    get_criterion(criterion)
+    crit = get_criterion(criterion)
+    needs_stats = method != "drop"
+    if allocation == "evo" and not (search or {}).get("search_data"):
+        raise MoePruneError("--allocation evo needs search data: pass --search-data FILE")
     timer = Timer()
     model, tokenizer = load_model(model_path, dtype=dtype)
     moe = MoEModel(model)
-    before_layers, before_params = layer_summary(moe), moe.parameter_counts()
-    if get_criterion(criterion).needs_data:
+    before_layers, before_params = layer_summary(moe), parameter_summary(moe)
+    if crit.needs_data or needs_stats or allocation == "evo":
         tokenizer = require_tokenizer(tokenizer, model_path, tokenizer_path)
     timer.lap("load")
     crit, scores, stats, sets = score_experts(
-        moe, criterion, tokenizer=tokenizer, data=data, seed=seed, progress=progress
-    )
+        moe, criterion, tokenizer=tokenizer, data=data, seed=seed, progress=progress,
+        observe_for=f"--method {method}" if needs_stats else "", neurons=method in ("neurons", "tenp"),
+    )  # fmt: skip
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
+    removed, search_doc = None, None
+    if allocation == "evo":
+        from .search import search_allocation
+
+        removed, search_doc = search_allocation(
+            moe, crit, scores, stats, sparsity, method=method, tokenizer=tokenizer, output=Path(output),
+            seed=seed, progress=progress, data=data or DataOptions(), **(search or {}),
+        )  # fmt: skip
+        timer.lap("search")
     plan = build_plan(
-        moe,
-        crit,
-        scores,
-        sparsity=sparsity,
-        allocation=allocation,
-        method=method,
-        data_fingerprint=fingerprint,
-    )
-    apply_plan(moe, plan)
+        moe, crit, scores, sparsity=sparsity, allocation=allocation, method=method, data_fingerprint=fingerprint,
+        stats=stats, options=options, removed=removed,
+    )  # fmt: skip
+    surgery = apply_plan(moe, plan, stats)
     timer.lap("surgery")
     report = {
         "command": "prune",
@@ -295,23 +398,42 @@ def prune(
         "allocation": allocation,
         "method": method,
         "sparsity": sparsity,
+        "sparsity_unit": "experts" if method in EXPERT_METHODS else "routed-expert parameters",
         "budget_experts_removed": plan.extra.get("budget"),
-        "removed_per_layer": {str(lp.layer): len(lp.dropped) for lp in plan.layers},
+        "removed_per_layer": {str(lp.layer): len(lp.dropped) + len(lp.novice) for lp in plan.layers},
+        "surgery": surgery,
         "layers_before": before_layers,
         "layers_after": layer_summary(moe),
         "parameters_before": before_params,
-        "parameters_after": moe.parameter_counts(),
+        "parameters_after": parameter_summary(moe),
         "data": data_summary(sets, stats),
         "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]) if stats else [],
         "scores": scores_document(crit, scores, stats),
     }
+    if search_doc is not None:
+        report["search"] = {k: v for k, v in search_doc.items() if k != "generations"}
 
     def write(tmp: Path) -> None:
         report["format"] = save_pretrained(model, tmp, tokenizer)
         plan.save(tmp / "plan.json")
+        if search_doc is not None:
+            write_json(tmp / "search.json", search_doc)
+            _search_plots(tmp, moe, before_layers, plan, search_doc)
         timer.lap("save")
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
 
     atomic_write_dir(output, write, overwrite=overwrite)
     return report
+
+
+def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, search_doc: dict) -> None:
+    from .plots import plot_layer_density, plot_search_curve
+
+    indices = [row["layer"] for row in layers]
+    totals = [row["experts"] for row in layers]
+    plot_layer_density(
+        folder / "density.png", indices, totals,
+        {"uniform": search_doc["uniform_allocation"], "searched": search_doc["allocation"]},
+    )  # fmt: skip
+    plot_search_curve(folder / "search_curve.png", search_doc["generations"])

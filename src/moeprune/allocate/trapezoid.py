@@ -1,0 +1,221 @@
+"""TENP's trapezoid allocation: whole important experts growing with depth, the rest neuron-pruned.
+
+With kept fraction rho of the routed-expert parameters and important fraction r_imp (default
+rho / 2), layer l keeps c_l whole experts, c_l proportional to n_l * w_l with the depth weight
+w_l = 1 + slope * (2 t_l - 1) (t_l from 0 at the first MoE layer to 1 at the last; slope in
+[0, 1], so shallow layers get 1 - slope times the mean and deep layers 1 + slope times). The
+other experts keep one global neuron ratio q = (rho - r) / (1 - r), r being the important
+fraction actually realised after rounding c_l, so the parameter budget is met exactly.
+
+Integer neuron counts: every other expert of layer l gets floor(q I_l) neurons, and the leftover
+neurons (the budget rounded to whole neurons) go one each by largest fractional remainder,
+earlier layer first on ties, then to the higher-scored expert of the layer. The kept parameters
+then differ from rho * T by at most half a neuron row (asserted within one row).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..criteria import LayerScores
+from ..errors import MoePruneError
+from ..models.adapter import MoEModel
+from ..plan import LayerPlan, Plan
+from ..surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats, check_ratio
+from ..surgery.novice import StatsInput
+from ..surgery.packed import ExpertCost, layer_cost
+
+DEFAULT_SLOPE = 0.5
+
+
+@dataclass(frozen=True)
+class TrapezoidLayer:
+    """One MoE layer as the allocation sees it."""
+
+    experts: int
+    width: int  # intermediate neurons of a whole expert
+    cost: ExpertCost
+
+    @property
+    def expert_params(self) -> int:
+        return self.cost.params(self.width)
+
+
+@dataclass
+class TrapezoidAllocation:
+    important: list[int]  # whole experts per layer
+    widths: list[list[int]]  # per layer, neuron counts of the other experts, largest first
+    neuron_ratio: float  # q, the realised keep ratio of the other experts' neurons
+    important_fraction: float  # realised share of all routed parameters kept in whole experts
+    target_params: float
+    kept_params: int
+    total_params: int
+    notes: list[str] = field(default_factory=list)
+
+
+def depth_weights(count: int, slope: float) -> list[float]:
+    """w_l = 1 + slope (2 t_l - 1), mean 1, non-decreasing with depth."""
+    if isinstance(slope, bool) or not isinstance(slope, int | float) or not 0 <= slope <= 1:
+        raise MoePruneError(f"trapezoid slope must be in [0, 1], got {slope!r}")
+    if count == 1:
+        return [1.0]
+    return [1 + slope * (2 * pos / (count - 1) - 1) for pos in range(count)]
+
+
+def _round_counts(targets: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """Largest-remainder rounding to round(sum); deeper layer first on ties keeps counts monotone."""
+    floors = [min(cap, math.floor(t)) for t, cap in zip(targets, caps)]
+    extra = math.floor(sum(targets) + 0.5) - sum(floors)
+    order = sorted(range(len(targets)), key=lambda p: (-(targets[p] - floors[p]), -p))
+    for pos in order:
+        if extra <= 0:
+            break
+        if floors[pos] < caps[pos]:
+            floors[pos] += 1
+            extra -= 1
+    return floors
+
+
+def trapezoid_allocation(
+    layers: Sequence[TrapezoidLayer],
+    keep_fraction: float,
+    important_fraction: float | None = None,
+    slope: float = DEFAULT_SLOPE,
+) -> TrapezoidAllocation:
+    """Whole experts per layer and neuron counts of the others; see the module docstring."""
+    if not layers:
+        raise MoePruneError("no MoE layers given")
+    rho = check_ratio(keep_fraction, "kept fraction of routed-expert parameters (1 - sparsity)")
+    r_imp = rho / 2 if important_fraction is None else important_fraction
+    if isinstance(r_imp, bool) or not isinstance(r_imp, int | float) or not 0 <= r_imp < 1:
+        raise MoePruneError(f"important fraction must be in [0, 1), got {r_imp!r}")
+    if r_imp >= rho and rho < 1:
+        raise MoePruneError(
+            f"important fraction {r_imp:.4g} must be below the kept fraction {rho:.4g} (1 - sparsity): "
+            "the other experts need neurons too"
+        )
+    per_neuron = {layer.cost.per_neuron for layer in layers}
+    if len(per_neuron) != 1:
+        raise MoePruneError(f"MoE layers disagree on parameters per neuron ({sorted(per_neuron)})")
+    row = per_neuron.pop()
+    total = sum(layer.experts * layer.expert_params for layer in layers)
+    target = rho * total
+    weights = depth_weights(len(layers), slope)
+    denom = sum(layer.experts * layer.expert_params * w for layer, w in zip(layers, weights))
+    wanted = [
+        min(layer.experts, r_imp * total * layer.experts * w / denom) for layer, w in zip(layers, weights)
+    ]
+    important = _round_counts(wanted, [layer.experts for layer in layers])
+    important_params = sum(c * layer.expert_params for c, layer in zip(important, layers))
+    others = [(pos, layer) for pos, layer in enumerate(layers) for _ in range(layer.experts - important[pos])]
+    widths, ratio = _neuron_counts(layers, important, others, target - important_params, row)
+    kept = important_params + sum(layer.cost.params(w) for layer, ws in zip(layers, widths) for w in ws)
+    if abs(kept - target) > row:
+        raise AssertionError(f"trapezoid budget missed: kept {kept} vs target {target:.1f} (row {row})")
+    return TrapezoidAllocation(
+        important=important,
+        widths=widths,
+        neuron_ratio=ratio,
+        important_fraction=important_params / total,
+        target_params=target,
+        kept_params=kept,
+        total_params=total,
+    )
+
+
+def _neuron_counts(
+    layers: Sequence[TrapezoidLayer],
+    important: Sequence[int],
+    others: Sequence[tuple[int, TrapezoidLayer]],
+    budget: float,
+    row: int,
+) -> tuple[list[list[int]], float]:
+    """Neuron counts of the non-important experts: one ratio q, rounding handed out exactly."""
+    widths: list[list[int]] = [[] for _ in layers]
+    if not others:
+        return widths, 1.0
+    full = sum(layer.width for _, layer in others)
+    neurons = (budget - sum(layer.cost.per_expert for _, layer in others)) / row
+    ratio = neurons / full
+    if ratio <= 0 or any(math.floor(ratio * layer.width) < 1 for _, layer in others):
+        raise MoePruneError(
+            f"after the whole important experts, the others would keep a neuron ratio of {ratio:.4g}, "
+            "less than one neuron each; lower --important-fraction or the sparsity"
+        )
+    ratio = min(ratio, 1.0)
+    base = [math.floor(ratio * layer.width) for _, layer in others]
+    extra = min(math.floor(neurons + 0.5), full) - sum(base)
+    rank = sorted(
+        range(len(others)), key=lambda j: (-(ratio * others[j][1].width - base[j]), others[j][0], j)
+    )
+    for j in rank[: max(extra, 0)]:
+        base[j] += 1
+    for (pos, _), count in zip(others, base):
+        widths[pos].append(count)
+    return [sorted(ws, reverse=True) for ws in widths], ratio
+
+
+def tenp_plan(
+    moe: MoEModel,
+    stats: StatsInput | None,
+    scores: Sequence[LayerScores],
+    sparsity: float,
+    *,
+    important_fraction: float | None = None,
+    slope: float = DEFAULT_SLOPE,
+    importance: str = "projection",
+    criterion: str = "tenp",
+    data_fingerprint: str = "",
+) -> Plan:
+    """TENP: per layer the highest-scored experts stay whole, the others are neuron-pruned.
+
+    `sparsity` is the fraction of routed-expert parameters removed; `scores` rank experts within
+    each layer (the tenp criterion; several calibration domains use its per-domain normalisation).
+    """
+    check_neuron_prunable(moe)
+    check_neuron_stats(moe, stats, check_importance(importance))
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
+        raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(layers, 1 - sparsity, important_fraction, slope)
+    by_layer = {s.layer: s for s in scores}
+    plans = []
+    for m, count, widths in zip(moe.layers, alloc.important, alloc.widths):
+        if m.index not in by_layer or len(by_layer[m.index].scores) != m.num_experts:
+            raise MoePruneError(f"no {criterion} scores for the {m.num_experts} experts of layer {m.index}")
+        rank = np.argsort(-np.asarray(by_layer[m.index].scores, dtype=np.float64), kind="stable").tolist()
+        ids = m.expert_ids
+        neurons = dict(sorted((ids[p], w) for p, w in zip(rank[count:], widths) if w < m.intermediate_size))
+        plans.append(
+            LayerPlan(
+                layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ids), neurons=neurons
+            )
+        )
+    plan = Plan.create(
+        model_type=moe.model_type,
+        layers=plans,
+        criterion=criterion,
+        allocation="trapezoid",
+        method="tenp",
+        sparsity=sparsity,
+        data_fingerprint=data_fingerprint,
+        extra={
+            "neuron_importance": importance,
+            "important_per_layer": alloc.important,
+            "neuron_keep_ratio": alloc.neuron_ratio,
+            "important_fraction_target": (1 - sparsity) / 2
+            if important_fraction is None
+            else important_fraction,
+            "important_fraction": alloc.important_fraction,
+            "slope": slope,
+            "routed_parameters_target": alloc.target_params,
+            "routed_parameters_kept": alloc.kept_params,
+            "routed_parameters_total": alloc.total_params,
+        },
+    )
+    plan.validate({m.index: m.intermediate_size for m in moe.layers})
+    return plan

@@ -1,0 +1,67 @@
+"""Routed-expert parameter accounting: TENP's E (total) and A (active per token), before and after.
+
+Works on plain, dropped, novice and packed (per-expert width) models, and on a plan not yet
+applied. An expert of K neurons holds per_neuron * K + per_expert parameters (gpt_oss's down
+bias is the per-expert part); a novice holds its d-vector mu_i. A is the expectation under
+uniform routing: sum over layers of top_k times the mean routed expert's parameters.
+"""
+
+from __future__ import annotations
+
+from .models.adapter import MoELayer, MoEModel
+from .plan import Plan
+from .surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
+
+
+def expert_params(layer: MoELayer) -> list[int]:
+    """Parameters of each routed expert, by router position (a novice counts its mu vector)."""
+    cost, hidden = layer_cost(layer), layer_hidden(layer)
+    return [hidden if w is None else cost.params(w) for w in layer_widths(layer)]
+
+
+def describe_layers(moe: MoEModel) -> list[dict]:
+    """Per MoE layer: routed experts (novices included), novices, top-k and expert widths."""
+    out = []
+    for m in moe.layers:
+        widths = [w for w in layer_widths(m) if w is not None]
+        out.append(
+            {
+                "layer": m.index,
+                "experts": router_count(m),
+                "novices": len(layer_widths(m)) - len(widths),
+                "top_k": m.top_k,
+                "intermediate_size": max(widths, default=0),
+                "min_intermediate_size": min(widths, default=0),
+            }
+        )
+    return out
+
+
+def _summary(per_layer: list[tuple[int, list[int]]]) -> dict[str, int]:
+    """(top_k, expert params) per layer -> E and A."""
+    routed = sum(sum(params) for _, params in per_layer)
+    active = sum(k * sum(params) / len(params) for k, params in per_layer if params)
+    return {"routed_experts": int(routed), "active_routed_experts": int(round(active))}
+
+
+def routed_parameters(moe: MoEModel) -> dict[str, int]:
+    """Total, routed-expert (E) and active-per-token (A) parameters of the model as it is now."""
+    total = sum(p.numel() for p in moe.model.parameters())
+    out = _summary([(m.top_k, expert_params(m)) for m in moe.layers])
+    return {
+        "total": int(total),
+        **out,
+        "active_per_token": int(total - out["routed_experts"] + out["active_routed_experts"]),
+    }
+
+
+def plan_routed_parameters(moe: MoEModel, plan: Plan) -> dict[str, int]:
+    """E and A that applying `plan` to this (not yet pruned) model would leave."""
+    per_layer = []
+    for lp in plan.layers:
+        layer = moe.layer(lp.layer)
+        cost, width, hidden = layer_cost(layer), layer.intermediate_size, layer.hidden_size
+        novice = set(lp.novice)
+        params = [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept]
+        per_layer.append((lp.top_k, params))
+    return _summary(per_layer)

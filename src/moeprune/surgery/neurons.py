@@ -1,0 +1,299 @@
+"""Neuron surgery (ENP / TENP): routed experts keep their most important intermediate neurons.
+
+For y = W_down m (+ b) with m = act(W_gate h) * (W_up h), neuron k's share is
+y_k = W_down[:, k] m_k. Its importance is the mean over the expert's routed tokens of
+<y_k, y> / (||y|| + 1e-8) ("projection", the default) or of ||y_k|| ("l2"), read from the
+observer's neuron sums (``observe(..., neurons=True)``). Keeping neuron k keeps row k of W_gate
+and W_up, column k of W_down, and gpt_oss's per-neuron gate/up biases.
+
+Which families qualify: every supported family is gated with one activation value per neuron.
+gpt_oss's clamped variant, m_k = clamp(g_k) sigmoid(alpha clamp(g_k)) (clamp(u_k) + 1), is still
+elementwise per neuron, so removing neuron k removes exactly y_k: it qualifies. A family whose
+experts are not stored in a known gated layout gets a MoePruneError naming it.
+
+Physical forms (virtual: ``override_routed(..., neuron_masks=...)``):
+
+- the same K for every expert of every layer: tensors stay rectangular and the config's
+  intermediate field becomes K, so stock ``from_pretrained`` reloads the result. Where the shared
+  expert's width derives from that field (DeepSeek-V2/V3, GLM-4-MoE: ``moe_intermediate_size *
+  n_shared_experts``; ERNIE: ``* moe_num_shared_experts``), the multiplier becomes ceil(W / K) and
+  the shared expert is padded with zero neurons up to K * ceil(W / K): a zero neuron adds exactly
+  nothing (act(0) * 0 = 0, zero down column). Llama-4 builds its shared expert from the very same
+  field with no multiplier, so it cannot be expressed: it is packed instead. So is a K that is not
+  a multiple of 8: transformers' default grouped_mm kernel needs 16-byte strides, and a stock
+  checkpoint that fails on its default kernel is worse than a moeprune one.
+- different K per expert (TENP): packed layers (packed.py), saved in moeprune's format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import MoePruneError
+from ..models.adapter import MoELayer, MoEModel, set_path
+from ..parameters import plan_routed_parameters, routed_parameters
+from ..plan import LayerPlan, Plan
+from ..stats import F64, LayerStats
+from .novice import StatsInput, layer_stats, require_stats
+from .packed import (
+    NEURON_AXES,
+    ExpertCost,
+    expert_tensor_names,
+    is_packed,
+    layer_cost,
+    slice_neurons,
+)
+
+IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
+SHARED_MULTIPLIERS = ("n_shared_experts", "moe_num_shared_experts")  # shared width = I * this
+_WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "expert_dim")  # on experts modules
+STOCK_MULTIPLE = 8  # uniform widths stay a multiple of 8 neurons: 16-byte strides for grouped_mm
+Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> position -> kept neuron ids
+
+
+def check_neuron_prunable(moe: MoEModel) -> None:
+    """MoePruneError unless every MoE layer has gated (SwiGLU-like) experts in a known layout."""
+    for layer in moe.layers:
+        reason = _not_gated(layer)
+        if reason:
+            raise MoePruneError(
+                f"neuron pruning needs SwiGLU-like experts (m = act(W_gate h) * (W_up h), one value per "
+                f"neuron); {moe.model_type} layer {layer.index} {reason}"
+            )
+
+
+def _not_gated(layer: MoELayer) -> str | None:
+    if is_packed(layer):
+        return "already holds novices or per-expert widths: prune neurons before, not after"
+    if layer.spec.layout not in NEURON_AXES:
+        return f"stores its experts as {layer.spec.layout!r}, not a gated gate/up + down layout"
+    if not (hasattr(layer.experts, "act_fn") or hasattr(layer.experts, "_apply_gate")):
+        return f"has no gated activation on {type(layer.experts).__name__}"
+    if "gate_up_proj" not in expert_tensor_names(layer):
+        return f"has no fused gate/up projection on {type(layer.experts).__name__}"
+    return None
+
+
+def check_importance(kind: str) -> str:
+    if kind not in IMPORTANCE:
+        raise MoePruneError(f"unknown neuron importance {kind!r}; choose one of: {', '.join(IMPORTANCE)}")
+    return kind
+
+
+def neuron_importance(stats: LayerStats, kind: str = "projection") -> torch.Tensor:
+    """[E, I] fp64: mean importance of each neuron over its expert's routed tokens (0 if unseen)."""
+    sums = getattr(stats, IMPORTANCE[check_importance(kind)])
+    if sums is None:
+        raise MoePruneError(
+            f"layer {stats.layer}: the statistics have no neuron sums; observe with neurons=True "
+            "(neuron surgery needs them)"
+        )
+    count = stats.count.to(F64).unsqueeze(1)
+    return torch.where(count > 0, sums.to(F64) / count.clamp(min=1), torch.zeros_like(sums, dtype=F64))
+
+
+def top_neurons(importance: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending ids of the k most important neurons (ties: the lower id)."""
+    if not 1 <= k <= importance.numel():
+        raise MoePruneError(f"cannot keep {k} of {importance.numel()} neurons; keep between 1 and all")
+    order = torch.argsort(-importance, stable=True)
+    return order[:k].sort().values
+
+
+def kept_neurons(
+    layer: MoELayer, stats: LayerStats, counts: Mapping[int, int], kind: str = "projection"
+) -> dict[int, torch.Tensor]:
+    """{position: kept neuron ids} for the experts whose count is below the full width."""
+    if not counts:
+        return {}
+    importance = neuron_importance(stats, kind)
+    width = layer.intermediate_size
+    return {p: top_neurons(importance[p], int(k)) for p, k in counts.items() if int(k) < width}
+
+
+def neuron_masks(layer: MoELayer, keep: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The virtual form: {position: 0/1 mask over the intermediate neurons}."""
+    masks = {}
+    for p, ids in keep.items():
+        mask = torch.zeros(layer.intermediate_size, device=layer.experts.down_proj.device)
+        mask[ids.to(mask.device)] = 1
+        masks[p] = mask
+    return masks
+
+
+# ----------------------------------------------------------------------------- uniform (stock) form
+def _shared_multiplier(moe: MoEModel) -> str | None:
+    return next((f for f in SHARED_MULTIPLIERS if getattr(moe.config, f, None) is not None), None)
+
+
+def stock_width_expressible(moe: MoEModel, width: int | None = None) -> bool:
+    """Whether a stock checkpoint can hold uniform expert width `width` and still run.
+
+    The config must state it without changing the shared expert, and the width must keep
+    grouped_mm's 16-byte strides (a multiple of 8 neurons, unless the original width is not).
+    """
+    if moe.spec.shared_width_derived and _shared_multiplier(moe) is None:
+        return False
+    full = moe.layers[0].intermediate_size
+    return width is None or width % STOCK_MULTIPLE == 0 or full % STOCK_MULTIPLE != 0
+
+
+def uniform_width(moe: MoEModel, keep: Keep) -> int | None:
+    """K when every expert of every layer keeps K < I neurons (a rectangular, stock result)."""
+    widths = {
+        len(keep.get(m.index, {}).get(p, range(m.intermediate_size)))
+        for m in moe.layers
+        for p in range(m.num_experts)
+    }
+    full = {m.intermediate_size for m in moe.layers}
+    if len(widths) != 1 or len(full) != 1 or widths == full:
+        return None
+    return widths.pop()
+
+
+def shrink_uniform(moe: MoEModel, keep: Keep) -> None:
+    """Every expert keeps its own K neurons; tensors stay rectangular, the config says K."""
+    width = uniform_width(moe, keep)
+    if width is None or not stock_width_expressible(moe, width):
+        raise MoePruneError(
+            "shrink_uniform needs the same neuron count for every expert of a stock-expressible family"
+        )
+    full = moe.layers[0].intermediate_size
+    for layer in moe.layers:
+        for name in expert_tensor_names(layer):
+            param = getattr(layer.experts, name).detach()
+            rows = [
+                slice_neurons(layer.spec.layout, name, param[p], keep[layer.index][p], full)
+                for p in range(layer.num_experts)
+            ]
+            set_path(layer.experts, name, torch.stack(rows))
+        _set_int_attrs(layer.experts, _WIDTH_ATTRS, full, width)
+    _resize_shared(moe, full, width)
+    setattr(moe.config, moe.spec.intermediate_field, width)
+
+
+def _set_int_attrs(module: nn.Module, names: Sequence[str], old: int, new: int) -> None:
+    for name in names:
+        if getattr(module, name, None) == old:
+            setattr(module, name, new)
+
+
+def _resize_shared(moe: MoEModel, full: int, width: int) -> None:
+    """Keep a derived shared expert exactly as it was: multiplier ceil(W / K), zero-padded to K * it."""
+    if not moe.spec.shared_width_derived:
+        return
+    field = _shared_multiplier(moe)
+    multiplier = int(getattr(moe.config, field) or 0)
+    if multiplier <= 0:
+        return
+    new_multiplier = math.ceil(full * multiplier / width)
+    for layer in moe.layers:
+        for module in layer.shared_modules:
+            pad_mlp(module, width * new_multiplier)
+    setattr(moe.config, field, new_multiplier)
+
+
+def pad_mlp(module: nn.Module, width: int) -> None:
+    """Widen a gate/up/down MLP to `width` neurons with zero weights (its output is unchanged)."""
+    for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+        linear = getattr(module, name)
+        extra = width - linear.weight.shape[dim]
+        if extra <= 0:
+            continue
+        pad = [0, 0, 0, extra] if dim == 0 else [0, extra]
+        linear.weight = nn.Parameter(nn.functional.pad(linear.weight.detach(), pad))
+        if dim == 0 and linear.bias is not None:
+            linear.bias = nn.Parameter(nn.functional.pad(linear.bias.detach(), [0, extra]))
+        if dim == 0:
+            linear.out_features = width
+        else:
+            linear.in_features = width
+    if hasattr(module, "intermediate_size"):
+        module.intermediate_size = width
+
+
+# ----------------------------------------------------------------------------- plans
+def uniform_keep(cost: ExpertCost, width: int, ratio: float, multiple_of: int = 1) -> int:
+    """Neurons K so that an expert keeps the fraction `ratio` of its parameters.
+
+    K is the nearest multiple of `multiple_of` (ignored when the full width is not one: such a
+    model is unaligned already). transformers' default grouped_mm experts kernel needs 16-byte
+    strides, so a stock checkpoint needs K a multiple of 8 (bf16/fp16; 4 in fp32).
+    """
+    check_ratio(ratio, "neuron keep ratio (1 - sparsity)")
+    step = multiple_of if multiple_of >= 1 and width % multiple_of == 0 else 1
+    target = (ratio * cost.params(width) - cost.per_expert) / cost.per_neuron
+    k = min(width, math.floor(target / step + 0.5) * step)
+    if k < 1:
+        raise MoePruneError(
+            f"keeping {ratio:.4g} of each expert's parameters leaves less than "
+            f"{'one neuron' if step == 1 else f'one block of {step} neurons'} of its {width}; lower the sparsity"
+        )
+    return k
+
+
+def check_ratio(ratio: float, what: str) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise MoePruneError(f"{what} must be in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_neuron_stats(moe: MoEModel, stats: StatsInput | None, kind: str) -> None:
+    """Early bad-input check: statistics exist, match the model, and carry neuron sums."""
+    domains = require_stats(stats, "neuron surgery (neuron importance comes from calibration data)")
+    for layer in moe.layers:
+        neuron_importance(layer_stats(domains, layer), kind)
+
+
+def neuron_plan(
+    moe: MoEModel,
+    stats: StatsInput | None,
+    sparsity: float,
+    *,
+    importance: str = "projection",
+    multiple_of: int = STOCK_MULTIPLE,
+    criterion: str | None = None,
+    data_fingerprint: str = "",
+) -> Plan:
+    """ENP: every routed expert keeps the fraction 1 - sparsity of its parameters (its top-K neurons).
+
+    K is rounded to a multiple of `multiple_of` (see :func:`uniform_keep`); the plan's extra
+    records the parameter fraction actually kept.
+    """
+    check_neuron_prunable(moe)
+    check_neuron_stats(moe, stats, check_importance(importance))
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
+        raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
+    ratio = check_ratio(1 - sparsity, f"neuron keep ratio 1 - sparsity (sparsity {sparsity!r})")
+    layers = []
+    for m in moe.layers:
+        k = uniform_keep(layer_cost(m), m.intermediate_size, ratio, multiple_of)
+        ids = m.expert_ids
+        neurons = {e: k for e in ids} if k < m.intermediate_size else {}
+        layers.append(
+            LayerPlan(
+                layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ids), neurons=neurons
+            )
+        )
+    plan = Plan.create(
+        model_type=moe.model_type,
+        layers=layers,
+        criterion=criterion or f"{importance} neuron importance",
+        allocation="uniform",
+        method="neurons",
+        sparsity=sparsity,
+        data_fingerprint=data_fingerprint,
+        extra={
+            "neuron_importance": importance,
+            "neuron_keep_ratio": ratio,
+            "neuron_multiple_of": multiple_of,
+        },
+    )
+    plan.validate({m.index: m.intermediate_size for m in moe.layers})
+    kept = plan_routed_parameters(moe, plan)["routed_experts"]
+    plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
+    return plan

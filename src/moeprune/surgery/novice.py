@@ -1,0 +1,130 @@
+"""Novice surgery (MoNE): an expert becomes its mean output vector mu_i; routing is unchanged.
+
+The block then adds g_i(t) mu_i whenever the router selects expert i (Llama-4, which weights the
+expert input, adds mu_i itself, mu_i being the mean of E_i(g h)). The expert's weights are
+deleted and only a d-vector stays.
+
+- Virtual form: ``override_routed(moe, RoutedOptions(novices=...))`` substitutes the constant
+  without copying or changing the model (what a search evaluates).
+- Physical form: :func:`make_novices` packs the layer (packed.py), deleting the weights.
+
+mu_i comes from the observer's fp64 ``LayerStats.mean`` and is cast to the model's dtype. An
+expert that no calibration token reached has mu_i = 0 (it then contributes nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..allocate.basic import budget_from_sparsity, global_allocation, plan_removals, uniform_allocation
+from ..criteria import Criterion, LayerScores, merged_layer
+from ..errors import MoePruneError
+from ..models.adapter import MoELayer, MoEModel
+from ..plan import Plan
+from ..stats import ExpertStats, LayerStats
+from .packed import pack_layer
+
+StatsInput = ExpertStats | Sequence[ExpertStats]
+NOVICE_ALLOCATIONS = ("uniform", "global")
+
+
+def require_stats(stats: StatsInput | None, what: str) -> list[ExpertStats]:
+    """The calibration statistics as a list of domains; a clear error when there are none."""
+    domains = [stats] if isinstance(stats, ExpertStats) else list(stats or [])
+    if not domains:
+        raise MoePruneError(f"{what} needs calibration statistics: pass --data FILE (calibration data)")
+    return domains
+
+
+def layer_stats(domains: Sequence[ExpertStats], layer: MoELayer) -> LayerStats:
+    """One layer's statistics merged over domains, checked against the model's expert count.
+
+    Rows are the experts in the order the model held them when observed (original ids for an
+    unpruned model).
+    """
+    try:
+        stats = domains[0].layer(layer.index) if len(domains) == 1 else merged_layer(domains, layer.index)
+    except KeyError:
+        raise MoePruneError(f"the calibration statistics have no MoE layer {layer.index}") from None
+    if stats.num_experts != layer.num_experts:
+        raise MoePruneError(
+            f"layer {layer.index}: statistics cover {stats.num_experts} experts but the model has "
+            f"{layer.num_experts}; observe the model you prune (before surgery)"
+        )
+    return stats
+
+
+def mean_outputs(layer: MoELayer, stats: LayerStats, positions: Sequence[int]) -> dict[int, torch.Tensor]:
+    """mu_i of the experts at `positions`, in the model's dtype and device."""
+    ref = layer.experts.down_proj
+    return {p: stats.mean[p].to(device=ref.device, dtype=ref.dtype) for p in positions}
+
+
+def make_novices(moe: MoEModel, novices: Mapping[int, Mapping[int, torch.Tensor]]) -> None:
+    """Physically replace experts by constants ({decoder layer: {position: mu}})."""
+    for layer_index, vectors in novices.items():
+        if vectors:
+            pack_layer(moe.layer(layer_index), vectors, {})
+
+
+def novice_plan(
+    moe: MoEModel,
+    stats: StatsInput | None,
+    scores: Sequence[LayerScores],
+    sparsity: float,
+    *,
+    criterion: Criterion,
+    allocation: str = "uniform",
+    removed: Sequence[int] | None = None,
+    data_fingerprint: str = "",
+) -> Plan:
+    """Turn the `sparsity` fraction of experts into novices, least important first.
+
+    Per-layer counts follow `allocation` (uniform or global), or are given as `removed` (e.g.
+    by the evo search). Novices leave routing unchanged, so group-limited routers need no
+    group balance.
+    """
+    require_stats(stats, "novice surgery (experts are replaced by their mean calibration output)")
+    layers = moe.layers
+    num_experts, top_k = [m.num_experts for m in layers], [m.top_k for m in layers]
+    budget = budget_from_sparsity(sparsity, num_experts, top_k)
+    if removed is None:
+        removed = _allocate(allocation, criterion, scores, budget, num_experts, top_k)
+    positions = plan_removals([s.order for s in scores], removed)
+    plan = Plan.from_removals(
+        model_type=moe.model_type,
+        num_experts=num_experts,
+        top_k=top_k,
+        layer_indices=[m.index for m in layers],
+        removals=[[m.expert_ids[p] for p in sorted(pos)] for m, pos in zip(layers, positions)],
+        criterion=criterion.name,
+        allocation=allocation,
+        method="novice",
+        sparsity=sparsity,
+        data_fingerprint=data_fingerprint,
+    )
+    plan.extra["budget"] = budget
+    return plan
+
+
+def _allocate(
+    allocation: str,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    budget: int,
+    num_experts: list[int],
+    top_k: list[int],
+) -> list[int]:
+    if allocation == "uniform":
+        return uniform_allocation(budget, num_experts, top_k)
+    if allocation == "global":
+        normalize = not criterion.comparable_across_layers
+        return global_allocation(
+            [s.scores for s in scores], criterion.prune_first, budget, num_experts, top_k, normalize
+        )
+    raise MoePruneError(
+        f"allocation {allocation!r} for novices: use one of {', '.join(NOVICE_ALLOCATIONS)}, "
+        "or pass the per-layer counts (removed=...) from a search"
+    )

@@ -1,0 +1,173 @@
+"""Novice surgery: virtual == physical, exact save/load, constant experts, novice beats drop."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import moeprune
+from moeprune.criteria import compute_scores, get_criterion
+from moeprune.data import load_data
+from moeprune.errors import MoePruneError
+from moeprune.io import MOEPRUNE_CONFIG, load_model
+from moeprune.models import MoEModel, supported_families
+from moeprune.models.factory import tiny_model
+from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.observe import observe
+from moeprune.parameters import plan_routed_parameters, routed_parameters
+from moeprune.plan import Plan
+from moeprune.surgery.novice import novice_plan
+from moeprune.surgery.packed import router_count
+from moeprune.surgery.plans import apply_plan_physical, virtual_plan
+from test_observe import calibration
+
+TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def logits(model, tokens=TOKENS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def mone_plan(moe: MoEModel, stats, sparsity: float = 0.25, allocation: str = "uniform") -> Plan:
+    crit = get_criterion("mone")
+    return novice_plan(
+        moe, stats, compute_scores("mone", stats=stats), sparsity, criterion=crit, allocation=allocation
+    )
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_virtual_equals_physical_and_reloads_exactly(family, tmp_path):
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    stats = observe(moe, calibration((20, 17, 15, 12)), batch_size=2, progress=False)
+    plan = mone_plan(moe, stats, allocation="global" if family == "olmoe" else "uniform")
+    full = logits(model)
+    with virtual_plan(moe, plan, stats):
+        virtual = logits(model)
+    assert (logits(model) - full).abs().max() == 0, "the virtual form was not undone"
+    assert (virtual - full).abs().max() > 1e-4, "novices changed nothing"
+
+    pruned = copy.deepcopy(model)
+    pruned_moe = MoEModel(pruned)
+    routers = [m.router for m in pruned_moe.layers]
+    apply_plan_physical(pruned_moe, plan, stats)
+    assert (logits(pruned) - virtual).abs().max() == 0
+    assert all(m.router is r for m, r in zip(pruned_moe.layers, routers))  # routing untouched
+    assert [router_count(m) for m in pruned_moe.layers] == [lp.num_experts for lp in plan.layers]
+    after = routed_parameters(pruned_moe)
+    assert after["routed_experts"] == plan_routed_parameters(moe, plan)["routed_experts"]
+    assert after["routed_experts"] < routed_parameters(moe)["routed_experts"]
+    assert after["total"] - after["routed_experts"] == sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for m in moe.layers for p in m.experts.parameters()
+    )
+
+    assert moeprune.save_pretrained(pruned, tmp_path) == "moeprune"
+    reloaded = moeprune.load_pretrained(tmp_path)
+    assert (logits(reloaded) - virtual).abs().max() == 0
+    again = copy.deepcopy(reloaded)  # a class swap, not a closure: copies stay independent
+    assert (logits(again) - virtual).abs().max() == 0
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_constant_expert_is_replaced_with_zero_error(family):
+    """Zero down weights make expert 3 constant: zero, or gpt_oss's non-zero down bias."""
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    with torch.no_grad():
+        for layer in moe.layers:
+            layer.experts.down_proj[3].zero_()
+    stats = observe(moe, calibration((20, 17, 15, 12)), batch_size=2, progress=False)
+    assert all(s.count[3] > 0 for s in stats.layers)
+    plan = Plan.from_removals(
+        model_type=family, num_experts=[8] * len(moe), top_k=[m.top_k for m in moe.layers],
+        layer_indices=[m.index for m in moe.layers], removals=[[3]] * len(moe),
+        criterion="manual", allocation="uniform", method="novice", sparsity=0.125,
+    )  # fmt: skip
+    with override_routed(moe, RoutedOptions()):  # the same computation, with the real expert
+        full = logits(model)
+    with virtual_plan(moe, plan, stats):
+        assert (logits(model) - full).abs().max() == 0
+    apply_plan_physical(moe, plan, stats)
+    assert (logits(model) - full).abs().max() == 0
+    if family == "gpt_oss":
+        assert moe.layers[0].experts.moeprune_novice.abs().max() > 0.01
+
+
+def test_novices_need_calibration_data():
+    moe = MoEModel(tiny_model("olmoe"))
+    scores = compute_scores("random", num_experts=[8] * len(moe), layers=[m.index for m in moe.layers])
+    with pytest.raises(MoePruneError, match="--data"):
+        novice_plan(moe, None, scores, 0.25, criterion=get_criterion("random"))
+    plan = Plan.from_removals(
+        model_type="olmoe", num_experts=[8] * 3, top_k=[2] * 3, layer_indices=[0, 1, 2], removals=[[1]] * 3,
+        criterion="random", allocation="uniform", method="novice", sparsity=0.125,
+    )  # fmt: skip
+    with pytest.raises(MoePruneError, match="calibration"):
+        apply_plan_physical(moe, plan, [])
+    with pytest.raises(MoePruneError, match="unknown|allocation"):
+        novice_plan(moe, observe(moe, calibration(), progress=False), scores, 0.25,
+                    criterion=get_criterion("random"), allocation="evo")  # fmt: skip
+
+
+def test_packed_layer_json_records_novices(tmp_path):
+    model = tiny_model("qwen3_moe")
+    moe = MoEModel(model)
+    stats = observe(moe, calibration(), batch_size=2, progress=False)
+    plan = mone_plan(moe, stats)
+    apply_plan_physical(moe, plan, stats)
+    moeprune.save_pretrained(model, tmp_path)
+    meta = json.loads((tmp_path / MOEPRUNE_CONFIG).read_text())
+    assert meta["format_version"] == 2
+    for entry, lp in zip(meta["layers"], plan.layers):
+        assert entry["packed"]["novice"] == lp.novice
+        assert set(map(int, entry["packed"]["widths"])) == set(lp.kept) - set(lp.novice)
+
+
+def _block_errors(moe: MoEModel, inputs: dict[int, list], plan: Plan, stats) -> list[float]:
+    """Per MoE layer, ||block(h) - full block(h)||^2 over non-padding tokens, on the full model's inputs."""
+    errors = []
+    with virtual_plan(moe, plan, stats), torch.no_grad():
+        for layer in moe.layers:
+            total = 0.0
+            for h, out, valid in inputs[layer.index]:
+                total += float((layer.block(h) - out)[valid].square().sum())
+            errors.append(total)
+    return errors
+
+
+def test_novices_beat_dropping_the_same_experts_on_the_trained_model(trained_moe):
+    model_dir, corpus = trained_moe
+    model, tokenizer = load_model(model_dir)
+    moe = MoEModel(model)
+    sources = [str(corpus / f"{d}_train.jsonl") for d in ("code", "prose", "math")]
+    calib = load_data(sources, tokenizer, num_samples=48, max_length=128, seed=0)
+    stats = observe(moe, calib, batch_size=8, pad_token_id=tokenizer.pad_token_id or 0, progress=False)
+    novice = mone_plan(moe, stats, sparsity=0.25)
+    drop = Plan.from_removals(
+        model_type=moe.model_type, num_experts=[m.num_experts for m in moe.layers],
+        top_k=[m.top_k for m in moe.layers], layer_indices=[m.index for m in moe.layers],
+        removals=[lp.novice for lp in novice.layers], criterion="mone", allocation="uniform",
+        method="drop", sparsity=0.25,
+    )  # fmt: skip
+    evaluation = load_data([str(corpus / "prose_eval.jsonl")], tokenizer, num_samples=16, max_length=128)
+    inputs = {m.index: [] for m in moe.layers}
+    valid = None
+    handles = [
+        m.block.register_forward_hook(
+            lambda mod, args, out, i=m.index: inputs[i].append((args[0].detach(), out.detach(), valid))
+        )
+        for m in moe.layers
+    ]
+    with torch.no_grad():
+        for batch in evaluation.batches(8, tokenizer.pad_token_id or 0):
+            valid = batch.attention_mask.bool()
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    for h in handles:
+        h.remove()
+    novice_err = _block_errors(moe, inputs, novice, stats)
+    drop_err = _block_errors(moe, inputs, drop, stats)
+    assert all(n < d for n, d in zip(novice_err, drop_err)), (novice_err, drop_err)
