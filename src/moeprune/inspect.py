@@ -19,35 +19,34 @@ def describe_checkpoint(path: str | Path) -> dict:
 
 
 def describe_model(model: nn.Module, source: str = "") -> dict:
+    from .parameters import describe_layers, expert_params, routed_parameters
+
     moe = MoEModel(model)
     config = model.config
     layers = []
-    for m in moe.layers:
+    for m, row in zip(moe.layers, describe_layers(moe)):
+        params = expert_params(m)
         layers.append(
             {
-                "layer": m.index,
-                "experts": m.num_experts,
-                "top_k": m.top_k,
-                "intermediate_size": m.intermediate_size,
-                "params_per_expert": m.expert_param_count(),
+                **row,
+                "params_per_expert": max(params, default=0),
                 "routing_groups": m.n_group,
                 "shared_experts": [a for a in m.spec.shared_attrs if getattr(m.block, a, None) is not None],
             }
         )
+    moe_indices = {m.index for m in moe.layers}
     return {
         "source": source,
         "family": moe.model_type,
         "architecture": type(model).__name__,
         "decoder_layers": int(config.num_hidden_layers),
-        "moe_layers": [m.index for m in moe.layers],
-        "dense_layers": [
-            i for i in range(config.num_hidden_layers) if i not in {m.index for m in moe.layers}
-        ],
-        "hidden_size": moe.layers[0].hidden_size,
+        "moe_layers": sorted(moe_indices),
+        "dense_layers": [i for i in range(config.num_hidden_layers) if i not in moe_indices],
+        "hidden_size": int(config.hidden_size),
         "routing": moe.spec.routing,
-        "uniform": moe.is_uniform(),
+        "uniform": len({(r["experts"], r["intermediate_size"], r["novices"]) for r in layers}) == 1,
         "layers": layers,
-        "parameters": moe.parameter_counts(),
+        "parameters": routed_parameters(moe),
     }
 
 
@@ -60,11 +59,11 @@ def format_description(info: dict) -> str:
         f"  routing: {info['routing']}",
         f"  parameters: total {params['total']:,}; routed experts {params['routed_experts']:,}; "
         f"active per token {params['active_per_token']:,}",
-        "  layer  experts  top-k  intermediate  params/expert  groups  shared",
+        "  layer  experts  novices  top-k  intermediate  params/expert  groups  shared",
     ]
     for row in info["layers"]:
         lines.append(
-            f"  {row['layer']:>5}  {row['experts']:>7}  {row['top_k']:>5}  {row['intermediate_size']:>12}  "
+            f"  {row['layer']:>5}  {row['experts']:>7}  {row['novices']:>7}  {row['top_k']:>5}  {row['intermediate_size']:>12}  "
             f"{row['params_per_expert']:>13,}  {row['routing_groups']:>6}  {','.join(row['shared_experts']) or '-'}"
         )
     return "\n".join(lines)
