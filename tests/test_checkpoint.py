@@ -66,3 +66,13 @@ def test_unknown_format_version_is_refused(tmp_path):
     (tmp_path / MOEPRUNE_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(MoePruneError, match="upgrade moeprune"):
         moeprune.load_pretrained(tmp_path)
+
+
+def test_tied_embeddings_reload_in_moeprune_format(tmp_path):
+    model = tiny_model("qwen3_moe", tie_word_embeddings=True)
+    moe = MoEModel(model)
+    drop_experts(moe, non_uniform_removal(moe))
+    moeprune.save_pretrained(model, tmp_path)
+    reloaded = moeprune.load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert (reloaded(TOKENS).logits - model(TOKENS).logits).abs().max() == 0

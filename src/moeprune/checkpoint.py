@@ -110,6 +110,21 @@ def build_skeleton(path: Path, dtype: torch.dtype = torch.float32, meta: bool = 
     return model
 
 
+def _fill_tied(model: PreTrainedModel, missing: list[str], weights: Path) -> None:
+    """safetensors stores one name per tied tensor: copy it into the partner it was tied to."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    pairs = list(tied.items()) if isinstance(tied, dict) else []
+    state = model.state_dict()
+    for name in missing:
+        partner = next((a if b == name else b for a, b in pairs if name in (a, b)), None)
+        if partner is None or partner in missing:
+            raise MoePruneError(f"{weights} does not match {MOEPRUNE_CONFIG}: missing tensor {name!r}")
+        with torch.no_grad():
+            state[name].copy_(state[partner])
+    if missing and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
 def _surplus(layer, keep: int) -> list[int]:
     """Positions to cut so `keep` remain (group-balanced: weights are loaded afterwards anyway)."""
     groups, extra = layer.n_group, layer.num_experts - keep
@@ -131,8 +146,8 @@ def load_pretrained(
     weights = path / WEIGHTS
     if not weights.is_file():
         raise MoePruneError(f"{path} has no {WEIGHTS}; it is not a complete moeprune checkpoint")
-    try:
-        load_model(model, str(weights), strict=True)
-    except RuntimeError as exc:
-        raise MoePruneError(f"{weights} does not match {MOEPRUNE_CONFIG}: {exc}") from exc
+    missing, unexpected = load_model(model, str(weights), strict=False)
+    if unexpected:
+        raise MoePruneError(f"{weights} does not match {MOEPRUNE_CONFIG}: unexpected tensors {unexpected[:5]}")
+    _fill_tied(model, missing, weights)
     return (model.to(device) if device else model).eval()

@@ -39,7 +39,7 @@ def data_options(func):
     """Options shared by every command that reads calibration data."""
     options = [
         click.option("--data", "data", multiple=True, metavar="FILE[:WEIGHT]",
-                     help="Calibration data (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat to mix."),
+                     help="Data file (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat for several."),
         click.option("--samples", type=int, default=128, show_default=True, help="Samples to draw (0 = all)."),
         click.option("--max-length", type=int, default=512, show_default=True, help="Truncate samples to L tokens."),
         click.option("--batch-size", type=int, default=8, show_default=True),

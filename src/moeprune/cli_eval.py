@@ -1,0 +1,117 @@
+"""`moeprune eval` and `moeprune report`: thin commands over moeprune.evaluate and plots_eval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .cli import _data, data_options
+from .errors import MoePruneError
+from .evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
+
+_SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}
+
+
+def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None, batch_size: int):
+    """None without --lm-eval-tasks; else checked options (lm-eval installed, tasks known)."""
+    if not tasks:
+        if include or limit is not None:
+            raise MoePruneError("--lm-eval-include and --limit need --lm-eval-tasks")
+        return None
+    from .evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
+
+    if include and not Path(include).is_dir():
+        raise MoePruneError(f"--lm-eval-include {include!r} is not a folder")
+    if limit is not None and limit <= 0:
+        raise MoePruneError(f"--limit must be positive, got {limit}")
+    options = LmEvalOptions(
+        tasks=parse_tasks(tasks), include=include, batch_size=batch_size,
+        limit=None if limit is None else (limit if limit < 1 else int(limit)),
+    )  # fmt: skip
+    task_manager(options)  # fails now, before any model is loaded
+    return options
+
+
+def _check_output(output: str | None, overwrite: bool) -> None:
+    if output and Path(output).exists() and not overwrite:
+        raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
+
+
+@click.command("eval")
+@click.argument("models", nargs=-1, required=True, metavar="MODEL...")
+@click.option("--reference", "-r", required=True, type=click.Path(), help="The model MODEL was pruned from.")
+@click.option("--compare", is_flag=True, help="Several MODELs side by side: eval --compare A B C -r REF.")
+@click.option("--metrics", default="all", show_default=True, help=f"Comma list of: {', '.join(METRICS)}.")
+@click.option(
+    "--output", type=click.Path(), default=None, help="Report JSON (Markdown beside it); else print Markdown."
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing report.")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Draw PNGs beside --output.")
+@click.option("--gamma", type=int, default=4, show_default=True, help="Speculative draft length.")
+@click.option("--spec-mode", type=click.Choice(list(_SPEC_MODES)), default="both", show_default=True)
+@click.option(
+    "--spec-prompts", type=int, default=8, show_default=True, help="Prompts per data file for accept."
+)
+@click.option(
+    "--spec-tokens", type=int, default=32, show_default=True, help="New tokens per prompt for accept."
+)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampled speculative mode.")
+@click.option("--device", default=None, help="torch device for both models (default cpu).")
+@click.option(
+    "--lm-eval-tasks", default=None, metavar="T1,T2", help="lm-eval-harness tasks (moeprune[eval])."
+)
+@click.option(
+    "--lm-eval-include", type=click.Path(), default=None, help="Folder of extra lm-eval task YAMLs."
+)
+@click.option("--limit", type=float, default=None, help="lm-eval documents per task (< 1: a fraction).")
+@data_options
+def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics: str, output: str | None,
+                 overwrite: bool, plots: bool, gamma: int, spec_mode: str, spec_prompts: int, spec_tokens: int,
+                 temperature: float, device: str | None, lm_eval_tasks: str | None, lm_eval_include: str | None,
+                 limit: float | None, **kwargs) -> None:  # fmt: skip
+    """Evaluate pruned MODEL(s) against REFERENCE: esap, kl, nll, ppl, accept, routing, layer-error, size.
+
+    Each --data file is evaluated and reported on its own (files are not mixed).
+    """
+    if len(models) > 1 and not compare:
+        raise MoePruneError(f"{len(models)} MODELs given: pass --compare to evaluate them side by side")
+    _check_output(output, overwrite)
+    options = EvalOptions(
+        data=_data(kwargs), metrics=parse_metrics(metrics), tokenizer_path=kwargs["tokenizer_path"],
+        dtype=kwargs["dtype"], device=device, gamma=gamma, spec_modes=_SPEC_MODES[spec_mode],
+        spec_prompts=spec_prompts, spec_tokens=spec_tokens, temperature=temperature,
+        lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),
+        log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
+    )  # fmt: skip
+    doc = evaluate_models(list(models), reference, options)
+    if not output:
+        from .evaluate.report import to_markdown
+
+        click.echo(to_markdown(doc))
+        return
+    _write(doc, Path(output), plots)
+
+
+def _write(doc: dict, output: Path, plots: bool) -> None:
+    from .evaluate.report import write_report
+
+    json_path, md_path = write_report(doc, output)
+    click.echo(f"wrote {json_path} and {md_path}")
+    if plots and any(d.get("accept") for m in doc["models"] for d in m["per_data"].values()):
+        from .plots_eval import plot_acceptance
+
+        click.echo(f"wrote {plot_acceptance(output.with_name(f'{output.stem}_acceptance.png'), doc)}")
+
+
+@click.command("report")
+@click.argument("folder", type=click.Path())
+def report_command(folder: str) -> None:
+    """(Re)draw plots and Markdown summaries from the JSON files in FOLDER (eval, plan, scores, search)."""
+    from .plots_eval import draw_directory
+
+    for path in draw_directory(folder):
+        click.echo(f"wrote {path}")
+
+
+COMMANDS = [eval_command, report_command]

@@ -1,0 +1,93 @@
+"""ESAP, KL, NLL and perplexity of a model against a reference on one data set.
+
+Why streaming: the search caches the reference's answer-position log-probs once for many
+candidates, but an evaluation scores one candidate, and caching a long evaluation set would
+cost positions x vocab x 4 bytes. So each batch runs both models, fills a one-batch
+:class:`TeacherCache` and is scored by fitness.py's own code, then dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moeprune.data import Batch, CalibrationData
+from moeprune.errors import DataError
+from moeprune.fitness import FitnessAccumulator, TeacherCache
+
+DIVERGENCE_METRICS = ("esap", "kl", "nll", "ppl")
+_SCORED = ("esap", "kl", "nll")  # computed by fitness.py; ppl follows from nll
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Logits [B, S, V] of one padded batch, without a KV cache."""
+    batch = batch.to(model_device(model))
+    with torch.no_grad():
+        return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+
+
+@dataclass
+class _Totals:
+    """Per-sample means and answer-token counts gathered over all batches."""
+
+    per_sample: dict[str, dict[int, float]] = field(default_factory=lambda: {k: {} for k in _SCORED})
+    reference_nll: dict[int, float] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    skipped: int = 0
+
+    def add_batch(self, batch: Batch, model_logits: torch.Tensor, ref_logits: torch.Tensor) -> None:
+        ids = batch.sample_index.tolist()
+        teacher = TeacherCache()
+        teacher.add(ids, ref_logits, batch.input_ids, batch.answer_mask, batch.attention_mask)
+        self.skipped += len(teacher.skipped)
+        for name in _SCORED:
+            acc = FitnessAccumulator(teacher, name)
+            acc.add(ids, model_logits)
+            self.per_sample[name].update(acc.per_sample)
+        own = FitnessAccumulator(teacher, "nll")  # the reference's NLL, for context
+        own.add(ids, ref_logits)
+        self.reference_nll.update(own.per_sample)
+        self.tokens.update({s.sample_id: int(s.targets.numel()) for s in teacher.per_sample})
+
+    def result(self) -> dict[str, float | int]:
+        if not self.tokens:
+            raise DataError("no evaluation sample has an answer token: nothing to score")
+        out: dict[str, float | int] = {k: _mean(v) for k, v in self.per_sample.items()}
+        out["ppl"] = math.exp(_token_mean(self.per_sample["nll"], self.tokens))
+        out["reference_nll"] = _mean(self.reference_nll)
+        out["reference_ppl"] = math.exp(_token_mean(self.reference_nll, self.tokens))
+        out.update(samples=len(self.tokens), answer_tokens=sum(self.tokens.values()), skipped=self.skipped)
+        return out
+
+
+def _mean(values: dict[int, float]) -> float:
+    """Each sample weighs the same (formulas.md)."""
+    return math.fsum(values.values()) / len(values)
+
+
+def _token_mean(per_sample: dict[int, float], tokens: dict[int, int]) -> float:
+    """Token-weighted mean: perplexity is exp of the mean NLL over all answer tokens."""
+    total = math.fsum(per_sample[i] * n for i, n in tokens.items())
+    return total / sum(tokens.values())
+
+
+def divergence(
+    model: nn.Module,
+    reference: nn.Module,
+    data: CalibrationData,
+    *,
+    batch_size: int = 8,
+    pad_token_id: int | None = None,
+) -> dict[str, float | int]:
+    """esap, kl, nll, ppl of `model` against `reference` (plus the reference's own nll and ppl)."""
+    totals = _Totals()
+    for batch in data.batches(batch_size, pad_token_id):
+        totals.add_batch(batch, batch_logits(model, batch), batch_logits(reference, batch))
+    return totals.result()

@@ -1,0 +1,70 @@
+"""Per decoder layer, how far a model's hidden states are from the reference's.
+
+Why: the final metrics say how much quality was lost, this says where the error enters and how
+it grows with depth. Both models read the same tokens; padding is excluded. transformers returns
+the last decoder layer's output after the final norm, so the last entry is post-norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeprune.data import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.evaluate.divergence import model_device
+
+F64 = torch.float64
+
+
+def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
+    """Decoder layer outputs (embeddings left out)."""
+    device = model_device(model)
+    with torch.no_grad():
+        out = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    return out.hidden_states[1:]
+
+
+def _batch_sums(ours: tuple, theirs: tuple, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer, sums over real tokens of the distance and of the relative distance (fp64, CPU)."""
+    if len(ours) != len(theirs):
+        raise MoePruneError(f"model has {len(ours)} decoder layers, reference {len(theirs)}")
+    dist = torch.stack(
+        [(a.cpu().to(F64) - b.cpu().to(F64)).norm(dim=-1)[valid] for a, b in zip(ours, theirs)]
+    )
+    norm = torch.stack([b.cpu().to(F64).norm(dim=-1)[valid] for b in theirs])
+    return dist.sum(1), (dist / norm.clamp_min(1e-30)).sum(1)
+
+
+def layer_error(
+    model: nn.Module,
+    reference: nn.Module,
+    data: CalibrationData,
+    *,
+    batch_size: int = 8,
+    pad_token_id: int | None = None,
+) -> dict[str, object]:
+    """Per layer: mean over tokens of ||h - h_ref||_2 (``l2``) and of that over ||h_ref||_2 (``relative``)."""
+    l2: torch.Tensor | float = 0.0
+    rel: torch.Tensor | float = 0.0
+    tokens = 0
+    for batch in data.batches(batch_size, pad_token_id):
+        ours = _hidden_states(model, batch.input_ids, batch.attention_mask)
+        theirs = _hidden_states(reference, batch.input_ids, batch.attention_mask)
+        dist, ratio = _batch_sums(ours, theirs, batch.attention_mask.bool())
+        l2, rel, tokens = l2 + dist, rel + ratio, tokens + int(batch.attention_mask.sum())
+    if not tokens or not isinstance(l2, torch.Tensor) or not isinstance(rel, torch.Tensor):
+        raise MoePruneError("layer-error needs at least one token of data")
+    return {
+        "tokens": tokens,
+        "note": "the last layer's hidden state is after the final norm (as transformers returns it)",
+        "layers": [
+            {"layer": i, "l2": a / tokens, "relative": r / tokens}
+            for i, (a, r) in enumerate(zip(l2.tolist(), rel.tolist()))
+        ],
+    }

@@ -1,0 +1,140 @@
+"""Speculative decoding: the accept/resample rule keeps the target's distribution exactly.
+
+The statistical tests use cheap context-dependent toy LMs over a 3-token vocabulary, so
+thousands of decodes run in seconds; the real tiny MoE models check the self-draft identity.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from moeprune.errors import MoePruneError
+from moeprune.evaluate.speculative import SpecStats, acceptance, speculative_generate
+from moeprune.models.factory import tiny_model
+
+VOCAB = 3
+CHI2_26_P001 = 54.05  # chi-square critical value, 26 degrees of freedom, p = 0.001
+
+
+class ToyLM(nn.Module):
+    """Next-token logits from (last token, position parity): context dependent and cheap."""
+
+    def __init__(self, seed: int, scale: float = 1.5) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.table = nn.Parameter(scale * torch.randn(VOCAB, 2, VOCAB, generator=g), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> SimpleNamespace:
+        parity = torch.arange(input_ids.shape[-1]) % 2
+        return SimpleNamespace(logits=self.table[input_ids, parity.expand_as(input_ids)])
+
+
+def _exact_joint(model: nn.Module, prompt: list[int], length: int) -> dict[tuple[int, ...], float]:
+    """p(x_1..x_length | prompt) for every continuation, by the chain rule."""
+    joint = {}
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        prob, ids = 1.0, list(prompt)
+        for token in seq:
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            prob *= float(torch.softmax(logits, -1)[token])
+            ids.append(token)
+        joint[seq] = prob
+    return joint
+
+
+def _chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float], n: int) -> float:
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in expected.items())
+
+
+def test_sampled_output_has_the_target_distribution():
+    target, draft = ToyLM(seed=0), ToyLM(seed=1)
+    prompt, length, runs = [0], 3, 4000
+    generator = torch.Generator().manual_seed(123)
+    stats = SpecStats(gamma=2)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(runs):
+        out = tuple(
+            speculative_generate(
+                draft, target, prompt, max_new_tokens=length, gamma=2, generator=generator, stats=stats
+            )
+        )
+        counts[out] = counts.get(out, 0) + 1
+    expected = _exact_joint(target, prompt, length)
+    assert _chi_square(counts, expected, runs) < CHI2_26_P001
+    # the draft really differs: rejections (hence resampling) and bonus tokens both occurred
+    assert 0.2 < stats.accepted / stats.drafted < 0.95
+    # and the test has power: the draft's own distribution fails it by far
+    assert _chi_square(counts, _exact_joint(draft, prompt, length), runs) > 10 * CHI2_26_P001
+
+
+def test_greedy_equals_target_greedy_decoding():
+    target, draft = ToyLM(seed=0), ToyLM(seed=2)
+    ids = [1]
+    for _ in range(7):
+        ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    out = speculative_generate(draft, target, [1], max_new_tokens=7, gamma=3)
+    assert out == ids[1:]
+
+
+def test_rates_are_counted_per_position():
+    stats = SpecStats(gamma=3)
+    stats.record_round(3, 1)
+    stats.record_round(3, 3)
+    stats.record_round(1, 0)
+    stats.generated = 2 + 4 + 1
+    summary = stats.to_dict()
+    assert summary["accept_rate"] == pytest.approx(4 / 7)
+    assert summary["accept_rate_per_position"] == [2 / 3, 0.5, 0.5]
+    assert summary["mean_accepted_per_call"] == pytest.approx(4 / 3)
+    assert summary["tokens_per_call"] == pytest.approx(7 / 3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_model_drafting_for_itself_accepts_everything(family):
+    model = tiny_model(family, vocab_size=64)
+    prompts = [[1, 5, 9, 3], [1, 40]]
+    results = acceptance(model, model, prompts, gamma=3, max_new_tokens=8, seed=0)
+    for mode in ("greedy", "sampled"):
+        r = results[mode]
+        assert r["accept_rate"] == 1.0 and r["accepted"] == r["drafted"] > 0
+        assert r["generated"] == 16 and all(v == 1.0 for v in r["accept_rate_per_position"])
+
+
+def test_output_length_and_eos_stop():
+    target, draft = ToyLM(seed=0), ToyLM(seed=1)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 9):
+        assert len(speculative_generate(draft, target, [0], max_new_tokens=n, gamma=4, generator=g)) == n
+    out = speculative_generate(draft, target, [0], max_new_tokens=50, gamma=4, generator=g, eos_token_id=2)
+    assert out[-1] == 2 and 2 not in out[:-1]
+
+
+def test_seeded_runs_repeat():
+    target, draft = ToyLM(seed=0), ToyLM(seed=1)
+    first = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
+    again = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
+    assert first == again
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gamma=0), "gamma"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=0.0), "temperature"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    model = ToyLM(seed=0)
+    args = dict(max_new_tokens=4, gamma=2) | kwargs
+    with pytest.raises(MoePruneError, match=message):
+        speculative_generate(model, model, [0], **args)
+    with pytest.raises(MoePruneError, match="prompt"):
+        speculative_generate(model, model, [], max_new_tokens=2)
+    with pytest.raises(MoePruneError, match="mode"):
+        acceptance(model, model, [[0]], modes=["beam"])
