@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from matplotlib.ticker import MaxNLocator
+
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.report import is_eval_report, markdown_path, to_markdown
 from moeprune.plan import Plan
@@ -94,6 +96,7 @@ def plot_acceptance(path: PathLike, doc: dict) -> Path:
                     )
         ax.set_title(f"{mode} drafting")
         ax.set_xlabel("draft position")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
