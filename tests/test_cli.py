@@ -204,3 +204,21 @@ def test_method_needs_data_and_valid_combinations(checkpoint, tmp_path):
                  "--method", "tenp", "--allocation", "global", ok=False)  # fmt: skip
     assert result.exit_code == 2 and "trapezoid" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_streaming_score_and_no_load_prune_match_in_memory(checkpoint, tmp_path):
+    run("score", checkpoint, "--criterion", "aimer", "--output", tmp_path / "mem.json")
+    run("score", checkpoint, "--criterion", "aimer", "--streaming", "--output", tmp_path / "stream.json")
+    mem, stream = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "stream.json"))
+    for a, b in zip(mem["layers"], stream["layers"]):
+        assert a["order"] == b["order"] and a["scores"] == pytest.approx(b["scores"], rel=1e-12)
+    run("prune", checkpoint, "--output", tmp_path / "mem", "--criterion", "aimer", "--sparsity", "0.25", "--quiet")
+    run("prune", checkpoint, "--output", tmp_path / "shards", "--criterion", "aimer", "--sparsity", "0.25", "--no-load")
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "mem")(tokens).logits
+        b = AutoModelForCausalLM.from_pretrained(tmp_path / "shards")(tokens).logits
+    assert (a - b).abs().max() == 0
+    result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "reap", "--sparsity", "0.25",
+                 "--no-load", ok=False)  # fmt: skip
+    assert result.exit_code == 2 and "weight-only" in result.output

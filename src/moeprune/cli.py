@@ -106,8 +106,11 @@ def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
 @click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
 @click.option("--output", required=True, type=click.Path(), help="Where to write scores.json.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+@click.option("--streaming", is_flag=True,
+              help="Weight-only criteria (aimer, magnitude, random) read expert by expert from the safetensors "
+                   "shards; the model is never loaded (memory: about one expert).")  # fmt: skip
 @data_options
-def score(model: str, criterion: str, output: str, overwrite: bool, **kwargs) -> None:
+def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
     from .io import load_model, write_json
     from .models import MoEModel
@@ -116,6 +119,15 @@ def score(model: str, criterion: str, output: str, overwrite: bool, **kwargs) ->
     _check_criterion(criterion)
     if Path(output).exists() and not overwrite:
         raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
+    if streaming:
+        from .criteria import get_criterion
+        from .streaming import score_checkpoint
+
+        scores = score_checkpoint(model, criterion, seed=kwargs["seed"])
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        write_json(output, scores_document(get_criterion(criterion), scores, []))
+        click.echo(f"wrote {output} ({len(scores)} MoE layers, streamed from safetensors)")
+        return
     data = _data(kwargs)
     loaded, tokenizer = load_model(model, dtype=kwargs["dtype"])
     from .criteria import get_criterion
@@ -163,17 +175,29 @@ def score(model: str, criterion: str, output: str, overwrite: bool, **kwargs) ->
 @click.option("--tau-max", type=int, default=3, show_default=True)
 @click.option("--search-seed", type=int, default=42, show_default=True, help="evo: seed of the search.")
 @click.option("--resume", is_flag=True, help="evo: continue an interrupted search from OUTPUT's state file.")
+@click.option("--no-load", is_flag=True,
+              help="Never load the model: score (weight-only criteria) from the shards and rewrite them shard by "
+                   "shard (drop, uniform allocation).")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @data_options
 def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
           neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
           search_samples: int, fitness: str, population: int, elites: int, generations: int, delta_max: int,
-          tau_max: int, search_seed: int, resume: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+          tau_max: int, search_seed: int, resume: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
     from .pipeline import MethodOptions
     from .pipeline import prune as run_prune
 
     _check_criterion(criterion)
+    if no_load:
+        from .pipeline import prune_without_loading
+
+        if method != "drop" or (allocation or "uniform") != "uniform":
+            raise MoePruneError("--no-load rewrites shards for --method drop with --allocation uniform only")
+        report = prune_without_loading(model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"],
+                                       overwrite=overwrite)  # fmt: skip
+        click.echo(f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}")
+        return
     search = None
     if allocation == "evo":
         search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness,

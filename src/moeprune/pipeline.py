@@ -437,3 +437,44 @@ def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, s
         {"uniform": search_doc["uniform_allocation"], "searched": search_doc["allocation"]},
     )  # fmt: skip
     plot_search_curve(folder / "search_curve.png", search_doc["generations"])
+
+
+def prune_without_loading(
+    model_path: str | Path, output: str | Path, *, criterion: str, sparsity: float, seed: int = 0,
+    overwrite: bool = False,
+) -> dict:  # fmt: skip
+    """Weight-only scoring from the shards and a shard-by-shard rewrite: the model is never loaded."""
+    from .streaming import meta_model, rewrite_checkpoint, score_checkpoint
+
+    check_output_dir(output, overwrite)
+    crit = get_criterion(criterion)
+    if crit.needs_data:
+        raise MoePruneError(f"--no-load works with weight-only criteria (aimer, magnitude, random), not {criterion!r}")
+    timer = Timer()
+    moe = meta_model(model_path)
+    scores = score_checkpoint(model_path, criterion, seed=seed)
+    timer.lap("score")
+    plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation="uniform", method="drop")
+    report = {
+        "command": "prune --no-load",
+        "moeprune_version": __version__,
+        "model": str(model_path),
+        "output": str(output),
+        "model_type": moe.model_type,
+        "criterion": crit.name,
+        "allocation": "uniform",
+        "method": "drop",
+        "sparsity": sparsity,
+        "budget_experts_removed": plan.extra.get("budget"),
+        "removed_per_layer": {str(lp.layer): len(lp.dropped) for lp in plan.layers},
+        "format": "stock",
+        "scores": scores_document(crit, scores, []),
+    }
+
+    def extra(tmp: Path) -> None:
+        timer.lap("rewrite")
+        report["timing_s"] = timer.total()
+        write_json(tmp / "report.json", report)
+
+    rewrite_checkpoint(model_path, output, plan, overwrite=overwrite, extra=extra)
+    return report
