@@ -219,6 +219,20 @@ def test_streaming_score_and_no_load_prune_match_in_memory(checkpoint, tmp_path)
         a = AutoModelForCausalLM.from_pretrained(tmp_path / "mem")(tokens).logits
         b = AutoModelForCausalLM.from_pretrained(tmp_path / "shards")(tokens).logits
     assert (a - b).abs().max() == 0
-    result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "reap", "--sparsity", "0.25",
-                 "--no-load", ok=False)  # fmt: skip
-    assert result.exit_code == 2 and "weight-only" in result.output
+    result = run("score", checkpoint, "--criterion", "reap", "--streaming", "--output", tmp_path / "x.json", ok=False)
+    assert result.exit_code == 2 and "use --sequential" in result.output
+
+
+def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path):
+    """Layer-by-layer observation gives the in-memory scores; --no-load then rewrites the shards."""
+    run("score", checkpoint, "--criterion", "reap", "--data", data, "--output", tmp_path / "mem.json", "--quiet")
+    run("score", checkpoint, "--criterion", "reap", "--data", data, "--sequential", "--output", tmp_path / "seq.json",
+        "--quiet")  # fmt: skip
+    mem, seq = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "seq.json"))
+    assert mem["tokens"] == seq["tokens"]
+    for a, b in zip(mem["layers"], seq["layers"]):
+        assert a["scores"] == pytest.approx(b["scores"], rel=1e-5)
+    run("prune", checkpoint, "--output", tmp_path / "pruned", "--criterion", "reap", "--sparsity", "0.25", "--data",
+        data, "--no-load", "--quiet")  # fmt: skip
+    report = json.loads((tmp_path / "pruned" / "report.json").read_text())
+    assert report["data"]["tokens"] == mem["tokens"] and report["budget_experts_removed"] == 8

@@ -50,6 +50,10 @@ def data_options(func):
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
                      help="Model dtype (default fp32)."),
         click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
+        click.option("--device", default=None,
+                     help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any]."),
+        click.option("--sequential", is_flag=True,
+                     help="Observe one decoder layer at a time without loading the whole model (score, prune --no-load)."),
         click.option("--quiet", is_flag=True, help="No progress bars."),
     ]  # fmt: skip
     for option in reversed(options):
@@ -70,6 +74,8 @@ def _data(kwargs) -> object:
         batch_size=kwargs["batch_size"],
         seed=kwargs["seed"],
         packing=kwargs["packing"],
+        device=kwargs.get("device"),
+        sequential=kwargs.get("sequential", False),
     )
 
 
@@ -112,41 +118,42 @@ def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
 @data_options
 def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
-    from .io import load_model, write_json
+    from .io import write_json
     from .models import MoEModel
     from .pipeline import require_tokenizer, score_experts, scores_document
 
     _check_criterion(criterion)
     if Path(output).exists() and not overwrite:
         raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
-    if streaming:
-        from .criteria import get_criterion
-        from .streaming import score_checkpoint
-
-        scores = score_checkpoint(model, criterion, seed=kwargs["seed"])
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        write_json(output, scores_document(get_criterion(criterion), scores, []))
-        click.echo(f"wrote {output} ({len(scores)} MoE layers, streamed from safetensors)")
-        return
     data = _data(kwargs)
-    loaded, tokenizer = load_model(model, dtype=kwargs["dtype"])
     from .criteria import get_criterion
+    from .distributed import init_distributed
 
-    if get_criterion(criterion).needs_data:
-        tokenizer = require_tokenizer(tokenizer, model, kwargs["tokenizer_path"])
-    crit, scores, stats, _ = score_experts(
-        MoEModel(loaded),
-        criterion,
-        tokenizer=tokenizer,
-        data=data,
-        seed=kwargs["seed"],
-        progress=not kwargs["quiet"],
-    )
+    rank, _ = init_distributed()
+    if streaming and get_criterion(criterion).needs_data:
+        raise MoePruneError(f"--streaming reads weights only; {criterion!r} needs data (use --sequential)")
+    if streaming or data.sequential:
+        from .pipeline import score_without_loading
+
+        crit, scores, stats, _ = score_without_loading(
+            model, criterion, data=data, tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"],
+            dtype=kwargs["dtype"], progress=not kwargs["quiet"] and rank == 0,
+        )  # fmt: skip
+    else:
+        from .pipeline import load_placed
+
+        loaded, tokenizer = load_placed(model, data, kwargs["dtype"])
+        if get_criterion(criterion).needs_data:
+            tokenizer = require_tokenizer(tokenizer, model, kwargs["tokenizer_path"])
+        crit, scores, stats, _ = score_experts(
+            MoEModel(loaded), criterion, tokenizer=tokenizer, data=data, seed=kwargs["seed"],
+            progress=not kwargs["quiet"] and rank == 0,
+        )  # fmt: skip
+    if rank != 0:  # torchrun: every rank holds the reduced statistics; one writes
+        return
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     write_json(output, scores_document(crit, scores, stats))
-    click.echo(
-        f"wrote {output} ({len(scores)} MoE layers, criterion {crit.name}, pruned first: {crit.prune_first})"
-    )
+    click.echo(f"wrote {output} ({len(scores)} MoE layers, criterion {crit.name}, pruned first: {crit.prune_first})")
 
 
 @main.command()
@@ -194,8 +201,11 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
 
         if method != "drop" or (allocation or "uniform") != "uniform":
             raise MoePruneError("--no-load rewrites shards for --method drop with --allocation uniform only")
-        report = prune_without_loading(model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"],
-                                       overwrite=overwrite)  # fmt: skip
+        report = prune_without_loading(
+            model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
+            data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
+            progress=not kwargs["quiet"],
+        )  # fmt: skip
         click.echo(f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}")
         return
     search = None

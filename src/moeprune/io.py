@@ -61,9 +61,15 @@ def load_config(path: str | Path):
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, device: str | None = None
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | None = None,
 ) -> tuple[PreTrainedModel, object | None]:
-    """Load a stock or moeprune-format checkpoint in eval mode, plus its tokenizer if it has one."""
+    """Load a stock or moeprune-format checkpoint in eval mode, plus its tokenizer if it has one.
+
+    `device_map="auto"` (accelerate) spreads a stock checkpoint over every visible GPU.
+    """
     path = check_model_path(path)
     if (path / MOEPRUNE_CONFIG).is_file():
         from .checkpoint import load_pretrained  # moeprune's own format (non-uniform results)
@@ -71,8 +77,9 @@ def load_model(
         model = load_pretrained(path, dtype=resolve_dtype(dtype), device=device)
     else:
         load_config(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-        if device:
+        extra = {"device_map": device_map} if device_map else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **extra)
+        if device and not device_map:
             model = model.to(device)
     model.eval()
     return model, load_tokenizer(path)

@@ -43,6 +43,8 @@ class _Accumulator:
         if ids.numel() == 0:
             return
         stats = self.stats[layer.index]
+        if stats.count.device != ids.device:
+            stats.to(ids.device)
         n_experts = stats.num_experts
         y32, x32 = y.float(), x.float()
         norms = y32.norm(dim=1)
@@ -125,7 +127,7 @@ def observe(
             tokens += int(mask.sum())
             model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
     stats = ExpertStats(
-        layers=[acc.stats[m.index] for m in moe.layers],
+        layers=[acc.stats[m.index].to("cpu") for m in moe.layers],
         tokens=tokens,
         samples=len(data.samples),
         truncated=data.truncated,

@@ -22,9 +22,8 @@ from .allocate import (
 from .criteria import Criterion, LayerScores, compute_scores, get_criterion, unseen_note
 from .data import CalibrationData, load_data, parse_source
 from .errors import DataError, MoePruneError
-from .io import atomic_write_dir, check_output_dir, load_model, load_tokenizer, write_json
+from .io import atomic_write_dir, check_model_path, check_output_dir, load_model, load_tokenizer, write_json
 from .models import MoEModel
-from .observe import observe
 from .plan import Plan
 from .stats import ExpertStats
 
@@ -68,6 +67,16 @@ class DataOptions:
     batch_size: int = 8
     seed: int = 0
     packing: bool = False
+    device: str | None = None  # None: the GPU when there is one, else the CPU; "auto": device_map="auto"
+    sequential: bool = False  # observe one decoder layer at a time, never loading the whole model
+
+
+def load_placed(model_path: str | Path, data: DataOptions | None, dtype: str | None):
+    """Load MODEL where --device / --dtype say (bf16 by default on GPU, fp32 on CPU)."""
+    from .distributed import placement
+
+    device, chosen, device_map = placement((data or DataOptions()).device, dtype)
+    return load_model(model_path, dtype=chosen, device=device, device_map=device_map)
 
 
 @dataclass
@@ -138,9 +147,11 @@ def score_experts(
     if criterion.needs_data or observe_for:
         sets = calibration_sets(tokenizer, criterion, data or DataOptions(), observe_for)
         pad = getattr(tokenizer, "pad_token_id", None) or 0
+        from .distributed import observe_distributed
+
         stats = [
-            observe(moe, d, batch_size=(data or DataOptions()).batch_size, pad_token_id=pad, progress=progress,
-                    neurons=neurons, domain=d.sources[0] if len(sets) > 1 else "")
+            observe_distributed(moe, d, batch_size=(data or DataOptions()).batch_size, pad_token_id=pad,
+                                progress=progress, neurons=neurons, domain=d.sources[0] if len(sets) > 1 else "")
             for d in sets
         ]  # fmt: skip
     scores = compute_scores(
@@ -360,7 +371,9 @@ def prune(
     if allocation == "evo" and not (search or {}).get("search_data"):
         raise MoePruneError("--allocation evo needs search data: pass --search-data FILE")
     timer = Timer()
-    model, tokenizer = load_model(model_path, dtype=dtype)
+    if data is not None and data.sequential:
+        raise MoePruneError("--sequential observes without loading the model: use it with `score` or `prune --no-load`")
+    model, tokenizer = load_placed(model_path, data, dtype)
     moe = MoEModel(model)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
     if crit.needs_data or needs_stats or allocation == "evo":
@@ -439,20 +452,55 @@ def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, s
     plot_search_curve(folder / "search_curve.png", search_doc["generations"])
 
 
+def score_without_loading(
+    model_path: str | Path,
+    criterion: str,
+    *,
+    data: DataOptions | None = None,
+    tokenizer_path: str | Path | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    progress: bool = True,
+) -> tuple[Criterion, list[LayerScores], list[ExpertStats], list[CalibrationData]]:
+    """Scores without ever holding the whole model: weights streamed from the shards, or
+    calibration statistics observed one decoder layer at a time (--sequential)."""
+    from .distributed import observe_sequential_distributed, placement
+    from .streaming import score_checkpoint
+
+    crit = get_criterion(criterion)
+    if not crit.needs_data:
+        return crit, score_checkpoint(model_path, criterion, seed=seed), [], []
+    data = data or DataOptions()
+    tokenizer = require_tokenizer(load_tokenizer(check_model_path(model_path)), model_path, tokenizer_path)
+    device, chosen, _ = placement(data.device if data.device != "auto" else None, dtype)
+    sets = calibration_sets(tokenizer, crit, data)
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    stats = [
+        observe_sequential_distributed(model_path, d, batch_size=data.batch_size, pad_token_id=pad, device=device,
+                                       dtype=chosen, progress=progress)
+        for d in sets
+    ]  # fmt: skip
+    scores = compute_scores(
+        crit.name, stats=stats if len(stats) > 1 else stats[0], seed=seed, layers=[s.layer for s in stats[0].layers]
+    )
+    return crit, scores, stats, sets
+
+
 def prune_without_loading(
     model_path: str | Path, output: str | Path, *, criterion: str, sparsity: float, seed: int = 0,
-    overwrite: bool = False,
+    overwrite: bool = False, data: DataOptions | None = None, tokenizer_path: str | Path | None = None,
+    dtype: str | None = None, progress: bool = True,
 ) -> dict:  # fmt: skip
-    """Weight-only scoring from the shards and a shard-by-shard rewrite: the model is never loaded."""
-    from .streaming import meta_model, rewrite_checkpoint, score_checkpoint
+    """Score without loading (streamed weights or layer-by-layer observation), then rewrite the
+    shards: the whole model is never in memory."""
+    from .streaming import meta_model, rewrite_checkpoint
 
     check_output_dir(output, overwrite)
-    crit = get_criterion(criterion)
-    if crit.needs_data:
-        raise MoePruneError(f"--no-load works with weight-only criteria (aimer, magnitude, random), not {criterion!r}")
     timer = Timer()
     moe = meta_model(model_path)
-    scores = score_checkpoint(model_path, criterion, seed=seed)
+    crit, scores, stats, sets = score_without_loading(
+        model_path, criterion, data=data, tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, progress=progress
+    )
     timer.lap("score")
     plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation="uniform", method="drop")
     report = {
@@ -468,7 +516,8 @@ def prune_without_loading(
         "budget_experts_removed": plan.extra.get("budget"),
         "removed_per_layer": {str(lp.layer): len(lp.dropped) for lp in plan.layers},
         "format": "stock",
-        "scores": scores_document(crit, scores, []),
+        "data": data_summary(sets, stats),
+        "scores": scores_document(crit, scores, stats),
     }
 
     def extra(tmp: Path) -> None:

@@ -64,6 +64,13 @@ class LayerStats:
         var = self.m2 / denom
         return torch.where((self.count > 1).unsqueeze(1), var, torch.zeros_like(var))
 
+    def to(self, device: torch.device | str) -> LayerStats:
+        """Move every accumulator to `device` in place (the observer accumulates where rows are)."""
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
     def add_moments(self, expert: int, n: int, batch_mean: torch.Tensor, batch_m2: torch.Tensor) -> None:
         """Merge a batch's mean and M2 (Chan et al.); call before updating `count`."""
         n_a = self.count[expert]
