@@ -44,7 +44,9 @@ def calibration(args) -> CalibrationData:
         n = args.seq_len - (i % 4) * (args.seq_len // 8)  # some padding, as in real calibration batches
         ids = torch.randint(3, args.vocab, (n,), generator=gen).tolist()
         samples.append(Sample(input_ids=ids, answer_mask=[True] * n, source="bench", truncated=False))
-    return CalibrationData(samples=samples, fingerprint="bench", truncated=0, text_only=True, sources=["bench"])
+    return CalibrationData(
+        samples=samples, fingerprint="bench", truncated=0, text_only=True, sources=["bench"]
+    )
 
 
 def plain_pass(moe: MoEModel, data: CalibrationData, batch_size: int) -> None:
@@ -54,7 +56,9 @@ def plain_pass(moe: MoEModel, data: CalibrationData, batch_size: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--family", default="qwen3_moe")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)

@@ -186,7 +186,9 @@ def test_prune_methods_end_to_end(checkpoint, data, tmp_path, method, extra):
     report = json.loads((out / "report.json").read_text())
     plan = json.loads((out / "plan.json").read_text())
     before, after = report["parameters_before"], report["parameters_after"]
-    assert plan["method"] == method and report["allocation"] == ("trapezoid" if method == "tenp" else "uniform")
+    assert plan["method"] == method and report["allocation"] == (
+        "trapezoid" if method == "tenp" else "uniform"
+    )
     if method == "novice":  # half the experts become d-vectors: routed parameters shrink by about half
         assert all(len(layer["novice"]) == 4 for layer in plan["layers"])
         assert after["routed_experts"] < 0.55 * before["routed_experts"]
@@ -212,20 +214,52 @@ def test_streaming_score_and_no_load_prune_match_in_memory(checkpoint, tmp_path)
     mem, stream = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "stream.json"))
     for a, b in zip(mem["layers"], stream["layers"]):
         assert a["order"] == b["order"] and a["scores"] == pytest.approx(b["scores"], rel=1e-12)
-    run("prune", checkpoint, "--output", tmp_path / "mem", "--criterion", "aimer", "--sparsity", "0.25", "--quiet")
-    run("prune", checkpoint, "--output", tmp_path / "shards", "--criterion", "aimer", "--sparsity", "0.25", "--no-load")
+    run(
+        "prune",
+        checkpoint,
+        "--output",
+        tmp_path / "mem",
+        "--criterion",
+        "aimer",
+        "--sparsity",
+        "0.25",
+        "--quiet",
+    )
+    run(
+        "prune",
+        checkpoint,
+        "--output",
+        tmp_path / "shards",
+        "--criterion",
+        "aimer",
+        "--sparsity",
+        "0.25",
+        "--no-load",
+    )
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         a = AutoModelForCausalLM.from_pretrained(tmp_path / "mem")(tokens).logits
         b = AutoModelForCausalLM.from_pretrained(tmp_path / "shards")(tokens).logits
     assert (a - b).abs().max() == 0
-    result = run("score", checkpoint, "--criterion", "reap", "--streaming", "--output", tmp_path / "x.json", ok=False)
+    result = run(
+        "score", checkpoint, "--criterion", "reap", "--streaming", "--output", tmp_path / "x.json", ok=False
+    )
     assert result.exit_code == 2 and "use --sequential" in result.output
 
 
 def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path):
     """Layer-by-layer observation gives the in-memory scores; --no-load then rewrites the shards."""
-    run("score", checkpoint, "--criterion", "reap", "--data", data, "--output", tmp_path / "mem.json", "--quiet")
+    run(
+        "score",
+        checkpoint,
+        "--criterion",
+        "reap",
+        "--data",
+        data,
+        "--output",
+        tmp_path / "mem.json",
+        "--quiet",
+    )
     run("score", checkpoint, "--criterion", "reap", "--data", data, "--sequential", "--output", tmp_path / "seq.json",
         "--quiet")  # fmt: skip
     mem, seq = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "seq.json"))
@@ -236,3 +270,26 @@ def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path
         data, "--no-load", "--quiet")  # fmt: skip
     report = json.loads((tmp_path / "pruned" / "report.json").read_text())
     assert report["data"]["tokens"] == mem["tokens"] and report["budget_experts_removed"] == 8
+
+
+@pytest.mark.parametrize("method", ["drop", "novice"])
+def test_prune_evo_search_writes_search_json_and_plots(checkpoint, data, tmp_path, method):
+    args = ["prune", checkpoint, "--criterion", "frequency", "--sparsity", "0.5", "--allocation", "evo",
+            "--method", method, "--data", data, "--search-data", data, "--search-samples", "8", "--population", "6",
+            "--elites", "2", "--generations", "3", "--quiet"]  # fmt: skip
+    out = tmp_path / "evo"
+    run(*args, "--output", out)
+    search = json.loads((out / "search.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert len(search["generations"]) == 3 and search["fitness"] == "esap"
+    assert sum(search["allocation"]) == 16 and search["fitness_value"] >= search["uniform"]["fitness_value"]
+    removed = [len(layer["dropped"]) + len(layer["novice"]) for layer in plan["layers"]]
+    assert removed == search["allocation"]
+    assert (out / "density.png").is_file() and (out / "search_curve.png").is_file()
+    assert not any(p.name.endswith("search_state.json") for p in tmp_path.iterdir())  # cleaned after success
+    # same seed, same result (interrupted-then-resumed equality is tested in test_search/test_evo)
+    run(*args, "--output", tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "search.json").read_text())
+    assert again["allocation"] == search["allocation"]
+    result = run(*args, "--output", tmp_path / "nothing", "--resume", ok=False)
+    assert result.exit_code == 2 and "nothing to resume" in result.output

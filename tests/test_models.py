@@ -168,9 +168,11 @@ def test_non_uniform_drop_works_in_memory_but_stock_save_refuses(family, tmp_pat
 def test_removing_below_top_k_is_refused():
     moe = MoEModel(tiny_model("olmoe"))
     layer = moe.layers[0]
-    with pytest.raises(MoePruneError, match="fewer than its top-k"):
-        with mask_experts(moe, {layer.index: list(range(7))}):
-            pass
+    with (
+        pytest.raises(MoePruneError, match="fewer than its top-k"),
+        mask_experts(moe, {layer.index: list(range(7))}),
+    ):
+        pass
     with pytest.raises(MoePruneError, match="out of range"):
         drop_experts(moe, {layer.index: [8]})
 

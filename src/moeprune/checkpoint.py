@@ -148,6 +148,8 @@ def load_pretrained(
         raise MoePruneError(f"{path} has no {WEIGHTS}; it is not a complete moeprune checkpoint")
     missing, unexpected = load_model(model, str(weights), strict=False)
     if unexpected:
-        raise MoePruneError(f"{weights} does not match {MOEPRUNE_CONFIG}: unexpected tensors {unexpected[:5]}")
+        raise MoePruneError(
+            f"{weights} does not match {MOEPRUNE_CONFIG}: unexpected tensors {unexpected[:5]}"
+        )
     _fill_tied(model, missing, weights)
     return (model.to(device) if device else model).eval()

@@ -153,26 +153,57 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
         return
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     write_json(output, scores_document(crit, scores, stats))
-    click.echo(f"wrote {output} ({len(scores)} MoE layers, criterion {crit.name}, pruned first: {crit.prune_first})")
+    click.echo(
+        f"wrote {output} ({len(scores)} MoE layers, criterion {crit.name}, pruned first: {crit.prune_first})"
+    )
 
 
 @main.command()
 @click.argument("model")
 @click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
 @click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
-@click.option("--sparsity", required=True, type=float,
-              help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.")
-@click.option("--allocation", type=click.Choice(["uniform", "global", "evo", "trapezoid"]), default=None,
-              help="How many experts each layer loses [default: uniform; trapezoid for tenp].")
-@click.option("--method", type=click.Choice(["drop", "novice", "neurons", "tenp"]), default="drop", show_default=True,
-              help="What happens to the chosen experts.")
-@click.option("--neuron-importance", type=click.Choice(["projection", "l2"]), default="projection", show_default=True,
-              help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.")
-@click.option("--important-fraction", type=float, default=None,
-              help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].")
-@click.option("--slope", type=float, default=0.5, show_default=True,
-              help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).")
-@click.option("--search-data", multiple=True, metavar="FILE[:WEIGHT]", help="evo: search data (prompt/answer JSONL...).")
+@click.option(
+    "--sparsity",
+    required=True,
+    type=float,
+    help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.",
+)
+@click.option(
+    "--allocation",
+    type=click.Choice(["uniform", "global", "evo", "trapezoid"]),
+    default=None,
+    help="How many experts each layer loses [default: uniform; trapezoid for tenp].",
+)
+@click.option(
+    "--method",
+    type=click.Choice(["drop", "novice", "neurons", "tenp"]),
+    default="drop",
+    show_default=True,
+    help="What happens to the chosen experts.",
+)
+@click.option(
+    "--neuron-importance",
+    type=click.Choice(["projection", "l2"]),
+    default="projection",
+    show_default=True,
+    help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
+)
+@click.option(
+    "--important-fraction",
+    type=float,
+    default=None,
+    help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].",
+)
+@click.option(
+    "--slope",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).",
+)
+@click.option(
+    "--search-data", multiple=True, metavar="FILE[:WEIGHT]", help="evo: search data (prompt/answer JSONL...)."
+)
 @click.option("--search-samples", type=int, default=64, show_default=True, help="evo: search samples.")
 @click.option("--fitness", type=click.Choice(["esap", "sap", "kl", "nll"]), default="esap", show_default=True)
 @click.option("--population", type=int, default=32, show_default=True)
@@ -206,7 +237,9 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
             data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
             progress=not kwargs["quiet"],
         )  # fmt: skip
-        click.echo(f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}")
+        click.echo(
+            f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}"
+        )
         return
     search = None
     if allocation == "evo":

@@ -72,7 +72,9 @@ class _Accumulator:
         delta = batch_mean - stats.mean
         ratio = torch.where(seen, counts / n_ab.clamp_min(1), torch.zeros_like(counts))
         stats.mean += delta * ratio.unsqueeze(1)
-        stats.m2 += torch.where(seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0)
+        stats.m2 += torch.where(
+            seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0
+        )
         stats.count += counts
         stats.weight_sum += segment(g64)
         stats.norm_sum += segment(norms64)

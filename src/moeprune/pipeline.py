@@ -50,11 +50,15 @@ def check_method(method: str, allocation: str) -> None:
     if method not in METHODS:
         raise MoePruneError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     if allocation not in ALLOCATIONS + ("evo",):
-        raise MoePruneError(f"unknown allocation {allocation!r}; choose one of: {', '.join(ALLOCATIONS + ('evo',))}")
+        raise MoePruneError(
+            f"unknown allocation {allocation!r}; choose one of: {', '.join(ALLOCATIONS + ('evo',))}"
+        )
     if (method == "tenp") != (allocation == "trapezoid"):
         raise MoePruneError("--method tenp goes with --allocation trapezoid (and trapezoid only with tenp)")
     if method == "neurons" and allocation != "uniform":
-        raise MoePruneError("--method neurons prunes every expert to the same width: use --allocation uniform")
+        raise MoePruneError(
+            "--method neurons prunes every expert to the same width: use --allocation uniform"
+        )
 
 
 @dataclass
@@ -107,7 +111,9 @@ def _no_tokenizer(path) -> None:
     )
 
 
-def calibration_sets(tokenizer, criterion: Criterion, options: DataOptions, why: str = "") -> list[CalibrationData]:
+def calibration_sets(
+    tokenizer, criterion: Criterion, options: DataOptions, why: str = ""
+) -> list[CalibrationData]:
     """One mixed set, or one set per source for TENP (it normalises per calibration domain)."""
     if not options.sources:
         raise DataError(f"{why or f'criterion {criterion.name!r}'} needs calibration data: pass --data FILE")
@@ -234,7 +240,9 @@ def importance_scores(criterion: Criterion, scores: Sequence[LayerScores]) -> li
 def removal_limits(moe: MoEModel) -> dict[str, list[int]]:
     """Per MoE layer: removals must be multiples of the routing groups and stay under the cap."""
     caps = [
-        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group) if m.n_group > 1 else m.num_experts - m.top_k
+        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group)
+        if m.n_group > 1
+        else m.num_experts - m.top_k
         for m in moe.layers
     ]
     return {"multiple_of": [m.n_group for m in moe.layers], "max_removed": caps}
@@ -256,7 +264,9 @@ def expert_allocation(
         return global_allocation(
             [s.scores for s in scores], criterion.prune_first, budget, num_experts, top_k, normalize, **limits
         )
-    raise MoePruneError(f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)")
+    raise MoePruneError(
+        f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)"
+    )
 
 
 def drop_plan(
@@ -372,7 +382,9 @@ def prune(
         raise MoePruneError("--allocation evo needs search data: pass --search-data FILE")
     timer = Timer()
     if data is not None and data.sequential:
-        raise MoePruneError("--sequential observes without loading the model: use it with `score` or `prune --no-load`")
+        raise MoePruneError(
+            "--sequential observes without loading the model: use it with `score` or `prune --no-load`"
+        )
     model, tokenizer = load_placed(model_path, data, dtype)
     moe = MoEModel(model)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
@@ -387,8 +399,6 @@ def prune(
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
     if allocation == "evo":
-        from .search import search_allocation
-
         removed, search_doc = search_allocation(
             moe, crit, scores, stats, sparsity, method=method, tokenizer=tokenizer, output=Path(output),
             seed=seed, progress=progress, data=data or DataOptions(), **(search or {}),
@@ -424,7 +434,8 @@ def prune(
         "scores": scores_document(crit, scores, stats),
     }
     if search_doc is not None:
-        report["search"] = {k: v for k, v in search_doc.items() if k != "generations"}
+        report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations",
+                                                       "teacher_cache", "notes") if k in search_doc}  # fmt: skip
 
     def write(tmp: Path) -> None:
         report["format"] = save_pretrained(model, tmp, tokenizer)
@@ -437,19 +448,100 @@ def prune(
         write_json(tmp / "report.json", report)
 
     atomic_write_dir(output, write, overwrite=overwrite)
+    if allocation == "evo":
+        search_state_path(Path(output)).unlink(missing_ok=True)
     return report
+
+
+SEARCH_STATE = "search_state.json"
+
+
+def search_state_path(output: Path) -> Path:
+    """The search checkpoints beside the output folder (the output itself only appears at the end)."""
+    return output.parent / f".{output.name}.{SEARCH_STATE}"
+
+
+def search_allocation(
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    stats: Sequence[ExpertStats],
+    sparsity: float,
+    *,
+    method: str,
+    tokenizer,
+    output: Path,
+    seed: int,
+    progress: bool,
+    data: DataOptions,
+    search_data: Sequence[str],
+    search_samples: int = 64,
+    fitness: str = "esap",
+    population: int = 32,
+    elites: int = 4,
+    generations: int = 50,
+    delta_max: int = 4,
+    tau_max: int = 3,
+    search_seed: int = 42,
+    resume: bool = False,
+) -> tuple[list[int], dict]:
+    """EvoESAP: experts removed per MoE layer, searched on teacher-forced answer tokens.
+
+    Candidates are evaluated with the method's virtual form (drop: router slicing; novice:
+    constant substitution), never by copying the model. The state is checkpointed every
+    generation beside OUTPUT; `resume` continues it and refuses other data or arguments.
+    """
+    from .allocate.evo import EvoConfig
+    from .search import run_evo_search
+
+    if method not in EXPERT_METHODS:
+        raise MoePruneError(
+            f"--allocation evo searches expert counts: use --method drop or novice, not {method!r}"
+        )
+    config = EvoConfig(population=population, elites=elites, generations=generations, delta_max=delta_max,
+                       tau_max=tau_max, seed=search_seed)  # fmt: skip
+    search_set = load_data(list(search_data), tokenizer, num_samples=search_samples or None,
+                           max_length=data.max_length, seed=seed)  # fmt: skip
+    budget = budget_from_sparsity(
+        sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
+    )
+    context = _novice_context(moe, stats) if method == "novice" else None
+    fingerprint = {"model_type": moe.model_type, "criterion": criterion.name, "method": method,
+                   "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
+    state = search_state_path(output)
+    if resume and not state.is_file():
+        raise MoePruneError(f"nothing to resume: no search state at {state}")
+    removed, document = run_evo_search(
+        moe, search_set, [s.order for s in scores], budget, fitness=fitness, config=config, state_path=state,
+        resume=resume, fingerprint=fingerprint, batch_size=data.batch_size, progress=progress,
+        pad_token_id=getattr(tokenizer, "pad_token_id", None), candidate_context=context,
+    )  # fmt: skip
+    return removed, document
+
+
+def _novice_context(moe: MoEModel, stats: Sequence[ExpertStats]):
+    """Virtual MoNE candidates: removed experts add g_i(t) mu_i instead of running."""
+    from .models.routed import RoutedOptions, override_routed
+    from .surgery.novice import layer_stats, mean_outputs
+
+    def context(removed: dict[int, list[int]]):
+        novices = {}
+        for index, positions in removed.items():
+            layer = moe.layer(index)
+            novices[index] = mean_outputs(layer, layer_stats(list(stats), layer), positions)
+        return override_routed(moe, RoutedOptions(novices=novices))
+
+    return context
 
 
 def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, search_doc: dict) -> None:
     from .plots import plot_layer_density, plot_search_curve
 
-    indices = [row["layer"] for row in layers]
-    totals = [row["experts"] for row in layers]
     plot_layer_density(
-        folder / "density.png", indices, totals,
-        {"uniform": search_doc["uniform_allocation"], "searched": search_doc["allocation"]},
+        folder / "density.png", search_doc["layers"], search_doc["num_experts"],
+        {"uniform": search_doc["uniform"]["allocation"], "evo": search_doc["allocation"]},
     )  # fmt: skip
-    plot_search_curve(folder / "search_curve.png", search_doc["generations"])
+    plot_search_curve(folder / "search_curve.png", search_doc["generations"], search_doc["fitness"])
 
 
 def score_without_loading(
@@ -481,7 +573,10 @@ def score_without_loading(
         for d in sets
     ]  # fmt: skip
     scores = compute_scores(
-        crit.name, stats=stats if len(stats) > 1 else stats[0], seed=seed, layers=[s.layer for s in stats[0].layers]
+        crit.name,
+        stats=stats if len(stats) > 1 else stats[0],
+        seed=seed,
+        layers=[s.layer for s in stats[0].layers],
     )
     return crit, scores, stats, sets
 
@@ -499,7 +594,13 @@ def prune_without_loading(
     timer = Timer()
     moe = meta_model(model_path)
     crit, scores, stats, sets = score_without_loading(
-        model_path, criterion, data=data, tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, progress=progress
+        model_path,
+        criterion,
+        data=data,
+        tokenizer_path=tokenizer_path,
+        seed=seed,
+        dtype=dtype,
+        progress=progress,
     )
     timer.lap("score")
     plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation="uniform", method="drop")

@@ -1,0 +1,97 @@
+"""PNG plots for reports (matplotlib, Agg backend: no display needed).
+
+Each function is independent: it opens its own figure, writes one PNG and closes the figure,
+so callers never leak figures and plots can be added without touching the others.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: headless, deterministic PNG output
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+PathLike = str | os.PathLike[str]
+
+
+def _save(fig: Any, path: PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _per_layer(value: int | Sequence[int], count: int) -> list[int]:
+    if isinstance(value, int):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{len(value)} expert counts for {count} layers")
+    return [int(v) for v in value]
+
+
+def plot_layer_density(
+    path: PathLike,
+    layer_indices: Sequence[int],
+    experts_total: int | Sequence[int],
+    allocations: Mapping[str, Sequence[int]],
+) -> Path:
+    """Kept fraction of routed experts per MoE layer, one line per plan (e.g. uniform vs searched).
+
+    ``allocations`` maps a label to the number of experts *removed* per layer, in the order of
+    ``layer_indices``; ``experts_total`` is the per-layer expert count before pruning.
+    """
+    totals = _per_layer(experts_total, len(layer_indices))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    markers = "osD^v<>p*"
+    for i, (label, removed) in enumerate(allocations.items()):
+        if len(removed) != len(layer_indices):
+            raise ValueError(f"allocation {label!r} has {len(removed)} layers, expected {len(layer_indices)}")
+        kept = [(n - r) / n for n, r in zip(totals, removed)]
+        ax.plot(list(layer_indices), kept, marker=markers[i % len(markers)], label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("kept fraction of routed experts")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("per-layer expert density")
+    return _save(fig, path)
+
+
+def _as_dict(entry: Any) -> dict[str, Any]:
+    return asdict(entry) if is_dataclass(entry) else dict(entry)
+
+
+def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fitness") -> Path:
+    """Best and mean fitness per generation, with every population member as a faint dot.
+
+    ``history`` entries are dicts or dataclasses with ``generation``, ``best``, ``mean`` and
+    optionally ``fitnesses`` (as in ``search.json``).
+    """
+    rows = [_as_dict(h) for h in history]
+    if not rows:
+        raise ValueError("empty search history: nothing to plot")
+    gens = [r["generation"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for r in rows:
+        values = r.get("fitnesses") or []
+        ax.scatter([r["generation"]] * len(values), values, s=6, color="0.7", zorder=1)
+    ax.plot(gens, [r["mean"] for r in rows], marker=".", label="population mean", zorder=2)
+    ax.plot(gens, [r["best"] for r in rows], marker="o", label="generation best", zorder=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("generation")
+    ax.set_ylabel(fitness)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("EvoESAP search")
+    return _save(fig, path)
