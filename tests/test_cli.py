@@ -293,3 +293,26 @@ def test_prune_evo_search_writes_search_json_and_plots(checkpoint, data, tmp_pat
     assert again["allocation"] == search["allocation"]
     result = run(*args, "--output", tmp_path / "nothing", "--resume", ok=False)
     assert result.exit_code == 2 and "nothing to resume" in result.output
+
+
+def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
+    out = tmp_path / "auto"
+    run("prune", checkpoint, "--output", out, "--criterion", "auto", "--sparsity", "0.25", "--data", data,
+        "--search-data", data, "--search-samples", "8", "--quiet")  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    table = report["criterion_auto"]["table"]
+    assert {row["criterion"] for row in table} == {
+        "magnitude",
+        "aimer",
+        "frequency",
+        "seer",
+        "ean",
+        "reap",
+        "mone",
+        "tenp",
+    }
+    best = max(table, key=lambda row: row["esap"])
+    assert report["criterion"] == best["criterion"] == report["criterion_auto"]["chosen"]
+    result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "auto", "--sparsity", "0.25",
+                 "--data", data, ok=False)  # fmt: skip
+    assert result.exit_code == 2 and "--criterion auto needs search data" in result.output

@@ -226,12 +226,15 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
     from .pipeline import MethodOptions
     from .pipeline import prune as run_prune
 
-    _check_criterion(criterion)
+    if criterion != "auto":
+        _check_criterion(criterion)
     if no_load:
         from .pipeline import prune_without_loading
 
-        if method != "drop" or (allocation or "uniform") != "uniform":
-            raise MoePruneError("--no-load rewrites shards for --method drop with --allocation uniform only")
+        if method != "drop" or (allocation or "uniform") != "uniform" or criterion == "auto":
+            raise MoePruneError(
+                "--no-load rewrites shards for --method drop with --allocation uniform and a named criterion only"
+            )
         report = prune_without_loading(
             model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
             data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
@@ -241,11 +244,9 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
             f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}"
         )
         return
-    search = None
-    if allocation == "evo":
-        search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness,
-                      population=population, elites=elites, generations=generations, delta_max=delta_max,
-                      tau_max=tau_max, search_seed=search_seed, resume=resume)  # fmt: skip
+    search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness, population=population,
+                  elites=elites, generations=generations, delta_max=delta_max, tau_max=tau_max,
+                  search_seed=search_seed, resume=resume)  # fmt: skip
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
         data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],

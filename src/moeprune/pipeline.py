@@ -371,15 +371,19 @@ def prune(
 
     `search` holds the EvoESAP settings when `allocation == "evo"` (see moeprune.search).
     """
+    from .auto import AUTO, choose_criterion
     from .checkpoint import save_pretrained
 
     allocation = allocation or default_allocation(method)
     check_method(method, allocation)
     check_output_dir(output, overwrite)  # fail before any expensive work
-    crit = get_criterion(criterion)
-    needs_stats = method != "drop"
-    if allocation == "evo" and not (search or {}).get("search_data"):
-        raise MoePruneError("--allocation evo needs search data: pass --search-data FILE")
+    search = search or {}
+    auto = criterion == AUTO
+    if (allocation == "evo" or auto) and not search.get("search_data"):
+        what = "--allocation evo" if allocation == "evo" else "--criterion auto"
+        raise MoePruneError(f"{what} needs search data: pass --search-data FILE")
+    crit = get_criterion("reap" if auto else criterion)  # auto: one observation feeds every criterion
+    needs_stats = method != "drop" or auto
     timer = Timer()
     if data is not None and data.sequential:
         raise MoePruneError(
@@ -392,16 +396,32 @@ def prune(
         tokenizer = require_tokenizer(tokenizer, model_path, tokenizer_path)
     timer.lap("load")
     crit, scores, stats, sets = score_experts(
-        moe, criterion, tokenizer=tokenizer, data=data, seed=seed, progress=progress,
-        observe_for=f"--method {method}" if needs_stats else "", neurons=method in ("neurons", "tenp"),
+        moe, crit.name, tokenizer=tokenizer, data=data, seed=seed, progress=progress,
+        observe_for=f"--method {method}" if method != "drop" else ("--criterion auto" if auto else ""),
+        neurons=method in ("neurons", "tenp"),
     )  # fmt: skip
+    auto_table = None
+    if auto:
+        options_data = data or DataOptions()
+        search_set = load_data(list(search["search_data"]), tokenizer, num_samples=search.get("search_samples") or None,
+                               max_length=options_data.max_length, seed=seed)  # fmt: skip
+        best, auto_table = choose_criterion(
+            moe, stats, search_set, sparsity=sparsity, method=method, fitness=search.get("fitness", "esap"),
+            batch_size=options_data.batch_size, pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            seed=seed, progress=progress,
+        )  # fmt: skip
+        crit = get_criterion(best)
+        scores = compute_scores(
+            best, stats=(stats if len(stats) > 1 else stats[0]) if crit.needs_data else None,
+            weights=moe.layers if crit.needs_weights else None, seed=seed, layers=[m.index for m in moe.layers],
+        )  # fmt: skip
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
     if allocation == "evo":
         removed, search_doc = search_allocation(
             moe, crit, scores, stats, sparsity, method=method, tokenizer=tokenizer, output=Path(output),
-            seed=seed, progress=progress, data=data or DataOptions(), **(search or {}),
+            seed=seed, progress=progress, data=data or DataOptions(), **search,
         )  # fmt: skip
         timer.lap("search")
     plan = build_plan(
@@ -433,6 +453,12 @@ def prune(
         "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]) if stats else [],
         "scores": scores_document(crit, scores, stats),
     }
+    if auto_table is not None:
+        report["criterion_auto"] = {
+            "fitness": search.get("fitness", "esap"),
+            "chosen": crit.name,
+            "table": auto_table,
+        }
     if search_doc is not None:
         report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations",
                                                        "teacher_cache", "notes") if k in search_doc}  # fmt: skip

@@ -1,0 +1,87 @@
+"""`--criterion auto`: pick the criterion whose uniform plan scores best on the search data.
+
+The best criterion differs per model (EvoESAP's finding), so rather than guess, every criterion
+is tried on the same footing: one calibration pass feeds all of them, the full model's answer
+distributions are computed once, and each criterion's uniform plan is evaluated through the
+method's virtual form (no model copy). The whole table goes into the report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .criteria import CRITERIA, compute_scores, get_criterion
+from .data import CalibrationData
+from .fitness import FitnessAccumulator, TeacherCache, check_fitness, higher_is_better
+from .models import MoEModel
+from .stats import ExpertStats
+
+AUTO = "auto"
+
+
+def candidate_criteria(has_data: bool) -> list[str]:
+    """Every deterministic criterion the available inputs allow (random is a baseline, not a choice)."""
+    return [c.name for c in CRITERIA.values() if c.name != "random" and (has_data or not c.needs_data)]
+
+
+def _teacher(moe: MoEModel, search: CalibrationData, batch_size: int, pad: int) -> tuple[TeacherCache, list]:
+    batches = list(search.batches(batch_size, pad))
+    teacher = TeacherCache()
+    with torch.no_grad():
+        for b in batches:
+            logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            teacher.add(b.sample_index.tolist(), logits, b.input_ids, b.answer_mask, b.attention_mask)
+    return teacher, batches
+
+
+def choose_criterion(
+    moe: MoEModel,
+    stats: Sequence[ExpertStats],
+    search: CalibrationData,
+    *,
+    sparsity: float,
+    method: str = "drop",
+    fitness: str = "esap",
+    batch_size: int = 8,
+    pad_token_id: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[str, list[dict]]:
+    """The best criterion for a uniform plan at `sparsity`, and every criterion's fitness."""
+    from .pipeline import build_plan, default_allocation
+    from .surgery.plans import virtual_plan
+
+    check_fitness(fitness)
+    teacher, batches = _teacher(moe, search, batch_size, pad_token_id)
+    domains = list(stats)
+    table = []
+    for name in tqdm(candidate_criteria(bool(domains)), desc="criterion auto", disable=not progress):
+        crit = get_criterion(name)
+        scores = compute_scores(
+            name,
+            stats=(domains if len(domains) > 1 else domains[0]) if crit.needs_data else None,
+            weights=moe.layers if crit.needs_weights else None,
+            seed=seed,
+            layers=[m.index for m in moe.layers],
+        )
+        plan = build_plan(
+            moe,
+            crit,
+            scores,
+            sparsity=sparsity,
+            allocation=default_allocation(method),
+            method=method,
+            stats=domains,
+        )
+        accumulator = FitnessAccumulator(teacher, fitness, seed)
+        with torch.no_grad(), virtual_plan(moe, plan, domains or None):
+            for b in batches:
+                logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+                accumulator.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
+        table.append({"criterion": name, fitness: accumulator.result()})
+    sign = 1.0 if higher_is_better(fitness) else -1.0
+    best = max(table, key=lambda row: sign * row[fitness])["criterion"]
+    return best, table
