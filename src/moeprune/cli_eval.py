@@ -57,7 +57,6 @@ def _check_output(output: str | None, overwrite: bool) -> None:
     "--spec-tokens", type=int, default=32, show_default=True, help="New tokens per prompt for accept."
 )
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampled speculative mode.")
-@click.option("--device", default=None, help="torch device for both models (default cpu).")
 @click.option(
     "--lm-eval-tasks", default=None, metavar="T1,T2", help="lm-eval-harness tasks (moeprune[eval])."
 )
@@ -68,7 +67,7 @@ def _check_output(output: str | None, overwrite: bool) -> None:
 @data_options
 def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics: str, output: str | None,
                  overwrite: bool, plots: bool, gamma: int, spec_mode: str, spec_prompts: int, spec_tokens: int,
-                 temperature: float, device: str | None, lm_eval_tasks: str | None, lm_eval_include: str | None,
+                 temperature: float, lm_eval_tasks: str | None, lm_eval_include: str | None,
                  limit: float | None, **kwargs) -> None:  # fmt: skip
     """Evaluate pruned MODEL(s) against REFERENCE: esap, kl, nll, ppl, accept, routing, layer-error, size.
 
@@ -79,7 +78,7 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
     _check_output(output, overwrite)
     options = EvalOptions(
         data=_data(kwargs), metrics=parse_metrics(metrics), tokenizer_path=kwargs["tokenizer_path"],
-        dtype=kwargs["dtype"], device=device, gamma=gamma, spec_modes=_SPEC_MODES[spec_mode],
+        dtype=kwargs["dtype"], device=kwargs.get("device"), gamma=gamma, spec_modes=_SPEC_MODES[spec_mode],
         spec_prompts=spec_prompts, spec_tokens=spec_tokens, temperature=temperature,
         lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
