@@ -1,8 +1,9 @@
 """`moeprune demo`: prune the locally trained demo MoE many ways and compare the results.
 
-One calibration pass feeds every data-driven criterion; every configuration is evaluated on the
-held-out split through reversible masks (the model is never copied), against teacher
-distributions computed once per domain.
+One calibration pass feeds every data-driven criterion and method; every configuration (criteria
+x allocations with drop, plus novices, expert-neuron pruning, TENP and short EvoESAP searches) is
+evaluated on the held-out split through the method's virtual form (the model is never copied),
+against teacher distributions computed once per domain.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..allocate import budget_from_sparsity
+from ..allocate.evo import EvoConfig
 from ..criteria import compute_scores, get_criterion
 from ..data import CalibrationData, load_data
 from ..fitness import FitnessAccumulator, TeacherCache
 from ..io import atomic_write_dir, check_output_dir, load_model, write_json
 from ..models import MoEModel
 from ..observe import observe
-from ..pipeline import build_plan, plan_positions
+from ..parameters import plan_routed_parameters, routed_parameters
+from ..pipeline import build_plan
 from ..plan import Plan
-from ..surgery import mask_experts
+from ..plots import plot_search_curve
+from ..search import run_evo_search
+from ..surgery.plans import virtual_plan
 from .corpus import DOMAINS
 from .train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
 
@@ -42,11 +48,15 @@ class DemoSettings:
     max_length: int = 256
     batch_size: int = 16
     seed: int = 0
+    search_samples: int = 64
+    population: int = 16
+    generations: int = 12
 
     @classmethod
     def for_mode(cls, quick: bool) -> DemoSettings:
         if quick:
-            return cls(quick=True, calibration_samples=96, eval_samples=32, max_length=128)
+            return cls(quick=True, calibration_samples=96, eval_samples=32, max_length=192, search_samples=32,
+                       population=12, generations=6)  # fmt: skip
         return cls()
 
 
@@ -74,27 +84,52 @@ class DomainEval:
         return {"esap": esap.result(), "nll": nll.result()}
 
 
-def configurations(quick: bool) -> Iterator[tuple[str, str, float]]:
-    for criterion in QUICK_CRITERIA if quick else CRITERIA:
-        for allocation in ALLOCATIONS:
-            for sparsity in SPARSITIES:
-                yield criterion, allocation, sparsity
+# Beyond criteria x allocations with drop: the other surgery methods and the searched allocation.
+EXTRA = (("mone", "uniform", "novice"), ("reap", "uniform", "neurons"), ("tenp", "trapezoid", "tenp"))
+SEARCHED = (("frequency", "drop"), ("reap", "drop"))
 
 
-def sizes_after(moe: MoEModel, plan: Plan, before: dict[str, int]) -> dict[str, int]:
-    """Parameter counts of the physically pruned model, computed from the plan (no surgery)."""
-    removed_total = removed_routed = 0
+def configurations(quick: bool) -> Iterator[tuple[str, str, str, float]]:
+    """(criterion, allocation, method, sparsity) rows of the comparison, cheapest first."""
+    for sparsity in SPARSITIES:
+        for criterion in QUICK_CRITERIA if quick else CRITERIA:
+            for allocation in ALLOCATIONS:
+                yield criterion, allocation, "drop", sparsity
+        for criterion, allocation, method in EXTRA:
+            yield criterion, allocation, method, sparsity
+        for criterion, method in SEARCHED[:1] if quick else SEARCHED:
+            yield criterion, "evo", method, sparsity
+
+
+def _sizes(moe: MoEModel, plan: Plan, before: dict[str, int]) -> dict[str, int]:
+    """Parameter counts the physically pruned model would have, from the plan (no surgery)."""
+    after = plan_routed_parameters(moe, plan)
+    router_rows = 0
     for layer_plan in plan.layers:
         layer = moe.layer(layer_plan.layer)
-        per_expert = layer.expert_param_count()
-        router_row = sum(p.numel() for p in layer.router.parameters()) // layer.num_experts
-        removed_routed += len(layer_plan.dropped) * per_expert
-        removed_total += len(layer_plan.dropped) * (per_expert + router_row)
+        router_rows += (
+            len(layer_plan.dropped) * sum(p.numel() for p in layer.router.parameters()) // layer.num_experts
+        )
+    total = before["total"] - (before["routed_experts"] - after["routed_experts"]) - router_rows
     return {
-        "total": before["total"] - removed_total,
-        "routed_experts": before["routed_experts"] - removed_routed,
-        "active_per_token": before["active_per_token"] - (removed_total - removed_routed),  # router rows
+        **after,
+        "total": total,
+        "active_per_token": total - after["routed_experts"] + after["active_routed_experts"],
     }
+
+
+def _search(
+    moe: MoEModel, scores, search: CalibrationData, sparsity: float, settings: DemoSettings, pad: int
+):
+    """A short EvoESAP search (the demo's budget: small population, few generations)."""
+    budget = budget_from_sparsity(
+        sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
+    )
+    config = EvoConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
+    return run_evo_search(
+        moe, search, [s.order for s in scores], budget, config=config, fingerprint={"demo": True},
+        batch_size=settings.batch_size, progress=False, pad_token_id=pad,
+    )  # fmt: skip
 
 
 def run_demo(
@@ -123,28 +158,45 @@ def run_demo(
         )
 
     calibration = data("train", DOMAINS, settings.calibration_samples)
-    stats = observe(moe, calibration, batch_size=settings.batch_size, pad_token_id=pad, progress=progress)
+    stats = observe(
+        moe, calibration, batch_size=settings.batch_size, pad_token_id=pad, neurons=True, progress=progress
+    )
+    search = data("search", DOMAINS, settings.search_samples)
     evals = {
         d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad)
         for d in DOMAINS
     }
-    before = moe.parameter_counts()
-    rows = [_row("full model", "-", 0.0, {d: e.score(nullcontext) for d, e in evals.items()}, before)]
+    before = routed_parameters(moe)
+    rows = [_row("full model", "-", "-", 0.0, {d: e.score(nullcontext) for d, e in evals.items()}, before)]
     configs = list(configurations(quick))
-    for criterion, allocation, sparsity in tqdm(configs, desc="demo", unit="config", disable=not progress):
+    searches = []
+    for criterion, allocation, method, sparsity in tqdm(
+        configs, desc="demo", unit="config", disable=not progress
+    ):
         crit = get_criterion(criterion)
         scores = compute_scores(
             criterion,
             stats=stats if crit.needs_data else None,
             weights=moe.layers if crit.needs_weights else None,
             seed=settings.seed,
-            num_experts=[m.num_experts for m in moe.layers],
             layers=[m.index for m in moe.layers],
         )
-        plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation=allocation)
-        removed = plan_positions(moe, plan)
-        metrics = {d: e.score(lambda removed=removed: mask_experts(moe, removed)) for d, e in evals.items()}
-        rows.append(_row(criterion, allocation, sparsity, metrics, sizes_after(moe, plan, before), plan))
+        removed = None
+        if allocation == "evo":
+            removed, document = _search(moe, scores, search, sparsity, settings, pad)
+            searches.append({"criterion": criterion, "sparsity": sparsity, **document})
+        plan = build_plan(
+            moe,
+            crit,
+            scores,
+            sparsity=sparsity,
+            allocation=allocation,
+            method=method,
+            stats=[stats],
+            removed=removed,
+        )
+        metrics = {d: e.score(lambda plan=plan: virtual_plan(moe, plan, stats)) for d, e in evals.items()}
+        rows.append(_row(criterion, allocation, method, sparsity, metrics, _sizes(moe, plan, before), plan))
     results = {
         "model": str(model_dir),
         "mode": "quick" if quick else "full",
@@ -152,6 +204,7 @@ def run_demo(
         "calibration": {"samples": len(calibration.samples), "tokens": stats.tokens},
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
+        "searches": [{k: v for k, v in s.items() if k != "generations"} for s in searches],
         "timing_s": {"model": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
     }
     table = format_table(results)
@@ -160,16 +213,20 @@ def run_demo(
         write_json(tmp / "results.json", results)
         (tmp / "results.md").write_text(table + "\n")
         _plots(tmp, moe, rows)
+        for doc in searches:
+            name = f"search_{doc['criterion']}_{int(doc['sparsity'] * 100)}.png"
+            plot_search_curve(tmp / name, doc["generations"], doc["fitness"])
 
     atomic_write_dir(output, write, overwrite=overwrite)
     results["table"] = table
     return results
 
 
-def _row(criterion, allocation, sparsity, metrics, sizes, plan: Plan | None = None) -> dict:
+def _row(criterion, allocation, method, sparsity, metrics, sizes, plan: Plan | None = None) -> dict:
     row = {
         "criterion": criterion,
         "allocation": allocation,
+        "method": method,
         "sparsity": sparsity,
         "nll": {d: round(m["nll"], 4) for d, m in metrics.items()},
         "esap": round(sum(m["esap"] for m in metrics.values()) / len(metrics), 4),
@@ -177,18 +234,19 @@ def _row(criterion, allocation, sparsity, metrics, sizes, plan: Plan | None = No
         "parameters": sizes,
     }
     if plan is not None:
-        row["kept_per_layer"] = [len(lp.kept) for lp in plan.layers]
+        row["kept_per_layer"] = [len(lp.kept) - len(lp.novice) for lp in plan.layers]
     return row
 
 
 def format_table(results: dict) -> str:
     domains = results["domains"]
-    head = ["criterion", "alloc", "sparsity", *[f"NLL {d}" for d in domains], "ESAP", "params (M)"]
+    head = ["criterion", "alloc", "method", "sparsity", *[f"NLL {d}" for d in domains], "ESAP", "params (M)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
         cells = [
             row["criterion"],
             row["allocation"],
+            row["method"],
             f"{row['sparsity']:.0%}",
             *[f"{row['nll'][d]:.3f}" for d in domains],
             f"{row['esap']:.4f}",
@@ -210,9 +268,13 @@ def _plots(folder: Path, moe: MoEModel, rows: list[dict]) -> None:
     for sparsity in SPARSITIES:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for row in rows:
-            if row["allocation"] == "global" and row["sparsity"] == sparsity:
+            if (
+                row["allocation"] in ("global", "evo")
+                and row["method"] == "drop"
+                and row["sparsity"] == sparsity
+            ):
                 density = [k / n for k, n in zip(row["kept_per_layer"], total)]
-                ax.plot(layers, density, marker="o", label=row["criterion"])
+                ax.plot(layers, density, marker="o", label=f"{row['criterion']} ({row['allocation']})")
         ax.axhline(1 - sparsity, color="gray", linestyle="--", label="uniform")
         ax.set(
             xlabel="decoder layer",
@@ -221,5 +283,5 @@ def _plots(folder: Path, moe: MoEModel, rows: list[dict]) -> None:
         )
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(folder / f"density_global_{int(sparsity * 100)}.png", dpi=110)
+        fig.savefig(folder / f"density_{int(sparsity * 100)}.png", dpi=110)
         plt.close(fig)
