@@ -31,7 +31,7 @@ import sysconfig
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 DOMAINS = ("code", "prose", "math")
 SPLITS = ("train", "search", "eval")
 # Cumulative thresholds of the source hash in [0, 1): 80% train, 10% search, 10% eval.
@@ -60,7 +60,7 @@ _SKIP_DIRS = frozenset(
     }
 )
 # C modules whose docstrings are compiled in, so present on every CPython.
-_DOC_MODULES = ("builtins", "math", "itertools", "sys", "time", "gc", "cmath")
+_DOC_MODULES = ("builtins", "math", "itertools", "time", "gc", "cmath")  # not sys: its hooks vary per process
 
 _CODE_LINES = (3, 40)
 _MAX_CODE_CHARS = 1500
@@ -186,7 +186,9 @@ def _object_docs() -> Iterator[tuple[str, str]]:
         except ImportError:
             continue
         for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not callable(obj):
+            # only the module's own objects: hooks such as sys.excepthook are replaced per process
+            # (pytest, IPython), which would make the corpus depend on who builds it
+            if name.startswith("_") or not callable(obj) or getattr(obj, "__module__", None) != mod_name:
                 continue
             members = [obj]
             if isinstance(obj, type):  # the class's own methods, not inherited ones
