@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -168,11 +169,15 @@ def test_cache_is_atomic_and_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(RuntimeError):
         get_demo_model(FIXTURE, cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+    killed = tmp_path / f".tmp-demo-{FIXTURE.key()}-99999999-abcdef12"  # no such pid: removed
+    running = tmp_path / f".tmp-demo-{FIXTURE.key()}-{os.getpid()}-abcdef12"  # a live build: kept
+    killed.mkdir()
+    running.mkdir()
     path = get_demo_model(FIXTURE, cache_dir=tmp_path)
     assert path == tmp_path / f"demo-{FIXTURE.key()}" and (path / train_mod.TRAINING_JSON).exists()
     assert get_demo_model(FIXTURE, cache_dir=tmp_path) == path and len(calls) == 2
     get_demo_model(FIXTURE, cache_dir=tmp_path, rebuild=True)
-    assert len(calls) == 3 and [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert len(calls) == 3 and sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, running.name])
     monkeypatch.setenv("MOEPRUNE_CACHE", str(tmp_path))
     assert get_demo_model(FIXTURE) == path and len(calls) == 3
 
