@@ -179,6 +179,7 @@ def run_demo(
             stats=stats if crit.needs_data else None,
             weights=moe.layers if crit.needs_weights else None,
             seed=settings.seed,
+            num_experts=[m.num_experts for m in moe.layers],
             layers=[m.index for m in moe.layers],
         )
         removed = None
