@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moeprune.data import CalibrationData, Sample
+from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe import observe
@@ -125,3 +126,12 @@ def test_padding_is_excluded_and_batching_does_not_matter():
         torch.testing.assert_close(a.count, b.count)
         torch.testing.assert_close(a.weight_sum, b.weight_sum, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(a.variance, b.variance, rtol=1e-5, atol=1e-7)
+
+
+def test_non_finite_activations_stop_with_the_layer_named():
+    model = tiny_model("olmoe")
+    moe = MoEModel(model)
+    with torch.no_grad():
+        moe.layers[1].experts.down_proj[:, 0, 0] = float("nan")  # every expert of decoder layer 1
+    with pytest.raises(MoePruneError, match="decoder layer 1"):
+        observe(moe, calibration(), batch_size=2, progress=False)

@@ -6,6 +6,7 @@ LayerScores, Plan), so scripts can stop, inspect or swap any stage.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -532,7 +533,7 @@ def search_allocation(
         sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
     context = _novice_context(moe, stats) if method == "novice" else None
-    fingerprint = {"model_type": moe.model_type, "criterion": criterion.name, "method": method,
+    fingerprint = {"model": model_fingerprint(moe), "criterion": criterion.name, "method": method,
                    "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
     state = search_state_path(output)
     if resume and not state.is_file():
@@ -543,6 +544,16 @@ def search_allocation(
         pad_token_id=getattr(tokenizer, "pad_token_id", None), candidate_context=context,
     )  # fmt: skip
     return removed, document
+
+
+def model_fingerprint(moe: MoEModel) -> str:
+    """Identifies the model a search ran on: its config and a checksum of its router weights."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(moe.config.to_dict(), sort_keys=True, default=str).encode())
+    for layer in moe.layers:
+        digest.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    return f"{moe.model_type}:{digest.hexdigest()[:16]}"
 
 
 def _novice_context(moe: MoEModel, stats: Sequence[ExpertStats]):
