@@ -153,7 +153,9 @@ def test_novices_beat_dropping_the_same_experts_on_the_trained_model(trained_moe
         removals=[lp.novice for lp in novice.layers], criterion="mone", allocation="uniform",
         method="drop", sparsity=0.25,
     )  # fmt: skip
-    evaluation = load_data([str(corpus / "prose_eval.jsonl")], tokenizer, num_samples=16, max_length=128)
+    # held-out data of the calibration distribution (mu_i is the mean output on that distribution)
+    held_out = [str(corpus / f"{d}_eval.jsonl") for d in ("code", "prose", "math")]
+    evaluation = load_data(held_out, tokenizer, num_samples=24, max_length=128)
     inputs = {m.index: [] for m in moe.layers}
     valid = None
     handles = [

@@ -61,7 +61,7 @@ def data_options(func):
     return func
 
 
-def _data(kwargs) -> object:
+def data_from_options(kwargs) -> object:
     from .pipeline import DataOptions
 
     if kwargs.get("threads"):
@@ -125,7 +125,7 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
     _check_criterion(criterion)
     if Path(output).exists() and not overwrite:
         raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
-    data = _data(kwargs)
+    data = data_from_options(kwargs)
     from .criteria import get_criterion
     from .distributed import init_distributed
 
@@ -237,7 +237,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
             )
         report = prune_without_loading(
             model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
-            data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
+            data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
             progress=not kwargs["quiet"],
         )  # fmt: skip
         click.echo(
@@ -249,7 +249,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
                   search_seed=search_seed, resume=resume)  # fmt: skip
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
-        data=_data(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
+        data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
         overwrite=overwrite or resume, progress=not kwargs["quiet"], search=search,
         options=MethodOptions(neuron_importance=neuron_importance, important_fraction=important_fraction, slope=slope),
     )  # fmt: skip

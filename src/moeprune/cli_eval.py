@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .cli import _data, data_options
+from .cli import data_from_options, data_options
 from .errors import MoePruneError
 from .evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
 
@@ -77,7 +77,7 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
         raise MoePruneError(f"{len(models)} MODELs given: pass --compare to evaluate them side by side")
     _check_output(output, overwrite)
     options = EvalOptions(
-        data=_data(kwargs), metrics=parse_metrics(metrics), tokenizer_path=kwargs["tokenizer_path"],
+        data=data_from_options(kwargs), metrics=parse_metrics(metrics), tokenizer_path=kwargs["tokenizer_path"],
         dtype=kwargs["dtype"], device=kwargs.get("device"), gamma=gamma, spec_modes=_SPEC_MODES[spec_mode],
         spec_prompts=spec_prompts, spec_tokens=spec_tokens, temperature=temperature,
         lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),

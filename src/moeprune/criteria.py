@@ -106,7 +106,7 @@ _DATA_SCORERS: dict[str, Callable[[LayerStats], torch.Tensor]] = {
 }
 
 # Weight criteria: (sum |w|, sum w^2, N) of one expert -> score.
-_WEIGHT_SCORERS: dict[str, Callable[[float, float, int], float]] = {
+WEIGHT_SCORERS: dict[str, Callable[[float, float, int], float]] = {
     "magnitude": lambda l1, sq, n: l1 / n,
     "aimer": lambda l1, sq, n: l1 / (math.sqrt(n) * math.sqrt(sq)),
 }
@@ -198,7 +198,7 @@ def _weight_sums(source: ExpertWeightSource, expert: int) -> tuple[float, float,
 
 
 def _weight_scores(name: str, sources: list[ExpertWeightSource]) -> dict[int, np.ndarray]:
-    scorer = _WEIGHT_SCORERS[name]
+    scorer = WEIGHT_SCORERS[name]
     out = {}
     for src in sources:
         scores = np.zeros(src.num_experts, dtype=np.float64)
@@ -256,7 +256,7 @@ def _check_counts(num_experts: Sequence[int] | None, result: list[LayerScores]) 
         raise MoePruneError(f"expert counts {list(num_experts)} do not match the scored layers' {got}")
 
 
-def _order(scores: np.ndarray, prune_first: str) -> list[int]:
+def pruning_order_of(scores: np.ndarray, prune_first: str) -> list[int]:
     key = -scores if prune_first == "highest" else scores
     return [int(i) for i in np.argsort(key, kind="stable")]
 
@@ -304,7 +304,9 @@ def compute_scores(
                 f"criterion {name!r} gave non-finite scores (NaN/Inf) in decoder layer {layer} "
                 f"for experts {bad.tolist()}; the calibration statistics or weights are corrupt"
             )
-        result.append(LayerScores(layer=layer, scores=scores, order=_order(scores, crit.prune_first)))
+        result.append(
+            LayerScores(layer=layer, scores=scores, order=pruning_order_of(scores, crit.prune_first))
+        )
     if crit.needs_data or crit.needs_weights:
         _check_counts(num_experts, result)
     return result

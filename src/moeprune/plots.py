@@ -22,7 +22,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 PathLike = str | os.PathLike[str]
 
 
-def _save(fig: Any, path: PathLike) -> Path:
+def save_figure(fig: Any, path: PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -65,7 +65,7 @@ def plot_layer_density(
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("per-layer expert density")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _as_dict(entry: Any) -> dict[str, Any]:
@@ -94,4 +94,4 @@ def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fi
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("EvoESAP search")
-    return _save(fig, path)
+    return save_figure(fig, path)

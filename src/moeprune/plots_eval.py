@@ -18,7 +18,7 @@ from matplotlib.ticker import MaxNLocator
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.report import is_eval_report, markdown_path, to_markdown
 from moeprune.plan import Plan
-from moeprune.plots import PathLike, _save, plot_layer_density, plot_search_curve, plt
+from moeprune.plots import PathLike, plot_layer_density, plot_search_curve, plt, save_figure
 
 PLAN_FILE = "plan.json"
 _MAX_JSON_BYTES = 64 * 2**20  # larger JSON files (statistics dumps) are not plot inputs
@@ -71,7 +71,7 @@ def plot_score_profiles(path: PathLike, score_docs: Mapping[str, dict]) -> Path:
         ax.axis("off")
     axes.flat[0].set_ylabel("scaled score")
     axes.flat[0].legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_acceptance(path: PathLike, doc: dict) -> Path:
@@ -101,7 +101,7 @@ def plot_acceptance(path: PathLike, doc: dict) -> Path:
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------ moeprune report DIR

@@ -47,7 +47,7 @@ from transformers.core_model_loading import (
     apply_renamings,
 )
 
-from .criteria import _WEIGHT_SCORERS, CRITERIA, LayerScores, _order, compute_scores, get_criterion
+from .criteria import CRITERIA, WEIGHT_SCORERS, LayerScores, compute_scores, get_criterion, pruning_order_of
 from .errors import MoePruneError
 from .io import MOEPRUNE_CONFIG, atomic_write_dir, check_model_path, load_config, write_json
 from .models import MoEModel
@@ -448,7 +448,7 @@ def _layer_scores(name: str, source: SafetensorsExperts, sums: _Sums) -> np.ndar
                 f"criterion {name!r}: expert {e} of decoder layer {source.layer} has no non-zero weights; "
                 "its score is undefined"
             )
-        scores[e] = _WEIGHT_SCORERS[name](l1, sq, n)
+        scores[e] = WEIGHT_SCORERS[name](l1, sq, n)
     return scores
 
 
@@ -474,7 +474,9 @@ def score_checkpoint(path: str | Path, criterion: str, seed: int = 0) -> list[La
         scores = _layer_scores(crit.name, source, sums)
         if not np.isfinite(scores).all():
             raise MoePruneError(f"criterion {criterion!r}: non-finite scores in decoder layer {source.layer}")
-        result.append(LayerScores(layer=source.layer, scores=scores, order=_order(scores, crit.prune_first)))
+        result.append(
+            LayerScores(layer=source.layer, scores=scores, order=pruning_order_of(scores, crit.prune_first))
+        )
     return result
 
 

@@ -103,7 +103,7 @@ def _experts_forward(layer: MoELayer, options: RoutedOptions):
     return forward
 
 
-def _input_weighted_block_forward(layer: MoELayer, options: RoutedOptions):
+def input_weighted_block_forward(layer: MoELayer, options: RoutedOptions):
     """Llama-4's block, computing only the selected experts (transformers runs all of them)."""
     block = layer.block
 
@@ -125,7 +125,7 @@ def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
     with ExitStack() as stack:
         for layer in moe.layers:
             if layer.spec.weight_on_input:
-                target, forward = layer.block, _input_weighted_block_forward(layer, options)
+                target, forward = layer.block, input_weighted_block_forward(layer, options)
             else:
                 target, forward = layer.experts, _experts_forward(layer, options)
             had_own = "forward" in target.__dict__

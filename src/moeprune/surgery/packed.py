@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import MoePruneError
 from ..models.adapter import EXPERT_IDS_ATTR, MoELayer
-from ..models.routed import RoutedOptions, _input_weighted_block_forward, routed_compute
+from ..models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
 from ..models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
 
 # Per-expert native tensors of each layout: name -> (axis of the neurons in one expert's tensor,
@@ -124,7 +124,7 @@ class PackedInputWeightedBlock:
 
     def forward(self, hidden_states):
         view = packed_view(self.experts, block=self)
-        return _input_weighted_block_forward(view, view.options())(hidden_states)
+        return input_weighted_block_forward(view, view.options())(hidden_states)
 
 
 @cache
