@@ -25,3 +25,21 @@ def trained_moe() -> tuple[Path, Path]:
 
     model_dir = get_demo_model(FIXTURE, progress=False, threads=1)
     return model_dir, model_dir / CORPUS_SUBDIR
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (4 MoE layers, 8 experts) with a byte-level tokenizer saved beside it.
+
+    Read-only: tests that modify a model copy it first.
+    """
+    from moeprune.models.factory import tiny_model
+    from moeprune.tokenizer import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny") / "ref"
+    tokenizer = byte_tokenizer()
+    tiny_model(
+        "qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[]
+    ).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

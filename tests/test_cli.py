@@ -13,20 +13,11 @@ from transformers import AutoModelForCausalLM
 import moeprune
 from moeprune.cli import main
 from moeprune.models import MoEModel
-from moeprune.models.factory import tiny_model
-from moeprune.tokenizer import byte_tokenizer
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE with a byte-level tokenizer saved beside it."""
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    tokenizer = byte_tokenizer()
-    tiny_model(
-        "qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[]
-    ).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

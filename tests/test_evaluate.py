@@ -47,15 +47,8 @@ def _options(sources: list[Path], metrics: str, samples: int | None = 16, **kwar
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen3-MoE (4 MoE layers, 8 experts) with a byte tokenizer."""
-    path = tmp_path_factory.mktemp("tiny") / "ref"
-    tokenizer = byte_tokenizer()
-    tiny_model(
-        "qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[]
-    ).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def tiny_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
