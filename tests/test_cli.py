@@ -120,6 +120,40 @@ def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
         (["--criterion", "reap", "--sparsity", "0.5"], "needs calibration data: pass --data"),
         (["--criterion", "aimer", "--sparsity", "0.9"], "outside the feasible range"),
         (["--criterion", "frequency", "--sparsity", "0.5", "--data", "missing.jsonl"], "does not exist"),
+        (
+            ["--criterion", "frequency", "--sparsity", "0.5", "--device", "banana"],
+            "unknown --device 'banana'",
+        ),
+        (
+            [
+                "--criterion",
+                "frequency",
+                "--sparsity",
+                "0.5",
+                "--allocation",
+                "evo",
+                "--search-data",
+                "nope.jsonl",
+            ],
+            "search data path nope.jsonl does not exist",
+        ),
+        (
+            [
+                "--criterion",
+                "frequency",
+                "--sparsity",
+                "0.5",
+                "--allocation",
+                "evo",
+                "--search-data",
+                __file__,
+                "--population",
+                "2",
+                "--elites",
+                "4",
+            ],
+            "population (2) must be >= elites (4)",
+        ),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(checkpoint, tmp_path, args, message):
@@ -307,3 +341,10 @@ def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
     result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "auto", "--sparsity", "0.25",
                  "--data", data, ok=False)  # fmt: skip
     assert result.exit_code == 2 and "--criterion auto needs search data" in result.output
+
+
+def test_prune_help_documents_every_option_family():
+    out = run("prune", "--help").output
+    for option in ("auto", "--allocation", "evo", "trapezoid", "--method", "novice", "--search-data", "--fitness",
+                   "--resume", "--no-load", "--sequential", "--device", "--important-fraction"):  # fmt: skip
+        assert option in out

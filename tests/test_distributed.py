@@ -19,19 +19,8 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.observe import observe
 from moeprune.observe_sequential import observe_sequential
-from moeprune.stats import ExpertStats
+from moeprune.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from test_observe import calibration
-
-SUMS = (
-    "weight_sum",
-    "norm_sum",
-    "weighted_norm_sum",
-    "tenp_sum",
-    "mean",
-    "m2",
-    "neuron_proj_sum",
-    "neuron_l2_sum",
-)
 
 
 def assert_same_stats(a: ExpertStats, b: ExpertStats, rtol: float = 1e-12) -> None:
@@ -39,7 +28,7 @@ def assert_same_stats(a: ExpertStats, b: ExpertStats, rtol: float = 1e-12) -> No
     for x, y in zip(a.layers, b.layers, strict=True):
         assert x.layer == y.layer
         assert torch.equal(x.count, y.count)
-        for name in SUMS:
+        for name in SUM_FIELDS[1:] + MOMENT_FIELDS + NEURON_FIELDS:
             torch.testing.assert_close(getattr(x, name), getattr(y, name), rtol=rtol, atol=1e-14)
 
 

@@ -161,7 +161,11 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
 @main.command()
 @click.argument("model")
 @click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
-@click.option("--criterion", required=True, help=f"One of: {', '.join(list_criteria())}.")
+@click.option(
+    "--criterion",
+    required=True,
+    help=f"One of: {', '.join(list_criteria())}; or auto (the best uniform plan on --search-data).",
+)
 @click.option(
     "--sparsity",
     required=True,

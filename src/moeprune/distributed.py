@@ -26,10 +26,10 @@ from .io import resolve_dtype
 from .models import MoEModel
 from .observe import observe
 from .observe_sequential import observe_sequential
-from .stats import ExpertStats, LayerStats
+from .stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats, LayerStats
 
-_MOMENT_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum", "mean", "m2")
-_NEURON_FIELDS = ("neuron_proj_sum", "neuron_l2_sum")
+_MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
+_NEURON_FIELDS = NEURON_FIELDS
 
 
 def is_distributed() -> bool:
@@ -68,7 +68,10 @@ def placement(
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # under torchrun: this rank's GPU
     elif device is None:
         device = "cpu"
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise MoePruneError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or auto") from None
     if dtype is None:
         chosen = torch.bfloat16 if resolved.type == "cuda" else torch.float32
     else:

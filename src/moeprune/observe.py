@@ -128,13 +128,6 @@ def observe(
             acc.valid = mask.reshape(-1).bool()
             tokens += int(mask.sum())
             model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
-    stats = ExpertStats(
-        layers=[acc.stats[m.index].to("cpu") for m in moe.layers],
-        tokens=tokens,
-        samples=len(data.samples),
-        truncated=data.truncated,
-        data_fingerprint=data.fingerprint,
-        domain=domain,
-    )
-    stats.notes.append(f"observed {tokens} tokens in {time.perf_counter() - start:.1f}s")
-    return stats
+    layers = [acc.stats[m.index].to("cpu") for m in moe.layers]
+    note = f"observed {tokens} tokens in {time.perf_counter() - start:.1f}s"
+    return ExpertStats.from_pass(layers, tokens, data, domain, note)

@@ -331,16 +331,8 @@ def observe_sequential(
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    result = ExpertStats(
-        layers=stats,
-        tokens=tokens,
-        samples=len(data.samples),
-        truncated=data.truncated,
-        data_fingerprint=data.fingerprint,
-        domain=domain,
-    )
-    result.notes.append(f"observed {tokens} tokens layer by layer in {time.perf_counter() - start:.1f}s")
-    return result
+    note = f"observed {tokens} tokens layer by layer in {time.perf_counter() - start:.1f}s"
+    return ExpertStats.from_pass(stats, tokens, data, domain, note)
 
 
 def _outer_modules(model: nn.Module) -> list[nn.Module]:

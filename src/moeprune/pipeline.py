@@ -383,6 +383,8 @@ def prune(
     if (allocation == "evo" or auto) and not search.get("search_data"):
         what = "--allocation evo" if allocation == "evo" else "--criterion auto"
         raise MoePruneError(f"{what} needs search data: pass --search-data FILE")
+    if allocation == "evo" or auto:
+        check_search_settings(search)
     crit = get_criterion("reap" if auto else criterion)  # auto: one observation feeds every criterion
     needs_stats = method != "drop" or auto
     timer = Timer()
@@ -544,6 +546,24 @@ def search_allocation(
         pad_token_id=getattr(tokenizer, "pad_token_id", None), candidate_context=context,
     )  # fmt: skip
     return removed, document
+
+
+def check_search_settings(search: dict) -> None:
+    """Everything about the search that can be wrong, checked before any model is loaded."""
+    from .allocate.evo import EvoConfig
+    from .fitness import check_fitness
+
+    for source in search.get("search_data", ()):
+        path = parse_source(source)[0]
+        if not Path(path).exists():
+            raise DataError(f"search data path {path} does not exist")
+    check_fitness(search.get("fitness", "esap"))
+    keys = ("population", "elites", "generations", "delta_max", "tau_max")
+    config = EvoConfig(**{k: search[k] for k in keys if k in search})
+    if config.population < config.elites:
+        raise MoePruneError(f"evo population ({config.population}) must be >= elites ({config.elites})")
+    if min(config.generations, config.delta_max, config.tau_max, config.elites) < 1:
+        raise MoePruneError("--generations, --delta-max, --tau-max and --elites must be at least 1")
 
 
 def model_fingerprint(moe: MoEModel) -> str:

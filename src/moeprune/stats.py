@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 F64 = torch.float64
+SUM_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum")  # plain fp64 sums, [E]
+MOMENT_FIELDS = ("mean", "m2")  # Welford moments, [E, d]
+NEURON_FIELDS = ("neuron_proj_sum", "neuron_l2_sum")  # optional, [E, I]
 
 
 @dataclass
@@ -89,9 +92,9 @@ class LayerStats:
             raise ValueError(f"cannot merge statistics of different layers ({other.layer} vs {self.layer})")
         for e in torch.nonzero(other.count > 0).flatten().tolist():
             self.add_moments(e, float(other.count[e]), other.mean[e], other.m2[e])
-        for name in ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum"):
+        for name in SUM_FIELDS:
             getattr(self, name).add_(getattr(other, name))
-        for name in ("neuron_proj_sum", "neuron_l2_sum"):
+        for name in NEURON_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 mine.add_(theirs)
@@ -116,6 +119,20 @@ class ExpertStats:
     data_fingerprint: str = ""
     domain: str = ""
     notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_pass(cls, layers: list[LayerStats], tokens: int, data, domain: str, note: str) -> ExpertStats:
+        """The result of one observation pass over `data` (a CalibrationData)."""
+        stats = cls(
+            layers=layers,
+            tokens=tokens,
+            samples=len(data.samples),
+            truncated=data.truncated,
+            data_fingerprint=data.fingerprint,
+            domain=domain,
+        )
+        stats.notes.append(note)
+        return stats
 
     def layer(self, layer_index: int) -> LayerStats:
         for stats in self.layers:
