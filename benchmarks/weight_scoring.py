@@ -10,7 +10,8 @@ view without touching the bytes). Two page-cache states:
 - warm: the page cache holds the shards, the read runs at memory speed, and the ratio measures
   pure compute overhead (fp64 sums) over a memcpy: the hardest case.
 
-Alternating runs, best of N. Peak memory is measured in a fresh process (so no earlier run's
+Scoring is timed with one worker thread and with one per core (`--workers`); the read is one
+thread (a memcpy per byte from the page cache). Alternating runs, best of N. Peak memory is measured in a fresh process (so no earlier run's
 freed memory hides it): the largest anonymous resident memory (RssAnon, sampled every
 millisecond) above the level before the run. The memory-mapped shards are page cache, which the
 kernel reclaims at will, and are not counted.
@@ -31,8 +32,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from moeprune.demo.train import cache_root
 from moeprune.io import atomic_write_dir, resolve_dtype
@@ -134,14 +133,13 @@ def peak_memory(fn: Callable[[], object]) -> int:
     return max(0, max(peak[0], rss_anon()) - base)
 
 
-def peak_in_fresh_process(kind: str, path: str, criterion: str, threads: int) -> int:
+def peak_in_fresh_process(kind: str, path: str, criterion: str, workers: int) -> int:
     """peak_memory of one read or score run, in a process that has allocated nothing else."""
-    torch.set_num_threads(threads)
     layout = CheckpointLayout(path)
     keys = expert_keys(layout)
     if kind == "read":
         return peak_memory(lambda: read_once(Path(path), layout, keys))
-    return peak_memory(lambda: score_checkpoint(path, criterion))
+    return peak_memory(lambda: score_checkpoint(path, criterion, workers=workers))
 
 
 def main() -> None:
@@ -157,13 +155,15 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+        help="Scoring worker threads to time (default: 1 and one per core).",
+    )  # fmt: skip
     parser.add_argument(
         "--cache", nargs="+", choices=("warm", "cold"), default=["warm", "cold"],
         help="Page-cache states to measure; cold evicts the shards before every run.",
     )  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else build(args)
     layout = CheckpointLayout(path)
     keys = expert_keys(layout)
@@ -176,32 +176,39 @@ def main() -> None:
     files = sorted({layout.tensors[k].file for k in keys})
     read_once(path, layout, keys)  # warm-up (imports, page cache)
     score_checkpoint(path, args.criterion)
+    setup = min(timed(lambda: CheckpointLayout(path), lambda: None)[0] for _ in range(args.repeats))
+    print(f"fixed cost in every score: config, meta model, headers and key mapping {setup:.3f}s")
     ratios = {}
     for cache in args.cache:
         prepare = (lambda: drop_page_cache(path, files)) if cache == "cold" else (lambda: None)
-        runs = [
-            (timed(lambda: read_once(path, layout, keys), prepare), timed(lambda: score_checkpoint(path, args.criterion), prepare))
-            for _ in range(args.repeats)
-        ]  # fmt: skip
-        reads, scores = zip(*runs)
-        (read_wall, read_cpu), (score_wall, score_cpu) = min(reads), min(scores)
-        ratios[cache] = (score_wall / read_wall, score_cpu / read_cpu)
+        reads, scores = [], defaultdict(list)
+        for _ in range(args.repeats):
+            reads.append(timed(lambda: read_once(path, layout, keys), prepare))
+            for w in args.workers:
+                scores[w].append(
+                    timed(lambda w=w: score_checkpoint(path, args.criterion, workers=w), prepare)
+                )
+        read_wall, read_cpu = min(reads)
         print(f"[{cache} page cache] read the expert bytes once (plain reads): best {read_wall:.3f}s of "
               f"{args.repeats} ({nbytes / read_wall / 2**30:.2f} GiB/s), cpu {read_cpu:.3f}s")  # fmt: skip
-        print(f"[{cache} page cache] score_checkpoint({args.criterion!r}) incl. config, meta model and headers: "
-              f"best {score_wall:.3f}s ({nbytes / score_wall / 2**30:.2f} GiB/s), cpu {score_cpu:.3f}s")  # fmt: skip
+        for w in args.workers:
+            score_wall, score_cpu = min(scores[w])
+            ratios[cache, w] = (score_wall / read_wall, score_cpu / read_cpu)
+            print(f"[{cache} page cache] score_checkpoint({args.criterion!r}, workers={w}) incl. the fixed cost: "
+                  f"best {score_wall:.3f}s ({nbytes / score_wall / 2**30:.2f} GiB/s), cpu {score_cpu:.3f}s")  # fmt: skip
     spawn = multiprocessing.get_context("spawn")
     with spawn.Pool(1, maxtasksperchild=1) as pool:  # a fresh process per measurement
         peaks = {
-            kind: pool.apply(peak_in_fresh_process, (kind, str(path), args.criterion, args.threads))
+            kind: pool.apply(peak_in_fresh_process, (kind, str(path), args.criterion, max(args.workers)))
             for kind in ("read", "score")
         }
     print(f"peak extra anonymous memory (fresh process, RssAnon sampled every ms): read {peaks['read'] / 2**20:.1f} MiB, "
           f"score {peaks['score'] / 2**20:.1f} MiB; one layer's experts {layer_bytes / 2**20:.1f} MiB, "
           f"one expert {expert_bytes / 2**20:.2f} MiB, all experts {nbytes / 2**20:.1f} MiB")  # fmt: skip
     print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for cache, (wall, cpu) in ratios.items():
-        print(f"[{cache} page cache] scoring / read ratio: {wall:.3f}x wall ({cpu:.3f}x cpu time)")
+    for (cache, w), (wall, cpu) in ratios.items():
+        print(f"[{cache} page cache, {w} worker{'s' * (w > 1)}] scoring / read ratio: {wall:.3f}x wall "
+              f"({cpu:.3f}x cpu time)")  # fmt: skip
 
 
 if __name__ == "__main__":

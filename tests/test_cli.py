@@ -238,7 +238,9 @@ def test_streaming_score_and_no_load_prune_match_in_memory(checkpoint, tmp_path)
     run("score", checkpoint, "--criterion", "aimer", "--streaming", "--output", tmp_path / "stream.json")
     mem, stream = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "stream.json"))
     for a, b in zip(mem["layers"], stream["layers"]):
-        assert a["order"] == b["order"] and a["scores"] == pytest.approx(b["scores"], rel=1e-12)
+        assert a["order"] == b["order"] and a["scores"] == pytest.approx(
+            b["scores"], rel=1e-6
+        )  # streaming sums fp32 blocks
     run(
         "prune",
         checkpoint,

@@ -218,8 +218,8 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
 @click.option("--search-seed", type=int, default=42, show_default=True, help="evo: seed of the search.")
 @click.option("--resume", is_flag=True, help="evo: continue an interrupted search from OUTPUT's state file.")
 @click.option("--no-load", is_flag=True,
-              help="Never load the model: score (weight-only criteria) from the shards and rewrite them shard by "
-                   "shard (drop, uniform allocation).")  # fmt: skip
+              help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
+                   "then rewrite the shards one by one; --method drop or neurons, uniform allocation.")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @data_options
 def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
@@ -227,26 +227,36 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
           search_samples: int, fitness: str, population: int, elites: int, generations: int, delta_max: int,
           tau_max: int, search_seed: int, resume: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
+    from .distributed import init_distributed
     from .pipeline import MethodOptions
     from .pipeline import prune as run_prune
 
     if criterion != "auto":
         _check_criterion(criterion)
+    rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
     if no_load:
         from .pipeline import prune_without_loading
 
-        if method != "drop" or (allocation or "uniform") != "uniform" or criterion == "auto":
+        if method not in ("drop", "neurons") or (allocation or "uniform") != "uniform" or criterion == "auto":
             raise MoePruneError(
-                "--no-load rewrites shards for --method drop with --allocation uniform and a named criterion only"
+                "--no-load rewrites shards for --method drop or neurons with --allocation uniform and a named "
+                f"criterion only (got --method {method}, --allocation {allocation or 'default'}, --criterion "
+                f"{criterion}); load the model for the rest: drop --no-load"
             )
         report = prune_without_loading(
             model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
             data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
-            progress=not kwargs["quiet"],
+            progress=not kwargs["quiet"] and rank == 0, method=method,
+            options=MethodOptions(neuron_importance=neuron_importance),
         )  # fmt: skip
-        click.echo(
-            f"pruned {report['budget_experts_removed']} experts without loading the model; saved to {output}"
-        )
+        if rank != 0:
+            return
+        if method == "neurons":
+            width = report["surgery"].get("intermediate_size")
+            done = f"shrank every routed expert to {width} neurons" if width else "kept every neuron"
+        else:
+            done = f"pruned {report['budget_experts_removed']} experts"
+        click.echo(f"{done} without loading the model; saved to {output}")
         return
     search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness, population=population,
                   elites=elites, generations=generations, delta_max=delta_max, tau_max=tau_max,
@@ -254,9 +264,11 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
         data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
-        overwrite=overwrite or resume, progress=not kwargs["quiet"], search=search,
+        overwrite=overwrite or resume, progress=not kwargs["quiet"] and rank == 0, search=search,
         options=MethodOptions(neuron_importance=neuron_importance, important_fraction=important_fraction, slope=slope),
     )  # fmt: skip
+    if rank != 0:
+        return
     before, after = report["parameters_before"], report["parameters_after"]
     click.echo(
         f"pruned with {method} ({criterion}, {report['allocation']}); parameters {before['total']:,} -> "

@@ -55,8 +55,10 @@ def placement(
     """(input device, dtype, device_map) for loading and observing.
 
     ``device``: None picks the GPU (this rank's under torchrun) when there is one, else the CPU;
-    ``"auto"`` spreads the model over every visible GPU (then CPU, then disk) with accelerate's
-    ``device_map="auto"`` (needs ``pip install accelerate``); inputs then go to the first GPU.
+    ``"auto"`` spreads the model over every visible GPU with accelerate's ``device_map="auto"``
+    (needs ``pip install accelerate``); inputs then go to the first GPU. A model that does not fit
+    the GPUs is refused after loading (see ``io.check_not_offloaded``): ``--sequential`` is the
+    CPU-offload path.
     ``dtype``: None gives bf16 on GPUs and fp32 on the CPU.
     """
     device_map = None
@@ -168,3 +170,29 @@ def _unflatten(flat: torch.Tensor, template: ExpertStats) -> tuple[list[LayerSta
             offset += ref.numel()
         layers.append(dataclasses.replace(s, **values))
     return layers, int(flat[offset])
+
+
+# ---------------------------------------------------------------------------------------------
+# Small collectives for the data-parallel search (moeprune.search) and rank-0-only writing
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the joined torchrun group; (0, 1) when not distributed."""
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's picklable ``obj`` in rank order, on every rank (gloo and NCCL); ``[obj]`` alone."""
+    if not is_distributed():
+        return [obj]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op when not distributed)."""
+    if is_distributed():
+        dist.barrier()

@@ -81,8 +81,23 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **extra)
         if device and not device_map:
             model = model.to(device)
+        if device_map:
+            check_not_offloaded(model)
     model.eval()
     return model, load_tokenizer(path)
+
+
+def check_not_offloaded(model: PreTrainedModel) -> None:
+    """Refuse a model accelerate spilled to CPU or disk: it leaves those weights on the meta device
+    and loads them only inside each module's own forward, while moeprune reads expert weights
+    and router rows directly (routed compute, masks, surgery)."""
+    offloaded = sorted({name.rsplit(".", 1)[0] for name, p in model.named_parameters() if p.is_meta})
+    if offloaded:
+        raise MoePruneError(
+            f"the model does not fit on the GPUs: accelerate offloaded {len(offloaded)} modules to CPU or disk "
+            f"(first: {offloaded[0]}), and moeprune needs every weight on a device; observe layer by layer "
+            "with --sequential, prune with --no-load, or use more GPUs"
+        )
 
 
 def load_tokenizer(path: str | Path):

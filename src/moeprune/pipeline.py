@@ -371,13 +371,18 @@ def prune(
     """Load, score, plan, cut and save; returns the report written beside the checkpoint.
 
     `search` holds the EvoESAP settings when `allocation == "evo"` (see moeprune.search).
+    Under torchrun (after `init_distributed()`) every rank runs this with the same arguments:
+    observation and the search are data-parallel, and rank 0 alone writes OUTPUT.
     """
     from .auto import AUTO, choose_criterion
     from .checkpoint import save_pretrained
+    from .distributed import barrier, rank_and_world
 
     allocation = allocation or default_allocation(method)
     check_method(method, allocation)
     check_output_dir(output, overwrite)  # fail before any expensive work
+    rank, _ = rank_and_world()
+    barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
     search = search or {}
     auto = criterion == AUTO
     if (allocation == "evo" or auto) and not search.get("search_data"):
@@ -476,9 +481,13 @@ def prune(
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
 
+    if rank != 0:  # torchrun: every rank holds the same result; one writes
+        return report
     atomic_write_dir(output, write, overwrite=overwrite)
-    if allocation == "evo":
-        search_state_path(Path(output)).unlink(missing_ok=True)
+    if allocation == "evo":  # the search's state and race log (moeprune.search) are done with
+        state = search_state_path(Path(output))
+        state.unlink(missing_ok=True)
+        state.with_name(state.name + ".raced.json").unlink(missing_ok=True)
     return report
 
 
@@ -610,25 +619,34 @@ def score_without_loading(
     seed: int = 0,
     dtype: str | None = None,
     progress: bool = True,
+    observe_for: str = "",
+    neurons: bool = False,
 ) -> tuple[Criterion, list[LayerScores], list[ExpertStats], list[CalibrationData]]:
     """Scores without ever holding the whole model: weights streamed from the shards, or
-    calibration statistics observed one decoder layer at a time (--sequential)."""
+    calibration statistics observed one decoder layer at a time (--sequential).
+
+    `observe_for` names a surgery method that needs the statistics whatever the criterion
+    (`neurons`: with neuron sums); the criterion is then only a label for a weight-only
+    criterion, whose scores are not streamed (an empty list: the method does not use them).
+    """
     from .distributed import observe_sequential_distributed, placement
     from .streaming import score_checkpoint
 
     crit = get_criterion(criterion)
-    if not crit.needs_data:
+    if not crit.needs_data and not observe_for:
         return crit, score_checkpoint(model_path, criterion, seed=seed), [], []
     data = data or DataOptions()
     tokenizer = require_tokenizer(load_tokenizer(check_model_path(model_path)), model_path, tokenizer_path)
     device, chosen, _ = placement(data.device if data.device != "auto" else None, dtype)
-    sets = calibration_sets(tokenizer, crit, data)
+    sets = calibration_sets(tokenizer, crit, data, observe_for)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     stats = [
         observe_sequential_distributed(model_path, d, batch_size=data.batch_size, pad_token_id=pad, device=device,
-                                       dtype=chosen, progress=progress)
+                                       dtype=chosen, progress=progress, neurons=neurons)
         for d in sets
     ]  # fmt: skip
+    if not crit.needs_data:
+        return crit, [], stats, sets
     scores = compute_scores(
         crit.name,
         stats=stats if len(stats) > 1 else stats[0],
@@ -638,18 +656,36 @@ def score_without_loading(
     return crit, scores, stats, sets
 
 
+NO_LOAD_METHODS = ("drop", "neurons")  # what `prune --no-load` can write as a stock checkpoint
+
+
 def prune_without_loading(
     model_path: str | Path, output: str | Path, *, criterion: str, sparsity: float, seed: int = 0,
     overwrite: bool = False, data: DataOptions | None = None, tokenizer_path: str | Path | None = None,
-    dtype: str | None = None, progress: bool = True,
+    dtype: str | None = None, progress: bool = True, method: str = "drop", options: MethodOptions | None = None,
 ) -> dict:  # fmt: skip
     """Score without loading (streamed weights or layer-by-layer observation), then rewrite the
-    shards: the whole model is never in memory."""
+    shards: the whole model is never in memory.
+
+    `method` "drop" removes whole experts (uniform allocation); "neurons" keeps each routed
+    expert's top-K neurons (K the same for all: a stock checkpoint), chosen from neuron
+    statistics observed layer by layer.
+    """
     from .streaming import meta_model, rewrite_checkpoint
 
+    if method not in NO_LOAD_METHODS:
+        raise MoePruneError(
+            f"--no-load rewrites shards for --method {' or '.join(NO_LOAD_METHODS)} (uniform allocation); "
+            f"--method {method} needs the loaded model: drop --no-load"
+        )
     check_output_dir(output, overwrite)
     timer = Timer()
     moe = meta_model(model_path)
+    if method == "neurons":
+        return _shrink_without_loading(
+            model_path, output, moe, timer, criterion=criterion, sparsity=sparsity, seed=seed, overwrite=overwrite,
+            data=data, tokenizer_path=tokenizer_path, dtype=dtype, progress=progress, options=options,
+        )  # fmt: skip
     crit, scores, stats, sets = score_without_loading(
         model_path,
         criterion,
@@ -683,5 +719,76 @@ def prune_without_loading(
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
 
-    rewrite_checkpoint(model_path, output, plan, overwrite=overwrite, extra=extra)
+    if _writes_outputs():
+        rewrite_checkpoint(model_path, output, plan, overwrite=overwrite, extra=extra)
+    return report
+
+
+def _writes_outputs() -> bool:
+    """Under torchrun every rank observes its share of the data; rank 0 alone writes."""
+    from .distributed import rank_and_world
+
+    return rank_and_world()[0] == 0
+
+
+def _shrink_without_loading(
+    model_path: str | Path, output: str | Path, moe: MoEModel, timer: Timer, *, criterion: str, sparsity: float,
+    seed: int, overwrite: bool, data: DataOptions | None, tokenizer_path: str | Path | None, dtype: str | None,
+    progress: bool, options: MethodOptions | None,
+) -> dict:  # fmt: skip
+    """`prune_without_loading` for --method neurons: observe with neuron sums, plan, rewrite."""
+    from .criteria import unseen_note
+    from .streaming import meta_model
+    from .streaming_neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
+    from .surgery.neurons import check_importance
+    from .surgery.plans import resolve_plan
+
+    options = options or MethodOptions()
+    importance = check_importance(options.neuron_importance)
+    check_stock_shrink(moe)  # before any observation
+    before_layers, before_params = layer_summary(moe), parameter_summary(moe)
+    crit, scores, stats, sets = score_without_loading(
+        model_path, criterion, data=data, tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, progress=progress,
+        observe_for="--method neurons", neurons=True,
+    )  # fmt: skip
+    timer.lap("score")
+    fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
+    plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation="uniform", method="neurons",
+                      data_fingerprint=fingerprint, stats=stats, options=options)  # fmt: skip
+    keep = resolve_plan(moe, plan, stats if len(stats) > 1 else stats[0]).keep
+    width = next((c for lp in plan.layers for c in lp.neurons.values()), moe.layers[0].intermediate_size)
+    report = {
+        "command": "prune --no-load",
+        "moeprune_version": __version__,
+        "model": str(model_path),
+        "output": str(output),
+        "model_type": moe.model_type,
+        "criterion": crit.name,
+        "prune_first": crit.prune_first,
+        "allocation": "uniform",
+        "method": "neurons",
+        "sparsity": sparsity,
+        "sparsity_unit": "routed-expert parameters",
+        "surgery": {
+            "form": "rectangular",
+            **({"intermediate_size": width} if keep else {"packed_layers": []}),
+        },
+        "format": "stock",
+        "kept_neurons": {"importance": importance, **keep_summary(keep)},
+        "layers_before": before_layers,
+        "parameters_before": before_params,
+        "data": data_summary(sets, stats),
+        "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]),
+        "scores": scores_document(crit, scores, stats),
+    }
+
+    def extra(tmp: Path) -> None:
+        after = meta_model(tmp)  # the written config, on the meta device
+        report["layers_after"], report["parameters_after"] = layer_summary(after), parameter_summary(after)
+        timer.lap("rewrite")
+        report["timing_s"] = timer.total()
+        write_json(tmp / "report.json", report)
+
+    if _writes_outputs():
+        rewrite_neuron_checkpoint(model_path, output, plan, keep, overwrite=overwrite, extra=extra)
     return report

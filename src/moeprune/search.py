@@ -24,6 +24,19 @@ Speed (the search evaluates hundreds of candidates):
   of everything evaluated (the population keeps the previous elites), so such a candidate can
   never be an elite nor the result: the search's trajectory and selection are unchanged. Its
   recorded fitness is the mean over the samples it was scored on (always below that threshold).
+
+Data-parallel search (under ``torchrun``, world size W > 1): every rank holds the whole model and
+the search set and does its own teacher pass. Each generation's new allocations (not cached,
+deduplicated, in population order) are split round-robin over the ranks (rank r takes positions
+r, r+W, ...), each rank evaluates its share, and the results (fitness, raced or not) are merged
+with ``all_gather_object`` into every rank's fitness cache, in population order: every rank
+holds the same cache, population and RNG state. A candidate's fitness does not depend on what
+its rank evaluated before (prefix reuse is bitwise exact), and racing uses the elite threshold of
+the cache at the start of the generation (one process raises it as the generation goes), so
+elites, the per-generation best and the result are identical to one process for a fixed seed.
+Raced candidates' partial fitnesses, and so a generation's mean, may differ. Rank 0 alone writes
+the search state and the race log (every rank reads them to resume); the state is saved at
+generation boundaries.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ from torch import nn
 from moeprune.allocate.basic import group_limited_cap, plan_removals, uniform_allocation
 from moeprune.allocate.evo import Allocation, EvoConfig, EvoResult, EvoSearch
 from moeprune.data import Batch, CalibrationData
+from moeprune.distributed import all_gather_objects, rank_and_world
 from moeprune.errors import DataError, MoePruneError
 from moeprune.fitness import (
     FitnessAccumulator,
@@ -549,20 +563,23 @@ class _RaceLog:
     """Which evaluations were raced, in which generation; persisted beside the search state.
 
     A fresh search removes an old log; an allocation raced again after a crash is logged once.
+    With ``write=False`` (every torchrun rank but 0) the log is read for a resume, never written.
     """
 
-    def __init__(self, path: Path | None, resume: bool) -> None:
+    def __init__(self, path: Path | None, resume: bool, write: bool = True) -> None:
         self.path = path
+        self.write = write
         self.entries: dict[Allocation, dict[str, Any]] = {}
         if path is not None and not resume:
-            path.unlink(missing_ok=True)
+            if write:
+                path.unlink(missing_ok=True)
         elif path is not None and path.is_file():
             self.entries = {tuple(e["allocation"]): e for e in json.loads(path.read_text())["raced"]}
 
     def add(self, allocation: Allocation, generation: int, samples: int) -> None:
         entry = {"allocation": list(allocation), "generation": generation, "samples_scored": samples}
         self.entries[allocation] = entry
-        if self.path is not None:
+        if self.path is not None and self.write:
             write_json(self.path, {"raced": self.listed()})
 
     def listed(self) -> list[dict[str, Any]]:
@@ -599,6 +616,9 @@ def run_evo_search(
     Bad input fails before the teacher pass: an unknown fitness, population < elites, or a
     budget no feasible allocation meets. ``fingerprint`` (model, data, criterion, ...) and the
     fitness name must match the saved state for ``resume``. ``fast``/``race`` only change speed.
+    Under torchrun (a joined process group, world > 1) every rank calls this with the same
+    arguments: candidates are split over the ranks (module docstring), every rank returns the
+    same allocation, and rank 0 alone writes ``state_path`` and its race log.
     """
     check_fitness(fitness)
     limits = layer_limits(moe)
@@ -608,8 +628,12 @@ def run_evo_search(
     path = Path(state_path) if state_path is not None else None
     if resume and (path is None or not path.is_file()):
         raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
-    race_log = _RaceLog(_raced_path(path), resume)
+    rank, world = rank_and_world()  # under torchrun: candidates split over ranks, rank 0 writes
+    race_log = _RaceLog(_raced_path(path), resume, write=rank == 0)
     evaluator: CandidateEvaluator | None = None  # built below, after the cheap checks
+    parallel = (
+        _DataParallel(lambda: evaluator, lambda: search, race_log, race, rank, world) if world > 1 else None
+    )
     search = EvoSearch(  # validates the config (population >= elites) before any model runs
         lambda allocation: _evaluate(evaluator, search, race_log, allocation, race),
         budget,
@@ -619,7 +643,9 @@ def run_evo_search(
         limits.multiples,
         state_path=path,
         fingerprint={**fingerprint, "fitness": fitness, "search_data": search_data.fingerprint},
-        progress=progress,
+        progress=progress and rank == 0,
+        evaluate_many=parallel,
+        write_state=rank == 0,
     )
     if search_data.text_only:
         _LOG.warning(TEXT_ONLY_NOTE)
@@ -631,8 +657,73 @@ def run_evo_search(
     )  # fmt: skip
     result = search.run(resume=resume)
     seconds = time.perf_counter() - start
-    document = _search_document(evaluator, search, result, race_log, limits, tuple(uniform), seconds, race)
+    counters, distributed = dict(evaluator.counters), None
+    if parallel is not None:  # every rank reaches this collective once, after the last generation
+        per_rank = all_gather_objects(evaluator.counters)
+        counters = {k: sum(c[k] for c in per_rank) for k in counters}
+        distributed = {
+            "world_size": world,
+            "backend": torch.distributed.get_backend(),
+            "evaluations_per_rank": [c["candidates"] for c in per_rank],
+            "racing_threshold": "elite threshold at the start of each generation",
+            "note": "candidates evaluated in parallel over ranks; elites and result equal one process,"
+            " raced candidates' partial fitnesses (and generation means) may differ",
+        }
+    document = _search_document(
+        evaluator, search, result, race_log, limits, tuple(uniform), seconds, race, counters, distributed
+    )
     return list(result.best), document
+
+
+class _DataParallel:
+    """``EvoSearch.evaluate_many`` under torchrun: one generation's new allocations, split over ranks.
+
+    Rank r evaluates positions r, r+W, ... of ``allocations`` against the elite threshold of the
+    cache at the start of the generation (so its results do not depend on which candidates the
+    other ranks got), then every rank's (allocation, fitness, samples scored if raced) lists are
+    all-gathered and returned in the given order, the same on every rank. A rank that fails
+    still joins the gather, so every rank raises instead of waiting forever.
+    """
+
+    def __init__(
+        self,
+        evaluator: Callable[[], CandidateEvaluator],
+        search: Callable[[], EvoSearch],
+        race_log: _RaceLog,
+        race: bool,
+        rank: int,
+        world: int,
+    ) -> None:
+        self.evaluator, self.search = evaluator, search
+        self.race_log, self.race = race_log, race
+        self.rank, self.world = rank, world
+
+    def __call__(self, generation: int, allocations: list[Allocation]) -> list[float]:
+        search, evaluator = self.search(), self.evaluator()
+        threshold = _elite_threshold(search.cache, search.config.elites) if self.race else None
+        failure: BaseException | None = None
+        try:
+            local = []
+            for allocation in allocations[self.rank :: self.world]:
+                value = float(evaluator.evaluate(allocation, threshold))
+                local.append((allocation, value, evaluator.raced.get(allocation)))
+            payload: tuple[str, Any] = ("ok", local)
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            failure, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
+        gathered = all_gather_objects(payload)
+        if failure is not None:
+            raise failure
+        for other, (status, detail) in enumerate(gathered):
+            if status == "error":
+                raise MoePruneError(f"rank {other} failed while evaluating search candidates: {detail}")
+        results = {tuple(a): (value, samples) for _, local in gathered for a, value, samples in local}
+        values = []
+        for allocation in allocations:
+            value, samples = results[allocation]
+            if samples is not None:
+                self.race_log.add(allocation, generation, samples)
+            values.append(value)
+        return values
 
 
 def _evaluate(
@@ -654,10 +745,14 @@ def _search_document(
     uniform: Allocation,
     seconds: float,
     race: bool,
+    counters: Mapping[str, int] | None = None,
+    distributed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``search.json``: per generation best / mean / population fitness (in the fitness's own
-    units: KL and NLL are not negated), the final and uniform allocations, cache size, timings."""
+    units: KL and NLL are not negated), the final and uniform allocations, cache size, timings.
+    ``counters``: the speedup counters (summed over ranks under torchrun; default this evaluator's)."""
     sign = evaluator.sign
+    counters = dict(evaluator.counters if counters is None else counters)
     raced = race_log.per_generation()
     generations = [
         {
@@ -671,8 +766,8 @@ def _search_document(
         }
         for h in result.history
     ]
-    evaluations_here = evaluator.counters["candidates"]
-    return {
+    evaluations_here = counters["candidates"]
+    document = {
         "fitness": evaluator.fitness,
         "higher_is_better": sign > 0,
         "config": asdict(search.config),
@@ -705,7 +800,10 @@ def _search_document(
             "prefix_cache_budget_bytes": evaluator.prefix_cache.max_bytes,
             "prefix_cache_peak_bytes": evaluator.prefix_cache.peak_bytes,
             "prefix_cache_evictions": evaluator.prefix_cache.evictions,
-            **evaluator.counters,
+            **counters,
         },
         "raced_evaluations": race_log.listed(),
     }
+    if distributed is not None:
+        document["distributed"] = distributed
+    return document

@@ -10,6 +10,12 @@ randomness comes from one ``numpy.random.Generator(PCG64(seed))`` whose state is
 with the population and cache after every generation, so an interrupted run resumes to the
 identical result.
 
+Batch evaluation (data-parallel search under torchrun, see :mod:`moeprune.search`): with
+``evaluate_many``, each generation's new allocations (not cached, deduplicated, in population
+order) are handed over at once, ``evaluate_many(generation, allocations) -> fitnesses``; the
+state is then saved at generation boundaries only. ``write_state=False`` (every rank but 0)
+reads a saved state for ``resume`` but never writes one.
+
 Generation 0 evaluates the initial population; each later generation evaluates the m elites of
 the previous one (cached) plus P - m offspring. ``generations`` counts evaluated generations,
 including generation 0. The next population is always bred right after a generation is
@@ -335,6 +341,8 @@ class EvoSearch:
         fingerprint: dict[str, Any] | None = None,
         progress: bool = True,
         save_interval_s: float = 30.0,
+        evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None = None,
+        write_state: bool = True,
     ) -> None:
         self.config = config or EvoConfig()
         self.config.validate()
@@ -345,6 +353,8 @@ class EvoSearch:
         self.fingerprint = dict(fingerprint or {})
         self.progress = progress
         self.save_interval_s = save_interval_s
+        self.evaluate_many = evaluate_many
+        self.write_state = write_state
         self.cache: dict[Allocation, float] = {}
         self.history: list[GenerationStats] = []
         self._last_save = time.monotonic()
@@ -365,7 +375,7 @@ class EvoSearch:
         return json.loads(json.dumps(identity))  # compare as saved: tuples become lists
 
     def _save(self, generation: int, population: list[Allocation], rng: np.random.Generator) -> None:
-        if self.state_path is None:
+        if self.state_path is None or not self.write_state:
             return
         state = {
             "version": STATE_VERSION,
@@ -410,14 +420,21 @@ class EvoSearch:
 
     # -- the loop ------------------------------------------------------------------------------
     def _fitness(self, allocation: Allocation) -> float:
-        value = float(self.evaluate(allocation))
-        if math.isnan(value):
-            raise MoePruneError(f"the fitness of allocation {list(allocation)} is NaN")
-        return value
+        return _checked(allocation, self.evaluate(allocation))
 
     def _evaluate_population(
         self, generation: int, population: list[Allocation], rng: np.random.Generator
     ) -> GenerationStats:
+        if self.evaluate_many is not None:
+            new = list(dict.fromkeys(a for a in population if a not in self.cache))
+            values = list(self.evaluate_many(generation, new)) if new else []
+            if len(values) != len(new):
+                raise MoePruneError(
+                    f"evaluate_many returned {len(values)} fitnesses for {len(new)} allocations"
+                )
+            for allocation, value in zip(new, values):
+                self.cache[allocation] = _checked(allocation, value)
+            self._new_in_generation += len(new)
         for allocation in population:
             if allocation in self.cache:
                 continue
@@ -492,6 +509,13 @@ class EvoSearch:
         return EvoResult(
             best=best, best_fitness=fitness, history=list(self.history), evaluations=len(self.cache)
         )
+
+
+def _checked(allocation: Allocation, value: float) -> float:
+    value = float(value)
+    if math.isnan(value):
+        raise MoePruneError(f"the fitness of allocation {list(allocation)} is NaN")
+    return value
 
 
 def _first_difference(key: str, saved: Any, now: Any) -> str:

@@ -1,0 +1,142 @@
+"""Launched by test_distributed_search.py under torchrun: the EvoESAP search split over ranks.
+
+Arguments: an output folder, a tiny checkpoint with a tokenizer, a calibration JSONL. Each rank
+runs the same searches (a straight one, one interrupted after 2 generations and resumed, and one
+where rank 1 fails) and saves what it saw to ``rank{R}.json``: the results, the elites of every
+generation, the allocations it evaluated itself, and every file the search library wrote from
+that rank. Then every rank runs a plain (uniform) ``pipeline.prune`` into ``uniform/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import moeprune.allocate.evo as evo
+import moeprune.pipeline as pipeline
+import moeprune.search as search
+from moeprune.allocate.evo import EvoConfig, EvoSearch, _rank_key
+from moeprune.distributed import init_distributed
+from moeprune.errors import MoePruneError
+from moeprune.search import CandidateEvaluator, run_evo_search
+from test_search import _data, _moe, _orders
+
+CONFIG = EvoConfig(population=8, elites=2, generations=4, seed=11)
+BUDGET = 12
+STRAIGHT = dict(fitness="esap", batch_size=3)  # racing and prefix reuse both do work here
+RESUMED = dict(fitness="kl", batch_size=2)  # lower is better: negated for the search
+INTERRUPTED_AT = 2
+
+
+def problem():
+    """The model and search set every rank (and the one-process reference) searches on."""
+    moe = _moe("olmoe", num_hidden_layers=4)
+    return moe, _data(n=12)
+
+
+def search_once(moe, data, config: EvoConfig = CONFIG, **kwargs) -> tuple[list[int], dict]:
+    kwargs.setdefault("fingerprint", {"model": "tiny"})
+    return run_evo_search(moe, data, _orders(moe), BUDGET, config=config, progress=False, **kwargs)
+
+
+@contextmanager
+def recorded() -> Iterator[dict[str, list]]:
+    """Record the elites of every generation, the allocations this process evaluated, and the
+    files the search wrote (the state, the race log)."""
+    record: dict[str, list] = {"elites": [], "evaluated": [], "writes": []}
+    breed, evaluate = EvoSearch._breed, CandidateEvaluator.evaluate
+    state_write, log_write = evo._atomic_write_json, search.write_json
+
+    def spy_breed(self, population, rng):
+        ranked = sorted({a: self.cache[a] for a in population}.items(), key=_rank_key)
+        record["elites"].append([[list(a), f] for a, f in ranked[: self.config.elites]])
+        return breed(self, population, rng)
+
+    def spy_evaluate(self, allocation, threshold=None):
+        record["evaluated"].append(list(allocation))
+        return evaluate(self, allocation, threshold)
+
+    def spy_state(path, payload):
+        record["writes"].append(str(path))
+        return state_write(path, payload)
+
+    def spy_log(path, payload):
+        record["writes"].append(str(path))
+        return log_write(path, payload)
+
+    EvoSearch._breed, CandidateEvaluator.evaluate = spy_breed, spy_evaluate
+    evo._atomic_write_json, search.write_json = spy_state, spy_log
+    try:
+        yield record
+    finally:
+        EvoSearch._breed, CandidateEvaluator.evaluate = breed, evaluate
+        evo._atomic_write_json, search.write_json = state_write, log_write
+
+
+def summary(best: list[int], doc: dict, record: dict) -> dict[str, Any]:
+    return {"best": best, "doc": doc, **record}
+
+
+def main(out: Path, checkpoint: Path, calibration: Path) -> None:
+    torch.set_num_threads(1)
+    rank, world = init_distributed()
+    assert world == 2, world
+    moe, data = problem()
+    result: dict[str, Any] = {"rank": rank}
+    with recorded() as record:
+        best, doc = search_once(moe, data, state_path=out / "straight_state.json", **STRAIGHT)
+    result["straight"] = summary(best, doc, record)
+
+    state = out / "resume_state.json"
+    with recorded() as record:
+        search_once(moe, data, replace(CONFIG, generations=INTERRUPTED_AT), state_path=state, **RESUMED)
+        best, doc = search_once(moe, data, state_path=state, resume=True, **RESUMED)
+    result["resumed"] = summary(best, doc, record)
+
+    # A rank that fails makes every rank fail (no rank waits forever in a collective).
+    original, calls = CandidateEvaluator.evaluate, [0]
+
+    def failing(self, allocation, threshold=None):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 6:
+            raise RuntimeError("simulated failure on rank 1")
+        return original(self, allocation, threshold)
+
+    CandidateEvaluator.evaluate = failing
+    try:
+        search_once(moe, data, **STRAIGHT)
+        result["failure"] = None
+    except (MoePruneError, RuntimeError) as exc:
+        result["failure"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        CandidateEvaluator.evaluate = original
+
+    # Not a search: every rank observes its share, rank 0 alone writes the pruned checkpoint.
+    written, write_dir = [], pipeline.atomic_write_dir
+
+    def spy_write_dir(output, *args, **kwargs):
+        written.append(str(output))
+        return write_dir(output, *args, **kwargs)
+
+    pipeline.atomic_write_dir = spy_write_dir
+    try:
+        report = pipeline.prune(
+            checkpoint, out / "uniform", criterion="frequency", sparsity=0.5, progress=False,
+            data=pipeline.DataOptions(sources=[str(calibration)], batch_size=2),
+        )  # fmt: skip
+    finally:
+        pipeline.atomic_write_dir = write_dir
+    result["uniform"] = {"written": written, "removed": report["removed_per_layer"]}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,45 @@
+"""Device placement: a model accelerate had to spill to CPU/disk is refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moeprune.errors import MoePruneError
+from moeprune.io import check_not_offloaded, load_model
+from moeprune.models.factory import save_tiny_model
+
+pytest.importorskip("accelerate")
+
+
+def test_disk_offloaded_model_is_refused(tmp_path):
+    """Offloaded modules keep meta weights outside their own forward; moeprune reads expert
+    weights directly, so it must refuse rather than compute with empty tensors."""
+    path = save_tiny_model("qwen3_moe", tmp_path / "checkpoint")
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
+    device_map |= {f"model.layers.{i}": "disk" if i == 0 else "cpu" for i in range(config.num_hidden_layers)}
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path / "offload")
+    )
+    with pytest.raises(
+        MoePruneError, match=r"offloaded \d+ modules .*first: model\.layers\.0\..*--sequential"
+    ):
+        check_not_offloaded(offloaded)
+
+
+def test_device_map_auto_on_cpu_loads_every_weight(tmp_path):
+    """Without GPUs, device_map='auto' places everything on the CPU: nothing offloaded, same logits."""
+    path = save_tiny_model("olmoe", tmp_path / "checkpoint")
+    placed, _ = load_model(path, dtype=torch.float32, device_map="auto")
+    plain, _ = load_model(path, dtype=torch.float32)
+    assert not any(p.is_meta for p in placed.parameters())
+    tokens = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(placed(tokens).logits, plain(tokens).logits)
