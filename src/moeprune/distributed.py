@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -46,6 +47,8 @@ def init_distributed() -> tuple[int, int]:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_rank() != 0:  # every rank reads the same data: rank 0 alone warns about it
+        logging.getLogger("moeprune").setLevel(logging.ERROR)
     return dist.get_rank(), dist.get_world_size()
 
 
