@@ -8,13 +8,13 @@ view without touching the bytes). Two page-cache states:
   both read from the disk; this is the situation the streaming path is for (a checkpoint larger
   than memory). On a virtual disk the host may still cache the file.
 - warm: the page cache holds the shards, the read runs at memory speed, and the ratio measures
-  pure compute overhead (fp64 sums) over a memcpy: the hardest case.
+  pure compute overhead (cast, |w|, sum, w^2, sum per value) over a memcpy: the hardest case.
 
 Scoring is timed with one worker thread and with one per core (`--workers`); the read is one
-thread (a memcpy per byte from the page cache). Alternating runs, best of N. Peak memory is measured in a fresh process (so no earlier run's
-freed memory hides it): the largest anonymous resident memory (RssAnon, sampled every
-millisecond) above the level before the run. The memory-mapped shards are page cache, which the
-kernel reclaims at will, and are not counted.
+thread (a memcpy per byte from the page cache). Alternating runs, best of N. Peak memory is
+measured in a fresh process (so no earlier run's freed memory hides it): the largest anonymous
+resident memory (RssAnon, sampled every millisecond) above the level before the run. The page
+cache, which the kernel reclaims at will, is not counted.
 Prints the ratio last. Target: <= 1.5x.
 
     .venv/bin/python benchmarks/weight_scoring.py [--model PATH | --layers 4 --experts 24 ...]

@@ -125,6 +125,30 @@ def test_parallel_scoring_equals_one_worker(family, checkpoints):
         assert np.array_equal(a.scores, b.scores) and a.order == b.order
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])  # per-expert and fused naming
+def test_reading_byte_ranges_equals_summing_the_mapped_tensors(family, checkpoints, tmp_path):
+    """Scores read each expert's byte ranges with plain reads: the same values, in the same
+    blocks, as the memory-mapped tensors, so the sums are bit-identical (bf16 and fp32)."""
+    model = tiny_model(family).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    for path in (checkpoints(family), tmp_path):
+        sums = _Sums()
+        for source in checkpoint_layers(path):
+            for e in range(source.num_experts):
+                mapped = [t for name in ("gate_up_proj", "down_proj") for t in source.stored_parts(name, e)]
+                assert sums.of_stored(source, e) == sums.of_tensors(mapped)
+
+
+def test_truncated_shard_is_reported(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints("olmoe"), tmp_path / "cut")
+    layer = checkpoint_layers(path)[-1]
+    key, start, _ = layer.stored_ranges("down_proj", layer.num_experts - 1)[0]
+    shard = path / layer.stored_tensor(key).file
+    shard.write_bytes(shard.read_bytes()[: start + 16])  # cut inside the last expert's weights
+    with pytest.raises(MoePruneError, match="ended early: truncated"):
+        score_checkpoint(path, "aimer")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_block_sums_are_accurate(dtype):
     """fp32 cascaded block sums stay within 1e-6 of exact fp64 sums over millions of values of
@@ -134,7 +158,7 @@ def test_block_sums_are_accurate(dtype):
         (torch.randn(3_000_001, generator=g) * torch.logspace(-3, 1, 3_000_001)).to(dtype),
         torch.randn(777, 13, generator=g).to(dtype),
     ]
-    l1, sq, n = _Sums()(parts)
+    l1, sq, n = _Sums().of_tensors(parts)
     exact = torch.cat([p.reshape(-1).double() for p in parts])
     assert n == exact.numel()
     assert l1 == pytest.approx(float(exact.abs().sum()), rel=1e-6)

@@ -1,8 +1,8 @@
 """Scoring and surgery straight on the safetensors shards, without loading the model.
 
 Weight-only criteria (aimer, magnitude) read each expert once, and a uniform drop plan only moves
-bytes, so neither needs the model in memory: `score_checkpoint` streams one expert at a time
-from the memory-mapped shards, and `rewrite_checkpoint` writes the pruned shards tensor by tensor
+bytes, so neither needs the model in memory: `score_checkpoint` reads one expert's byte ranges
+at a time from the shards (plain reads into a reused buffer), and `rewrite_checkpoint` writes the pruned shards tensor by tensor
 as byte-range copies. The model is only ever built on the meta device (no storage), to find its
 MoE layers with the very rules of the adapter.
 
@@ -72,6 +72,7 @@ _ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
     **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
     **dict.fromkeys(("I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
 }
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _SUMMED = ("gate_up_proj", "down_proj")  # the expert parameters gate, up and down come from
 _BLOCK = 1 << 20  # elements per op: few enough ops that worker threads seldom queue for the GIL
 _COPY = 1 << 24  # bytes read at a time when copying tensor data
@@ -344,19 +345,32 @@ class _Shards:
         """`tensor(key)[index]`, reading only that row."""
         return self._handle(key).get_slice(key)[index]
 
-    def prefetch(self, key: str, start: int, length: int) -> None:
-        """Ask the kernel to read these bytes of `key`'s shard in the background (a hint)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        file = self.tensors[key].file
+    def _fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
                 self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        os.posix_fadvise(self._fds[file], start, length, os.POSIX_FADV_WILLNEED)
+            return self._fds[file]
 
-    def __del__(self) -> None:
+    def prefetch(self, key: str, start: int, length: int) -> None:
+        """Ask the kernel to read these bytes of `key`'s shard in the background (a hint)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(self.tensors[key].file), start, length, os.POSIX_FADV_WILLNEED)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of `key`'s shard from absolute `offset` (plain reads: no page
+        faults on a fresh mapping, which cost more than the copy itself)."""
+        fd, done = self._fd(self.tensors[key].file), 0
+        while done < len(out):
+            got = os.preadv(fd, [out[done:]], offset + done)
+            if got == 0:
+                raise MoePruneError(
+                    f"{self.root / self.tensors[key].file} ended early: truncated safetensors file"
+                )
+            done += got
+
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:  # os may be gone at exit
         for fd in getattr(self, "_fds", {}).values():
-            os.close(fd)
+            _close(fd)
 
 
 class SafetensorsExperts:
@@ -380,20 +394,29 @@ class SafetensorsExperts:
             return [self._shards.row(param.fused, expert)]
         return [self._shards.tensor(k) for k in param.keys(expert)]
 
+    def stored_ranges(self, name: str, expert: int) -> list[tuple[str, int, int]]:
+        """(checkpoint key, absolute byte offset, byte length) of the pieces `stored_parts` maps."""
+        param = self.layout.experts[name]
+        if param.fused is not None:
+            stored = self._shards.tensors[param.fused]
+            row = (stored.end - stored.start) // self.num_experts
+            return [(param.fused, stored.start + expert * row, row)]
+        return [(k, self._shards.tensors[k].start, self._shards.tensors[k].end - self._shards.tensors[k].start)
+                for k in param.keys(expert)]  # fmt: skip
+
     def prefetch(self, expert: int) -> None:
         """Start reading one expert's bytes from disk (no-op past the last expert)."""
         if expert >= self.num_experts:
             return
         for name in _SUMMED:
-            param = self.layout.experts[name]
-            if param.fused is not None:
-                stored = self._shards.tensors[param.fused]
-                row = (stored.end - stored.start) // self.num_experts
-                self._shards.prefetch(param.fused, stored.start + expert * row, row)
-            else:
-                for key in param.keys(expert):
-                    stored = self._shards.tensors[key]
-                    self._shards.prefetch(key, stored.start, stored.end - stored.start)
+            for key, start, length in self.stored_ranges(name, expert):
+                self._shards.prefetch(key, start, length)
+
+    def stored_tensor(self, key: str) -> StoredTensor:
+        return self._shards.tensors[key]
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._shards.read_into(key, offset, out)
 
     def expert_tensor(self, name: str, expert: int) -> torch.Tensor:
         """`experts.<name>[expert]` exactly as the loaded model would hold it."""
@@ -417,33 +440,64 @@ def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:
 
 
 class _Sums:
-    """(sum |w|, sum w^2, N) of one expert's stored tensors, for one worker thread.
+    """(sum |w|, sum w^2, N) of one expert's weights, for one worker thread.
 
-    Each cache-sized block is cast once into a reused fp32 buffer (fp64 tensors stay fp64), made
-    absolute and summed, squared and summed, in place: passes over a 4 MiB block that stays in
-    cache, and no temporaries. torch's sums are cascaded (relative error ~1e-7 at fp32, where a
-    BLAS dot drifts to ~1e-6); the per-block sums are added in fp64.
+    Each block of up to 1M values is read once into a reused byte buffer (or taken from an
+    in-memory tensor), cast into a reused fp32 buffer (fp64 stays fp64), then made absolute and
+    summed, squared and summed, in place: no temporaries, and few enough ops per expert that
+    worker threads seldom queue for the GIL. torch's sums are cascaded (relative error ~1e-7 in
+    fp32, where a BLAS dot drifts to ~1e-6); the block sums are added in fp64.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.raw = bytearray()
+        self.l1 = self.sq = 0.0
+        self.n = 0
 
-    def _buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        wide = torch.float64 if dtype == torch.float64 else torch.float32
+    def _add(self, chunk: torch.Tensor) -> None:
+        wide = torch.float64 if chunk.dtype == torch.float64 else torch.float32
         if wide not in self.buffers:
             self.buffers[wide] = torch.empty(_BLOCK, dtype=wide)
-        return self.buffers[wide]
+        block = self.buffers[wide][: chunk.numel()]
+        block.copy_(chunk)
+        self.l1 += float(block.abs_().sum())
+        self.sq += float(block.square_().sum())
+        self.n += chunk.numel()
 
-    def __call__(self, tensors: Sequence[torch.Tensor]) -> tuple[float, float, int]:
-        l1 = sq = 0.0
+    def _totals(self) -> tuple[float, float, int]:
+        totals = (self.l1, self.sq, self.n)
+        self.l1 = self.sq = 0.0
+        self.n = 0
+        return totals
+
+    def of_tensors(self, tensors: Sequence[torch.Tensor]) -> tuple[float, float, int]:
         for t in tensors:
-            buffer = self._buffer(t.dtype)
             for chunk in t.reshape(-1).split(_BLOCK):
-                block = buffer[: chunk.numel()]
-                block.copy_(chunk)  # reads the memory-mapped bytes once, casting
-                l1 += float(block.abs_().sum())
-                sq += float(block.square_().sum())
-        return l1, sq, sum(t.numel() for t in tensors)
+                self._add(chunk)
+        return self._totals()
+
+    def of_stored(self, source: SafetensorsExperts, expert: int) -> tuple[float, float, int]:
+        """Every layout only rearranges the elements of gate_up_proj and down_proj into gate, up
+        and down, so the sums run over the stored byte ranges as they are (no decoding)."""
+        for name in _SUMMED:
+            for key, start, length in source.stored_ranges(name, expert):
+                stored = source.stored_tensor(key)
+                if stored.dtype not in _FLOAT_DTYPES:
+                    raise MoePruneError(
+                        f"cannot score checkpoint tensor {key!r}: unsupported dtype {stored.dtype}"
+                    )
+                dtype = _FLOAT_DTYPES[stored.dtype]
+                step = _BLOCK * dtype.itemsize
+                if len(self.raw) < step:
+                    self.raw = bytearray(step)
+                    self.raw_tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
+                view = memoryview(self.raw)
+                for offset in range(0, length, step):
+                    size = min(step, length - offset)
+                    source.read_into(key, start + offset, view[:size])
+                    self._add(self.raw_tensor[:size].view(dtype))
+        return self._totals()
 
 
 @contextmanager
@@ -478,7 +532,7 @@ def _all_sums(sources: Sequence[SafetensorsExperts], workers: int) -> list[list[
         if not hasattr(local, "sums"):
             local.sums = _Sums()
         source, e = tasks[i]
-        return local.sums([t for p in _SUMMED for t in source.stored_parts(p, e)])
+        return local.sums.of_stored(source, e)
 
     for i in range(min(ahead, len(tasks))):
         tasks[i][0].prefetch(tasks[i][1])
@@ -516,8 +570,9 @@ def score_checkpoint(
 ) -> list[LayerScores]:
     """Scores of a weight-only criterion straight from the safetensors shards.
 
-    Never builds the model with weights: anonymous memory is a 4 MiB buffer per worker; the
-    shards are memory-mapped (page cache the kernel can reclaim). `workers` threads sum experts
+    Never builds the model with weights: anonymous memory is a 2 MiB read buffer and a 4 MiB fp32
+    block per worker (the page cache keeps what was read, and the kernel reclaims it at will).
+    `workers` threads sum experts
     in parallel (default: torch's thread count). Equal to `compute_scores(criterion,
     weights=MoEModel(model).layers)` (fp64 throughout) to ~1e-7 relative: blocks are summed in fp32.
     """
