@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moeprune.errors import MoePruneError
-from moeprune.io import check_not_offloaded, load_model
+from moeprune.io import MOEPRUNE_CONFIG, check_not_offloaded, load_model
 from moeprune.models.factory import save_tiny_model
 
 pytest.importorskip("accelerate")
@@ -43,3 +43,11 @@ def test_device_map_auto_on_cpu_loads_every_weight(tmp_path):
     tokens = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         assert torch.equal(placed(tokens).logits, plain(tokens).logits)
+
+
+def test_device_map_is_refused_for_moeprune_format(tmp_path):
+    """moeprune's own format loads on one device; asking accelerate to split it fails clearly."""
+    path = save_tiny_model("olmoe", tmp_path / "checkpoint")
+    (path / MOEPRUNE_CONFIG).write_text("{}")
+    with pytest.raises(MoePruneError, match="moeprune's own format.*--device cuda or cpu"):
+        load_model(path, device_map="auto")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -137,6 +138,15 @@ def test_reading_byte_ranges_equals_summing_the_mapped_tensors(family, checkpoin
             for e in range(source.num_experts):
                 mapped = [t for name in ("gate_up_proj", "down_proj") for t in source.stored_parts(name, e)]
                 assert sums.of_stored(source, e) == sums.of_tensors(mapped)
+
+
+def test_reads_without_preadv_give_the_same_scores(checkpoints, monkeypatch):
+    """Where os.preadv is missing (Windows), a locked seek + read gives identical sums."""
+    path = checkpoints("qwen3_moe", sharded=True)
+    with_preadv = score_checkpoint(path, "aimer", workers=2)
+    monkeypatch.delattr(os, "preadv")
+    without = score_checkpoint(path, "aimer", workers=2)
+    assert all(np.array_equal(a.scores, b.scores) for a, b in zip(with_preadv, without, strict=True))
 
 
 def test_truncated_shard_is_reported(checkpoints, tmp_path):

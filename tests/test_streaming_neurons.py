@@ -227,3 +227,31 @@ def test_cli_no_load_neurons_refuses_llama4_before_observing(tmp_path, data):
                  "--sparsity", "0.5", "--data", data, "--no-load", "--quiet", ok=False)  # fmt: skip
     assert result.exit_code == 2 and "llama4_text" in result.output and "packed format" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--method", "drop", "--sparsity", "0.95"), "top_k"),  # more experts than top-k allows
+        (("--method", "neurons", "--sparsity", "0.999"), "lower the sparsity"),
+        (("--method", "drop", "--sparsity", "0.25", "--overwrite", "SAME"), "is the input checkpoint"),
+    ],
+)
+def test_no_load_fails_before_any_scoring(tiny_checkpoint, data, tmp_path, monkeypatch, args, message):
+    """Cheap checks (budget, neuron width, output folder) run before hours of observation."""
+    import moeprune.pipeline as pipeline
+
+    def never(*args, **kwargs):
+        raise AssertionError("scored or observed before the cheap checks")
+
+    monkeypatch.setattr(pipeline, "score_without_loading", never)
+    src = tmp_path / "src"
+    src.mkdir()
+    for item in tiny_checkpoint.iterdir():
+        (src / item.name).write_bytes(item.read_bytes())
+    out = src if "SAME" in args else tmp_path / "out"
+    args = tuple(a for a in args if a != "SAME")
+    result = run("prune", src, "--output", out, "--criterion", "reap", "--data", data, "--no-load", *args,
+                 "--quiet", ok=False)  # fmt: skip
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -74,6 +74,12 @@ def load_model(
     if (path / MOEPRUNE_CONFIG).is_file():
         from .checkpoint import load_pretrained  # moeprune's own format (non-uniform results)
 
+        if device_map:
+            raise MoePruneError(
+                f"{str(path)!r} is in moeprune's own format, which loads on one device; --device auto "
+                "(accelerate's device_map) splits stock checkpoints only: use --device cuda or cpu"
+            )
+
         model = load_pretrained(path, dtype=resolve_dtype(dtype), device=device)
     else:
         load_config(path)

@@ -679,8 +679,14 @@ def prune_without_loading(
             f"--method {method} needs the loaded model: drop --no-load"
         )
     check_output_dir(output, overwrite)
+    if Path(output).resolve() == Path(model_path).resolve():
+        raise MoePruneError(
+            "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
+        )
     timer = Timer()
     moe = meta_model(model_path)
+    if method == "drop":  # the budget's feasibility needs no scores: fail before scoring
+        expert_allocation(moe, get_criterion(criterion), [], sparsity, "uniform")
     if method == "neurons":
         return _shrink_without_loading(
             model_path, output, moe, timer, criterion=criterion, sparsity=sparsity, seed=seed, overwrite=overwrite,
@@ -740,12 +746,13 @@ def _shrink_without_loading(
     from .criteria import unseen_note
     from .streaming import meta_model
     from .streaming_neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
-    from .surgery.neurons import check_importance
+    from .surgery.neurons import check_importance, uniform_widths
     from .surgery.plans import resolve_plan
 
     options = options or MethodOptions()
     importance = check_importance(options.neuron_importance)
     check_stock_shrink(moe)  # before any observation
+    uniform_widths(moe, sparsity)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
     crit, scores, stats, sets = score_without_loading(
         model_path, criterion, data=data, tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, progress=progress,

@@ -322,6 +322,17 @@ class CheckpointLayout:
 
 
 # --------------------------------------------------------------------------- streaming experts
+def _read_at(fd: int, out: memoryview, offset: int, lock: threading.Lock) -> int:
+    """One positioned read into `out`; where os.preadv is missing (Windows), a locked seek + read."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [out], offset)
+    with lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, len(out))
+    out[: len(data)] = data
+    return len(data)
+
+
 class _Shards:
     """Memory-mapped shard handles (safe_open), opened on first use (by any worker thread)."""
 
@@ -348,7 +359,7 @@ class _Shards:
     def _fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
-                self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+                self._fds[file] = os.open(self.root / file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
             return self._fds[file]
 
     def prefetch(self, key: str, start: int, length: int) -> None:
@@ -361,7 +372,7 @@ class _Shards:
         faults on a fresh mapping, which cost more than the copy itself)."""
         fd, done = self._fd(self.tensors[key].file), 0
         while done < len(out):
-            got = os.preadv(fd, [out[done:]], offset + done)
+            got = _read_at(fd, out[done:], offset + done, self._lock)
             if got == 0:
                 raise MoePruneError(
                     f"{self.root / self.tensors[key].file} ended early: truncated safetensors file"
@@ -570,8 +581,8 @@ def score_checkpoint(
 ) -> list[LayerScores]:
     """Scores of a weight-only criterion straight from the safetensors shards.
 
-    Never builds the model with weights: anonymous memory is a 2 MiB read buffer and a 4 MiB fp32
-    block per worker (the page cache keeps what was read, and the kernel reclaims it at will).
+    Never builds the model with weights: anonymous memory is a read buffer of 1M stored values and
+    a 4 MiB fp32 block per worker (the page cache keeps what was read; the kernel reclaims it).
     `workers` threads sum experts
     in parallel (default: torch's thread count). Equal to `compute_scores(criterion,
     weights=MoEModel(model).layers)` (fp64 throughout) to ~1e-7 relative: blocks are summed in fp32.

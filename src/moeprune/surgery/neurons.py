@@ -249,6 +249,20 @@ def check_neuron_stats(moe: MoEModel, stats: StatsInput | None, kind: str) -> No
         neuron_importance(layer_stats(domains, layer), kind)
 
 
+def neuron_keep_ratio(sparsity: float) -> float:
+    """1 - sparsity, checked: the fraction of each routed expert's parameters ENP keeps."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
+        raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
+    return check_ratio(1 - sparsity, f"neuron keep ratio 1 - sparsity (sparsity {sparsity!r})")
+
+
+def uniform_widths(moe: MoEModel, sparsity: float, multiple_of: int = STOCK_MULTIPLE) -> list[int]:
+    """ENP's K per MoE layer: needs no statistics, so a sparsity that cannot be met fails before
+    any calibration pass (works on a meta-device model)."""
+    ratio = neuron_keep_ratio(sparsity)
+    return [uniform_keep(layer_cost(m), m.intermediate_size, ratio, multiple_of) for m in moe.layers]
+
+
 def neuron_plan(
     moe: MoEModel,
     stats: StatsInput | None,
@@ -266,12 +280,9 @@ def neuron_plan(
     """
     check_neuron_prunable(moe)
     check_neuron_stats(moe, stats, check_importance(importance))
-    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
-        raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
-    ratio = check_ratio(1 - sparsity, f"neuron keep ratio 1 - sparsity (sparsity {sparsity!r})")
+    ratio = neuron_keep_ratio(sparsity)
     layers = []
-    for m in moe.layers:
-        k = uniform_keep(layer_cost(m), m.intermediate_size, ratio, multiple_of)
+    for m, k in zip(moe.layers, uniform_widths(moe, sparsity, multiple_of)):
         ids = m.expert_ids
         neurons = {e: k for e in ids} if k < m.intermediate_size else {}
         layers.append(
