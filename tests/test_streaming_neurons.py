@@ -23,8 +23,8 @@ from moeprune.streaming import INDEX, meta_model
 from moeprune.streaming_neurons import rewrite_neuron_checkpoint
 from moeprune.surgery.neurons import neuron_plan, stock_width_expressible
 from moeprune.surgery.plans import apply_plan_physical, resolve_plan
+from test_streaming import assert_same_model
 
-TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 SHARDED = {"qwen3_moe": torch.bfloat16, "gpt_oss": torch.bfloat16, "mixtral": torch.float32}
 WIDTH, KEPT, SPARSITY = 24, 16, 1 / 3  # 24 -> 16 neurons: derived shared experts get zero padding
 
@@ -44,14 +44,6 @@ def random_stats(moe: MoEModel, seed: int = 0) -> ExpertStats:
 
 def reload(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def assert_same_model(a, b) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    with torch.no_grad():
-        assert torch.equal(a(TOKENS).logits, b(TOKENS).logits)
 
 
 @pytest.mark.parametrize("family", supported_families())

@@ -704,18 +704,9 @@ def prune_without_loading(
     timer.lap("score")
     plan = build_plan(moe, crit, scores, sparsity=sparsity, allocation="uniform", method="drop")
     report = {
-        "command": "prune --no-load",
-        "moeprune_version": __version__,
-        "model": str(model_path),
-        "output": str(output),
-        "model_type": moe.model_type,
-        "criterion": crit.name,
-        "allocation": "uniform",
-        "method": "drop",
-        "sparsity": sparsity,
+        **_no_load_report(model_path, output, moe, crit, "drop", sparsity),
         "budget_experts_removed": plan.extra.get("budget"),
         "removed_per_layer": {str(lp.layer): len(lp.dropped) for lp in plan.layers},
-        "format": "stock",
         "data": data_summary(sets, stats),
         "scores": scores_document(crit, scores, stats),
     }
@@ -728,6 +719,24 @@ def prune_without_loading(
     if _writes_outputs():
         rewrite_checkpoint(model_path, output, plan, overwrite=overwrite, extra=extra)
     return report
+
+
+def _no_load_report(
+    model_path: str | Path, output: str | Path, moe: MoEModel, crit: Criterion, method: str, sparsity: float
+) -> dict:
+    """report.json fields every --no-load run shares (the result is always a stock checkpoint)."""
+    return {
+        "command": "prune --no-load",
+        "moeprune_version": __version__,
+        "model": str(model_path),
+        "output": str(output),
+        "model_type": moe.model_type,
+        "criterion": crit.name,
+        "allocation": "uniform",
+        "method": method,
+        "sparsity": sparsity,
+        "format": "stock",
+    }
 
 
 def _writes_outputs() -> bool:
@@ -765,22 +774,13 @@ def _shrink_without_loading(
     keep = resolve_plan(moe, plan, stats if len(stats) > 1 else stats[0]).keep
     width = next((c for lp in plan.layers for c in lp.neurons.values()), moe.layers[0].intermediate_size)
     report = {
-        "command": "prune --no-load",
-        "moeprune_version": __version__,
-        "model": str(model_path),
-        "output": str(output),
-        "model_type": moe.model_type,
-        "criterion": crit.name,
+        **_no_load_report(model_path, output, moe, crit, "neurons", sparsity),
         "prune_first": crit.prune_first,
-        "allocation": "uniform",
-        "method": "neurons",
-        "sparsity": sparsity,
         "sparsity_unit": "routed-expert parameters",
         "surgery": {
             "form": "rectangular",
             **({"intermediate_size": width} if keep else {"packed_layers": []}),
         },
-        "format": "stock",
         "kept_neurons": {"importance": importance, **keep_summary(keep)},
         "layers_before": before_layers,
         "parameters_before": before_params,

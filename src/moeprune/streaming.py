@@ -333,7 +333,7 @@ def _read_at(fd: int, out: memoryview, offset: int, lock: threading.Lock) -> int
     return len(data)
 
 
-class _Shards:
+class ShardReader:
     """Memory-mapped shard handles (safe_open), opened on first use (by any worker thread)."""
 
     def __init__(self, root: Path, tensors: dict[str, StoredTensor]):
@@ -391,7 +391,7 @@ class SafetensorsExperts:
     so memory stays at one expert whatever the model size.
     """
 
-    def __init__(self, layout: LayerLayout, shards: _Shards):
+    def __init__(self, layout: LayerLayout, shards: ShardReader):
         self.layout = layout
         self.layer = layout.index
         self.num_experts = layout.num_experts
@@ -446,7 +446,7 @@ class SafetensorsExperts:
 def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:
     """One lazy expert-weight source per MoE layer of a checkpoint folder (weights stay on disk)."""
     layout = CheckpointLayout(path)
-    shards = _Shards(layout.path, layout.tensors)
+    shards = ShardReader(layout.path, layout.tensors)
     return [SafetensorsExperts(lay, shards) for lay in layout.layers]
 
 
@@ -636,7 +636,7 @@ def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def _whole(key: str, stored: StoredTensor) -> OutTensor:
+def whole_tensor(key: str, stored: StoredTensor) -> OutTensor:
     return OutTensor(key, stored.dtype, stored.shape, ((stored.start, stored.end - stored.start),))
 
 
@@ -662,12 +662,12 @@ def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str
         addr = layout.addresses[key]
         layer, dim = layout.roles.get(addr.internal, (None, 0))
         if layer not in kept:
-            out[stored.file].append(_whole(key, stored))
+            out[stored.file].append(whole_tensor(key, stored))
         elif addr.expert is None:
             out[stored.file].append(_sliced(key, stored, dim, kept[layer]))
         elif addr.expert in kept[layer]:
             new_key = layout.naming.renumber(key, kept[layer].index(addr.expert))
-            out[stored.file].append(_whole(new_key, stored))
+            out[stored.file].append(whole_tensor(new_key, stored))
     return out
 
 
@@ -681,7 +681,7 @@ def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, length: int) -> None:
         length -= len(chunk)
 
 
-def _write_shard(src: Path, dst: Path, tensors: Sequence[OutTensor], metadata: dict[str, str]) -> None:
+def write_shard(src: Path, dst: Path, tensors: Sequence[OutTensor], metadata: dict[str, str]) -> None:
     """A safetensors file written tensor by tensor (memory: one copy block, never one shard)."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -717,13 +717,24 @@ def _write_chunks(dst: BinaryIO, tensor: OutTensor) -> None:
         )
 
 
-def _index(original: dict, shards: dict[str, list[OutTensor]]) -> dict:
+def index_json(original: dict, shards: dict[str, list[OutTensor]]) -> dict:
     tensors = [t for ts in shards.values() for t in ts]
     metadata = {**(original.get("metadata") or {}), "total_size": sum(t.nbytes for t in tensors)}
     if "total_parameters" in metadata:
         metadata["total_parameters"] = sum(math.prod(t.shape) for t in tensors)
     weight_map = {t.key: file for file, ts in shards.items() for t in ts}
     return {**original, "metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
+    """The plan was made for this checkpoint's family and MoE layers."""
+    if plan.model_type != moe.model_type:
+        raise MoePruneError(f"the plan is for a {plan.model_type} model, the checkpoint is {moe.model_type}")
+    if [lp.layer for lp in plan.layers] != [m.index for m in moe.layers]:
+        raise MoePruneError(
+            f"the plan covers layers {[lp.layer for lp in plan.layers]}, the checkpoint's MoE layers are "
+            f"{[m.index for m in moe.layers]}"
+        )
 
 
 def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
@@ -738,13 +749,7 @@ def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
             "this plan keeps different expert counts per layer, which a stock config cannot express; "
             "rewriting checkpoint files supports uniform drop plans only: use the in-memory `moeprune prune`"
         )
-    if plan.model_type != moe.model_type:
-        raise MoePruneError(f"the plan is for a {plan.model_type} model, the checkpoint is {moe.model_type}")
-    if [lp.layer for lp in plan.layers] != [m.index for m in moe.layers]:
-        raise MoePruneError(
-            f"the plan covers layers {[lp.layer for lp in plan.layers]}, the checkpoint's MoE layers are "
-            f"{[m.index for m in moe.layers]}"
-        )
+    check_plan_matches(plan, moe)
     kept = {}
     for lp, layer in zip(plan.layers, moe.layers):
         if lp.num_experts != layer.num_experts:
@@ -755,7 +760,7 @@ def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
     return kept
 
 
-def _copy_other_files(src: Path, dst: Path) -> None:
+def copy_other_files(src: Path, dst: Path) -> None:
     """Tokenizer, generation config, README...: top-level files that are not weights (no subfolders)."""
     for item in sorted(src.iterdir()):
         if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES):
@@ -796,11 +801,11 @@ def rewrite_checkpoint(
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
-            _write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
+            write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
         if layout.index is not None:
-            write_json(tmp / INDEX, _index(layout.index, shards))
+            write_json(tmp / INDEX, index_json(layout.index, shards))
         _write_config(layout.config, tmp, layout.moe.spec.count_field, count)
-        _copy_other_files(layout.path, tmp)
+        copy_other_files(layout.path, tmp)
         plan.save(tmp / PLAN)
         if extra is not None:
             extra(tmp)

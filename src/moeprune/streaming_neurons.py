@@ -45,14 +45,15 @@ from .streaming import (
     LayerLayout,
     OutTensor,
     SafetensorsExperts,
+    ShardReader,
     StoredTensor,
-    _copy_other_files,
-    _index,
-    _Shards,
-    _whole,
-    _write_shard,
+    check_plan_matches,
+    copy_other_files,
+    index_json,
+    whole_tensor,
+    write_shard,
 )
-from .surgery.neurons import _shared_multiplier, check_neuron_prunable, stock_width_expressible
+from .surgery.neurons import check_neuron_prunable, shared_multiplier, stock_width_expressible
 from .surgery.packed import NEURON_AXES, neuron_index, slice_neurons
 
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> expert id -> kept neuron ids
@@ -79,13 +80,7 @@ def uniform_neuron_width(plan: Plan, moe: MoEModel) -> int:
         raise MoePruneError(
             f"rewriting checkpoint files with neuron shrink supports 'neurons' plans, not {plan.method!r}"
         )
-    if plan.model_type != moe.model_type:
-        raise MoePruneError(f"the plan is for a {plan.model_type} model, the checkpoint is {moe.model_type}")
-    if [lp.layer for lp in plan.layers] != [m.index for m in moe.layers]:
-        raise MoePruneError(
-            f"the plan covers layers {[lp.layer for lp in plan.layers]}, the checkpoint's MoE layers are "
-            f"{[m.index for m in moe.layers]}"
-        )
+    check_plan_matches(plan, moe)
     check_stock_shrink(moe)
     full = {m.intermediate_size for m in moe.layers}
     if len(full) != 1:
@@ -157,7 +152,7 @@ class _Slicer:
         the pages read stay mapped for one layer at most."""
         if self._source is None or self._source.layer != lay.index:
             self._source = None
-            self._source = SafetensorsExperts(lay, _Shards(self.layout.path, self.layout.tensors))
+            self._source = SafetensorsExperts(lay, ShardReader(self.layout.path, self.layout.tensors))
         return self._source
 
     def index(self, lay: LayerLayout, name: str, expert: int) -> torch.Tensor:
@@ -235,7 +230,7 @@ def _shared_padding(
 ) -> tuple[dict[str, OutTensor], tuple[str, int] | None]:
     """Zero-padded shared-expert tensors and the new multiplier, as `_resize_shared` does in memory."""
     moe = layout.moe
-    field = _shared_multiplier(moe) if moe.spec.shared_width_derived else None
+    field = shared_multiplier(moe) if moe.spec.shared_width_derived else None
     multiplier = int(getattr(moe.config, field) or 0) if field else 0
     if field is None or multiplier <= 0 or width == full:
         return {}, None
@@ -273,7 +268,7 @@ def _padded(
     new_shape = tuple(s + extra if i == dim else s for i, s in enumerate(shape))
 
     def chunks() -> Iterator[torch.Tensor]:
-        stored_tensor = _Shards(layout.path, layout.tensors).tensor(key)  # mapped only while read
+        stored_tensor = ShardReader(layout.path, layout.tensors).tensor(key)  # mapped only while read
         yield _checked(F.pad(stored_tensor, pad), new_shape, key)
 
     return {key: OutTensor(key, stored.dtype, new_shape, chunks=chunks)}
@@ -295,7 +290,7 @@ def _neuron_shards(
         if key in shared:
             tensor = shared[key]
         elif hit is None or axis is None:
-            tensor = _whole(key, stored)
+            tensor = whole_tensor(key, stored)
         elif addr.expert is None:
             tensor = _fused_tensor(key, stored, hit[0], hit[1], slicer, axis[0])
         else:
@@ -334,16 +329,16 @@ def rewrite_neuron_checkpoint(
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
-            _write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
+            write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
         if layout.index is not None:
-            write_json(tmp / INDEX, _index(layout.index, shards))
+            write_json(tmp / INDEX, index_json(layout.index, shards))
         config = copy.deepcopy(layout.config)
         if width < full:  # set through the config object, as in-memory surgery does
             setattr(config, moe.spec.intermediate_field, width)
             if multiplier is not None:
                 setattr(config, *multiplier)
         config.save_pretrained(tmp)
-        _copy_other_files(layout.path, tmp)
+        copy_other_files(layout.path, tmp)
         plan.save(tmp / PLAN)
         if extra is not None:
             extra(tmp)

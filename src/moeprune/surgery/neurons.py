@@ -126,7 +126,7 @@ def neuron_masks(layer: MoELayer, keep: Mapping[int, torch.Tensor]) -> dict[int,
 
 
 # ----------------------------------------------------------------------------- uniform (stock) form
-def _shared_multiplier(moe: MoEModel) -> str | None:
+def shared_multiplier(moe: MoEModel) -> str | None:
     return next((f for f in SHARED_MULTIPLIERS if getattr(moe.config, f, None) is not None), None)
 
 
@@ -136,7 +136,7 @@ def stock_width_expressible(moe: MoEModel, width: int | None = None) -> bool:
     The config must state it without changing the shared expert, and the width must keep
     grouped_mm's 16-byte strides (a multiple of 8 neurons, unless the original width is not).
     """
-    if moe.spec.shared_width_derived and _shared_multiplier(moe) is None:
+    if moe.spec.shared_width_derived and shared_multiplier(moe) is None:
         return False
     full = moe.layers[0].intermediate_size
     return width is None or width % STOCK_MULTIPLE == 0 or full % STOCK_MULTIPLE != 0
@@ -186,7 +186,7 @@ def _resize_shared(moe: MoEModel, full: int, width: int) -> None:
     """Keep a derived shared expert exactly as it was: multiplier ceil(W / K), zero-padded to K * it."""
     if not moe.spec.shared_width_derived:
         return
-    field = _shared_multiplier(moe)
+    field = shared_multiplier(moe)
     multiplier = int(getattr(moe.config, field) or 0)
     if multiplier <= 0:
         return
