@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 import moeprune.allocate.evo as evo
+import moeprune.auto as auto
 import moeprune.pipeline as pipeline
 import moeprune.search as search
 from moeprune.allocate.evo import EvoConfig, EvoSearch, _rank_key
 from moeprune.distributed import init_distributed
 from moeprune.errors import MoePruneError
+from moeprune.observe import observe
 from moeprune.search import CandidateEvaluator, run_evo_search
 from test_search import _data, _moe, _orders
 
@@ -39,6 +41,12 @@ def problem():
     """The model and search set every rank (and the one-process reference) searches on."""
     moe = _moe("olmoe", num_hidden_layers=4)
     return moe, _data(n=12)
+
+
+def auto_choice(moe, data) -> tuple[str, list[dict]]:
+    """`--criterion auto` on the search problem (statistics from the search set itself)."""
+    stats = observe(moe, data, batch_size=3, progress=False)
+    return auto.choose_criterion(moe, [stats], data, sparsity=0.25, batch_size=3, progress=False)
 
 
 def search_once(moe, data, config: EvoConfig = CONFIG, **kwargs) -> tuple[list[int], dict]:
@@ -117,6 +125,20 @@ def main(out: Path, checkpoint: Path, calibration: Path) -> None:
         result["failure"] = f"{type(exc).__name__}: {exc}"
     finally:
         CandidateEvaluator.evaluate = original
+
+    # --criterion auto: each rank tries its share of the criteria; every rank gets the whole table.
+    tried, compute = [], auto.compute_scores
+
+    def spy_compute(name, *args, **kwargs):
+        tried.append(name)
+        return compute(name, *args, **kwargs)
+
+    auto.compute_scores = spy_compute
+    try:
+        best_name, table = auto_choice(moe, data)
+    finally:
+        auto.compute_scores = compute
+    result["auto"] = {"best": best_name, "table": table, "tried": tried}
 
     # Not a search: every rank observes its share, rank 0 alone writes the pruned checkpoint.
     written, write_dir = [], pipeline.atomic_write_dir

@@ -22,6 +22,7 @@ from distributed_search_worker import (
     INTERRUPTED_AT,
     RESUMED,
     STRAIGHT,
+    auto_choice,
     problem,
     recorded,
     search_once,
@@ -119,6 +120,18 @@ def test_two_ranks_select_exactly_what_one_process_selects(ranks, tmp_path):
     assert rank0["straight"]["doc"]["speedups"]["raced"] > 0  # racing was exercised
     assert rank0["straight"]["doc"]["speedups"]["prefix_hits"] > 0
     assert "distributed" not in doc
+
+
+def test_criterion_auto_splits_the_criteria_over_ranks(ranks):
+    """Each rank tries a disjoint share of the criteria; both end with one process's whole table."""
+    _, (rank0, rank1) = ranks
+    moe, data = problem()
+    best, table = auto_choice(moe, data)
+    for rank in (rank0, rank1):
+        assert (rank["auto"]["best"], rank["auto"]["table"]) == (best, table)
+    tried = [set(rank["auto"]["tried"]) for rank in (rank0, rank1)]
+    assert tried[0] and tried[1] and not tried[0] & tried[1]
+    assert tried[0] | tried[1] == {row["criterion"] for row in table}
 
 
 def test_only_rank_zero_writes(ranks):

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .criteria import CRITERIA, compute_scores, get_criterion
 from .data import CalibrationData
+from .distributed import rank_and_world, split_map
 from .fitness import FitnessAccumulator, TeacherCache, check_fitness, higher_is_better
 from .models import MoEModel
 from .stats import ExpertStats
@@ -57,8 +58,11 @@ def choose_criterion(
     check_fitness(fitness)
     teacher, batches = _teacher(moe, search, batch_size, pad_token_id)
     domains = list(stats)
-    table = []
-    for name in tqdm(candidate_criteria(bool(domains)), desc="criterion auto", disable=not progress):
+    names = candidate_criteria(bool(domains))
+    rank, world = rank_and_world()
+    bar = tqdm(total=len(names[rank::world]), desc="criterion auto", disable=not progress)
+
+    def evaluate(name: str) -> float:
         crit = get_criterion(name)
         scores = compute_scores(
             name,
@@ -81,7 +85,12 @@ def choose_criterion(
             for b in batches:
                 logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
                 accumulator.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
-        table.append({"criterion": name, fitness: accumulator.result()})
+        bar.update(1)
+        return accumulator.result()
+
+    with bar:  # under torchrun each rank tries its share of the criteria
+        values = split_map(evaluate, names, "trying criteria for --criterion auto")
+    table = [{"criterion": name, fitness: value} for name, value in zip(names, values)]
     sign = 1.0 if higher_is_better(fitness) else -1.0
     best = max(table, key=lambda row: sign * row[fitness])["criterion"]
     return best, table

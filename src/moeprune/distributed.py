@@ -15,8 +15,9 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -193,6 +194,32 @@ def all_gather_objects(obj: object) -> list:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def split_map(fn: Callable[[Any], Any], items: Sequence[Any], what: str) -> list:
+    """``[fn(x) for x in items]`` with the items dealt round-robin over the torchrun ranks (rank r
+    takes r, r+W, ...) and the results all-gathered in the given order, the same on every rank.
+
+    A rank whose ``fn`` raises still joins the gather, so every rank raises (naming the rank and
+    ``what`` it was doing) instead of waiting forever. Without torchrun it is a plain loop.
+    """
+    rank, world = rank_and_world()
+    if world == 1:
+        return [fn(x) for x in items]
+    failure: BaseException | None = None
+    try:
+        payload: tuple[str, Any] = ("ok", [fn(x) for x in items[rank::world]])
+    except Exception as exc:  # reported to every rank below, then re-raised here
+        failure, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
+    gathered = all_gather_objects(payload)
+    if failure is not None:
+        raise failure
+    results: list = [None] * len(items)
+    for other, (status, detail) in enumerate(gathered):
+        if status == "error":
+            raise MoePruneError(f"rank {other} failed while {what}: {detail}")
+        results[other::world] = detail
+    return results
 
 
 def barrier() -> None:

@@ -58,7 +58,7 @@ from torch import nn
 from moeprune.allocate.basic import group_limited_cap, plan_removals, uniform_allocation
 from moeprune.allocate.evo import Allocation, EvoConfig, EvoResult, EvoSearch
 from moeprune.data import Batch, CalibrationData
-from moeprune.distributed import all_gather_objects, rank_and_world
+from moeprune.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.errors import DataError, MoePruneError
 from moeprune.fitness import (
     FitnessAccumulator,
@@ -631,9 +631,7 @@ def run_evo_search(
     rank, world = rank_and_world()  # under torchrun: candidates split over ranks, rank 0 writes
     race_log = _RaceLog(_raced_path(path), resume, write=rank == 0)
     evaluator: CandidateEvaluator | None = None  # built below, after the cheap checks
-    parallel = (
-        _DataParallel(lambda: evaluator, lambda: search, race_log, race, rank, world) if world > 1 else None
-    )
+    parallel = _DataParallel(lambda: evaluator, lambda: search, race_log, race) if world > 1 else None
     search = EvoSearch(  # validates the config (population >= elites) before any model runs
         lambda allocation: _evaluate(evaluator, search, race_log, allocation, race),
         budget,
@@ -678,52 +676,31 @@ def run_evo_search(
 class _DataParallel:
     """``EvoSearch.evaluate_many`` under torchrun: one generation's new allocations, split over ranks.
 
-    Rank r evaluates positions r, r+W, ... of ``allocations`` against the elite threshold of the
-    cache at the start of the generation (so its results do not depend on which candidates the
-    other ranks got), then every rank's (allocation, fitness, samples scored if raced) lists are
-    all-gathered and returned in the given order, the same on every rank. A rank that fails
-    still joins the gather, so every rank raises instead of waiting forever.
+    Rank r evaluates positions r, r+W, ... of ``allocations`` (``distributed.split_map``) against
+    the elite threshold of the cache at the start of the generation, so its results do not depend
+    on which candidates the other ranks got; every rank gets all (fitness, samples scored if
+    raced) pairs in the given order.
     """
 
     def __init__(
-        self,
-        evaluator: Callable[[], CandidateEvaluator],
-        search: Callable[[], EvoSearch],
-        race_log: _RaceLog,
+        self, evaluator: Callable[[], CandidateEvaluator], search: Callable[[], EvoSearch], race_log: _RaceLog,
         race: bool,
-        rank: int,
-        world: int,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.evaluator, self.search = evaluator, search
         self.race_log, self.race = race_log, race
-        self.rank, self.world = rank, world
 
     def __call__(self, generation: int, allocations: list[Allocation]) -> list[float]:
         search, evaluator = self.search(), self.evaluator()
         threshold = _elite_threshold(search.cache, search.config.elites) if self.race else None
-        failure: BaseException | None = None
-        try:
-            local = []
-            for allocation in allocations[self.rank :: self.world]:
-                value = float(evaluator.evaluate(allocation, threshold))
-                local.append((allocation, value, evaluator.raced.get(allocation)))
-            payload: tuple[str, Any] = ("ok", local)
-        except Exception as exc:  # reported to every rank below, then re-raised here
-            failure, payload = exc, ("error", f"{type(exc).__name__}: {exc}")
-        gathered = all_gather_objects(payload)
-        if failure is not None:
-            raise failure
-        for other, (status, detail) in enumerate(gathered):
-            if status == "error":
-                raise MoePruneError(f"rank {other} failed while evaluating search candidates: {detail}")
-        results = {tuple(a): (value, samples) for _, local in gathered for a, value, samples in local}
-        values = []
-        for allocation in allocations:
-            value, samples = results[allocation]
+
+        def one(allocation: Allocation) -> tuple[float, int | None]:
+            return float(evaluator.evaluate(allocation, threshold)), evaluator.raced.get(allocation)
+
+        results = split_map(one, allocations, "evaluating search candidates")
+        for allocation, (_, samples) in zip(allocations, results):
             if samples is not None:
                 self.race_log.add(allocation, generation, samples)
-            values.append(value)
-        return values
+        return [value for value, _ in results]
 
 
 def _evaluate(
