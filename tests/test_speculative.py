@@ -6,16 +6,27 @@ thousands of decodes run in seconds; the real tiny MoE models check the self-dra
 
 from __future__ import annotations
 
+import copy
 import itertools
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from moeprune.errors import MoePruneError
-from moeprune.evaluate.speculative import SpecStats, acceptance, speculative_generate
+from moeprune.evaluate.speculative import (
+    IncrementalLogits,
+    SpecStats,
+    _logits,
+    acceptance,
+    speculative_generate,
+)
+from moeprune.io import load_model
+from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.surgery import drop_experts
 
 VOCAB = 3
 CHI2_26_P001 = 54.05  # chi-square critical value, 26 degrees of freedom, p = 0.001
@@ -138,3 +149,59 @@ def test_bad_arguments(kwargs, message):
         speculative_generate(model, model, [], max_new_tokens=2)
     with pytest.raises(MoePruneError, match="mode"):
         acceptance(model, model, [[0]], modes=["beam"])
+
+
+# ------------------------------------------------------------------------------------------ KV cache
+ROLLBACKS = [
+    list(range(3, 15)),
+    list(range(3, 17)),
+    [*range(3, 13), 40, 41],
+    [*range(3, 13), 40, 41, 42],
+    [5, 6, 7],
+]
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_cached_logits_equal_recomputation_through_rollbacks(family):
+    """Growing, cut-back and unrelated sequences: the cache gives the recomputed logits, and only
+    a model whose cache cannot roll back (qwen3_next's linear-attention states) falls back."""
+    model = tiny_model(family).eval()
+    incremental = IncrementalLogits(model)
+    for ids in ROLLBACKS:
+        for last in (1, 3):
+            torch.testing.assert_close(incremental(ids, last), _logits(model, ids, last), rtol=0, atol=1e-4)
+    assert incremental.cached is (family != "qwen3_next")
+
+
+def test_a_cache_that_rolls_back_wrongly_is_not_used():
+    """The probe compares against a full recomputation: a cache whose crop is a no-op (so the
+    rolled-back token stays in it) is detected, and every call recomputes instead."""
+    model = tiny_model("qwen3_moe").eval()
+    original = DynamicCache.crop
+    DynamicCache.crop = lambda self, tokens_to_remove: None
+    try:
+        incremental = IncrementalLogits(model)
+        for ids in ROLLBACKS:
+            torch.testing.assert_close(incremental(ids, 2), _logits(model, ids, 2), rtol=0, atol=1e-4)
+    finally:
+        DynamicCache.crop = original
+    assert incremental.cached is False
+
+
+def test_cache_gives_the_same_acceptance(trained_moe):
+    """On a trained model and its pruned draft, with and without the cache, both modes count the
+    same acceptances (the logits agree to ~1e-6, far from any decision boundary here)."""
+    model_dir, _ = trained_moe
+    target, _ = load_model(model_dir)
+    draft = copy.deepcopy(target)
+    moe = MoEModel(draft)
+    drop_experts(moe, {m.index: list(range(0, m.num_experts, 2)) for m in moe.layers})
+    prompts = [[5 + i, 17, 23 + 2 * i, 9, 31] for i in range(4)]
+    kwargs = dict(gamma=3, max_new_tokens=12, seed=1)
+    cached = acceptance(draft, target, prompts, **kwargs)
+    plain = acceptance(draft, target, prompts, use_cache=False, **kwargs)
+    for mode in ("greedy", "sampled"):
+        assert cached[mode].pop("kv_cache") == {"draft": True, "target": True}
+        assert plain[mode].pop("kv_cache") == {"draft": False, "target": False}
+        assert cached[mode] == plain[mode]
+    assert 0 < cached["greedy"]["accept_rate"] < 1

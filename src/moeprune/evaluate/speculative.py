@@ -8,15 +8,19 @@ by a draw from norm(max(0, p - q)); when every draft is accepted a bonus token c
 output then has exactly the target's distribution. Greedy mode drafts argmax q and accepts while
 argmax p agrees (a rejection emits argmax p).
 
-Correctness before speed: every call recomputes the whole sequence (no KV cache), which is fine
-for the short continuations an evaluation needs and works for every family, including those
-whose caches cannot be cropped (linear attention).
+Both models keep a KV cache (`IncrementalLogits`): each call feeds only the tokens past the
+longest prefix the cache already holds, and a rejected draft is rolled back with `Cache.crop`.
+Whether a model's cache rolls back correctly is not assumed: on its first sequence the cached
+logits (fed in two parts, with one rollback) are compared with a full recomputation, and a model
+whose cache disagrees or cannot be cropped (linear-attention recurrent states) recomputes the
+whole sequence every call, as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,12 +78,80 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float().cpu() / temperature, dim=-1)
 
 
+def _input_device(model: nn.Module) -> torch.device:
+    """Where input ids go: the embedding's device (the first GPU of a split model)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    return weight.device if weight is not None else next(model.parameters()).device
+
+
 def _logits(model: nn.Module, ids: list[int], last: int) -> torch.Tensor:
-    """Next-token logits [last, V] of the final `last` positions of one sequence."""
-    device = next(model.parameters()).device
+    """Next-token logits [last, V] of the final `last` positions of one sequence (no cache)."""
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+        out = model(input_ids=torch.tensor([ids], device=_input_device(model)), use_cache=False)
     return out.logits[0, -last:]
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Cached and recomputed logits agree up to the rounding of the model's dtype (a wrong cache
+    is off by O(1))."""
+    tolerance = 1e-4 if want.dtype in (torch.float32, torch.float64) else 3e-2
+    scale = float(want.float().abs().max()) + 1.0
+    return bool(((got.float() - want.float()).abs() <= tolerance * scale).all())
+
+
+class IncrementalLogits:
+    """`_logits` for a sequence that grows and is sometimes cut back, through the model's KV cache.
+
+    The cache holds `seen`; a call feeds only the tokens past the longest common prefix of `seen`
+    and the new sequence (keeping at least `last` positions to compute), after cropping the
+    cache back to that prefix. The first call of at least 3 tokens checks the cache against a
+    full recomputation (two parts, one rollback); if it disagrees or raises, every later call
+    recomputes (`cached` False).
+    """
+
+    def __init__(self, model: nn.Module, use_cache: bool = True) -> None:
+        self.model = model
+        self.cached: bool | None = None if use_cache else False  # None: not probed yet
+        self.cache: Any = None
+        self.seen: list[int] = []
+
+    def __call__(self, ids: list[int], last: int) -> torch.Tensor:
+        if self.cached is None and len(ids) >= 3:
+            self.cached = self._probe(ids)
+        if not self.cached:
+            return _logits(self.model, ids, last)
+        keep = 0
+        limit = min(len(self.seen), len(ids) - last)
+        while keep < limit and self.seen[keep] == ids[keep]:
+            keep += 1
+        return self._feed(ids, keep, last)
+
+    def _feed(self, ids: list[int], keep: int, last: int) -> torch.Tensor:
+        if keep == 0:
+            self.cache = None
+        elif keep < len(self.seen):
+            self.cache.crop(keep - len(self.seen))  # negative: tokens to remove from the end
+        new = torch.tensor([ids[keep:]], device=_input_device(self.model))
+        with torch.no_grad():
+            out = self.model(input_ids=new, past_key_values=self.cache, use_cache=True)
+        if self.cache is None:
+            self.cache = out.past_key_values
+            if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers can roll back
+                self.cache.activate_past_recording()
+        self.seen = list(ids)
+        return out.logits[0, -last:]
+
+    def _probe(self, ids: list[int]) -> bool:
+        full = _logits(self.model, ids, len(ids))
+        try:
+            head = self._feed(ids[:-1], 0, len(ids) - 1)
+            tail = self._feed(ids, len(ids) - 2, 2)  # crops the cache back by one token first
+            return _agree(head, full[:-1]) and _agree(tail, full[-2:])
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            return False
+        finally:
+            self.cache, self.seen = None, []
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -96,12 +168,12 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _draft(
-    draft: nn.Module, ids: list[int], n: int, temperature: float, generator: torch.Generator | None
+    draft: IncrementalLogits, ids: list[int], n: int, temperature: float, generator: torch.Generator | None
 ) -> tuple[list[int], list[torch.Tensor]]:
     """n tokens from the draft, each with the distribution q it was drawn from."""
     tokens, dists = [], []
     for _ in range(n):
-        q = _probs(_logits(draft, ids + tokens, 1)[0], temperature)
+        q = _probs(draft(ids + tokens, 1)[0], temperature)
         tokens.append(_sample(q, generator))
         dists.append(q)
     return tokens, dists
@@ -134,19 +206,24 @@ def speculative_generate(
     temperature: float = 1.0,
     eos_token_id: int | None = None,
     stats: SpecStats | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
     """Continue `prompt` by up to `max_new_tokens` tokens; sampled with `generator`, else greedy.
 
     Stops after an EOS. The last round drafts fewer tokens when fewer remain, so the output is
-    never longer than asked and every drafted token is verified.
+    never longer than asked and every drafted token is verified. `draft` and `target` may be
+    `IncrementalLogits` already (their caches then carry over between prompts).
     """
     _check(gamma, max_new_tokens, temperature, prompt)
     stats = stats if stats is not None else SpecStats(gamma)
+    draft, target = (
+        m if isinstance(m, IncrementalLogits) else IncrementalLogits(m, use_cache) for m in (draft, target)
+    )
     ids, new = list(prompt), []
     while len(new) < max_new_tokens and (eos_token_id is None or eos_token_id not in new):
         n = min(gamma, max_new_tokens - len(new) - 1)
         tokens, q = _draft(draft, ids + new, n, temperature, generator)
-        p = _probs(_logits(target, ids + new + tokens, n + 1), temperature)
+        p = _probs(target(ids + new + tokens, n + 1), temperature)
         accepted, nxt = _verify(tokens, q, p, generator)
         emitted = _until_eos([*tokens[:accepted], nxt], eos_token_id)
         stats.record_round(n, accepted)
@@ -183,8 +260,10 @@ def acceptance(
     seed: int = 0,
     temperature: float = 1.0,
     eos_token_id: int | None = None,
+    use_cache: bool = True,
 ) -> dict[str, dict]:
-    """Acceptance statistics per mode over `prompts`; the sampled mode uses one seeded generator."""
+    """Acceptance statistics per mode over `prompts`; the sampled mode uses one seeded generator.
+    `use_cache` False recomputes every sequence in full (the reference the cache is checked against)."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise MoePruneError(f"unknown speculative mode(s) {unknown}; choose from {', '.join(MODES)}")
@@ -192,10 +271,13 @@ def acceptance(
     for mode in modes:
         generator = torch.Generator().manual_seed(seed) if mode == "sampled" else None
         stats = SpecStats(gamma)
+        small, large = IncrementalLogits(draft, use_cache), IncrementalLogits(target, use_cache)
         for prompt in prompts:
             speculative_generate(
-                draft, target, prompt, max_new_tokens=max_new_tokens, gamma=gamma, generator=generator,
+                small, large, prompt, max_new_tokens=max_new_tokens, gamma=gamma, generator=generator,
                 temperature=temperature, eos_token_id=eos_token_id, stats=stats,
             )  # fmt: skip
-        results[mode] = {**stats.to_dict(), "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+        kv_cache = {"draft": bool(small.cached), "target": bool(large.cached)}
+        results[mode] = {**stats.to_dict(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                         "kv_cache": kv_cache}  # fmt: skip
     return results
