@@ -87,7 +87,7 @@ def test_constant_expert_is_replaced_with_zero_error(family):
         layer_indices=[m.index for m in moe.layers], removals=[[3]] * len(moe),
         criterion="manual", allocation="uniform", method="novice", sparsity=0.125,
     )  # fmt: skip
-    with override_routed(moe, RoutedOptions()):  # the same computation, with the real expert
+    with override_routed(moe, RoutedOptions(on_layer=lambda *_: None)):  # same computation, real expert
         full = logits(model)
     with virtual_plan(moe, plan, stats):
         assert (logits(model) - full).abs().max() == 0
@@ -173,3 +173,16 @@ def test_novices_beat_dropping_the_same_experts_on_the_trained_model(trained_moe
     novice_err = _block_errors(moe, inputs, novice, stats)
     drop_err = _block_errors(moe, inputs, drop, stats)
     assert all(n < d for n, d in zip(novice_err, drop_err)), (novice_err, drop_err)
+
+
+def test_layers_with_nothing_to_do_keep_transformers_kernels():
+    """Only layers with novices (or masks, or a recorder) get the routed computation."""
+    moe = MoEModel(tiny_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[]))
+    first, *rest = moe.layers
+    novices = {first.index: {2: torch.zeros(first.hidden_size)}}
+    with override_routed(moe, RoutedOptions(novices=novices)):
+        assert "forward" in first.experts.__dict__
+        assert all("forward" not in layer.experts.__dict__ for layer in rest)
+    with override_routed(moe, RoutedOptions(on_layer=lambda *_: None)):
+        assert all("forward" in layer.experts.__dict__ for layer in moe.layers)
+    assert all("forward" not in layer.experts.__dict__ for layer in moe.layers)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from moeprune.distributed import placement
 from moeprune.errors import MoePruneError
 from moeprune.io import MOEPRUNE_CONFIG, check_not_offloaded, load_model
 from moeprune.models.factory import save_tiny_model
@@ -51,3 +52,9 @@ def test_device_map_is_refused_for_moeprune_format(tmp_path):
     (path / MOEPRUNE_CONFIG).write_text("{}")
     with pytest.raises(MoePruneError, match="moeprune's own format.*--device cuda or cpu"):
         load_model(path, device_map="auto")
+
+
+def test_device_auto_is_refused_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MoePruneError, match="under torchrun each rank holds its own copy"):
+        placement("auto", None)

@@ -16,8 +16,15 @@ from tqdm.auto import tqdm
 from .criteria import CRITERIA, compute_scores, get_criterion
 from .data import CalibrationData
 from .distributed import rank_and_world, split_map
-from .fitness import FitnessAccumulator, TeacherCache, check_fitness, higher_is_better
-from .models import MoEModel
+from .fitness import (
+    FitnessAccumulator,
+    TeacherCache,
+    answer_positions,
+    check_fitness,
+    higher_is_better,
+    teacher_home,
+)
+from .models import MoEModel, input_device
 from .stats import ExpertStats
 
 AUTO = "auto"
@@ -29,11 +36,13 @@ def candidate_criteria(has_data: bool) -> list[str]:
 
 
 def _teacher(moe: MoEModel, search: CalibrationData, batch_size: int, pad: int) -> tuple[TeacherCache, list]:
-    batches = list(search.batches(batch_size, pad))
-    teacher = TeacherCache()
+    device = input_device(moe.model)
+    batches = [b.to(device) for b in search.batches(batch_size, pad)]
+    positions = sum(int(answer_positions(b.answer_mask, b.attention_mask).sum()) for b in batches)
+    teacher = TeacherCache(device=teacher_home(device, positions, int(moe.config.vocab_size)))
     with torch.no_grad():
         for b in batches:
-            logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
             teacher.add(b.sample_index.tolist(), logits, b.input_ids, b.answer_mask, b.attention_mask)
     return teacher, batches
 
@@ -83,7 +92,9 @@ def choose_criterion(
         accumulator = FitnessAccumulator(teacher, fitness, seed)
         with torch.no_grad(), virtual_plan(moe, plan, domains or None):
             for b in batches:
-                logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+                logits = moe.model(
+                    input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
+                ).logits
                 accumulator.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
         bar.update(1)
         return accumulator.result()

@@ -66,6 +66,11 @@ def placement(
     ``dtype``: None gives bf16 on GPUs and fp32 on the CPU.
     """
     device_map = None
+    if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise MoePruneError(
+            "--device auto splits one model over every GPU, but under torchrun each rank holds its own copy: "
+            "drop --device (each rank then takes its own GPU, cuda:LOCAL_RANK)"
+        )
     if device == "auto":
         if importlib.util.find_spec("accelerate") is None:
             raise MoePruneError("--device auto uses accelerate's device_map='auto': pip install accelerate")

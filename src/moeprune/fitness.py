@@ -14,6 +14,7 @@ answer positions, and the fitness is the mean over samples (every sample weighs 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,23 @@ class TeacherSample:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.positions, self.targets, self.log_probs))
+
+
+def teacher_home(device: torch.device, positions: int, vocab_size: int, share: float = 0.25) -> torch.device:
+    """Where a teacher cache of `positions` x `vocab_size` fp32 log-probs should live: the model's
+    GPU when it fits in `share` of the free memory there, else the CPU (rows then cross to the
+    GPU once per scored sample). Without a GPU, the model's device."""
+    if device.type != "cuda":
+        return device
+    nbytes = positions * vocab_size * 4
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes <= share * free:
+        return device
+    logging.getLogger(__name__).warning(
+        "the teacher cache needs %.1f GiB, more than %d%% of the free GPU memory: keeping it on the CPU",
+        nbytes / 2**30, int(share * 100),
+    )  # fmt: skip
+    return torch.device("cpu")
 
 
 @dataclass

@@ -83,10 +83,9 @@ def load_model(
         model = load_pretrained(path, dtype=resolve_dtype(dtype), device=device)
     else:
         load_config(path)
-        extra = {"device_map": device_map} if device_map else {}
+        placed = device_map or ({"": str(device)} if device else None)  # weights go straight to the GPU
+        extra = {"device_map": placed} if placed else {}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **extra)
-        if device and not device_map:
-            model = model.to(device)
         if device_map:
             check_not_offloaded(model)
     model.eval()

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from .data import CalibrationData
 from .errors import MoePruneError
-from .models import MoELayer, MoEModel
+from .models import MoELayer, MoEModel, input_device
 from .models.routed import RoutedOptions, RoutedRows, override_routed
 from .stats import F64, ExpertStats, LayerStats
 
@@ -33,9 +33,16 @@ class _Accumulator:
             for m in moe.layers
         }
         self.valid: torch.Tensor | None = None  # [B*L] bool, set per batch
+        self._valid_on: dict[torch.device, torch.Tensor] = {}  # copies for layers on other GPUs
+
+    def set_valid(self, valid: torch.Tensor) -> None:
+        self.valid, self._valid_on = valid, {valid.device: valid}
 
     def __call__(self, layer: MoELayer, routed: RoutedRows) -> None:
-        keep = self.valid[routed.rows]
+        device = routed.rows.device
+        if device not in self._valid_on:  # accelerate split the model: this layer is on another GPU
+            self._valid_on[device] = self.valid.to(device)
+        keep = self._valid_on[device][routed.rows]
         ids, x, y, g, m = routed.experts, routed.inputs, routed.outputs, routed.weights, routed.intermediate
         if not bool(keep.all()):
             ids, x, y, g = ids[keep], x[keep], y[keep], g[keep]
@@ -115,7 +122,7 @@ def observe(
 ) -> ExpertStats:
     """Run the model once over `data` and return per-expert statistics of every MoE layer."""
     model = moe.model
-    device = next(model.parameters()).device
+    device = input_device(model)
     acc = _Accumulator(moe, neurons)
     options = RoutedOptions(on_layer=acc, need_intermediate=neurons)
     tokens = 0
@@ -125,7 +132,7 @@ def observe(
     with torch.no_grad(), override_routed(moe, options):
         for batch in tqdm(batches, total=total, desc="observe", unit="batch", disable=not progress):
             mask = batch.attention_mask.to(device)
-            acc.valid = mask.reshape(-1).bool()
+            acc.set_valid(mask.reshape(-1).bool())
             tokens += int(mask.sum())
             model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
     layers = [acc.stats[m.index].to("cpu") for m in moe.layers]

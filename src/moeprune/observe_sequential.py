@@ -378,7 +378,7 @@ def _observe_layers(model, moe, layers, shards, store, neurons, device, dtype, p
             last = index == len(layers) - 1
             for b in range(len(store)):
                 item = store.get(b, device)
-                acc.valid = item.valid
+                acc.set_valid(item.valid)
                 out = _run_layer(layer, item, index)
                 if not last:
                     store.set_hidden(b, out)

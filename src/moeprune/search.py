@@ -66,9 +66,10 @@ from moeprune.fitness import (
     answer_positions,
     check_fitness,
     higher_is_better,
+    teacher_home,
 )
 from moeprune.io import write_json
-from moeprune.models.adapter import MoEModel, decoder_layers
+from moeprune.models.adapter import MoEModel, decoder_layers, input_device
 from moeprune.surgery.drop import mask_experts
 
 __all__ = [
@@ -272,7 +273,7 @@ class CandidateEvaluator:
         plan_removals(self.orders, [0] * len(self.orders), self.limits.multiples)  # validates orders
         self.notes: list[str] = [TEXT_ONLY_NOTE] if search_data.text_only else []
         self.notes += list(search_data.notes)
-        self.device = next(moe.model.parameters()).device
+        self.device = input_device(moe.model)
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.raw_values: dict[Allocation, float] = {}
         self.raced: dict[Allocation, int] = {}  # allocation -> samples scored before it stopped
@@ -284,7 +285,7 @@ class CandidateEvaluator:
         ]
         self.counters = _zero_counters()
         start = time.perf_counter()
-        self.teacher, reference = self._teacher_pass(teacher_device or self.device)
+        self.teacher, reference = self._teacher_pass(teacher_device or self._teacher_home())
         self.teacher_seconds = time.perf_counter() - start
         if not self.teacher.per_sample:
             raise DataError("no search sample has an answer position: nothing to score")
@@ -296,6 +297,10 @@ class CandidateEvaluator:
         self.counters = _zero_counters()  # the self-check does not count
 
     # -- setup --------------------------------------------------------------------------------
+    def _teacher_home(self) -> torch.device:
+        positions = sum(r.stop - r.start for b in self._batches for r in b.rows)
+        return teacher_home(self.device, positions, int(self.moe.config.vocab_size))
+
     @property
     def fast(self) -> bool:
         """Whether candidates run through the resumable layer loop (else the plain forward)."""
@@ -477,7 +482,7 @@ class CandidateEvaluator:
             hidden = _hidden_of(self._layers[i](hidden, *args, **kwargs))
             if q is not None and mode == SPLIT:
                 self.prefix_cache.put((index, allocation[:q]), self._taps.pop(i))
-        rows = hidden.flatten(0, 1)[b.flat_index]
+        rows = hidden.flatten(0, 1)[b.flat_index.to(hidden.device)]  # a split model ends on another GPU
         model = self.moe.model
         return model.get_output_embeddings()(_final_norm(model)(rows))
 

@@ -85,10 +85,12 @@ class Loaded:
 
     @classmethod
     def from_path(cls, path: str, options: EvalOptions) -> Loaded:
+        from moeprune.distributed import placement
         from moeprune.io import load_model
 
         _warm_up(path, measure="size" in options.metrics)
-        load = lambda: load_model(path, dtype=options.dtype, device=options.device)  # noqa: E731
+        device, dtype, device_map = placement(options.device, options.dtype)  # as score and prune do
+        load = lambda: load_model(path, dtype=dtype, device=device, device_map=device_map)  # noqa: E731
         (model, tokenizer), info = measure_peak(load)
         return cls(label=_label(path), model=model, tokenizer=tokenizer, path=str(path), load_info=info)
 

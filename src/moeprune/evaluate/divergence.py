@@ -17,13 +17,15 @@ from torch import nn
 from moeprune.data import Batch, CalibrationData
 from moeprune.errors import DataError
 from moeprune.fitness import FitnessAccumulator, TeacherCache
+from moeprune.models.adapter import input_device
 
 DIVERGENCE_METRICS = ("esap", "kl", "nll", "ppl")
 _SCORED = ("esap", "kl", "nll")  # computed by fitness.py; ppl follows from nll
 
 
 def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    """Where inputs go (the embedding's device)."""
+    return input_device(model)
 
 
 def batch_logits(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -44,7 +46,7 @@ class _Totals:
 
     def add_batch(self, batch: Batch, model_logits: torch.Tensor, ref_logits: torch.Tensor) -> None:
         ids = batch.sample_index.tolist()
-        teacher = TeacherCache()
+        teacher = TeacherCache(device=ref_logits.device)  # one batch: no trip through the host
         teacher.add(ids, ref_logits, batch.input_ids, batch.answer_mask, batch.attention_mask)
         self.skipped += len(teacher.skipped)
         for name in _SCORED:

@@ -31,13 +31,14 @@ def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
 
 
 def _batch_sums(ours: tuple, theirs: tuple, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per layer, sums over real tokens of the distance and of the relative distance (fp64, CPU)."""
+    """Per layer, sums over real tokens of the distance and of the relative distance (fp64, on the
+    layers' device; only the [B, L] norms go to the CPU)."""
     if len(ours) != len(theirs):
         raise MoePruneError(f"model has {len(ours)} decoder layers, reference {len(theirs)}")
     dist = torch.stack(
-        [(a.cpu().to(F64) - b.cpu().to(F64)).norm(dim=-1)[valid] for a, b in zip(ours, theirs)]
+        [(a.to(F64) - b.to(a.device, F64)).norm(dim=-1).cpu()[valid] for a, b in zip(ours, theirs)]
     )
-    norm = torch.stack([b.cpu().to(F64).norm(dim=-1)[valid] for b in theirs])
+    norm = torch.stack([b.to(F64).norm(dim=-1).cpu()[valid] for b in theirs])
     return dist.sum(1), (dist / norm.clamp_min(1e-30)).sum(1)
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moeprune.errors import MoePruneError
+from moeprune.models.adapter import input_device
 
 MODES = ("greedy", "sampled")
 
@@ -78,17 +79,10 @@ def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float().cpu() / temperature, dim=-1)
 
 
-def _input_device(model: nn.Module) -> torch.device:
-    """Where input ids go: the embedding's device (the first GPU of a split model)."""
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    weight = getattr(embeddings, "weight", None)
-    return weight.device if weight is not None else next(model.parameters()).device
-
-
 def _logits(model: nn.Module, ids: list[int], last: int) -> torch.Tensor:
     """Next-token logits [last, V] of the final `last` positions of one sequence (no cache)."""
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([ids], device=_input_device(model)), use_cache=False)
+        out = model(input_ids=torch.tensor([ids], device=input_device(model)), use_cache=False)
     return out.logits[0, -last:]
 
 
@@ -132,7 +126,7 @@ class IncrementalLogits:
             self.cache = None
         elif keep < len(self.seen):
             self.cache.crop(keep - len(self.seen))  # negative: tokens to remove from the end
-        new = torch.tensor([ids[keep:]], device=_input_device(self.model))
+        new = torch.tensor([ids[keep:]], device=input_device(self.model))
         with torch.no_grad():
             out = self.model(input_ids=new, past_key_values=self.cache, use_cache=True)
         if self.cache is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .adapter import MoELayer, MoEModel, check_config, decoder_layers, family_spec
+from .adapter import MoELayer, MoEModel, check_config, decoder_layers, family_spec, input_device
 from .spec import FAMILIES, FamilySpec, supported_families
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "check_config",
     "decoder_layers",
     "family_spec",
+    "input_device",
     "supported_families",
 ]

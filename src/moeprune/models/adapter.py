@@ -225,6 +225,14 @@ class MoEModel:
         }
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where input ids go: the embedding's device (the first GPU when accelerate splits a model
+    over several; each decoder layer's hook then moves its inputs to its own GPU)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    return weight.device if weight is not None else next(model.parameters()).device
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for base in (getattr(model, "model", None), model):
         layers = getattr(base, "layers", None)

@@ -49,7 +49,7 @@ def routed_compute(
 ) -> torch.Tensor:
     """sum_j g_j E_{i_j}(h) over the selected experts (Llama-4: sum_j E_{i_j}(g_j h))."""
     tokens, top_k = index.shape
-    out = torch.zeros_like(hidden)
+    out = torch.zeros_like(hidden, dtype=torch.float32)  # top-k sums in fp32, as transformers' kernels do
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=layer.num_experts).tolist()
@@ -80,7 +80,7 @@ def routed_compute(
             parts.append((rows, x, y, m if want_m else None, g))
     if record and parts:
         options.on_layer(layer, _gather(parts, index, order))
-    return out
+    return out.to(hidden.dtype)
 
 
 def _gather(parts: list[tuple], index: torch.Tensor, order: torch.Tensor) -> RoutedRows:
@@ -121,9 +121,17 @@ def input_weighted_block_forward(layer: MoELayer, options: RoutedOptions):
 
 @contextmanager
 def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
-    """Replace every MoE layer's routed computation for the duration of the context."""
+    """Replace the routed computation of every MoE layer with something to do (recording, novices,
+    neuron masks) for the duration of the context; the others keep transformers' own kernels."""
     with ExitStack() as stack:
         for layer in moe.layers:
+            idle = (
+                options.on_layer is None
+                and not options.novices.get(layer.index)
+                and not options.neuron_masks.get(layer.index)
+            )
+            if idle:
+                continue
             if layer.spec.weight_on_input:
                 target, forward = layer.block, input_weighted_block_forward(layer, options)
             else:

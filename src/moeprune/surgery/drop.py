@@ -110,7 +110,10 @@ def mask_experts(moe: MoEModel, removed: Mapping[int, Sequence[int]]) -> Iterato
             if not experts:
                 continue
             layer = moe.layer(layer_index)
-            kept = torch.tensor(kept_experts(layer, experts), dtype=torch.long)
+            device = get_path(layer.router, layer.spec.router_tensors[0][0]).device
+            kept = torch.tensor(
+                kept_experts(layer, experts), dtype=torch.long, device=device
+            )  # one copy, not one per call
             originals = _slice_router(layer, kept)
             counts = _set_counts(layer, [layer.router], len(kept))
             handle = layer.router.register_forward_hook(_remap_hook(layer, kept, layer.num_experts))
