@@ -112,8 +112,13 @@ def test_placement_defaults(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert placement(None, None) == (torch.device("cpu"), torch.float32, None)
     assert placement("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16, None)
-    assert placement("cuda:1", None)[:2] == (torch.device("cuda", 1), torch.bfloat16)
+    with pytest.raises(MoePruneError, match="0 visible CUDA GPU.*--device cpu"):
+        placement("cuda", None)  # a clear line, not torch's "not compiled with CUDA" traceback
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert placement("cuda:1", None)[:2] == (torch.device("cuda", 1), torch.bfloat16)
+    with pytest.raises(MoePruneError, match="2 visible CUDA GPU"):
+        placement("cuda:2", None)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert placement(None, None) == (torch.device("cuda", 1), torch.bfloat16, None)
     assert placement(None, "fp32")[1] == torch.float32

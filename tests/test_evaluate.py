@@ -303,3 +303,26 @@ def test_pruned_esap_is_between_0_and_1_and_falls_with_sparsity(trained):
             > 0
         )
     assert "| math_eval.jsonl | ESAP ↑ | 1 |" in to_markdown(doc)
+
+
+@pytest.mark.parametrize("method", ["novice", "tenp"])
+def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
+    """moeprune-format (packed) results go through every metric; a novice keeps routing, so the
+    first MoE layer selects exactly as the reference does."""
+    pruned = tmp_path / method
+    data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
+    criterion = "mone" if method == "novice" else "tenp"
+    prune(tiny_dir, pruned, criterion=criterion, sparsity=0.5, method=method, data=data, progress=False)
+    out = tmp_path / "rep" / "report.json"
+    run("eval", pruned, "--reference", tiny_dir, "--data", tiny_data[0], "--samples", 6, "--spec-prompts", 2,
+        "--spec-tokens", 6, "--output", out, "--quiet")  # fmt: skip
+    entry = json.loads(out.read_text())["models"][0]
+    plan = json.loads((pruned / "plan.json").read_text())
+    routers = {str(lp["layer"]): len(lp["kept"]) for lp in plan["layers"]}  # novices stay routed
+    assert entry["size"]["experts_per_layer"] == routers
+    per = entry["per_data"][str(tiny_data[0])]
+    assert 0 < per["esap"] < 1
+    first = per["routing"]["layers"][0]
+    if method == "novice":
+        assert first["tv"] == 0.0 and first["dropped_mass"] == 0.0
+    assert all(0 <= layer["tv"] <= 1 for layer in per["routing"]["layers"])

@@ -186,3 +186,35 @@ def test_layers_with_nothing_to_do_keep_transformers_kernels():
     with override_routed(moe, RoutedOptions(on_layer=lambda *_: None)):
         assert all("forward" in layer.experts.__dict__ for layer in moe.layers)
     assert all("forward" not in layer.experts.__dict__ for layer in moe.layers)
+
+
+def test_packed_layers_can_be_observed_for_routing():
+    """After novice surgery the model is packed; the observer still sees the router's real
+    selection (checked against the router's own top-k) and a novice's constant output. Neuron
+    statistics of mixed widths are refused."""
+    moe = MoEModel(tiny_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[]))
+    data = calibration((9, 9, 9, 9))  # equal lengths: no padding, every token counts
+    stats = observe(moe, data, batch_size=2, progress=False)
+    scores = compute_scores("mone", stats=stats)
+    plan = novice_plan(moe, stats, scores, 0.25, criterion=get_criterion("mone"))
+    apply_plan_physical(moe, plan, stats)
+    chosen = {m.index: torch.zeros(m.num_experts, dtype=torch.long) for m in moe.layers}
+
+    def count(index: int):
+        def hook(module, args, output) -> None:  # the router's (logits, weights, indices)
+            chosen[index].add_(torch.bincount(output[2].flatten(), minlength=len(chosen[index])))
+
+        return hook
+
+    hooks = [m.router.register_forward_hook(count(m.index)) for m in moe.layers]
+    packed = observe(moe, data, batch_size=2, progress=False)
+    for h in hooks:
+        h.remove()
+    for m, layer_stats in zip(moe.layers, packed.layers):
+        assert torch.equal(layer_stats.count.long(), chosen[m.index])
+        novices = {p: v for p, v in enumerate(m.experts.moeprune_slots) if v < 0}
+        for p, slot in novices.items():
+            if layer_stats.count[p] > 0:
+                torch.testing.assert_close(layer_stats.mean[p].float(), m.experts.moeprune_novice[-1 - slot])
+    with pytest.raises(MoePruneError, match="packed"):
+        observe(moe, data, batch_size=2, neurons=True, progress=False)

@@ -1,4 +1,4 @@
-"""Expert criteria: one score per routed expert and a direction (see shared/formulas.md).
+"""Expert criteria: one score per routed expert and a direction (formulas: README, "Criteria").
 
 A criterion only ranks experts *within* a layer; how many experts each layer loses is the
 allocation's job. The registry below is a table: each row says what a criterion needs (calibration
@@ -273,7 +273,7 @@ def compute_scores(
     """Score every expert of every (selected) MoE layer with criterion `name`.
 
     `stats` may be a list of per-domain statistics: tenp mixes them with the per-layer norm
-    normalisation of formulas.md, the other data criteria merge them into one calibration set.
+    per-domain normalisation, the other data criteria merge them into one calibration set.
     `layers` restricts scoring to those decoder layers (output in that order); for random without
     stats or weights, it names the decoder layers that `num_experts` describes (default 0..L-1).
     """

@@ -1,6 +1,6 @@
 """Local calibration / search data → token batches with an attention mask and an answer mask.
 
-The answer mask says which tokens belong to the answer (formulas.md: a position is scored when
+The answer mask says which tokens belong to the answer (a position is scored when
 the *next* token is an answer token; the shift is the fitness code's job, not ours):
 
 - ``{"text": ...}`` records and ``.txt`` documents: every token is answer (``text_only``).

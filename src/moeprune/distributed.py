@@ -74,6 +74,10 @@ def placement(
     if device == "auto":
         if importlib.util.find_spec("accelerate") is None:
             raise MoePruneError("--device auto uses accelerate's device_map='auto': pip install accelerate")
+        if not torch.cuda.is_available():
+            logging.getLogger(__name__).warning(
+                "--device auto: no GPU is visible, so the model stays on the CPU"
+            )
         device_map, device = "auto", "cuda:0" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" or (device is None and torch.cuda.is_available()):
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # under torchrun: this rank's GPU
@@ -83,6 +87,14 @@ def placement(
         resolved = torch.device(device)
     except RuntimeError:
         raise MoePruneError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if resolved.type == "cuda" and not device_map:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= visible:
+            raise MoePruneError(
+                f"--device {device}: this machine has {visible} visible CUDA GPU(s)"
+                + (" (or this torch build has no CUDA)" if visible == 0 else "")
+                + "; use --device cpu, or a GPU index below the count"
+            )
     if dtype is None:
         chosen = torch.bfloat16 if resolved.type == "cuda" else torch.float32
     else:

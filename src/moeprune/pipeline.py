@@ -35,7 +35,7 @@ EXPERT_METHODS = ("drop", "novice")  # sparsity = fraction of experts; else frac
 
 @dataclass
 class MethodOptions:
-    """Options of the surgery methods beyond drop (see formulas.md: MoNE, ENP, TENP)."""
+    """Options of the surgery methods beyond drop (MoNE, ENP, TENP: README, "Surgery methods")."""
 
     neuron_importance: str = "projection"  # or "l2"
     important_fraction: float | None = None  # TENP: default half the kept budget

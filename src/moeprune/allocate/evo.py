@@ -1,4 +1,4 @@
-"""EvoESAP: evolutionary search over per-layer removal counts (formulas.md, "EvoESAP search").
+"""EvoESAP: evolutionary search over per-layer removal counts (README, "EvoESAP").
 
 An allocation r = (r_1, ..., r_L) removes r_l routed experts from MoE layer l. It is feasible
 when sum_l r_l = B, 0 <= r_l <= cap_l (cap_l = n_l - k_l) and r_l is a multiple of m_l (m_l > 1

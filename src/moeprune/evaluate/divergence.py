@@ -70,7 +70,7 @@ class _Totals:
 
 
 def _mean(values: dict[int, float]) -> float:
-    """Each sample weighs the same (formulas.md)."""
+    """Each sample weighs the same, as in the search fitnesses."""
     return math.fsum(values.values()) / len(values)
 
 

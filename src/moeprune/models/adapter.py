@@ -62,7 +62,9 @@ class MoELayer:
 
     @property
     def num_experts(self) -> int:
-        return int(self.experts.gate_up_proj.shape[0])
+        """Experts the router chooses among (a packed layer's slots, novices included)."""
+        slots = getattr(self.experts, "moeprune_slots", None)  # surgery.packed: per-expert widths
+        return len(slots) if slots is not None else int(self.experts.gate_up_proj.shape[0])
 
     @property
     def top_k(self) -> int:
@@ -70,11 +72,15 @@ class MoELayer:
 
     @property
     def hidden_size(self) -> int:
+        if hasattr(self.experts, "moeprune_hidden"):  # packed
+            return int(self.experts.moeprune_hidden)
         down = self.experts.down_proj
         return int(down.shape[1] if self.spec.layout == FUSED else down.shape[2])
 
     @property
     def intermediate_size(self) -> int:
+        if hasattr(self.experts, "moeprune_widths"):  # packed: the widest kept expert
+            return max(self.experts.moeprune_widths, default=0)
         down = self.experts.down_proj
         return int(down.shape[2] if self.spec.layout == FUSED else down.shape[1])
 

@@ -132,6 +132,9 @@ def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
             )
             if idle:
                 continue
+            if getattr(layer.experts, "moeprune_packed", False):
+                stack.enter_context(_override_packed(layer, options))
+                continue
             if layer.spec.weight_on_input:
                 target, forward = layer.block, input_weighted_block_forward(layer, options)
             else:
@@ -141,6 +144,45 @@ def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
             target.forward = forward
             stack.callback(_restore_forward, target, had_own, previous)
         yield
+
+
+@contextmanager
+def _override_packed(layer: MoELayer, options: RoutedOptions) -> Iterator[None]:
+    """A packed layer (moeprune format) keeps its own novices and widths; recording and extra
+    masks are added on top. Neuron statistics need one width for all experts: refused."""
+    from ..errors import MoePruneError
+    from ..surgery.packed import packed_view
+
+    if options.need_intermediate:
+        raise MoePruneError(
+            f"decoder layer {layer.index} is packed (novices or per-expert widths): its neurons cannot be "
+            "observed again; start from the original checkpoint"
+        )
+    view = packed_view(layer.experts, block=layer.block)
+    merged = RoutedOptions(
+        on_layer=options.on_layer,
+        novices={
+            layer.index: {
+                **view.options().novices.get(layer.index, {}),
+                **options.novices.get(layer.index, {}),
+            }
+        },
+        neuron_masks=options.neuron_masks,
+    )
+    if layer.spec.weight_on_input:
+        target, forward = layer.block, input_weighted_block_forward(view, merged)
+    else:
+        target = layer.experts
+
+        def forward(hidden_states, top_k_index=None, top_k_weights=None, **_: object):
+            return routed_compute(view, hidden_states, top_k_index, top_k_weights, merged)
+
+    had_own, previous = "forward" in target.__dict__, target.__dict__.get("forward")
+    target.forward = forward
+    try:
+        yield
+    finally:
+        _restore_forward(target, had_own, previous)
 
 
 def _restore_forward(module: torch.nn.Module, had_own: bool, previous) -> None:
