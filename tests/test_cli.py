@@ -299,6 +299,26 @@ def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path
     assert report["data"]["tokens"] == mem["tokens"] and report["budget_experts_removed"] == 8
 
 
+def test_activations_on_disk_give_the_same_scores(checkpoint, data, tmp_path, monkeypatch):
+    """--activations-dir: the cached hidden states go to a temporary folder there (removed after),
+    the statistics do not change; without --sequential the option is refused."""
+    import moeprune.observe_sequential as sequential
+
+    made = []
+    mkdtemp = sequential.tempfile.mkdtemp
+    monkeypatch.setattr(sequential.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    args = ("score", checkpoint, "--criterion", "reap", "--data", data, "--sequential", "--quiet")
+    run(*args, "--output", tmp_path / "mem.json")
+    run(*args, "--activations-dir", tmp_path / "acts", "--output", tmp_path / "disk.json")
+    assert len(made) == 1 and Path(made[0]).parent == tmp_path / "acts"
+    assert list((tmp_path / "acts").iterdir()) == []  # removed after use
+    mem, disk = (json.loads((tmp_path / n).read_text()) for n in ("mem.json", "disk.json"))
+    assert [a["scores"] for a in mem["layers"]] == [b["scores"] for b in disk["layers"]]
+    result = run("score", checkpoint, "--criterion", "reap", "--data", data, "--activations-dir", tmp_path / "x",
+                 "--output", tmp_path / "no.json", ok=False)  # fmt: skip
+    assert result.exit_code == 2 and "add --sequential" in result.output
+
+
 @pytest.mark.parametrize("method", ["drop", "novice"])
 def test_prune_evo_search_writes_search_json_and_plots(checkpoint, data, tmp_path, method):
     args = ["prune", checkpoint, "--criterion", "frequency", "--sparsity", "0.5", "--allocation", "evo",

@@ -48,12 +48,15 @@ def data_options(func):
                      help="Tokenizer folder, if the checkpoint has none."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
-                     help="Model dtype (default fp32)."),
+                     help="Model dtype [default: bf16 on GPU, fp32 on CPU]."),
         click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
         click.option("--device", default=None,
                      help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any]."),
         click.option("--sequential", is_flag=True,
                      help="Observe one decoder layer at a time without loading the whole model (score, prune --no-load)."),
+        click.option("--activations-dir", type=click.Path(file_okay=False), default=None,
+                     help="--sequential: keep the cached activations in a temporary folder here (on disk) instead "
+                          "of in memory; removed afterwards."),
         click.option("--quiet", is_flag=True, help="No progress bars."),
     ]  # fmt: skip
     for option in reversed(options):
@@ -67,6 +70,10 @@ def data_from_options(kwargs) -> object:
     if kwargs.get("threads"):
         torch.set_num_threads(kwargs["threads"])
     samples = kwargs["samples"]
+    if kwargs.get("activations_dir") and not kwargs.get("sequential"):
+        raise MoePruneError(
+            "--activations-dir is for --sequential (layer-by-layer) observation; add --sequential"
+        )
     return DataOptions(
         sources=kwargs["data"],
         samples=samples or None,
@@ -76,6 +83,7 @@ def data_from_options(kwargs) -> object:
         packing=kwargs["packing"],
         device=kwargs.get("device"),
         sequential=kwargs.get("sequential", False),
+        activations_dir=kwargs.get("activations_dir"),
     )
 
 

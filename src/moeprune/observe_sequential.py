@@ -321,6 +321,8 @@ def observe_sequential(
     moe = MoEModel(model)
     layers = list(decoder_layers(model))[: max(m.index for m in moe.layers) + 1]
     shards = _Shards(path, model)
+    if offload_dir:
+        Path(offload_dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="moeprune-acts-", dir=offload_dir)) if offload_dir else None
     try:
         with torch.no_grad():

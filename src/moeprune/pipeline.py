@@ -74,6 +74,7 @@ class DataOptions:
     packing: bool = False
     device: str | None = None  # None: the GPU when there is one, else the CPU; "auto": device_map="auto"
     sequential: bool = False  # observe one decoder layer at a time, never loading the whole model
+    activations_dir: str | None = None  # sequential: cached activations on disk under this folder
 
 
 def load_placed(model_path: str | Path, data: DataOptions | None, dtype: str | None):
@@ -642,7 +643,8 @@ def score_without_loading(
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     stats = [
         observe_sequential_distributed(model_path, d, batch_size=data.batch_size, pad_token_id=pad, device=device,
-                                       dtype=chosen, progress=progress, neurons=neurons)
+                                       dtype=chosen, progress=progress, neurons=neurons,
+                                       offload_dir=data.activations_dir)
         for d in sets
     ]  # fmt: skip
     if not crit.needs_data:
