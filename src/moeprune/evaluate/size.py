@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from moeprune.models import MoEModel
 
 T = TypeVar("T")
@@ -55,7 +57,22 @@ class _Sampler(threading.Thread):
 
 
 def measure_peak(load: Callable[[], T]) -> tuple[T, dict[str, object]]:
-    """Run `load()`; return its result and the peak resident-set growth in bytes while it ran."""
+    """Run `load()`; return its result and the peak resident-set growth in bytes while it ran
+    (plus, with GPUs, the peak GPU memory allocated by torch on each of them)."""
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
+    gpu_before = {}
+    for i in gpus:
+        torch.cuda.reset_peak_memory_stats(i)
+        gpu_before[i] = torch.cuda.memory_allocated(i)
+    result, info = _host_peak(load)
+    if gpu_before:
+        info["gpu_load_peak_bytes"] = {
+            f"cuda:{i}": torch.cuda.max_memory_allocated(i) - start for i, start in gpu_before.items()
+        }
+    return result, info
+
+
+def _host_peak(load: Callable[[], T]) -> tuple[T, dict[str, object]]:
     before = _status_kib("VmRSS")
     start = time.perf_counter()
     if before is None:
