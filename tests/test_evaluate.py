@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from moeprune.checkpoint import save_pretrained
 from moeprune.cli import main
+from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded, parse_metrics
 from moeprune.evaluate.report import to_markdown
 from moeprune.evaluate.routing import original_ids
@@ -23,6 +24,7 @@ from moeprune.evaluate.size import disk_bytes, measure_peak
 from moeprune.io import load_model
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.parameters import plan_routed_parameters
 from moeprune.pipeline import DataOptions, apply_plan, build_plan, prune, score_experts
 from moeprune.plan import Plan
 from moeprune.plots_eval import _importance_profile, draw_directory, plot_score_profiles
@@ -326,3 +328,10 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
     if method == "novice":
         assert first["tv"] == 0.0 and first["dropped_mass"] == 0.0
     assert all(0 <= layer["tv"] <= 1 for layer in per["routing"]["layers"])
+    original, _ = load_model(tiny_dir)  # E and A from the plan on the full model, another code path
+    expected = plan_routed_parameters(MoEModel(original), Plan.load(pruned / "plan.json"))
+    for key in ("routed_experts", "active_routed_experts"):
+        assert entry["size"]["parameters"][key] == expected[key], key
+    with pytest.raises(MoePruneError, match="cannot be pruned again"):  # packed: renumbering unsupported
+        prune(pruned, tmp_path / "again", criterion="frequency", sparsity=0.25, data=data, progress=False)
+    assert not (tmp_path / "again").exists()

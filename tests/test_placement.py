@@ -58,3 +58,9 @@ def test_device_auto_is_refused_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(MoePruneError, match="under torchrun each rank holds its own copy"):
         placement("auto", None)
+
+
+def test_device_auto_without_gpus_is_plain_cpu(monkeypatch):
+    """No GPU: no accelerate device map at all (which moeprune-format checkpoints could not take)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert placement("auto", None) == (torch.device("cpu"), torch.float32, None)

@@ -152,16 +152,15 @@ def test_bad_arguments(kwargs, message):
 
 
 # ------------------------------------------------------------------------------------------ KV cache
-ROLLBACKS = [
-    list(range(3, 15)),
-    list(range(3, 17)),
-    [*range(3, 13), 40, 41],
-    [*range(3, 13), 40, 41, 42],
-    [5, 6, 7],
-]
+ROLLBACKS = [  # growing, cut back, new prompts sharing a prefix, longer than gpt_oss's 16-token window
+    list(range(3, 30)), list(range(3, 33)), [*range(3, 13), 40, 41], [*range(3, 20), 40, 41, 42, 43],
+    [5, 6, 7, 8], list(range(3, 40)), [*range(3, 12), *[50] * 20],
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize(
+    "family", ["olmoe", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_next"]
+)
 def test_cached_logits_equal_recomputation_through_rollbacks(family):
     """Growing, cut-back and unrelated sequences: the cache gives the recomputed logits, and only
     a model whose cache cannot roll back (qwen3_next's linear-attention states) falls back."""

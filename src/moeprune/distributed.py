@@ -74,11 +74,13 @@ def placement(
     if device == "auto":
         if importlib.util.find_spec("accelerate") is None:
             raise MoePruneError("--device auto uses accelerate's device_map='auto': pip install accelerate")
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            device_map, device = "auto", "cuda:0"
+        else:
             logging.getLogger(__name__).warning(
                 "--device auto: no GPU is visible, so the model stays on the CPU"
             )
-        device_map, device = "auto", "cuda:0" if torch.cuda.is_available() else "cpu"
+            device = "cpu"
     elif device == "cuda" or (device is None and torch.cuda.is_available()):
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # under torchrun: this rank's GPU
     elif device is None:

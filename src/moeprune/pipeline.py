@@ -27,6 +27,7 @@ from .io import atomic_write_dir, check_model_path, check_output_dir, load_model
 from .models import MoEModel
 from .plan import Plan
 from .stats import ExpertStats
+from .surgery.drop import check_not_packed
 
 ALLOCATIONS = ("uniform", "global", "trapezoid")
 METHODS = ("drop", "novice", "neurons", "tenp")
@@ -400,6 +401,7 @@ def prune(
         )
     model, tokenizer = load_placed(model_path, data, dtype)
     moe = MoEModel(model)
+    check_not_packed(moe)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
     if crit.needs_data or needs_stats or allocation == "evo":
         tokenizer = require_tokenizer(tokenizer, model_path, tokenizer_path)

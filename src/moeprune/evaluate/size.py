@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 from moeprune.models import MoEModel
+from moeprune.parameters import routed_parameters
 
 T = TypeVar("T")
 _STATUS = Path("/proc/self/status")
@@ -125,7 +126,7 @@ def model_size(moe: MoEModel, path: str | Path | None, load_info: dict[str, obje
     """Parameter counts, bytes on disk (when loaded from a folder) and the measured load peak."""
     dtype = next(moe.model.parameters()).dtype
     size: dict[str, object] = {
-        "parameters": moe.parameter_counts(),
+        "parameters": routed_parameters(moe),  # packed layers (novices, per-expert widths) included
         "dtype": str(dtype).removeprefix("torch."),
     }
     size["experts_per_layer"] = {str(m.index): m.num_experts for m in moe.layers}

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import input_device
@@ -99,9 +100,10 @@ class IncrementalLogits:
 
     The cache holds `seen`; a call feeds only the tokens past the longest common prefix of `seen`
     and the new sequence (keeping at least `last` positions to compute), after cropping the
-    cache back to that prefix. The first call of at least 3 tokens checks the cache against a
-    full recomputation (two parts, one rollback); if it disagrees or raises, every later call
-    recomputes (`cached` False).
+    cache back to that prefix. A sliding-window layer can only roll back what was fed since its
+    last crop, so a longer rollback (a new prompt sharing a prefix) starts a fresh cache. The
+    first call of at least 3 tokens checks the cache against a full recomputation (two parts,
+    one rollback); if it disagrees or raises, every later call recomputes (`cached` False).
     """
 
     def __init__(self, model: nn.Module, use_cache: bool = True) -> None:
@@ -109,6 +111,7 @@ class IncrementalLogits:
         self.cached: bool | None = None if use_cache else False  # None: not probed yet
         self.cache: Any = None
         self.seen: list[int] = []
+        self.fed_since_crop = 0
 
     def __call__(self, ids: list[int], last: int) -> torch.Tensor:
         if self.cached is None and len(ids) >= 3:
@@ -119,22 +122,32 @@ class IncrementalLogits:
         limit = min(len(self.seen), len(ids) - last)
         while keep < limit and self.seen[keep] == ids[keep]:
             keep += 1
+        if len(self.seen) - keep > self.fed_since_crop:
+            keep = 0  # further back than any cache layer can surely roll back: start afresh
         return self._feed(ids, keep, last)
 
     def _feed(self, ids: list[int], keep: int, last: int) -> torch.Tensor:
         if keep == 0:
-            self.cache = None
+            self.cache, self.fed_since_crop = self._fresh_cache(), 0
         elif keep < len(self.seen):
             self.cache.crop(keep - len(self.seen))  # negative: tokens to remove from the end
+            self.fed_since_crop = 0
         new = torch.tensor([ids[keep:]], device=input_device(self.model))
         with torch.no_grad():
             out = self.model(input_ids=new, past_key_values=self.cache, use_cache=True)
-        if self.cache is None:
-            self.cache = out.past_key_values
-            if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers can roll back
-                self.cache.activate_past_recording()
-        self.seen = list(ids)
+        self.cache = out.past_key_values
+        self.seen, self.fed_since_crop = list(ids), self.fed_since_crop + len(ids) - keep
         return out.logits[0, -last:]
+
+    def _fresh_cache(self) -> Any:
+        """An empty cache recording past states from the start, so sliding-window layers can roll
+        back even once the window is full (None: the model makes its own)."""
+        config = getattr(self.model, "config", None)
+        if config is None:
+            return None
+        cache = DynamicCache(config=config)
+        cache.activate_past_recording()
+        return cache
 
     def _probe(self, ids: list[int]) -> bool:
         full = _logits(self.model, ids, len(ids))
@@ -145,7 +158,7 @@ class IncrementalLogits:
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
         finally:
-            self.cache, self.seen = None, []
+            self.cache, self.seen, self.fed_since_crop = None, [], 0
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -127,11 +127,6 @@ class MoELayer:
         b = self.experts.gate_up_proj_bias[expert]
         return b[0::2], b[1::2], self.experts.down_proj_bias[expert]
 
-    def expert_param_count(self) -> int:
-        """Parameters of one routed expert (weights and biases)."""
-        total = sum(p[0].numel() for p in self.experts.parameters(recurse=False) if p.dim() >= 1)
-        return int(total)
-
     def activate(self, gate_pre: torch.Tensor, up_pre: torch.Tensor) -> torch.Tensor:
         """The family's gated activation m = act(gate) * up, using the model's own function."""
         if self.spec.layout == INTERLEAVED:
@@ -217,18 +212,6 @@ class MoEModel:
     def is_uniform(self) -> bool:
         """Whether every MoE layer has the same expert count and intermediate size."""
         return len({(m.num_experts, m.intermediate_size) for m in self.layers}) == 1
-
-    def parameter_counts(self) -> dict[str, int]:
-        """Total, routed-expert and active-per-token parameters (TENP's E and A)."""
-        total = sum(p.numel() for p in self.model.parameters())
-        routed = sum(p.numel() for m in self.layers for p in m.experts.parameters())
-        active_routed = sum(m.top_k * m.expert_param_count() for m in self.layers)
-        return {
-            "total": int(total),
-            "routed_experts": int(routed),
-            "active_routed_experts": int(active_routed),
-            "active_per_token": int(total - routed + active_routed),
-        }
 
 
 def input_device(model: nn.Module) -> torch.device:

@@ -18,8 +18,20 @@ from ..errors import MoePruneError
 from ..models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
 
 
+def check_not_packed(moe: MoEModel | Sequence[MoELayer]) -> None:
+    """Refuse to prune a packed result again: its router positions map onto novices and
+    per-expert widths that drop, novice and neuron surgery do not know how to renumber."""
+    for layer in moe.layers if isinstance(moe, MoEModel) else moe:
+        if getattr(layer.experts, "moeprune_packed", False):
+            raise MoePruneError(
+                f"decoder layer {layer.index} is packed (moeprune format: novices or per-expert widths), "
+                "so it cannot be pruned again; prune the original checkpoint instead"
+            )
+
+
 def kept_experts(layer: MoELayer, removed: Sequence[int]) -> list[int]:
     """Positions (in the block's current storage) that survive removing `removed`."""
+    check_not_packed([layer])
     n = layer.num_experts
     bad = [e for e in removed if not 0 <= e < n]
     if bad:
