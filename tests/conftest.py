@@ -6,6 +6,7 @@ is faster than two fighting for them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,4 +43,16 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
         "qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[]
     ).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A small calibration JSONL: prompt/answer pairs and text-only code records."""
+    path = tmp_path_factory.mktemp("data") / "calib.jsonl"
+    rows = [
+        {"prompt": f"Question {i}: what is {i} plus {i}?", "answer": f" It is {2 * i}."} for i in range(12)
+    ]
+    rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path

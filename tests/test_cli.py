@@ -20,17 +20,6 @@ def checkpoint(tiny_checkpoint) -> Path:
     return tiny_checkpoint
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "calib.jsonl"
-    rows = [
-        {"prompt": f"Question {i}: what is {i} plus {i}?", "answer": f" It is {2 * i}."} for i in range(12)
-    ]
-    rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(6)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def run(*args: str, ok: bool = True):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     if ok:

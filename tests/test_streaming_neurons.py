@@ -164,17 +164,6 @@ def run(*args, ok: bool = True):
     return result
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "calib.jsonl"
-    rows = [
-        {"prompt": f"Question {i}: what is {i} plus {i}?", "answer": f" It is {2 * i}."} for i in range(8)
-    ]
-    rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(4)]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_cli_no_load_neurons_equals_in_memory_prune(tiny_checkpoint, data, tmp_path):
     common = ["--method", "neurons", "--sparsity", "0.5", "--data", data, "--neuron-importance", "l2", "--quiet"]  # fmt: skip
     run("prune", tiny_checkpoint, "--output", tmp_path / "mem", "--criterion", "reap", *common)
