@@ -9,8 +9,8 @@ import torch
 
 import moeprune
 from helpers import assert_logits_close
+from moeprune.checkpoint import is_moeprune_format
 from moeprune.errors import MoePruneError
-from moeprune.io import MOEPRUNE_CONFIG
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.surgery import drop_experts
@@ -38,7 +38,7 @@ def test_non_uniform_save_and_load_pretrained_identical_logits(family, tmp_path)
     with torch.no_grad():
         before = model(TOKENS).logits
     assert moeprune.save_pretrained(model, tmp_path) == "moeprune"
-    assert (tmp_path / MOEPRUNE_CONFIG).is_file()
+    assert is_moeprune_format(tmp_path)
     reloaded = moeprune.load_pretrained(tmp_path)
     with torch.no_grad():
         after = reloaded(TOKENS).logits
@@ -52,7 +52,7 @@ def test_uniform_results_stay_stock(tmp_path):
     moe = MoEModel(model)
     drop_experts(moe, {m.index: [2, 3] for m in moe.layers})
     assert moeprune.save_pretrained(model, tmp_path) == "stock"
-    assert not (tmp_path / MOEPRUNE_CONFIG).exists()
+    assert not is_moeprune_format(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(moeprune.load_pretrained(tmp_path)(TOKENS).logits, model(TOKENS).logits)
 
@@ -62,9 +62,9 @@ def test_unknown_format_version_is_refused(tmp_path):
     moe = MoEModel(model)
     drop_experts(moe, non_uniform_removal(moe))
     moeprune.save_pretrained(model, tmp_path)
-    meta = json.loads((tmp_path / MOEPRUNE_CONFIG).read_text())
-    meta["format_version"] = 99
-    (tmp_path / MOEPRUNE_CONFIG).write_text(json.dumps(meta))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["moeprune"]["format_version"] = 99
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(MoePruneError, match="upgrade moeprune"):
         moeprune.load_pretrained(tmp_path)
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import moeprune
 from helpers import assert_logits_close
 from moeprune.errors import MoePruneError, UnsupportedModelError
-from moeprune.io import load_config, load_model, save_stock
+from moeprune.io import load_config, load_model
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.models.routed import RoutedOptions, override_routed
@@ -145,14 +146,14 @@ def test_uniform_drop_reloads_with_stock_transformers(family, tmp_path):
     moe = MoEModel(model)
     drop_experts(moe, removal_for(moe, uniform=True))
     before = logits(model)
-    save_stock(model, tmp_path / "pruned")
+    assert moeprune.save_pretrained(model, tmp_path / "pruned") == "stock"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
     assert MoEModel(reloaded).layers[0].num_experts == 6
     assert (logits(reloaded) - before).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_non_uniform_drop_works_in_memory_but_stock_save_refuses(family, tmp_path):
+def test_non_uniform_drop_works_in_memory_and_stock_loading_refuses_it(family, tmp_path):
     model = tiny_model(family)
     moe = MoEModel(model)
     removed = removal_for(moe, uniform=False)
@@ -161,9 +162,9 @@ def test_non_uniform_drop_works_in_memory_but_stock_save_refuses(family, tmp_pat
         removed[first.index] = []
     drop_experts(moe, removed)
     assert torch.isfinite(logits(model)).all()
-    with pytest.raises(MoePruneError, match="moeprune.save_pretrained"):
-        save_stock(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert moeprune.save_pretrained(model, tmp_path / "out") == "moeprune"
+    with pytest.raises(ValueError, match="trust_remote_code"):  # stock classes never get these shapes
+        AutoModelForCausalLM.from_pretrained(tmp_path / "out")
 
 
 def test_removing_below_top_k_is_refused():

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
+from moeprune.checkpoint import is_moeprune_format
 from moeprune.errors import MoePruneError
-from moeprune.io import MOEPRUNE_CONFIG
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe import observe
@@ -103,7 +103,7 @@ def test_uniform_neurons_virtual_physical_and_stock_reload(family, tmp_path):
 
     fmt = moeprune.save_pretrained(pruned, tmp_path)
     if stock_width_expressible(moe):
-        assert fmt == "stock" and not (tmp_path / MOEPRUNE_CONFIG).exists()
+        assert fmt == "stock" and not is_moeprune_format(tmp_path)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
         assert getattr(reloaded.config, moe.spec.intermediate_field) == 8
     else:  # Llama-4: the shared expert's width is the same config field

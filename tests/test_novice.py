@@ -13,7 +13,7 @@ from helpers import assert_logits_close
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data import load_data
 from moeprune.errors import MoePruneError
-from moeprune.io import MOEPRUNE_CONFIG, load_model
+from moeprune.io import load_model
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.models.routed import RoutedOptions, override_routed
@@ -121,11 +121,11 @@ def test_packed_layer_json_records_novices(tmp_path):
     plan = mone_plan(moe, stats)
     apply_plan_physical(moe, plan, stats)
     moeprune.save_pretrained(model, tmp_path)
-    meta = json.loads((tmp_path / MOEPRUNE_CONFIG).read_text())
-    assert meta["format_version"] == 2
+    meta = json.loads((tmp_path / "config.json").read_text())["moeprune"]
+    assert meta["format_version"] == 3
     for entry, lp in zip(meta["layers"], plan.layers):
-        assert entry["packed"]["novice"] == lp.novice
-        assert set(map(int, entry["packed"]["widths"])) == set(lp.kept) - set(lp.novice)
+        assert entry["novice"] == lp.novice  # nothing dropped: router positions are the original ids
+        assert [p for p, w in enumerate(entry["widths"]) if w is not None] == sorted(set(lp.kept) - set(lp.novice))
 
 
 def _block_errors(moe: MoEModel, inputs: dict[int, list], plan: Plan, stats) -> list[float]:

@@ -6,11 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import moeprune
 from helpers import assert_logits_close
 from moeprune.distributed import placement
 from moeprune.errors import MoePruneError
-from moeprune.io import MOEPRUNE_CONFIG, check_not_offloaded, load_model
-from moeprune.models.factory import save_tiny_model
+from moeprune.io import check_not_offloaded, load_model
+from moeprune.models import MoEModel
+from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.surgery import drop_experts
 
 pytest.importorskip("accelerate")
 
@@ -31,7 +34,7 @@ def test_disk_offloaded_model_is_refused(tmp_path):
         path, dtype=torch.float32, device_map=device_map, offload_folder=str(tmp_path / "offload")
     )
     with pytest.raises(
-        MoePruneError, match=r"offloaded \d+ modules .*first: model\.layers\.0\..*--sequential"
+        MoePruneError, match=r"offloaded \d+ modules .*first: model\.layers\.0\..*sequential observation"
     ):
         check_not_offloaded(offloaded)
 
@@ -49,9 +52,12 @@ def test_device_map_auto_on_cpu_loads_every_weight(tmp_path):
 
 def test_device_map_is_refused_for_moeprune_format(tmp_path):
     """moeprune's own format loads on one device; asking accelerate to split it fails clearly."""
-    path = save_tiny_model("olmoe", tmp_path / "checkpoint")
-    (path / MOEPRUNE_CONFIG).write_text("{}")
-    with pytest.raises(MoePruneError, match="moeprune's own format.*--device cuda or cpu"):
+    model = tiny_model("olmoe")
+    moe = MoEModel(model)
+    drop_experts(moe, {moe.layers[0].index: [0]})  # uneven counts: moeprune's format
+    path = tmp_path / "checkpoint"
+    assert moeprune.save_pretrained(model, path) == "moeprune"
+    with pytest.raises(MoePruneError, match="moeprune's own format.*choose one device"):
         load_model(path, device_map="auto")
 
 

@@ -19,14 +19,25 @@ from .models.spec import supported_families
 
 
 class MoePruneGroup(click.Group):
-    """Turns MoePruneError into one clear line and exit code 2."""
+    """Turns MoePruneError into one clear line and exit code 2, naming the flags that fix it."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except MoePruneError as exc:
-            click.echo(f"moeprune: error: {exc}", err=True)
+            command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            click.echo(f"moeprune: error: {exc}{flag_hint(command, exc.options)}", err=True)
             sys.exit(2)
+
+
+def flag_hint(command: click.Command | None, options: tuple[str, ...]) -> str:
+    """" (--overwrite)" for an error whose fix is the API parameter `overwrite`."""
+    flags = []
+    for name in options:
+        param = next((p for p in (command.params if command else []) if p.name == name), None)
+        long = [o for o in (param.opts if param else []) if o.startswith("--")]
+        flags.append(long[0] if long else "--" + name.replace("_", "-"))
+    return f" ({', '.join(flags)})" if flags else ""
 
 
 @click.group(cls=MoePruneGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,10 +1,21 @@
-"""User-facing errors: the CLI prints their message on one line and exits with code 2."""
+"""User-facing errors: the CLI prints their message on one line and exits with code 2.
+
+Messages speak the library's language (what is wrong, what to do, in terms of the Python API);
+`options` names the API parameters that would fix the problem, and only the command line
+translates those into its flags (cli/), so the library never mentions a flag.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class MoePruneError(Exception):
     """Bad input or an impossible request; the message says what is wrong and what to do."""
+
+    def __init__(self, message: str = "", *, options: Sequence[str] = ()):
+        super().__init__(message)
+        self.options = tuple(options)  # API parameter names the user can change to fix it
 
 
 class UnsupportedModelError(MoePruneError):

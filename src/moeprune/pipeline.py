@@ -377,7 +377,7 @@ def prune(
     observation and the search are data-parallel, and rank 0 alone writes OUTPUT.
     """
     from .auto import AUTO, choose_criterion
-    from .checkpoint import save_pretrained
+    from .checkpoint import write_checkpoint
     from .distributed import barrier, rank_and_world
 
     allocation = allocation or default_allocation(method)
@@ -475,7 +475,7 @@ def prune(
                                                        "teacher_cache", "notes") if k in search_doc}  # fmt: skip
 
     def write(tmp: Path) -> None:
-        report["format"] = save_pretrained(model, tmp, tokenizer)
+        report["format"] = write_checkpoint(model, tmp, tokenizer)
         plan.save(tmp / "plan.json")
         if search_doc is not None:
             write_json(tmp / "search.json", search_doc)

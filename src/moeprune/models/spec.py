@@ -43,6 +43,12 @@ class FamilySpec:
     shared_width_derived: bool = False
     # Attributes holding the expert count on block / router / experts modules.
     count_attrs: tuple[str, ...] = ("num_experts",)
+    # How a stock checkpoint of the family names its tensors (what save_pretrained writes):
+    # fragments of transformers' internal names replaced on disk (internal, on disk), and the
+    # per-expert names of gate, up and down ("B.experts.<p>.<name>.weight"); None where the
+    # checkpoint stores the experts fused, as transformers holds them (gpt_oss, Llama-4).
+    disk_renames: tuple[tuple[str, str], ...] = ()
+    disk_expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -88,6 +94,8 @@ FAMILIES: dict[str, FamilySpec] = {
             "mixtral",
             count_field="num_local_experts",
             intermediate_field="intermediate_size",
+            disk_renames=((".mlp.", ".block_sparse_moe."),),
+            disk_expert_names=("w1", "w3", "w2"),
             **_SOFTMAX_COMMON,
         ),
         FamilySpec("deepseek_v2", routing=SOFTMAX_TOPK, **_DEEPSEEK_COMMON),
@@ -117,6 +125,7 @@ FAMILIES: dict[str, FamilySpec] = {
             selection_bias="moe_statics.e_score_correction_bias",
             shared_attrs=("shared_experts",),
             shared_width_derived=True,
+            disk_renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
         ),
         FamilySpec(
             "gpt_oss",
@@ -127,6 +136,7 @@ FAMILIES: dict[str, FamilySpec] = {
             layout=INTERLEAVED,
             routing=TOPK_SOFTMAX,
             router_tensors=(("weight", 0), ("bias", 0)),
+            disk_expert_names=None,
             notes=("clamped SwiGLU with biases (gate * sigmoid(alpha * gate) * (up + 1))",),
         ),
         FamilySpec(
@@ -141,6 +151,7 @@ FAMILIES: dict[str, FamilySpec] = {
             weight_on_input=True,
             shared_width_derived=True,
             count_attrs=("num_experts", "out_features"),
+            disk_expert_names=None,
             notes=(
                 "router weight multiplies the expert input; the transformers block runs every expert on every token",
             ),

@@ -1,0 +1,302 @@
+"""Loading checkpoints: stock ones through transformers, moeprune's own through its structure.
+
+Nothing here runs a checkpoint's own Python: transformers is always asked with
+`trust_remote_code=False` (it then refuses instead of prompting on stdin), unless the caller
+passes True. A weight that was not read is an error naming it, never a random initialisation:
+stock loads are checked with transformers' loading report, moeprune-format loads fill every
+tensor of the model from the file by name and refuse anything missing or unexpected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from ..errors import MoePruneError
+from ..models import MoEModel, check_config
+from ..models.adapter import EXPERT_IDS_ATTR
+from ..surgery.drop import drop_experts
+from ..surgery.packed import pack_like
+from . import files, structure
+from .names import disk_tensors
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+_MOEPRUNE_KEYS = ("moeprune", "auto_map")  # config.json entries only the saved folder needs
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype or torch.float32
+    if dtype not in DTYPES:
+        raise MoePruneError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_model_path(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise MoePruneError(f"model path {str(path)!r} does not exist; pass a local checkpoint folder")
+    if not path.is_dir() or not (path / structure.CONFIG).is_file():
+        raise MoePruneError(
+            f"{str(path)!r} has no config.json; pass a transformers checkpoint folder (the one save_pretrained wrote)"
+        )
+    return path
+
+
+def load_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config (for moeprune's format: the base family's), checked to be a supported MoE."""
+    path = check_model_path(path)
+    data = structure.read_config_dict(path)
+    saved = structure.read(path)
+    if saved is not None and saved.version >= 3:
+        config = _base_config(data, saved.base_model_type, path)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (ValueError, KeyError, OSError, TypeError) as exc:
+            raise MoePruneError(f"cannot read {path / structure.CONFIG}: {_first_line(exc)}") from exc
+    check_config(config)
+    return config
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _base_config(data: dict, base: str, path: Path) -> PretrainedConfig:
+    if base not in CONFIG_MAPPING:
+        raise MoePruneError(
+            f"{path} was pruned from a {base!r} model, which this transformers does not know; upgrade transformers"
+        )
+    plain = {k: v for k, v in data.items() if k not in _MOEPRUNE_KEYS}
+    plain["model_type"] = base
+    plain["architectures"] = [a.removeprefix(structure.ARCHITECTURE_PREFIX) for a in data.get("architectures") or []]
+    try:
+        return CONFIG_MAPPING[base].from_dict(plain)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MoePruneError(f"cannot read {path / structure.CONFIG}: {_first_line(exc)}") from exc
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    path = Path(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).exists() for n in names):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise MoePruneError(f"cannot load the tokenizer in {path}: {_first_line(exc)}") from exc
+
+
+def build_skeleton(path: Path, dtype: torch.dtype = torch.float32, meta: bool = False) -> PreTrainedModel:
+    """The model a checkpoint describes (per-layer counts, widths, novices), weights not loaded:
+    uninitialised memory, or the meta device (nothing allocated)."""
+    path = Path(path)
+    config = load_config(path)
+    saved = structure.read(path)
+    if meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.tie_weights()  # no_init_weights also skips tying (lm_head must share the embedding)
+    if saved is not None:
+        shape_like(MoEModel(model), saved, path)
+    return model
+
+
+def shape_like(moe: MoEModel, saved: structure.Structure, path: Path) -> None:
+    """Narrow and pack each MoE layer of a freshly built model to the saved structure."""
+    where = str(path / structure.CONFIG)
+    by_layer = {entry.layer: entry for entry in saved.layers}
+    indices = [m.index for m in moe.layers]
+    if sorted(by_layer) != indices:
+        raise MoePruneError(
+            f"{where}: the saved structure covers layers {sorted(by_layer)} but the model's MoE layers are "
+            f"{indices}; the checkpoint is damaged, re-create it with moeprune prune"
+        )
+    cuts = {}
+    for m in moe.layers:
+        entry = by_layer[m.index]
+        if not m.top_k <= entry.num_experts <= m.num_experts:
+            raise MoePruneError(
+                f"{where}: layer {m.index} keeps {entry.num_experts} experts, outside {m.top_k}..{m.num_experts} "
+                "(top-k..the config's count); the checkpoint is damaged"
+            )
+        cuts[m.index] = _surplus(m, entry.num_experts)
+    drop_experts(moe, cuts)
+    for m in moe.layers:
+        entry = structure.resolve_widths(by_layer[m.index], m.intermediate_size, where)
+        setattr(m.block, EXPERT_IDS_ATTR, list(entry.expert_ids))
+        if entry.packed(m.intermediate_size):
+            widths = {str(p): w for p, w in enumerate(entry.widths) if w is not None}
+            pack_like(m, {"novice": entry.novices, "widths": widths})
+
+
+def _surplus(layer, keep: int) -> list[int]:
+    """Positions to cut so `keep` remain (group-balanced; the weights are loaded afterwards)."""
+    groups, extra = layer.n_group, layer.num_experts - keep
+    if groups <= 1:
+        return list(range(keep, layer.num_experts))
+    size = layer.num_experts // groups
+    return [g * size + size - 1 - j for g in range(groups) for j in range(extra // groups)]
+
+
+def load_pretrained(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+) -> PreTrainedModel:
+    """Reload any moeprune output or stock checkpoint; every weight must come from the files."""
+    path = check_model_path(path)
+    saved = structure.read(path)
+    if saved is None:
+        model = _load_stock(path, dtype, device)
+    elif saved.version >= 3:
+        model = build_skeleton(path, dtype)
+        fill_from_disk(MoEModel(model), path)
+    else:
+        model = _load_legacy(path, dtype)
+    return (model.to(device) if device is not None and saved is not None else model).eval()
+
+
+def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
+    files.check_weights(path)
+    load_config(path)
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    placed = {"device_map": {"": str(device)}} if on_gpu and _has_accelerate() else {}  # straight to the GPU
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=False, output_loading_info=True, **placed
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise MoePruneError(f"cannot load {path}: {_first_line(exc)}") from exc
+    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(problems.values()):
+        raise MoePruneError(f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged")
+    return model if placed or device is None else model.to(device)
+
+
+def _describe(problems: dict[str, list]) -> str:
+    parts = []
+    for kind, names in problems.items():
+        if names:
+            shown = ", ".join(str(n if isinstance(n, str) else n[0]) for n in names[:3])
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            parts.append(f"{kind.replace('_keys', '')} tensors {shown}{more}")
+    return "; ".join(parts)
+
+
+def _has_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fill_from_disk(moe: MoEModel, path: Path) -> None:
+    """Copy every stored tensor into the model by its on-disk name; strict both ways."""
+    targets = disk_tensors(moe)
+    stored = files.stored_tensors(path)
+    missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
+    if missing or unexpected:
+        problems = {"missing_keys": missing, "unexpected_keys": unexpected}
+        raise MoePruneError(f"{path} does not match its structure: {_describe(problems)}; the checkpoint is damaged")
+    with torch.no_grad():
+        for name, value in files.iter_tensors(path):
+            target = targets[name]
+            if tuple(target.shape) != tuple(value.shape):
+                raise MoePruneError(
+                    f"{path}: tensor {name} has shape {tuple(value.shape)}, the structure says {tuple(target.shape)}; "
+                    "the checkpoint is damaged"
+                )
+            target.copy_(value)
+
+
+def _load_legacy(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """Versions 1-2: transformers' internal tensor names in one model.safetensors."""
+    from safetensors.torch import load_model as load_into
+
+    model = build_skeleton(path, dtype)
+    weights = path / files.SINGLE
+    if not weights.is_file():
+        raise MoePruneError(f"{path} has no {files.SINGLE}; it is not a complete moeprune checkpoint")
+    files.read_header(weights)
+    missing, unexpected = load_into(model, str(weights), strict=False)
+    if unexpected:
+        raise MoePruneError(f"{weights} does not match {structure.LEGACY_FILE}: unexpected tensors {unexpected[:5]}")
+    tied = {name for name in missing if _tied_partner(model, name) is not None}
+    if set(missing) - tied:
+        raise MoePruneError(f"{weights} does not match {structure.LEGACY_FILE}: missing tensors {sorted(set(missing) - tied)[:5]}")
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def _tied_partner(model: PreTrainedModel, name: str) -> str | None:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    pairs = list(tied.items()) if isinstance(tied, dict) else []
+    return next((a if b == name else b for a, b in pairs if name in (a, b)), None)
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, object | None]:
+    """Load a stock or moeprune-format checkpoint in eval mode, plus its tokenizer if it has one.
+
+    `device_map="auto"` (accelerate) spreads a stock checkpoint over every visible GPU.
+    """
+    path = check_model_path(path)
+    load_config(path, trust_remote_code)  # dense, unsupported and damaged configs fail before any weight
+    files.check_weights(path)
+    if structure.is_moeprune_format(path):
+        if device_map:
+            raise MoePruneError(
+                f"{str(path)!r} is in moeprune's own format, which loads on one device; device_map='auto' "
+                "(accelerate) splits stock checkpoints only: choose one device"
+            )
+        model = load_pretrained(path, dtype=resolve_dtype(dtype), device=device)
+    elif device_map:
+        if not _has_accelerate():
+            raise MoePruneError("splitting a model over GPUs needs accelerate: pip install 'moeprune[gpu]'")
+        model = _load_auto(path, resolve_dtype(dtype), device_map)
+    else:
+        model = _load_stock(path, resolve_dtype(dtype), device)
+    model.eval()
+    return model, load_tokenizer(path, trust_remote_code)
+
+
+def _load_auto(path: Path, dtype: torch.dtype, device_map: str) -> PreTrainedModel:
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map=device_map, trust_remote_code=False, output_loading_info=True
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise MoePruneError(f"cannot load {path}: {_first_line(exc)}") from exc
+    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(problems.values()):
+        raise MoePruneError(f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged")
+    check_not_offloaded(model)
+    return model
+
+
+def check_not_offloaded(model: PreTrainedModel) -> None:
+    """Refuse a model accelerate spilled to CPU or disk: it leaves those weights on the meta device
+    and loads them only inside each module's own forward, while moeprune reads expert weights
+    and router rows directly (routed compute, masks, surgery)."""
+    offloaded = sorted({name.rsplit(".", 1)[0] for name, p in model.named_parameters() if p.is_meta})
+    if offloaded:
+        raise MoePruneError(
+            f"the model does not fit on the GPUs: accelerate offloaded {len(offloaded)} modules to CPU or disk "
+            f"(first: {offloaded[0]}), and moeprune needs every weight on a device; observe layer by layer "
+            "(sequential observation), prune without loading, or use more GPUs"
+        )

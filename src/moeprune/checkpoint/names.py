@@ -1,0 +1,107 @@
+"""Tensor names on disk: the names `save_pretrained` gives a stock checkpoint of each family.
+
+transformers holds routed experts fused ([E, 2I, d] gate_up_proj and so on) and renames a few
+modules in memory (Mixtral's block is `mlp`, on disk `block_sparse_moe`), while checkpoints on
+disk keep the family's historical names, one tensor per expert. moeprune writes what the disk
+layout says, for both of its formats, so every tool that reads stock layouts finds familiar
+names; in moeprune's format each router position has its own expert tensors (any width) or a
+`mean_output` vector for a novice. A test compares these names, shapes and values with what
+`save_pretrained` writes for every family, so the table in FamilySpec cannot drift.
+
+`disk_tensors` returns views into the model, never copies: the saver writes them and the loader
+copies stored values into the views of a freshly built model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import MoePruneError
+from ..models.adapter import MoELayer, MoEModel, decoder_layers
+from ..models.spec import FUSED
+from ..surgery.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
+
+MEAN_OUTPUT = "mean_output"  # a novice's stored vector: mu_i, what the block adds times g_i(t)
+
+
+def decoder_prefix(moe: MoEModel) -> str:
+    """Qualified name of the decoder layer list ("model.layers" in every supported family)."""
+    layers = decoder_layers(moe.model)
+    for name, module in moe.model.named_modules():
+        if module is layers:
+            return name
+    raise MoePruneError(f"cannot find the decoder layers of {type(moe.model).__name__}")  # pragma: no cover
+
+
+def to_disk(moe: MoEModel, internal: str) -> str:
+    """The on-disk name of an internal (transformers) tensor name outside the routed experts."""
+    for old, new in moe.spec.disk_renames:
+        internal = internal.replace(old, new)
+    return internal
+
+
+def block_prefix(moe: MoEModel, layer: MoELayer) -> str:
+    """On-disk prefix of a MoE block, e.g. "model.layers.3.mlp" (Mixtral: "...block_sparse_moe")."""
+    return to_disk(moe, f"{decoder_prefix(moe)}.{layer.index}.{layer.spec.block_attr}.").rstrip(".")
+
+
+def native_expert(layer: MoELayer, position: int) -> dict[str, torch.Tensor]:
+    """One weight-holding expert's tensors in the family's native per-expert shape (views)."""
+    experts = layer.experts
+    if is_packed(layer):
+        return expert_tensors(experts, experts.moeprune_slots[position])
+    return {name: getattr(experts, name)[position] for name in expert_tensor_names(layer)}
+
+
+def novice_vector(layer: MoELayer, position: int) -> torch.Tensor:
+    return getattr(layer.experts, NOVICE_PARAM)[-1 - layer.experts.moeprune_slots[position]]
+
+
+def _expert_tensors(moe: MoEModel, layer: MoELayer) -> Iterator[tuple[str, torch.Tensor]]:
+    prefix = f"{block_prefix(moe, layer)}.experts"
+    names = layer.spec.disk_expert_names
+    if names is None and not is_packed(layer):  # gpt_oss, Llama-4: the stock fused tensors
+        for name in expert_tensor_names(layer):
+            yield f"{prefix}.{name}", getattr(layer.experts, name)
+        return
+    for position, width in enumerate(layer_widths(layer)):
+        if width is None:
+            yield f"{prefix}.{position}.{MEAN_OUTPUT}", novice_vector(layer, position)
+            continue
+        native = native_expert(layer, position)
+        if names is None:  # one expert's slice of the fused tensors
+            for name, tensor in native.items():
+                yield f"{prefix}.{position}.{name}", tensor
+            continue
+        if layer.spec.layout != FUSED:  # pragma: no cover - every per-expert family is fused in memory
+            raise MoePruneError(f"{layer.spec.model_type}: per-expert names need the fused layout")
+        gate_up, down = native["gate_up_proj"], native["down_proj"]  # [2K, d], [d, K]
+        gate, up, down_name = names
+        yield f"{prefix}.{position}.{gate}.weight", gate_up[:width]
+        yield f"{prefix}.{position}.{up}.weight", gate_up[width:]
+        yield f"{prefix}.{position}.{down_name}.weight", down
+
+
+def disk_tensors(moe: MoEModel) -> dict[str, torch.Tensor]:
+    """Every tensor of the model under its on-disk name, in the model's order (views; tied
+    copies appear once, under the first name, as save_pretrained keeps them)."""
+    prefix = decoder_prefix(moe)
+    routed = {f"{prefix}.{m.index}.{m.spec.block_attr}.experts.": m for m in moe.layers}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    written: set[int] = set()  # MoE layers whose experts are listed
+    for name, tensor in moe.model.state_dict(keep_vars=True).items():
+        layer = next((m for start, m in routed.items() if name.startswith(start)), None)
+        if layer is not None:
+            if layer.index not in written:
+                written.add(layer.index)
+                out.update(_expert_tensors(moe, layer))
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key in seen:  # tied to a tensor already listed (lm_head and the embedding)
+            continue
+        seen.add(key)
+        out[to_disk(moe, name)] = tensor
+    return out

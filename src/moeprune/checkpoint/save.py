@@ -1,0 +1,109 @@
+"""Saving a pruned model: a stock checkpoint when the family's config can express it, moeprune's
+format (docs/checkpoint-format.md) otherwise; one writer for both.
+
+Both forms store every tensor under the name a stock checkpoint of the family uses
+(checkpoint/names.py), in the dtype asked for (by default the model's), sharded like
+`save_pretrained` (`model.safetensors`, or numbered shards and an index). moeprune's format adds
+the per-layer structure and a custom model type to config.json and copies the self-contained
+modeling file, so stock transformers loads it only with `trust_remote_code=True` and vLLM only
+with moeprune's plugin: never with wrong shapes or random weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import MoePruneError
+from ..models import MoEModel
+from ..surgery.packed import is_packed, router_count
+from . import files, structure
+from .atomic import atomic_write_dir
+from .load import resolve_dtype
+from .names import disk_tensors
+
+MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve" / structure.MODELING_FILE
+
+
+def stock_expressible(moe: MoEModel) -> bool:
+    """Whether the family's stock config describes the model: same count and width everywhere."""
+    return moe.is_uniform() and not any(is_packed(m) for m in moe.layers)
+
+
+def model_dtype(model: PreTrainedModel) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def write_checkpoint(
+    model: PreTrainedModel, folder: str | Path, tokenizer=None, *, dtype: torch.dtype | None = None,
+    max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE,
+) -> str:  # fmt: skip
+    """Write `model` into the existing folder `folder`; returns "stock" or "moeprune" (the format).
+
+    Not atomic by itself: callers write into a temporary folder (atomic_write_dir) and rename it.
+    """
+    folder = Path(folder)
+    moe = MoEModel(model)
+    dtype = dtype or model_dtype(model)
+    files.parse_size(max_shard_size)  # a bad size fails before anything is written
+    stock = stock_expressible(moe)
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = str(dtype).removeprefix("torch.")
+    for key in ("moeprune", "auto_map"):  # left over from loading a moeprune-format input
+        if hasattr(config, key):
+            delattr(config, key)
+    if stock:
+        config.save_pretrained(folder)
+    else:
+        (folder / structure.CONFIG).write_text(json.dumps(moeprune_config(moe, config), indent=2, sort_keys=True) + "\n")
+        if not MODELING_SOURCE.is_file():  # pragma: no cover - a broken installation
+            raise MoePruneError(f"moeprune's modeling file {MODELING_SOURCE} is missing; reinstall moeprune")
+        shutil.copyfile(MODELING_SOURCE, folder / structure.MODELING_FILE)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    files.write_shards(folder, disk_tensors(moe), max_shard_size=max_shard_size, dtype=dtype)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return "stock" if stock else "moeprune"
+
+
+def moeprune_config(moe: MoEModel, config) -> dict:
+    """config.json of a moeprune-format result: the family's fields plus the structure, a custom
+    model type, the plugin architecture and auto_map (docs/checkpoint-format.md)."""
+    data = config.to_dict()
+    base = moe.model_type
+    arch = f"{structure.ARCHITECTURE_PREFIX}{type(moe.model).__name__}"
+    config_class = f"{structure.ARCHITECTURE_PREFIX}{type(config).__name__}"
+    module = structure.MODELING_FILE.removesuffix(".py")
+    data[moe.spec.count_field] = max(router_count(m) for m in moe.layers)
+    data.update(
+        model_type=structure.MODEL_TYPE_PREFIX + base,
+        architectures=[arch],
+        auto_map={"AutoConfig": f"{module}.{config_class}", "AutoModelForCausalLM": f"{module}.{arch}"},
+        moeprune=structure.describe(moe),
+    )
+    return data
+
+
+def save_pretrained(
+    model: PreTrainedModel, directory: str | Path, tokenizer=None, *, dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
+) -> str:  # fmt: skip
+    """Save atomically into `directory` (an existing non-empty folder needs overwrite=True);
+    returns "stock" or "moeprune", the format used."""
+    directory = Path(directory)
+    empty = directory.is_dir() and not any(directory.iterdir())
+    chosen = resolve_dtype(dtype) if dtype is not None else None
+    found: list[str] = []
+    atomic_write_dir(
+        directory,
+        lambda tmp: found.append(write_checkpoint(model, tmp, tokenizer, dtype=chosen, max_shard_size=max_shard_size)),
+        overwrite=overwrite or empty,
+    )
+    return found[0]
