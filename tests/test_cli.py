@@ -107,7 +107,7 @@ def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
     "args, message",
     [
         (["--criterion", "nope", "--sparsity", "0.5"], "unknown criterion 'nope'"),
-        (["--criterion", "reap", "--sparsity", "0.5"], "needs calibration data: pass --data"),
+        (["--criterion", "reap", "--sparsity", "0.5"], "needs calibration data: give data files (--data)"),
         (["--criterion", "aimer", "--sparsity", "0.9"], "outside the feasible range"),
         (["--criterion", "frequency", "--sparsity", "0.5", "--data", "missing.jsonl"], "does not exist"),
         (
@@ -352,7 +352,7 @@ def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
     assert report["criterion"] == best["criterion"] == report["criterion_auto"]["chosen"]
     result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "auto", "--sparsity", "0.25",
                  "--data", data, ok=False)  # fmt: skip
-    assert result.exit_code == 2 and "--criterion auto needs search data" in result.output
+    assert result.exit_code == 2 and "choosing the criterion automatically needs search data" in result.output and "(--search-data)" in result.output
 
 
 def test_prune_help_documents_every_option_family():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -24,6 +25,10 @@ class MoePruneGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # a bad flag or value: one line, not click's usage block
+            where = f"moeprune {ctx.invoked_subcommand}" if ctx.invoked_subcommand else "moeprune"
+            click.echo(f"moeprune: error: {exc.format_message()} (see '{where} --help')", err=True)
+            sys.exit(2)
         except MoePruneError as exc:
             command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
             click.echo(f"moeprune: error: {exc}{flag_hint(command, exc.options)}", err=True)
@@ -51,16 +56,21 @@ def data_options(func):
     options = [
         click.option("--data", "data", multiple=True, metavar="FILE[:WEIGHT]",
                      help="Data file (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat for several."),
-        click.option("--samples", type=int, default=128, show_default=True, help="Samples to draw (0 = all)."),
-        click.option("--max-length", type=int, default=512, show_default=True, help="Truncate samples to L tokens."),
-        click.option("--batch-size", type=int, default=8, show_default=True),
+        click.option("--samples", type=click.IntRange(min=0), default=128, show_default=True,
+                     help="Samples to draw (0 = all)."),
+        click.option("--max-length", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Truncate samples to L tokens."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
         click.option("--packing/--no-packing", default=False, show_default=True, help="Pack samples into full rows."),
         click.option("--tokenizer", "tokenizer_path", type=click.Path(), default=None,
                      help="Tokenizer folder, if the checkpoint has none."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
                      help="Model dtype [default: bf16 on GPU, fp32 on CPU]."),
-        click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch CPU threads (default: torch's choice)."),
+        click.option("--trust-remote-code", is_flag=True,
+                     help="Allow a checkpoint's own Python code (tokenizer or config); never run otherwise."),
         click.option("--device", default=None,
                      help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any]."),
         click.option("--sequential", is_flag=True,
@@ -96,6 +106,14 @@ def data_from_options(kwargs) -> object:
         sequential=kwargs.get("sequential", False),
         activations_dir=kwargs.get("activations_dir"),
     )
+
+
+def refuse_given(ctx: click.Context, names: Sequence[str], reason: str) -> None:
+    """Refuse options the user typed that this run would silently ignore."""
+    given = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join(flag_hint(ctx.command, (n,)).strip(" ()") for n in given)
+        raise MoePruneError(f"{flags} {'has' if len(given) == 1 else 'have'} no effect {reason}; remove {'it' if len(given) == 1 else 'them'}")
 
 
 def _check_criterion(name: str) -> str:
@@ -188,7 +206,7 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
 @click.option(
     "--sparsity",
     required=True,
-    type=float,
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
     help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.",
 )
 @click.option(
@@ -227,32 +245,46 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
 @click.option(
     "--search-data", multiple=True, metavar="FILE[:WEIGHT]", help="evo: search data (prompt/answer JSONL...)."
 )
-@click.option("--search-samples", type=int, default=64, show_default=True, help="evo: search samples.")
+@click.option("--search-samples", type=click.IntRange(min=0), default=64, show_default=True,
+              help="evo: search samples (0 = all).")
 @click.option("--fitness", type=click.Choice(["esap", "sap", "kl", "nll"]), default="esap", show_default=True)
-@click.option("--population", type=int, default=32, show_default=True)
-@click.option("--elites", type=int, default=4, show_default=True)
-@click.option("--generations", type=int, default=50, show_default=True)
-@click.option("--delta-max", type=int, default=4, show_default=True)
-@click.option("--tau-max", type=int, default=3, show_default=True)
+@click.option("--population", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--elites", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--generations", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--delta-max", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--tau-max", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--search-seed", type=int, default=42, show_default=True, help="evo: seed of the search.")
-@click.option("--resume", is_flag=True, help="evo: continue an interrupted search from OUTPUT's state file.")
+@click.option("--resume", is_flag=True,
+              help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.")
+@click.option("--expert-multiple", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible by the "
+                   "EP size; kernels like multiples of 8).")
+@click.option("--save-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default=None,
+              help="dtype of the saved weights [default: the input checkpoint's].")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest weight file (e.g. 5GB, 500MB); bigger results are sharded with an index, like save_pretrained.")
+@click.option("--dry-run", is_flag=True,
+              help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
+                   "no weight is loaded, nothing is written.")
 @click.option("--no-load", is_flag=True,
               help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
-                   "then rewrite the shards one by one; --method drop or neurons, uniform allocation.")  # fmt: skip
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+                   "then rewrite the shards one by one; --method drop or neurons, uniform allocation.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, once the new one is complete).")
 @data_options
 def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
           neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
           search_samples: int, fitness: str, population: int, elites: int, generations: int, delta_max: int,
-          tau_max: int, search_seed: int, resume: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+          tau_max: int, search_seed: int, resume: bool, expert_multiple: int, save_dtype: str | None,
+          max_shard_size: str, dry_run: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
     from .distributed import init_distributed
-    from .pipeline import MethodOptions
+    from .pipeline import MethodOptions, SaveOptions
     from .pipeline import prune as run_prune
 
     if criterion != "auto":
         _check_criterion(criterion)
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
+    ctx = click.get_current_context()
     if no_load:
         from .pipeline import prune_without_loading
 
@@ -262,6 +294,10 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
                 f"criterion only (got --method {method}, --allocation {allocation or 'default'}, --criterion "
                 f"{criterion}); load the model for the rest: drop --no-load"
             )
+        refuse_given(ctx, ["resume", "dry_run", "save_dtype", "max_shard_size", "expert_multiple", "search_data",
+                           "search_samples", "fitness", "population", "elites", "generations", "delta_max", "tau_max",
+                           "search_seed", "important_fraction", "slope"],
+                     "with --no-load (it copies the input's shards and dtype)")  # fmt: skip
         report = prune_without_loading(
             model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
             data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], dtype=kwargs["dtype"],
@@ -277,23 +313,64 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
             done = f"pruned {report['budget_experts_removed']} experts"
         click.echo(f"{done} without loading the model; saved to {output}")
         return
+    if allocation != "evo" and criterion != "auto":
+        refuse_given(ctx, ["search_data", "search_samples", "fitness", "population", "elites", "generations", "delta_max",
+                           "tau_max", "search_seed"], "without --allocation evo or --criterion auto")  # fmt: skip
+    if method != "tenp":
+        refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
+    if method not in ("neurons", "tenp"):
+        refuse_given(ctx, ["neuron_importance"], "without --method neurons or tenp")
+    refuse_given(ctx, ["activations_dir"], "without --sequential (it is where sequential observation caches activations)")
     search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness, population=population,
                   elites=elites, generations=generations, delta_max=delta_max, tau_max=tau_max,
-                  search_seed=search_seed, resume=resume)  # fmt: skip
+                  search_seed=search_seed)  # fmt: skip
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
         data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],
-        overwrite=overwrite or resume, progress=not kwargs["quiet"] and rank == 0, search=search,
+        overwrite=overwrite, progress=not kwargs["quiet"] and rank == 0, search=search, resume=resume, dry_run=dry_run,
         options=MethodOptions(neuron_importance=neuron_importance, important_fraction=important_fraction, slope=slope),
+        save=SaveOptions(dtype=save_dtype, max_shard_size=max_shard_size), expert_multiple=expert_multiple,
+        trust_remote_code=kwargs["trust_remote_code"],
     )  # fmt: skip
     if rank != 0:
         return
+    if dry_run:
+        click.echo(format_plan_of_work(report))
+        return
     before, after = report["parameters_before"], report["parameters_after"]
     click.echo(
-        f"pruned with {method} ({criterion}, {report['allocation']}); parameters {before['total']:,} -> "
+        f"pruned with {method} ({report['criterion']}, {report['allocation']}); parameters {before['total']:,} -> "
         f"{after['total']:,}, routed experts {before['routed_experts']:,} -> {after['routed_experts']:,}; "
-        f"saved ({report['format']} format) to {output}"
+        f"saved ({report['format']} format, {report['save_dtype']}) to {output}"
     )
+
+
+def format_plan_of_work(plan: dict) -> str:
+    """The --dry-run report: what prune would do, one fact per line."""
+    lines = [
+        f"model     {plan['model']} ({plan['family']}; MoE layers {plan['moe_layers']}, experts {plan['experts_per_layer']}, "
+        f"top-k {plan['top_k']})",
+        f"prune     criterion {plan['criterion']}, allocation {plan['allocation']}, method {plan['method']}, "
+        f"sparsity {plan['sparsity']} of {plan['sparsity_unit']}",
+    ]
+    for key, label in (("budget_experts_removed", "budget    experts removed in total"),
+                       ("removed_per_layer", "per layer experts removed"),
+                       ("neurons_per_expert", "per layer neurons kept per expert"),
+                       ("whole_experts_per_layer", "per layer whole experts kept"),
+                       ("neuron_keep_ratio", "neurons   kept ratio of the other experts")):  # fmt: skip
+        if key in plan:
+            lines.append(f"{label}: {plan[key]}")
+    if plan["allocation"] == "evo":
+        lines.append("per layer searched (EvoESAP)")
+    for data in plan["calibration"]:
+        lines.append(f"data      {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
+                     + (f" ({data['truncated']} truncated)" if data["truncated"] else ""))  # fmt: skip
+    if plan["search_data"]:
+        data = plan["search_data"]
+        lines.append(f"search    {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens")
+    lines.append(f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}")
+    lines.append("dry run: nothing was loaded or written")
+    return "\n".join(lines)
 
 
 def _register_optional_commands() -> None:

@@ -9,21 +9,35 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from . import __version__
 from .allocate import (
     budget_from_sparsity,
     global_allocation,
-    group_limited_cap,
     plan_removals,
     uniform_allocation,
 )
+from .allocate.limits import LayerLimits, layer_limits
+from .checkpoint import (
+    atomic_write_dir,
+    build_skeleton,
+    check_model_path,
+    check_output_dir,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    write_json,
+)
+from .checkpoint.files import DEFAULT_MAX_SHARD_SIZE
 from .criteria import Criterion, LayerScores, compute_scores, get_criterion, unseen_note
 from .data import CalibrationData, load_data, parse_source
-from .errors import DataError, MoePruneError
-from .io import atomic_write_dir, check_model_path, check_output_dir, load_model, load_tokenizer, write_json
+from .errors import DataError, InfeasibleBudgetError, MoePruneError
 from .models import MoEModel
 from .plan import Plan
 from .stats import ExpertStats
@@ -119,7 +133,8 @@ def calibration_sets(
 ) -> list[CalibrationData]:
     """One mixed set, or one set per source for TENP (it normalises per calibration domain)."""
     if not options.sources:
-        raise DataError(f"{why or f'criterion {criterion.name!r}'} needs calibration data: pass --data FILE")
+        raise DataError(f"{why or f'criterion {criterion.name!r}'} needs calibration data: give data files",
+                        options=("data",))
 
     def load(sources: Sequence[str], samples: int | None) -> CalibrationData:
         return load_data(
@@ -147,14 +162,17 @@ def score_experts(
     progress: bool = True,
     observe_for: str = "",
     neurons: bool = False,
+    sets: Sequence[CalibrationData] | None = None,
 ) -> tuple[Criterion, list[LayerScores], list[ExpertStats], list[CalibrationData]]:
     """Scores of every MoE layer under one criterion (observing calibration data if it, or the
-    surgery method named in `observe_for`, needs it)."""
+    surgery method named in `observe_for`, needs it). `sets`: calibration data already loaded
+    (else it is loaded from `data` with `tokenizer`)."""
     criterion = get_criterion(criterion_name)
     stats: list[ExpertStats] = []
-    sets: list[CalibrationData] = []
-    if criterion.needs_data or observe_for:
+    sets = list(sets or [])
+    if (criterion.needs_data or observe_for) and not sets:
         sets = calibration_sets(tokenizer, criterion, data or DataOptions(), observe_for)
+    if sets:
         pad = getattr(tokenizer, "pad_token_id", None) or 0
         from .distributed import observe_distributed
 
@@ -201,10 +219,12 @@ def build_plan(
     stats: Sequence[ExpertStats] = (),
     options: MethodOptions | None = None,
     removed: Sequence[int] | None = None,
+    expert_multiple: int = 1,
 ) -> Plan:
     """Turn scores and a global budget into a per-layer plan, for any method.
 
     `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
+    `expert_multiple`: every layer keeps a multiple of this many experts (drop and novice).
     """
     check_method(method, allocation)
     options = options or MethodOptions()
@@ -222,7 +242,8 @@ def build_plan(
                          importance=options.neuron_importance, criterion=criterion.name,
                          data_fingerprint=data_fingerprint)  # fmt: skip
     if removed is None:
-        removed = expert_allocation(moe, criterion, scores, sparsity, allocation)
+        limits = method_limits(moe, method, expert_multiple)
+        removed = expert_allocation(moe, criterion, scores, sparsity, allocation, limits)
     if method == "novice":
         from .surgery.novice import novice_plan
 
@@ -240,36 +261,27 @@ def importance_scores(criterion: Criterion, scores: Sequence[LayerScores]) -> li
     return [LayerScores(layer=s.layer, scores=-s.scores, order=s.order) for s in scores]
 
 
-def removal_limits(moe: MoEModel) -> dict[str, list[int]]:
-    """Per MoE layer: removals must be multiples of the routing groups and stay under the cap."""
-    caps = [
-        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group)
-        if m.n_group > 1
-        else m.num_experts - m.top_k
-        for m in moe.layers
-    ]
-    return {"multiple_of": [m.n_group for m in moe.layers], "max_removed": caps}
-
-
 def expert_allocation(
-    moe: MoEModel, criterion: Criterion, scores: Sequence[LayerScores], sparsity: float, allocation: str
-) -> list[int]:
+    moe: MoEModel, criterion: Criterion, scores: Sequence[LayerScores], sparsity: float, allocation: str,
+    limits: LayerLimits | None = None,
+) -> list[int]:  # fmt: skip
     """How many experts each MoE layer loses under the global budget (uniform or global)."""
-    layers = moe.layers
-    num_experts = [m.num_experts for m in layers]
-    top_k = [m.top_k for m in layers]
-    budget = budget_from_sparsity(sparsity, num_experts, top_k)
-    limits = removal_limits(moe)
+    limits = limits or layer_limits(moe)
+    budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
     if allocation == "uniform":
-        return uniform_allocation(budget, num_experts, top_k, **limits)
+        return uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
     if allocation == "global":
         normalize = not criterion.comparable_across_layers
         return global_allocation(
-            [s.scores for s in scores], criterion.prune_first, budget, num_experts, top_k, normalize, **limits
-        )
-    raise MoePruneError(
-        f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)"
-    )
+            [s.scores for s in scores], criterion.prune_first, budget, limits.num_experts, limits.top_k, normalize,
+            **limits.as_kwargs(),
+        )  # fmt: skip
+    raise MoePruneError(f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)")
+
+
+def method_limits(moe: MoEModel, method: str, expert_multiple: int = 1) -> LayerLimits:
+    """Drops change routing (group balance applies); novices stay routed (it does not)."""
+    return layer_limits(moe, expert_multiple, routing_changes=method != "novice")
 
 
 def drop_plan(
@@ -353,6 +365,219 @@ def data_summary(sets: Sequence[CalibrationData], stats: Sequence[ExpertStats]) 
     }
 
 
+@dataclass
+class SaveOptions:
+    """How the result is written (see docs/checkpoint-format.md)."""
+
+    dtype: str | None = None  # None: the dtype the input checkpoint stores (bf16 stays bf16)
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+
+
+@dataclass
+class PruneJob:
+    """A prune request after every check that needs no weights: what `prune` will do.
+
+    Built by `prepare_prune` in seconds (config, file headers, a model on the meta device,
+    tokenized data), so that bad input fails before the expensive part; `dry_run` stops here.
+    """
+
+    model_path: Path
+    output: Path
+    criterion: str
+    sparsity: float
+    allocation: str
+    method: str
+    options: MethodOptions
+    search: dict
+    data: DataOptions
+    seed: int
+    dtype: str | None
+    overwrite: bool
+    resume: bool
+    expert_multiple: int
+    save_dtype: torch.dtype
+    max_shard_size: int | str
+    meta: MoEModel  # the model on the meta device: structure only
+    limits: LayerLimits | None
+    tokenizer: object | None
+    calibration: list[CalibrationData]
+    search_set: CalibrationData | None
+    layer_budget: dict  # what is known per layer before scoring (dry run)
+
+    def describe(self) -> dict:
+        """The plan of work, for --dry-run and the log."""
+        return {
+            "model": str(self.model_path),
+            "family": self.meta.model_type,
+            "moe_layers": [m.index for m in self.meta.layers],
+            "experts_per_layer": [m.num_experts for m in self.meta.layers],
+            "top_k": [m.top_k for m in self.meta.layers],
+            "criterion": self.criterion,
+            "allocation": self.allocation,
+            "method": self.method,
+            "sparsity": self.sparsity,
+            "sparsity_unit": "experts" if self.method in EXPERT_METHODS else "routed-expert parameters",
+            **self.layer_budget,
+            "calibration": [_data_counts(d) for d in self.calibration],
+            "search_data": _data_counts(self.search_set) if self.search_set is not None else None,
+            "output": str(self.output),
+            "save_dtype": str(self.save_dtype).removeprefix("torch."),
+            "resume": self.resume,
+        }
+
+
+def _data_counts(data: CalibrationData) -> dict:
+    return {"sources": list(data.sources), "samples": len(data.samples),
+            "tokens": sum(len(s.input_ids) for s in data.samples), "truncated": data.truncated}  # fmt: skip
+
+
+def prepare_prune(
+    model_path: str | Path,
+    output: str | Path,
+    *,
+    criterion: str,
+    sparsity: float,
+    allocation: str | None = None,
+    method: str = "drop",
+    data: DataOptions | None = None,
+    tokenizer_path: str | Path | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    options: MethodOptions | None = None,
+    search: dict | None = None,
+    resume: bool = False,
+    save: SaveOptions | None = None,
+    expert_multiple: int = 1,
+    trust_remote_code: bool = False,
+) -> PruneJob:
+    """Every check of a prune request that needs no weights, in the order a user would fix them."""
+    from .auto import AUTO
+    from .checkpoint.atomic import check_not_inside, recover
+    from .checkpoint.files import check_weights, stored_dtype
+
+    data, options, search, save = data or DataOptions(), options or MethodOptions(), dict(search or {}), save or SaveOptions()
+    allocation = allocation or default_allocation(method)
+    check_method(method, allocation)
+    auto = criterion == AUTO
+    crit = get_criterion("reap" if auto else criterion)  # auto: one observation feeds every criterion
+    check_sparsity(sparsity)
+    if data.sequential:
+        raise MoePruneError(
+            "sequential (layer-by-layer) observation never loads the whole model: use it to score, or to prune "
+            "without loading", options=("sequential",),
+        )  # fmt: skip
+    from .distributed import placement
+
+    placement(data.device, dtype)  # an unknown or absent device fails now, not after tokenizing
+    model_path, output = check_model_path(model_path), Path(output)
+    config = load_config(model_path, trust_remote_code)  # damaged, dense or unsupported: before anything else
+    check_weights(model_path)  # empty, truncated or missing shards
+    check_not_inside(output, [model_path])
+    recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
+    check_resume(output, allocation, resume, overwrite)
+    if not resume:
+        check_output_dir(output, overwrite)
+    searching = allocation == "evo" or auto
+    if searching and not search.get("search_data"):
+        what = "an EvoESAP search" if allocation == "evo" else "choosing the criterion automatically"
+        raise MoePruneError(f"{what} needs search data (prompt/answer files)", options=("search_data",))
+    if searching:
+        check_search_settings(search)
+    needs_stats = method != "drop" or auto
+    if (crit.needs_data or needs_stats) and not data.sources:
+        why = f"--method {method}" if method != "drop" else f"criterion {crit.name!r}"
+        raise DataError(f"{why} needs calibration data: give data files", options=("data",))
+    for source in data.sources:
+        if not Path(parse_source(source)[0]).exists():
+            raise DataError(f"calibration data path {parse_source(source)[0]} does not exist", options=("data",))
+    meta = MoEModel(build_skeleton(model_path, meta=True))
+    check_not_packed(meta)
+    limits, layer_budget = _check_feasible(meta, method, allocation, sparsity, options, expert_multiple)
+    tokenizer = None
+    calibration: list[CalibrationData] = []
+    search_set = None
+    if crit.needs_data or needs_stats or searching:
+        tokenizer = require_tokenizer(load_tokenizer(model_path, trust_remote_code), model_path, tokenizer_path)
+        calibration = calibration_sets(tokenizer, crit, data)
+        if searching:
+            search_set = load_data(list(search["search_data"]), tokenizer, num_samples=search.get("search_samples") or None,
+                                   max_length=data.max_length, seed=seed)  # fmt: skip
+    save_dtype = resolve_dtype(save.dtype) if save.dtype else (stored_dtype(model_path) or getattr(config, "dtype", None))
+    if not isinstance(save_dtype, torch.dtype):
+        save_dtype = resolve_dtype(save_dtype if save_dtype in ("float32", "bfloat16", "float16") else None)
+    from .checkpoint.files import parse_size
+
+    parse_size(save.max_shard_size)
+    return PruneJob(
+        model_path=model_path, output=output, criterion=criterion, sparsity=sparsity, allocation=allocation,
+        method=method, options=options, search=search, data=data, seed=seed, dtype=dtype, overwrite=overwrite,
+        resume=resume, expert_multiple=expert_multiple, save_dtype=save_dtype, max_shard_size=save.max_shard_size,
+        meta=meta, limits=limits, tokenizer=tokenizer, calibration=calibration, search_set=search_set,
+        layer_budget=layer_budget,
+    )  # fmt: skip
+
+
+def check_sparsity(sparsity: float) -> None:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0 < sparsity < 1:
+        raise MoePruneError(f"sparsity must be a number strictly between 0 and 1, got {sparsity!r}",
+                            options=("sparsity",))  # fmt: skip
+
+
+def check_resume(output: Path, allocation: str, resume: bool, overwrite: bool) -> None:
+    """Resuming continues an interrupted EvoESAP search; it never deletes or replaces anything."""
+    if not resume:
+        return
+    if allocation != "evo":
+        raise MoePruneError("resuming continues an interrupted EvoESAP search; it needs the evo allocation",
+                            options=("resume", "allocation"))  # fmt: skip
+    if overwrite:
+        raise MoePruneError("resuming continues a search into a new output; it cannot also replace an existing one",
+                            options=("resume", "overwrite"))  # fmt: skip
+    state = search_state_path(output)
+    if output.exists():
+        raise MoePruneError(
+            f"{str(output)!r} already exists and holds a finished result, not a search in progress: nothing to "
+            "resume; choose another output", options=("resume",),
+        )  # fmt: skip
+    if not state.is_file():
+        raise MoePruneError(f"nothing to resume: no search in progress for {str(output)!r} (no {state.name})",
+                            options=("resume",))  # fmt: skip
+    check_output_dir(output, overwrite=False)
+
+
+def _check_feasible(
+    meta: MoEModel, method: str, allocation: str, sparsity: float, options: MethodOptions, expert_multiple: int
+) -> tuple[LayerLimits | None, dict]:
+    """Refuse a budget no plan can meet, from the config alone; returns what is known per layer."""
+    if method in EXPERT_METHODS:
+        limits = method_limits(meta, method, expert_multiple)
+        budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
+        uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+        known = {"budget_experts_removed": budget}
+        if allocation == "uniform":
+            known["removed_per_layer"] = dict(zip(limits.layers, uniform))
+        return limits, known
+    if expert_multiple != 1:
+        uneven = [m.index for m in meta.layers if m.num_experts % expert_multiple]
+        if uneven:
+            raise InfeasibleBudgetError(f"decoder layer {uneven[0]} has {meta.layer(uneven[0]).num_experts} experts, "
+                                        f"not a multiple of {expert_multiple}", options=("expert_multiple",))  # fmt: skip
+    from .surgery.neurons import check_importance, check_neuron_prunable, uniform_widths
+
+    check_importance(options.neuron_importance)
+    check_neuron_prunable(meta)
+    if method == "neurons":
+        return None, {"neurons_per_expert": dict(zip([m.index for m in meta.layers], uniform_widths(meta, sparsity)))}
+    from .allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+    from .surgery.packed import layer_cost
+
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in meta.layers]
+    alloc = trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope)
+    return None, {"whole_experts_per_layer": dict(zip([m.index for m in meta.layers], alloc.important)),
+                  "neuron_keep_ratio": alloc.neuron_ratio}  # fmt: skip
+
+
 def prune(
     model_path: str | Path,
     output: str | Path,
@@ -369,90 +594,97 @@ def prune(
     progress: bool = True,
     options: MethodOptions | None = None,
     search: dict | None = None,
+    resume: bool = False,
+    dry_run: bool = False,
+    save: SaveOptions | None = None,
+    expert_multiple: int = 1,
+    trust_remote_code: bool = False,
 ) -> dict:
-    """Load, score, plan, cut and save; returns the report written beside the checkpoint.
+    """Check, load, score, plan, cut and save; returns the report written beside the checkpoint
+    (with `dry_run`, the plan of work, and nothing is loaded or written).
 
     `search` holds the EvoESAP settings when `allocation == "evo"` (see moeprune.search).
     Under torchrun (after `init_distributed()`) every rank runs this with the same arguments:
     observation and the search are data-parallel, and rank 0 alone writes OUTPUT.
     """
-    from .auto import AUTO, choose_criterion
-    from .checkpoint import write_checkpoint
+    from .checkpoint.atomic import output_lock
     from .distributed import barrier, rank_and_world
 
-    allocation = allocation or default_allocation(method)
-    check_method(method, allocation)
-    check_output_dir(output, overwrite)  # fail before any expensive work
+    job = prepare_prune(
+        model_path, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method, data=data,
+        tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, overwrite=overwrite, options=options, search=search,
+        resume=resume, save=save, expert_multiple=expert_multiple, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+    if dry_run:
+        return job.describe()
     rank, _ = rank_and_world()
     barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
-    search = search or {}
-    auto = criterion == AUTO
-    if (allocation == "evo" or auto) and not search.get("search_data"):
-        what = "--allocation evo" if allocation == "evo" else "--criterion auto"
-        raise MoePruneError(f"{what} needs search data: pass --search-data FILE")
-    if allocation == "evo" or auto:
-        check_search_settings(search)
-    crit = get_criterion("reap" if auto else criterion)  # auto: one observation feeds every criterion
-    needs_stats = method != "drop" or auto
+    with output_lock(job.output) if rank == 0 else nullcontext():
+        return run_prune(job, progress=progress)
+
+
+def run_prune(job: PruneJob, progress: bool = True) -> dict:
+    """The expensive part of `prune`, on a checked job."""
+    from .auto import AUTO, choose_criterion
+    from .checkpoint import write_checkpoint
+    from .distributed import rank_and_world
+
+    rank, _ = rank_and_world()
+    search, data, method, allocation = job.search, job.data, job.method, job.allocation
+    auto = job.criterion == AUTO
+    crit = get_criterion("reap" if auto else job.criterion)
     timer = Timer()
-    if data is not None and data.sequential:
-        raise MoePruneError(
-            "--sequential observes without loading the model: use it with `score` or `prune --no-load`"
-        )
-    model, tokenizer = load_placed(model_path, data, dtype)
+    model, _ = load_placed(job.model_path, data, job.dtype)
+    tokenizer = job.tokenizer
     moe = MoEModel(model)
-    check_not_packed(moe)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
-    if crit.needs_data or needs_stats or allocation == "evo":
-        tokenizer = require_tokenizer(tokenizer, model_path, tokenizer_path)
     timer.lap("load")
     crit, scores, stats, sets = score_experts(
-        moe, crit.name, tokenizer=tokenizer, data=data, seed=seed, progress=progress,
+        moe, crit.name, tokenizer=tokenizer, data=data, seed=job.seed, progress=progress,
         observe_for=f"--method {method}" if method != "drop" else ("--criterion auto" if auto else ""),
-        neurons=method in ("neurons", "tenp"),
+        neurons=method in ("neurons", "tenp"), sets=job.calibration,
     )  # fmt: skip
     auto_table = None
     if auto:
-        options_data = data or DataOptions()
-        search_set = load_data(list(search["search_data"]), tokenizer, num_samples=search.get("search_samples") or None,
-                               max_length=options_data.max_length, seed=seed)  # fmt: skip
         best, auto_table = choose_criterion(
-            moe, stats, search_set, sparsity=sparsity, method=method, fitness=search.get("fitness", "esap"),
-            batch_size=options_data.batch_size, pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
-            seed=seed, progress=progress,
+            moe, stats, job.search_set, sparsity=job.sparsity, method=method, fitness=search.get("fitness", "esap"),
+            batch_size=data.batch_size, pad_token_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            seed=job.seed, progress=progress,
         )  # fmt: skip
         crit = get_criterion(best)
         scores = compute_scores(
             best, stats=(stats if len(stats) > 1 else stats[0]) if crit.needs_data else None,
-            weights=moe.layers if crit.needs_weights else None, seed=seed, layers=[m.index for m in moe.layers],
+            weights=moe.layers if crit.needs_weights else None, seed=job.seed, layers=[m.index for m in moe.layers],
         )  # fmt: skip
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
     if allocation == "evo":
         removed, search_doc = search_allocation(
-            moe, crit, scores, stats, sparsity, method=method, tokenizer=tokenizer, output=Path(output),
-            seed=seed, progress=progress, data=data or DataOptions(), **search,
+            moe, crit, scores, stats, job.sparsity, method=method, tokenizer=tokenizer, output=job.output,
+            seed=job.seed, progress=progress, data=data, search_set=job.search_set, resume=job.resume,
+            expert_multiple=job.expert_multiple, **search,
         )  # fmt: skip
         timer.lap("search")
     plan = build_plan(
-        moe, crit, scores, sparsity=sparsity, allocation=allocation, method=method, data_fingerprint=fingerprint,
-        stats=stats, options=options, removed=removed,
+        moe, crit, scores, sparsity=job.sparsity, allocation=allocation, method=method, data_fingerprint=fingerprint,
+        stats=stats, options=job.options, removed=removed, expert_multiple=job.expert_multiple,
     )  # fmt: skip
     surgery = apply_plan(moe, plan, stats)
     timer.lap("surgery")
     report = {
         "command": "prune",
         "moeprune_version": __version__,
-        "model": str(model_path),
-        "output": str(output),
+        "model": str(job.model_path),
+        "output": str(job.output),
         "model_type": moe.model_type,
         "criterion": crit.name,
         "prune_first": crit.prune_first,
         "allocation": allocation,
         "method": method,
-        "sparsity": sparsity,
+        "sparsity": job.sparsity,
         "sparsity_unit": "experts" if method in EXPERT_METHODS else "routed-expert parameters",
+        "expert_multiple": job.expert_multiple,
         "budget_experts_removed": plan.extra.get("budget"),
         "removed_per_layer": {str(lp.layer): len(lp.dropped) + len(lp.novice) for lp in plan.layers},
         "surgery": surgery,
@@ -460,22 +692,19 @@ def prune(
         "layers_after": layer_summary(moe),
         "parameters_before": before_params,
         "parameters_after": parameter_summary(moe),
+        "save_dtype": str(job.save_dtype).removeprefix("torch."),
         "data": data_summary(sets, stats),
         "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]) if stats else [],
         "scores": scores_document(crit, scores, stats),
     }
     if auto_table is not None:
-        report["criterion_auto"] = {
-            "fitness": search.get("fitness", "esap"),
-            "chosen": crit.name,
-            "table": auto_table,
-        }
+        report["criterion_auto"] = {"fitness": search.get("fitness", "esap"), "chosen": crit.name, "table": auto_table}
     if search_doc is not None:
         report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations",
                                                        "teacher_cache", "notes") if k in search_doc}  # fmt: skip
 
     def write(tmp: Path) -> None:
-        report["format"] = write_checkpoint(model, tmp, tokenizer)
+        report["format"] = write_checkpoint(model, tmp, tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size)
         plan.save(tmp / "plan.json")
         if search_doc is not None:
             write_json(tmp / "search.json", search_doc)
@@ -486,9 +715,9 @@ def prune(
 
     if rank != 0:  # torchrun: every rank holds the same result; one writes
         return report
-    atomic_write_dir(output, write, overwrite=overwrite)
+    atomic_write_dir(job.output, write, overwrite=job.overwrite)
     if allocation == "evo":  # the search's state and race log (moeprune.search) are done with
-        state = search_state_path(Path(output))
+        state = search_state_path(job.output)
         state.unlink(missing_ok=True)
         state.with_name(state.name + ".raced.json").unlink(missing_ok=True)
     return report
@@ -515,7 +744,8 @@ def search_allocation(
     seed: int,
     progress: bool,
     data: DataOptions,
-    search_data: Sequence[str],
+    search_data: Sequence[str] = (),
+    search_set: CalibrationData | None = None,
     search_samples: int = 64,
     fitness: str = "esap",
     population: int = 32,
@@ -525,6 +755,7 @@ def search_allocation(
     tau_max: int = 3,
     search_seed: int = 42,
     resume: bool = False,
+    expert_multiple: int = 1,
 ) -> tuple[list[int], dict]:
     """EvoESAP: experts removed per MoE layer, searched on teacher-forced answer tokens.
 
@@ -536,13 +767,13 @@ def search_allocation(
     from .search import run_evo_search
 
     if method not in EXPERT_METHODS:
-        raise MoePruneError(
-            f"--allocation evo searches expert counts: use --method drop or novice, not {method!r}"
-        )
+        raise MoePruneError(f"the evo allocation searches expert counts: use the drop or novice method, not {method!r}",
+                            options=("method",))  # fmt: skip
     config = EvoConfig(population=population, elites=elites, generations=generations, delta_max=delta_max,
                        tau_max=tau_max, seed=search_seed)  # fmt: skip
-    search_set = load_data(list(search_data), tokenizer, num_samples=search_samples or None,
-                           max_length=data.max_length, seed=seed)  # fmt: skip
+    if search_set is None:
+        search_set = load_data(list(search_data), tokenizer, num_samples=search_samples or None,
+                               max_length=data.max_length, seed=seed)  # fmt: skip
     budget = budget_from_sparsity(
         sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
@@ -550,12 +781,11 @@ def search_allocation(
     fingerprint = {"model": model_fingerprint(moe), "criterion": criterion.name, "method": method,
                    "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
     state = search_state_path(output)
-    if resume and not state.is_file():
-        raise MoePruneError(f"nothing to resume: no search state at {state}")
     removed, document = run_evo_search(
         moe, search_set, [s.order for s in scores], budget, fitness=fitness, config=config, state_path=state,
         resume=resume, fingerprint=fingerprint, batch_size=data.batch_size, progress=progress,
         pad_token_id=getattr(tokenizer, "pad_token_id", None), candidate_context=context,
+        expert_multiple=expert_multiple,
     )  # fmt: skip
     return removed, document
 

@@ -55,8 +55,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeprune.allocate.basic import group_limited_cap, plan_removals, uniform_allocation
+from moeprune.allocate.basic import plan_removals, uniform_allocation
 from moeprune.allocate.evo import Allocation, EvoConfig, EvoResult, EvoSearch
+from moeprune.allocate.limits import LayerLimits, layer_limits
 from moeprune.data import Batch, CalibrationData
 from moeprune.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.errors import DataError, MoePruneError
@@ -97,34 +98,6 @@ _SELF_CHECK_TOL_LOW_PRECISION = 3e-2
 
 # ---------------------------------------------------------------------------------------------
 # Per-layer limits shared by the allocations
-
-
-@dataclass(frozen=True)
-class LayerLimits:
-    """What an allocation must respect, per MoE layer (in ``moe.layers`` order)."""
-
-    layers: list[int]  # decoder layer indices
-    num_experts: list[int]
-    top_k: list[int]
-    caps: list[int]  # most experts the layer may lose
-    multiples: list[int]  # removals per layer must be a multiple (n_group for group-limited routers)
-
-
-def layer_limits(moe: MoEModel) -> LayerLimits:
-    """Caps n_l - k_l (``group_limited_cap`` for group-limited routers) and group multiples."""
-    caps = [
-        group_limited_cap(m.num_experts, m.top_k, m.n_group, m.topk_group)
-        if m.n_group > 1
-        else m.num_experts - m.top_k
-        for m in moe.layers
-    ]
-    return LayerLimits(
-        layers=[m.index for m in moe.layers],
-        num_experts=[m.num_experts for m in moe.layers],
-        top_k=[m.top_k for m in moe.layers],
-        caps=caps,
-        multiples=[m.n_group for m in moe.layers],
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +243,7 @@ class CandidateEvaluator:
         self.orders = [[int(e) for e in o] for o in orders]
         if len(self.orders) != len(moe.layers):
             raise MoePruneError(f"{len(self.orders)} pruning orders for {len(moe.layers)} MoE layers")
-        plan_removals(self.orders, [0] * len(self.orders), self.limits.multiples)  # validates orders
+        plan_removals(self.orders, [0] * len(self.orders), self.limits.groups)  # validates orders
         self.notes: list[str] = [TEXT_ONLY_NOTE] if search_data.text_only else []
         self.notes += list(search_data.notes)
         self.device = input_device(moe.model)
@@ -388,7 +361,7 @@ class CandidateEvaluator:
     # -- one candidate --------------------------------------------------------------------------
     def removals(self, allocation: Sequence[int]) -> dict[int, list[int]]:
         """{decoder layer: expert positions} removed by an allocation (group-balanced where needed)."""
-        chosen = plan_removals(self.orders, list(allocation), self.limits.multiples)
+        chosen = plan_removals(self.orders, list(allocation), self.limits.groups)
         return {layer: experts for layer, experts in zip(self.limits.layers, chosen) if experts}
 
     def raw(self, allocation: Sequence[int]) -> float:
@@ -615,6 +588,7 @@ def run_evo_search(
     race: bool = True,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     candidate_context: CandidateContext | None = None,
+    expert_multiple: int = 1,
 ) -> tuple[list[int], dict[str, Any]]:
     """EvoESAP over ``moe``: the best allocation (experts removed per MoE layer) and ``search.json``.
 
@@ -626,7 +600,7 @@ def run_evo_search(
     same allocation, and rank 0 alone writes ``state_path`` and its race log.
     """
     check_fitness(fitness)
-    limits = layer_limits(moe)
+    limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
     uniform = uniform_allocation(
         budget, limits.num_experts, limits.top_k, multiple_of=limits.multiples, max_removed=limits.caps
     )  # raises InfeasibleBudgetError with the reason

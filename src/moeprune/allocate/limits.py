@@ -1,0 +1,69 @@
+"""What every allocation must respect in each MoE layer of one model, computed in one place.
+
+- cap: the most experts the layer may lose (n - top_k, or fewer for group-limited routers,
+  which must keep enough experts in every group: `group_limited_cap`);
+- groups: group-limited routers lose the same number of experts from each of their groups;
+- multiple: removals per layer are a multiple of this, so that the kept count is a multiple of
+  `expert_multiple` (vLLM's expert parallelism needs counts divisible by the EP size, and
+  kernels prefer multiples of 8) and group-limited layers stay balanced.
+
+Works on a model on the meta device, so an impossible request is refused before any weight
+is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import InfeasibleBudgetError, MoePruneError
+from ..models.adapter import MoEModel
+from .basic import group_limited_cap
+
+
+@dataclass(frozen=True)
+class LayerLimits:
+    """Per MoE layer, in `moe.layers` order."""
+
+    layers: list[int]  # decoder layer indices
+    num_experts: list[int]
+    top_k: list[int]
+    caps: list[int]  # most experts the layer may lose
+    groups: list[int]  # routing groups (removals are spread evenly over them); 1 if none
+    multiples: list[int]  # removals per layer must be a multiple of this
+
+    def as_kwargs(self) -> dict[str, list[int]]:
+        """The per-layer constraints in the form the allocators take."""
+        return {"multiple_of": self.multiples, "max_removed": self.caps}
+
+
+def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool = True) -> LayerLimits:
+    """The limits of `moe`'s MoE layers; every kept count a multiple of `expert_multiple`.
+
+    `routing_changes` False (novices: still routed, so routing groups stay as they are) drops the
+    group constraints and keeps only "at least top_k weight-holding experts".
+    """
+    if isinstance(expert_multiple, bool) or not isinstance(expert_multiple, int) or expert_multiple < 1:
+        raise MoePruneError(f"expert_multiple must be a positive integer, got {expert_multiple!r}",
+                            options=("expert_multiple",))  # fmt: skip
+    uneven = [(m.index, m.num_experts) for m in moe.layers if m.num_experts % expert_multiple]
+    if uneven:
+        layer, count = uneven[0]
+        raise InfeasibleBudgetError(
+            f"decoder layer {layer} has {count} experts, not a multiple of {expert_multiple}: no kept count can be "
+            f"a multiple of {expert_multiple} there; choose a divisor of every layer's expert count",
+            options=("expert_multiple",),
+        )
+    groups = [m.n_group if routing_changes else 1 for m in moe.layers]
+    caps = [
+        group_limited_cap(m.num_experts, m.top_k, g, m.topk_group) if g > 1 else m.num_experts - m.top_k
+        for m, g in zip(moe.layers, groups)
+    ]
+    return LayerLimits(
+        layers=[m.index for m in moe.layers],
+        num_experts=[m.num_experts for m in moe.layers],
+        top_k=[m.top_k for m in moe.layers],
+        caps=caps,
+        groups=groups,
+        multiples=[math.lcm(g, expert_multiple) for g in groups],
+    )
