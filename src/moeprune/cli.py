@@ -155,36 +155,39 @@ def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
 @data_options
 def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
-    from .io import write_json
-    from .models import MoEModel
-    from .pipeline import require_tokenizer, score_experts, scores_document
-
-    _check_criterion(criterion)
-    if Path(output).exists() and not overwrite:
-        raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
-    data = data_from_options(kwargs)
+    from .checkpoint import write_json
     from .criteria import get_criterion
     from .distributed import init_distributed
+    from .models import MoEModel
+    from .pipeline import load_placed, prepare_score, score_experts, score_without_loading, scores_document
 
-    rank, _ = init_distributed()
+    _check_criterion(criterion)
+    data = data_from_options(kwargs)
     if streaming and get_criterion(criterion).needs_data:
         raise MoePruneError(f"--streaming reads weights only; {criterion!r} needs data (use --sequential)")
+    ctx = click.get_current_context()
+    if streaming:
+        refuse_given(ctx, ["data", "samples", "max_length", "batch_size", "packing", "sequential", "activations_dir"],
+                     "with --streaming (weights only)")  # fmt: skip
+    if not get_criterion(criterion).needs_data:
+        refuse_given(ctx, ["data", "samples", "max_length", "batch_size", "packing", "tokenizer_path"],
+                     f"with criterion {criterion} (it reads weights only)")  # fmt: skip
+    # sequential observation tokenizes the data itself, layer by layer: only check it here
+    model_path, tokenizer, sets = prepare_score(
+        model, output, criterion, data=data, tokenizer_path=kwargs["tokenizer_path"], overwrite=overwrite,
+        trust_remote_code=kwargs["trust_remote_code"], load_sets=not (streaming or data.sequential),
+    )  # fmt: skip
+    rank, _ = init_distributed()
     if streaming or data.sequential:
-        from .pipeline import score_without_loading
-
         crit, scores, stats, _ = score_without_loading(
-            model, criterion, data=data, tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"],
+            model_path, criterion, data=data, tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"],
             dtype=kwargs["dtype"], progress=not kwargs["quiet"] and rank == 0,
         )  # fmt: skip
     else:
-        from .pipeline import load_placed
-
-        loaded, tokenizer = load_placed(model, data, kwargs["dtype"])
-        if get_criterion(criterion).needs_data:
-            tokenizer = require_tokenizer(tokenizer, model, kwargs["tokenizer_path"])
+        loaded, _ = load_placed(model_path, data, kwargs["dtype"])
         crit, scores, stats, _ = score_experts(
             MoEModel(loaded), criterion, tokenizer=tokenizer, data=data, seed=kwargs["seed"],
-            progress=not kwargs["quiet"] and rank == 0,
+            progress=not kwargs["quiet"] and rank == 0, sets=sets,
         )  # fmt: skip
     if rank != 0:  # torchrun: every rank holds the reduced statistics; one writes
         return

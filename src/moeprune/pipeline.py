@@ -843,6 +843,37 @@ def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, s
     plot_search_curve(folder / "search_curve.png", search_doc["generations"], search_doc["fitness"])
 
 
+def prepare_score(
+    model_path: str | Path, output: str | Path, criterion: str, *, data: DataOptions, tokenizer_path=None,
+    overwrite: bool = False, trust_remote_code: bool = False, load_sets: bool = True,
+) -> tuple[Path, object | None, list[CalibrationData]]:  # fmt: skip
+    """The checks of `moeprune score` that need no weights; returns (model path, tokenizer, data)."""
+    from .checkpoint.atomic import check_creatable, check_not_inside
+    from .checkpoint.files import check_weights
+    from .distributed import placement
+
+    crit = get_criterion(criterion)
+    placement(data.device if data.device != "auto" or not data.sequential else None, None)
+    model_path = check_model_path(model_path)
+    load_config(model_path, trust_remote_code)
+    check_weights(model_path)
+    output = Path(output)
+    check_not_inside(output, [model_path], what="scores file")
+    if output.is_dir():
+        raise MoePruneError(f"{str(output)!r} is a folder; the scores go to a JSON file", options=("output",))
+    if output.exists() and not overwrite:
+        raise MoePruneError(f"{str(output)!r} already exists; choose another path or allow overwriting it",
+                            options=("overwrite",))  # fmt: skip
+    check_creatable(output)
+    if not crit.needs_data:
+        return model_path, None, []
+    for source in data.sources:
+        if not Path(parse_source(source)[0]).exists():
+            raise DataError(f"calibration data path {parse_source(source)[0]} does not exist", options=("data",))
+    tokenizer = require_tokenizer(load_tokenizer(model_path, trust_remote_code), model_path, tokenizer_path)
+    return model_path, tokenizer, calibration_sets(tokenizer, crit, data) if load_sets else []
+
+
 def score_without_loading(
     model_path: str | Path,
     criterion: str,
@@ -905,18 +936,32 @@ def prune_without_loading(
     expert's top-K neurons (K the same for all: a stock checkpoint), chosen from neuron
     statistics observed layer by layer.
     """
-    from .streaming import meta_model, rewrite_checkpoint
+    from .checkpoint.atomic import check_not_inside, output_lock, recover
 
     if method not in NO_LOAD_METHODS:
         raise MoePruneError(
-            f"--no-load rewrites shards for --method {' or '.join(NO_LOAD_METHODS)} (uniform allocation); "
-            f"--method {method} needs the loaded model: drop --no-load"
-        )
+            f"pruning without loading rewrites shards for the {' or '.join(NO_LOAD_METHODS)} method (uniform "
+            f"allocation); the {method} method needs the loaded model", options=("no_load", "method"),
+        )  # fmt: skip
+    check_sparsity(sparsity)
+    model_path = check_model_path(model_path)
+    check_not_inside(output, [model_path])
+    recover(Path(output))
     check_output_dir(output, overwrite)
-    if Path(output).resolve() == Path(model_path).resolve():
-        raise MoePruneError(
-            "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
-        )
+    with output_lock(output) if _writes_outputs() else nullcontext():
+        return _prune_without_loading(
+            model_path, output, criterion=criterion, sparsity=sparsity, seed=seed, overwrite=overwrite, data=data,
+            tokenizer_path=tokenizer_path, dtype=dtype, progress=progress, method=method, options=options,
+        )  # fmt: skip
+
+
+def _prune_without_loading(
+    model_path: Path, output: str | Path, *, criterion: str, sparsity: float, seed: int, overwrite: bool,
+    data: DataOptions | None, tokenizer_path: str | Path | None, dtype: str | None, progress: bool, method: str,
+    options: MethodOptions | None,
+) -> dict:  # fmt: skip
+    from .streaming import meta_model, rewrite_checkpoint
+
     timer = Timer()
     moe = meta_model(model_path)
     if method == "drop":  # the budget's feasibility needs no scores: fail before scoring
