@@ -100,7 +100,7 @@ def choose_criterion(
         return accumulator.result()
 
     with bar:  # under torchrun each rank tries its share of the criteria
-        values = split_map(evaluate, names, "trying criteria for --criterion auto")
+        values = split_map(evaluate, names, "trying criteria (criterion auto)")
     table = [{"criterion": name, fitness: value} for name, value in zip(names, values)]
     sign = 1.0 if higher_is_better(fitness) else -1.0
     best = max(table, key=lambda row: sign * row[fitness])["criterion"]

@@ -129,7 +129,8 @@ def _check_criterion(name: str) -> str:
     "--tiny", type=click.Choice(supported_families()), help="Inspect a built-in tiny random model instead."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
+@click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own config code; never run otherwise.")
+def inspect(model: str | None, tiny: str | None, as_json: bool, trust_remote_code: bool) -> None:
     """Show a checkpoint's MoE structure and parameter counts (weights are not loaded)."""
     from .inspect import describe_checkpoint, describe_model, format_description
 
@@ -138,7 +139,7 @@ def inspect(model: str | None, tiny: str | None, as_json: bool) -> None:
 
         info = describe_model(tiny_model(tiny), source=f"built-in tiny {tiny}")
     elif model:
-        info = describe_checkpoint(model)
+        info = describe_checkpoint(model, trust_remote_code=trust_remote_code)
     else:
         raise MoePruneError("pass a MODEL folder, or --tiny FAMILY for a built-in tiny model")
     click.echo(json.dumps(info, indent=2) if as_json else format_description(info))

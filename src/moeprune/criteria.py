@@ -280,7 +280,7 @@ def compute_scores(
     crit = get_criterion(name)
     if crit.needs_data:
         if stats is None:
-            raise MoePruneError(f"criterion {name!r} needs calibration data: pass --data FILE")
+            raise MoePruneError(f"criterion {name!r} needs calibration data: give data files", options=("data",))
         domains = _as_domains(stats)
         ids = _select([s.layer for s in domains[0].layers], layers)
         raw = _data_scores(name, domains, ids)

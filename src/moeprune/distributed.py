@@ -68,17 +68,18 @@ def placement(
     device_map = None
     if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise MoePruneError(
-            "--device auto splits one model over every GPU, but under torchrun each rank holds its own copy: "
-            "drop --device (each rank then takes its own GPU, cuda:LOCAL_RANK)"
+            "device 'auto' splits one model over every GPU, but under torchrun each rank holds its own copy: "
+            "leave the device unset (each rank then takes its own GPU, cuda:LOCAL_RANK)", options=("device",)
         )
     if device == "auto":
         if importlib.util.find_spec("accelerate") is None:
-            raise MoePruneError("--device auto uses accelerate's device_map='auto': pip install accelerate")
+            raise MoePruneError("device 'auto' uses accelerate's device_map='auto': pip install 'moeprune[gpu]'",
+                                options=("device",))
         if torch.cuda.is_available():
             device_map, device = "auto", "cuda:0"
         else:
             logging.getLogger(__name__).warning(
-                "--device auto: no GPU is visible, so the model stays on the CPU"
+                "device 'auto': no GPU is visible, so the model stays on the CPU"
             )
             device = "cpu"
     elif device == "cuda" or (device is None and torch.cuda.is_available()):
@@ -88,14 +89,15 @@ def placement(
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise MoePruneError(f"unknown --device {device!r}; use cpu, cuda, cuda:N or auto") from None
+        raise MoePruneError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto", options=("device",)) from None
     if resolved.type == "cuda" and not device_map:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (resolved.index or 0) >= visible:
             raise MoePruneError(
-                f"--device {device}: this machine has {visible} visible CUDA GPU(s)"
+                f"device {device}: this machine has {visible} visible CUDA GPU(s)"
                 + (" (or this torch build has no CUDA)" if visible == 0 else "")
-                + "; use --device cpu, or a GPU index below the count"
+                + "; use the cpu, or a GPU index below the count",
+                options=("device",),
             )
     if dtype is None:
         chosen = torch.bfloat16 if resolved.type == "cuda" else torch.float32

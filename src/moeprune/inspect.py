@@ -10,11 +10,11 @@ from .io import load_config
 from .models import MoEModel
 
 
-def describe_checkpoint(path: str | Path) -> dict:
+def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> dict:
     """Build the model on the meta device (no weights read) and describe it."""
     from .checkpoint import build_skeleton
 
-    load_config(path)  # clear errors for missing, dense or unsupported checkpoints
+    load_config(path, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
     return describe_model(build_skeleton(Path(path), meta=True), source=str(path))
 
 

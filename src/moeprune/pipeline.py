@@ -70,10 +70,12 @@ def check_method(method: str, allocation: str) -> None:
             f"unknown allocation {allocation!r}; choose one of: {', '.join(ALLOCATIONS + ('evo',))}"
         )
     if (method == "tenp") != (allocation == "trapezoid"):
-        raise MoePruneError("--method tenp goes with --allocation trapezoid (and trapezoid only with tenp)")
+        raise MoePruneError("the tenp method goes with the trapezoid allocation (and trapezoid only with tenp)",
+                            options=("method", "allocation"))
     if method == "neurons" and allocation != "uniform":
         raise MoePruneError(
-            "--method neurons prunes every expert to the same width: use --allocation uniform"
+            "the neurons method prunes every expert to the same width: use the uniform allocation",
+            options=("allocation",),
         )
 
 
@@ -124,7 +126,7 @@ def require_tokenizer(tokenizer, model_path: str | Path, tokenizer_path: str | P
 
 def _no_tokenizer(path) -> None:
     raise MoePruneError(
-        f"no tokenizer found in {str(path)!r}; pass --tokenizer PATH (a folder with tokenizer files)"
+        f"no tokenizer found in {str(path)!r}; give a folder with tokenizer files", options=("tokenizer_path",)
     )
 
 
@@ -486,7 +488,7 @@ def prepare_prune(
         check_search_settings(search)
     needs_stats = method != "drop" or auto
     if (crit.needs_data or needs_stats) and not data.sources:
-        why = f"--method {method}" if method != "drop" else f"criterion {crit.name!r}"
+        why = f"the {method} method" if method != "drop" else f"criterion {crit.name!r}"
         raise DataError(f"{why} needs calibration data: give data files", options=("data",))
     for source in data.sources:
         if not Path(parse_source(source)[0]).exists():
@@ -641,7 +643,7 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
     timer.lap("load")
     crit, scores, stats, sets = score_experts(
         moe, crit.name, tokenizer=tokenizer, data=data, seed=job.seed, progress=progress,
-        observe_for=f"--method {method}" if method != "drop" else ("--criterion auto" if auto else ""),
+        observe_for=f"the {method} method" if method != "drop" else ("criterion auto" if auto else ""),
         neurons=method in ("neurons", "tenp"), sets=job.calibration,
     )  # fmt: skip
     auto_table = None
@@ -803,9 +805,11 @@ def check_search_settings(search: dict) -> None:
     keys = ("population", "elites", "generations", "delta_max", "tau_max")
     config = EvoConfig(**{k: search[k] for k in keys if k in search})
     if config.population < config.elites:
-        raise MoePruneError(f"evo population ({config.population}) must be >= elites ({config.elites})")
+        raise MoePruneError(f"evo population ({config.population}) must be >= elites ({config.elites})",
+                            options=("population", "elites"))
     if min(config.generations, config.delta_max, config.tau_max, config.elites) < 1:
-        raise MoePruneError("--generations, --delta-max, --tau-max and --elites must be at least 1")
+        raise MoePruneError("generations, delta_max, tau_max and elites must be at least 1",
+                            options=("generations", "delta_max", "tau_max", "elites"))
 
 
 def model_fingerprint(moe: MoEModel) -> str:
@@ -1044,7 +1048,7 @@ def _shrink_without_loading(
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
     crit, scores, stats, sets = score_without_loading(
         model_path, criterion, data=data, tokenizer_path=tokenizer_path, seed=seed, dtype=dtype, progress=progress,
-        observe_for="--method neurons", neurons=True,
+        observe_for="the neurons method", neurons=True,
     )  # fmt: skip
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)

@@ -144,7 +144,8 @@ def _neuron_counts(
     if ratio <= 0 or any(math.floor(ratio * layer.width) < 1 for _, layer in others):
         raise MoePruneError(
             f"after the whole important experts, the others would keep a neuron ratio of {ratio:.4g}, "
-            "less than one neuron each; lower --important-fraction or the sparsity"
+            "less than one neuron each; lower the important fraction or the sparsity",
+            options=("important_fraction", "sparsity"),
         )
     ratio = min(ratio, 1.0)
     base = [math.floor(ratio * layer.width) for _, layer in others]

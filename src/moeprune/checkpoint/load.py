@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import logging as hf_logging
 
 from ..errors import MoePruneError
 from ..models import MoEModel, check_config
@@ -55,6 +56,12 @@ def load_config(path: str | Path, trust_remote_code: bool = False) -> Pretrained
     saved = structure.read(path)
     if saved is not None and saved.version >= 3:
         config = _base_config(data, saved.base_model_type, path)
+    elif "auto_map" in data and data.get("model_type") not in CONFIG_MAPPING and not trust_remote_code:
+        raise MoePruneError(
+            f"{path / structure.CONFIG} asks to run the checkpoint's own Python code (auto_map, model type "
+            f"{data.get('model_type')!r}); moeprune runs checkpoint code only when told to trust it",
+            options=("trust_remote_code",),
+        )
     else:
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -169,16 +176,37 @@ def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
     load_config(path)
     on_gpu = device is not None and torch.device(device).type != "cpu"
     placed = {"device_map": {"": str(device)}} if on_gpu and _has_accelerate() else {}  # straight to the GPU
+    model = _from_pretrained(path, dtype=dtype, **placed)
+    return model if placed or device is None else model.to(device)
+
+
+def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
+    """transformers' loader, quiet, with every unread or unplaced tensor turned into one clear error."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report is a table on the console; we say it in one line
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=False, output_loading_info=True, **placed
+            path, trust_remote_code=False, output_loading_info=True, **kwargs
         )
     except (OSError, ValueError, RuntimeError) as exc:
-        raise MoePruneError(f"cannot load {path}: {_first_line(exc)}") from exc
+        raise MoePruneError(f"cannot load {path}: {_diagnose(path) or _first_line(exc)}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(problems.values()):
         raise MoePruneError(f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged")
-    return model if placed or device is None else model.to(device)
+    return model
+
+
+def _diagnose(path: Path) -> str:
+    """Which stored tensors differ from what a stock checkpoint of this config holds (for messages)."""
+    try:
+        expected = set(disk_tensors(MoEModel(build_skeleton(path, meta=True))))
+        stored = set(files.stored_tensors(path))
+    except MoePruneError:
+        return ""
+    problems = {"missing_keys": sorted(expected - stored), "unexpected_keys": sorted(stored - expected)}
+    return _describe(problems) + "; the checkpoint is incomplete or damaged" if any(problems.values()) else ""
 
 
 def _describe(problems: dict[str, list]) -> str:
@@ -276,15 +304,7 @@ def load_model(
 
 
 def _load_auto(path: Path, dtype: torch.dtype, device_map: str) -> PreTrainedModel:
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, device_map=device_map, trust_remote_code=False, output_loading_info=True
-        )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise MoePruneError(f"cannot load {path}: {_first_line(exc)}") from exc
-    problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if any(problems.values()):
-        raise MoePruneError(f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged")
+    model = _from_pretrained(path, dtype=dtype, device_map=device_map)
     check_not_offloaded(model)
     return model
 

@@ -34,7 +34,7 @@ def require_stats(stats: StatsInput | None, what: str) -> list[ExpertStats]:
     """The calibration statistics as a list of domains; a clear error when there are none."""
     domains = [stats] if isinstance(stats, ExpertStats) else list(stats or [])
     if not domains:
-        raise MoePruneError(f"{what} needs calibration statistics: pass --data FILE (calibration data)")
+        raise MoePruneError(f"{what} needs calibration statistics: give calibration data files", options=("data",))
     return domains
 
 
