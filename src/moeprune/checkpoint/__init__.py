@@ -6,42 +6,28 @@
 - load.py       configs, tokenizers and models (stock or moeprune format), never running checkpoint code
 - save.py       stock checkpoint when the config can express the result, moeprune's format otherwise
 - atomic.py     the one atomic writer, the output lock, strict JSON
+
+The names below are imported on first use, so that `moeprune.checkpoint.atomic` (stdlib only)
+stays cheap for tools and processes that only write results.
 """
 
 from __future__ import annotations
 
-from .atomic import atomic_write_dir, check_not_inside, check_output_dir, output_lock, write_json
-from .load import (
-    build_skeleton,
-    check_model_path,
-    check_not_offloaded,
-    load_config,
-    load_model,
-    load_pretrained,
-    load_tokenizer,
-    resolve_dtype,
-)
-from .save import save_pretrained, stock_expressible, write_checkpoint
-from .structure import FORMAT_VERSION, LEGACY_FILE, is_moeprune_format
+import importlib
+from typing import Any
 
-__all__ = [
-    "FORMAT_VERSION",
-    "LEGACY_FILE",
-    "atomic_write_dir",
-    "build_skeleton",
-    "check_model_path",
-    "check_not_inside",
-    "check_not_offloaded",
-    "check_output_dir",
-    "is_moeprune_format",
-    "load_config",
-    "load_model",
-    "load_pretrained",
-    "load_tokenizer",
-    "output_lock",
-    "resolve_dtype",
-    "save_pretrained",
-    "stock_expressible",
-    "write_checkpoint",
-    "write_json",
-]
+_EXPORTS = {
+    "atomic": ("atomic_write_dir", "check_not_inside", "check_output_dir", "output_lock", "write_json"),
+    "load": ("build_skeleton", "check_model_path", "check_not_offloaded", "load_config", "load_model",
+             "load_pretrained", "load_tokenizer", "resolve_dtype"),
+    "save": ("save_pretrained", "stock_expressible", "write_checkpoint"),
+    "structure": ("FORMAT_VERSION", "LEGACY_FILE", "is_moeprune_format"),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
