@@ -23,6 +23,6 @@ REORDER_RTOL = 1e-5  # see the module docstring
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = REORDER_RTOL) -> None:
     """Equal up to fp32 summation order: |a - b| <= rtol * max(1, max |b|)."""
     assert actual.shape == expected.shape, f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}"
-    scale = max(1.0, float(expected.abs().max()))
-    diff = float((actual.float() - expected.float()).abs().max())
+    scale = max(1.0, float(expected.detach().abs().max()))
+    diff = float((actual.detach().float() - expected.detach().float()).abs().max())
     assert diff <= rtol * scale, f"logits differ by {diff:.3g} (allowed {rtol * scale:.3g})"

@@ -1,4 +1,4 @@
-"""moeprune's own checkpoint format: non-uniform results reload with identical logits."""
+"""Saving and loading: the on-disk layout (names, dtype, shards, format versions) and exact reloads."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
 from moeprune.checkpoint import is_moeprune_format
+from moeprune.checkpoint.names import block_prefix, disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
@@ -77,3 +80,117 @@ def test_tied_embeddings_reload_in_moeprune_format(tmp_path):
     reloaded = moeprune.load_pretrained(tmp_path)
     with torch.no_grad():
         assert_logits_close(reloaded(TOKENS).logits, model(TOKENS).logits)
+
+
+def _packed(model) -> None:
+    """Novices and per-expert widths in every MoE layer (what MoNE and TENP results hold)."""
+    from moeprune.surgery.packed import pack_layer
+
+    for layer in MoEModel(model).layers:
+        width = layer.intermediate_size
+        pack_layer(layer, {1: torch.randn(layer.hidden_size)}, {0: torch.tensor([0, 2, 5]), 3: torch.arange(width // 2)})
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_disk_names_are_what_save_pretrained_writes(family, tmp_path):
+    """Stock layout on disk: every family's names, shapes and values equal save_pretrained's."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "hf")
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    ours = {k: v.detach() for k, v in disk_tensors(MoEModel(model)).items()}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_packed_results_keep_familiar_names_and_reload(family, tmp_path):
+    """Novices and per-expert widths: one tensor per router position, under the family's names."""
+    model = tiny_model(family)
+    _packed(model)
+    with torch.no_grad():
+        before = model(TOKENS).logits
+    assert moeprune.save_pretrained(model, tmp_path) == "moeprune"
+    names = set(load_file(tmp_path / "model.safetensors"))
+    moe = MoEModel(model)
+    block = block_prefix(moe, moe.layers[0])
+    assert f"{block}.experts.1.mean_output" in names  # the novice
+    expert = moe.spec.disk_expert_names or ("gate_up_proj",)
+    suffix = ".weight" if moe.spec.disk_expert_names else ""
+    assert f"{block}.experts.0.{expert[0]}{suffix}" in names
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == f"moeprune_{family}" and config["moeprune"]["format_version"] == 3
+    layer = config["moeprune"]["layers"][0]
+    assert layer["novice"] == [1] and layer["widths"][0] == 3 and layer["widths"][1] is None
+    assert_logits_close(moeprune.load_pretrained(tmp_path)(TOKENS).logits, before)
+
+
+@pytest.mark.parametrize("form", ["stock", "moeprune"])
+def test_sharded_saves_reload_identically(form, tmp_path):
+    model = tiny_model("qwen3_moe")
+    moe = MoEModel(model)
+    if form == "moeprune":
+        drop_experts(moe, non_uniform_removal(moe))
+    with torch.no_grad():
+        before = model(TOKENS).logits
+    assert moeprune.save_pretrained(model, tmp_path, max_shard_size="20KB") == form
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((tmp_path / s).stat().st_size <= 20_000 + 2_000 for s in shards)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert_logits_close(moeprune.load_pretrained(tmp_path)(TOKENS).logits, before)
+    if form == "stock":  # transformers reads the shards too
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert_logits_close(reloaded(TOKENS).logits, before)
+
+
+@pytest.mark.parametrize("form", ["stock", "moeprune"])
+def test_saved_dtype_is_asked_for_and_weights_shrink(form, tmp_path):
+    model = tiny_model("olmoe")
+    moe = MoEModel(model)
+    drop_experts(moe, non_uniform_removal(moe) if form == "moeprune" else {m.index: [0] for m in moe.layers})
+    moeprune.save_pretrained(model, tmp_path / "fp32")
+    moeprune.save_pretrained(model, tmp_path / "bf16", dtype="bf16")
+    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    size = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("fp32", "bf16")}
+    assert size["bf16"] < 0.55 * size["fp32"]  # half the bytes, plus the same JSON header
+    reloaded = moeprune.load_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    with torch.no_grad():  # bf16 rounding of weights and activations: a coarse but real check
+        assert_logits_close(reloaded(TOKENS).logits.float(), model(TOKENS).logits, rtol=0.1)
+
+
+def _write_legacy(model, folder, version: int) -> None:
+    """moeprune's format versions 1 and 2: internal names in one model.safetensors + moeprune.json."""
+    from safetensors.torch import save_model
+
+    from moeprune.surgery.packed import is_packed, packed_structure, router_count
+
+    moe = MoEModel(model)
+    config = model.config
+    field = moe.spec.count_field
+    original = getattr(config, field)
+    setattr(config, field, max(router_count(m) for m in moe.layers))
+    config.save_pretrained(folder)
+    setattr(config, field, original)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    layers = []
+    for m in moe.layers:
+        entry = {"layer": m.index, "num_experts": router_count(m), "expert_ids": m.expert_ids}
+        if is_packed(m):
+            entry["packed"] = packed_structure(m)
+        layers.append(entry)
+    meta = {"format": "moeprune-checkpoint", "format_version": version, "model_type": moe.model_type, "layers": layers}
+    (folder / "moeprune.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_earlier_format_versions_still_load(version, tmp_path):
+    model = tiny_model("deepseek_v3")
+    moe = MoEModel(model)
+    drop_experts(moe, non_uniform_removal(moe))
+    if version == 2:
+        _packed(model)
+    with torch.no_grad():
+        before = model(TOKENS).logits
+    _write_legacy(model, tmp_path, version)
+    assert_logits_close(moeprune.load_pretrained(tmp_path)(TOKENS).logits, before)
