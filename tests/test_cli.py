@@ -360,3 +360,34 @@ def test_prune_help_documents_every_option_family():
     for option in ("auto", "--allocation", "evo", "trapezoid", "--method", "novice", "--search-data", "--fitness",
                    "--resume", "--no-load", "--sequential", "--device", "--important-fraction"):  # fmt: skip
         assert option in out
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "global", "evo"])
+@pytest.mark.parametrize("method", ["drop", "novice"])
+def test_expert_multiple_holds_for_every_allocation(checkpoint, data, tmp_path, allocation, method):
+    """--expert-multiple 4: every layer keeps 4 or 8 of its 8 experts (weight-holding ones for novices)."""
+    out = tmp_path / "out"
+    search = ["--search-data", data, "--search-samples", "6", "--population", "6", "--elites", "2",
+              "--generations", "3"] if allocation == "evo" else []  # fmt: skip
+    run("prune", checkpoint, "--output", out, "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
+        "--allocation", allocation, "--method", method, "--expert-multiple", "4", "--quiet", *search)  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    removed = [int(r) for r in report["removed_per_layer"].values()]
+    assert sum(removed) == 8 and all(r % 4 == 0 for r in removed), removed
+    kept = json.loads((out / "plan.json").read_text())["layers"]
+    assert all((len(lp["kept"]) - len(lp["novice"])) % 4 == 0 for lp in kept)
+
+
+def test_bf16_input_stays_bf16_unless_asked(checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    bf16 = tmp_path / "bf16"
+    model = moeprune.load_pretrained(checkpoint).to(torch.bfloat16)
+    model.save_pretrained(bf16)
+    (bf16 / "tokenizer.json").write_bytes((checkpoint / "tokenizer.json").read_bytes())
+    common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
+    run("prune", bf16, "--output", tmp_path / "same", *common)
+    run("prune", bf16, "--output", tmp_path / "fp32", *common, "--save-dtype", "fp32")
+    dtypes = {name: {t.dtype for t in load_file(tmp_path / name / "model.safetensors").values()} for name in ("same", "fp32")}
+    assert dtypes == {"same": {torch.bfloat16}, "fp32": {torch.float32}}
+    assert json.loads((tmp_path / "same" / "report.json").read_text())["save_dtype"] == "bfloat16"
