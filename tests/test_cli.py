@@ -391,3 +391,23 @@ def test_bf16_input_stays_bf16_unless_asked(checkpoint, tmp_path):
     dtypes = {name: {t.dtype for t in load_file(tmp_path / name / "model.safetensors").values()} for name in ("same", "fp32")}
     assert dtypes == {"same": {torch.bfloat16}, "fp32": {torch.float32}}
     assert json.loads((tmp_path / "same" / "report.json").read_text())["save_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("method", ["drop", "tenp"])
+def test_every_output_has_a_model_card(checkpoint, data, tmp_path, method):
+    out = tmp_path / "out"
+    allocation = ["--allocation", "global"] if method == "drop" else []
+    run("prune", checkpoint, "--output", out, "--criterion", "reap", "--sparsity", "0.5", "--method", method,
+        "--data", data, "--quiet", *allocation)  # fmt: skip
+    card = (out / "README.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert f"`{checkpoint}`" in card and f"Criterion: reap; allocation: {report['allocation']}; method: {method}" in card
+    rows = [line for line in card.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2, 3]  # one row per MoE layer
+    for row, layer in zip(rows, report["layers_after"]):
+        kept = layer["experts"] - layer["novices"]
+        assert f"| {kept} of 8 |" in row
+    total = report["parameters_after"]["total"]
+    assert f"{total:,}" in card and "weights on disk" in card
+    assert "trust_remote_code=True" in card and "vllm serve" in card  # moeprune format: both ways named
+    assert "--criterion reap --sparsity 0.5" in card.replace("'", "")  # the command that made it

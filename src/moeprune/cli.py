@@ -23,6 +23,7 @@ class MoePruneGroup(click.Group):
     """Turns MoePruneError into one clear line and exit code 2, naming the flags that fix it."""
 
     def invoke(self, ctx: click.Context):
+        ctx.meta[ARGV] = [*ctx.protected_args, *ctx.args]  # as typed, for the model card
         try:
             return super().invoke(ctx)
         except click.UsageError as exc:  # a bad flag or value: one line, not click's usage block
@@ -33,6 +34,16 @@ class MoePruneGroup(click.Group):
             command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
             click.echo(f"moeprune: error: {exc}{flag_hint(command, exc.options)}", err=True)
             sys.exit(2)
+
+
+ARGV = "moeprune.argv"
+
+
+def command_line() -> str:
+    """The command as typed (for the model card's "Reproduce" section)."""
+    import shlex
+
+    return shlex.join(["moeprune", *click.get_current_context().meta.get(ARGV, sys.argv[1:])])
 
 
 def flag_hint(command: click.Command | None, options: tuple[str, ...]) -> str:
@@ -334,7 +345,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
         overwrite=overwrite, progress=not kwargs["quiet"] and rank == 0, search=search, resume=resume, dry_run=dry_run,
         options=MethodOptions(neuron_importance=neuron_importance, important_fraction=important_fraction, slope=slope),
         save=SaveOptions(dtype=save_dtype, max_shard_size=max_shard_size), expert_multiple=expert_multiple,
-        trust_remote_code=kwargs["trust_remote_code"],
+        trust_remote_code=kwargs["trust_remote_code"], command_line=command_line(),
     )  # fmt: skip
     if rank != 0:
         return

@@ -65,3 +65,17 @@ def plan_routed_parameters(moe: MoEModel, plan: Plan) -> dict[str, int]:
         params = [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept]
         per_layer.append((lp.top_k, params))
     return _summary(per_layer)
+
+
+def padded_parameters(moe: MoEModel) -> dict[str, int]:
+    """Parameters once each layer's experts are padded to its widest one (what vLLM holds: its
+    fused-MoE kernels need one width per layer; a zero neuron changes no output). Novices hold
+    their d-vector, as in moeprune."""
+    now = routed_parameters(moe)
+    routed = 0
+    for m in moe.layers:
+        widths = layer_widths(m)
+        holders = [w for w in widths if w is not None]
+        routed += len(holders) * layer_cost(m).params(max(holders, default=0))
+        routed += (len(widths) - len(holders)) * layer_hidden(m)
+    return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}

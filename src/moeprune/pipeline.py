@@ -39,7 +39,9 @@ from .criteria import Criterion, LayerScores, compute_scores, get_criterion, uns
 from .data import CalibrationData, load_data, parse_source
 from .errors import DataError, InfeasibleBudgetError, MoePruneError
 from .models import MoEModel
+from .parameters import padded_parameters
 from .plan import Plan
+from .report.model_card import model_card
 from .stats import ExpertStats
 from .surgery.drop import check_not_packed
 
@@ -340,6 +342,13 @@ def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> 
     return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
 
 
+def weight_bytes(folder: Path) -> int:
+    """Bytes of a checkpoint's safetensors weights on disk."""
+    from .checkpoint.files import shard_names
+
+    return sum((Path(folder) / name).stat().st_size for name in shard_names(Path(folder)))
+
+
 def layer_summary(moe: MoEModel) -> list[dict]:
     from .parameters import describe_layers
 
@@ -405,6 +414,7 @@ class PruneJob:
     calibration: list[CalibrationData]
     search_set: CalibrationData | None
     layer_budget: dict  # what is known per layer before scoring (dry run)
+    command_line: str | None = None  # how the user asked for it (the model card's "Reproduce")
 
     def describe(self) -> dict:
         """The plan of work, for --dry-run and the log."""
@@ -601,6 +611,7 @@ def prune(
     save: SaveOptions | None = None,
     expert_multiple: int = 1,
     trust_remote_code: bool = False,
+    command_line: str | None = None,
 ) -> dict:
     """Check, load, score, plan, cut and save; returns the report written beside the checkpoint
     (with `dry_run`, the plan of work, and nothing is loaded or written).
@@ -619,6 +630,7 @@ def prune(
     )  # fmt: skip
     if dry_run:
         return job.describe()
+    job.command_line = command_line
     rank, _ = rank_and_world()
     barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
     with output_lock(job.output) if rank == 0 else nullcontext():
@@ -705,8 +717,13 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
         report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations",
                                                        "teacher_cache", "notes") if k in search_doc}  # fmt: skip
 
+    report["command_line"] = job.command_line
+    if surgery.get("form") == "packed" or not moe.is_uniform():
+        report["serving"] = {"vllm_padded_parameters": padded_parameters(moe)["total"]}
+
     def write(tmp: Path) -> None:
         report["format"] = write_checkpoint(model, tmp, tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size)
+        report["disk_bytes"] = {"before": weight_bytes(job.model_path), "after": weight_bytes(tmp)}
         plan.save(tmp / "plan.json")
         if search_doc is not None:
             write_json(tmp / "search.json", search_doc)
@@ -714,6 +731,7 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
         timer.lap("save")
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
+        (tmp / "README.md").write_text(model_card(report, str(job.output)))
 
     if rank != 0:  # torchrun: every rank holds the same result; one writes
         return report

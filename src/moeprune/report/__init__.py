@@ -1,0 +1,1 @@
+"""What a person reads beside every output: Markdown drawn from the JSON files (the contract)."""
