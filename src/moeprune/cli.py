@@ -22,8 +22,11 @@ from .models.spec import supported_families
 class MoePruneGroup(click.Group):
     """Turns MoePruneError into one clear line and exit code 2, naming the flags that fix it."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV] = list(args)  # as typed, for the model card
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):
-        ctx.meta[ARGV] = [*ctx.protected_args, *ctx.args]  # as typed, for the model card
         try:
             return super().invoke(ctx)
         except click.UsageError as exc:  # a bad flag or value: one line, not click's usage block
