@@ -411,3 +411,17 @@ def test_every_output_has_a_model_card(checkpoint, data, tmp_path, method):
     assert f"{total:,}" in card and "weights on disk" in card
     assert "trust_remote_code=True" in card and "vllm serve" in card  # moeprune format: both ways named
     assert "--criterion reap --sparsity 0.5" in card.replace("'", "")  # the command that made it
+
+
+def test_patience_ends_the_search_early_and_search_json_says_why(checkpoint, data, tmp_path):
+    out = tmp_path / "out"
+    run("prune", checkpoint, "--output", out, "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
+        "--allocation", "evo", "--search-data", data, "--search-samples", "6", "--population", "6", "--elites", "2",
+        "--generations", "30", "--patience", "2", "--quiet")  # fmt: skip
+    search = json.loads((out / "search.json").read_text())
+    stopped = search["stopped"]
+    assert stopped["reason"] == "patience" and stopped["patience"] == 2
+    assert stopped["generations_run"] == len(search["generations"]) < 30
+    best = [g["best"] for g in search["generations"]]
+    assert max(best[-2:]) <= max(best[:-2])  # the last two generations found nothing better
+    assert json.loads((out / "report.json").read_text())["search"]["stopped"] == stopped

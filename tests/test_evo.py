@@ -219,3 +219,27 @@ def test_resume_refuses_other_settings_and_missing_state(tmp_path):
     with pytest.raises(MoePruneError, match=r"config\.seed"):
         search(config=replace(SMALL, seed=7)).run(resume=True)
     assert search().run(resume=True).evaluations > 0
+
+
+def test_patience_stops_a_stalled_search_and_says_why():
+    caps, budget = [6] * 4, 8
+    flat = _separable([0.0, 0.0, 0.0, 0.0])  # every allocation ties: the best never improves after generation 0
+    config = EvoConfig(population=6, elites=2, generations=30, seed=1, patience=3)
+    result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, progress=False).run()
+    assert len(result.history) == 4  # generation 0, then 3 without improvement
+    assert result.stopped == {"reason": "patience", "generations_run": 4, "patience": 3}
+    full = EvoSearch(flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), progress=False).run()
+    assert len(full.history) == 30 and full.stopped == {"reason": "generations", "generations_run": 30}
+
+
+def test_patience_only_shortens_the_same_trajectory():
+    """Early stop is the full run cut short: same generations up to the stop, same best among them."""
+    caps, budget = [10] * 6, 24
+    fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
+    config = EvoConfig(population=8, elites=2, generations=40, seed=5)
+    full = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
+    early = EvoSearch(fit, budget, caps, uniform, replace(config, patience=4), progress=False).run()
+    ran = len(early.history)
+    assert early.stopped["reason"] == "patience" and ran < 40
+    assert early.history == full.history[:ran]
+    assert early.best_fitness == max(h.best for h in full.history[:ran])

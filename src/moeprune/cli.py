@@ -264,14 +264,24 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
     "--search-data", multiple=True, metavar="FILE[:WEIGHT]", help="evo: search data (prompt/answer JSONL...)."
 )
 @click.option("--search-samples", type=click.IntRange(min=0), default=64, show_default=True,
-              help="evo: search samples (0 = all).")
-@click.option("--fitness", type=click.Choice(["esap", "sap", "kl", "nll"]), default="esap", show_default=True)
-@click.option("--population", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--elites", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--generations", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--delta-max", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--tau-max", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--search-seed", type=int, default=42, show_default=True, help="evo: seed of the search.")
+              help="evo: search samples (0 = all); time grows linearly with them.")
+@click.option("--fitness", type=click.Choice(["esap", "sap", "kl", "nll"]), default="esap", show_default=True,
+              help="evo: what a candidate is scored by against the full model on the search data.")
+@click.option("--population", type=click.IntRange(min=1), default=32, show_default=True,
+              help="evo: candidates per generation; time grows linearly (cached candidates cost nothing).")
+@click.option("--elites", type=click.IntRange(min=1), default=4, show_default=True,
+              help="evo: best candidates kept as parents each generation (at most the population).")
+@click.option("--generations", type=click.IntRange(min=1), default=50, show_default=True,
+              help="evo: generations at most; time grows linearly.")
+@click.option("--patience", type=click.IntRange(min=1), default=None,
+              help="evo: stop once the best fitness has not improved for G generations [default: never; the "
+                   "result then stays that of the full run]; saves the remaining generations' time.")
+@click.option("--delta-max", type=click.IntRange(min=1), default=4, show_default=True,
+              help="evo: most experts one mutation step moves between two layers.")
+@click.option("--tau-max", type=click.IntRange(min=1), default=3, show_default=True,
+              help="evo: most mutation steps composed into one offspring.")
+@click.option("--search-seed", type=int, default=42, show_default=True,
+              help="evo: seed of the search (same seed and data: same result).")
 @click.option("--resume", is_flag=True,
               help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.")
 @click.option("--expert-multiple", type=click.IntRange(min=1), default=1, show_default=True,
@@ -291,7 +301,8 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
 @data_options
 def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
           neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
-          search_samples: int, fitness: str, population: int, elites: int, generations: int, delta_max: int,
+          search_samples: int, fitness: str, population: int, elites: int, generations: int, patience: int | None,
+          delta_max: int,
           tau_max: int, search_seed: int, resume: bool, expert_multiple: int, save_dtype: str | None,
           max_shard_size: str, dry_run: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
@@ -314,7 +325,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
             )
         refuse_given(ctx, ["resume", "dry_run", "save_dtype", "max_shard_size", "expert_multiple", "search_data",
                            "search_samples", "fitness", "population", "elites", "generations", "delta_max", "tau_max",
-                           "search_seed", "important_fraction", "slope"],
+                           "search_seed", "patience", "important_fraction", "slope"],
                      "with --no-load (it copies the input's shards and dtype)")  # fmt: skip
         report = prune_without_loading(
             model, output, criterion=criterion, sparsity=sparsity, seed=kwargs["seed"], overwrite=overwrite,
@@ -333,7 +344,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
         return
     if allocation != "evo" and criterion != "auto":
         refuse_given(ctx, ["search_data", "search_samples", "fitness", "population", "elites", "generations", "delta_max",
-                           "tau_max", "search_seed"], "without --allocation evo or --criterion auto")  # fmt: skip
+                           "tau_max", "search_seed", "patience"], "without --allocation evo or --criterion auto")  # fmt: skip
     if method != "tenp":
         refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
     if method not in ("neurons", "tenp"):
@@ -341,7 +352,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
     refuse_given(ctx, ["activations_dir"], "without --sequential (it is where sequential observation caches activations)")
     search = dict(search_data=search_data, search_samples=search_samples, fitness=fitness, population=population,
                   elites=elites, generations=generations, delta_max=delta_max, tau_max=tau_max,
-                  search_seed=search_seed)  # fmt: skip
+                  search_seed=search_seed, patience=patience)  # fmt: skip
     report = run_prune(
         model, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
         data=data_from_options(kwargs), tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"], dtype=kwargs["dtype"],

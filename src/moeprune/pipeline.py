@@ -714,7 +714,7 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
     if auto_table is not None:
         report["criterion_auto"] = {"fitness": search.get("fitness", "esap"), "chosen": crit.name, "table": auto_table}
     if search_doc is not None:
-        report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations",
+        report["search"] = {k: search_doc[k] for k in ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations", "stopped",
                                                        "teacher_cache", "notes") if k in search_doc}  # fmt: skip
 
     report["command_line"] = job.command_line
@@ -774,6 +774,7 @@ def search_allocation(
     delta_max: int = 4,
     tau_max: int = 3,
     search_seed: int = 42,
+    patience: int | None = None,
     resume: bool = False,
     expert_multiple: int = 1,
 ) -> tuple[list[int], dict]:
@@ -790,7 +791,7 @@ def search_allocation(
         raise MoePruneError(f"the evo allocation searches expert counts: use the drop or novice method, not {method!r}",
                             options=("method",))  # fmt: skip
     config = EvoConfig(population=population, elites=elites, generations=generations, delta_max=delta_max,
-                       tau_max=tau_max, seed=search_seed)  # fmt: skip
+                       tau_max=tau_max, seed=search_seed, patience=patience)  # fmt: skip
     if search_set is None:
         search_set = load_data(list(search_data), tokenizer, num_samples=search_samples or None,
                                max_length=data.max_length, seed=seed)  # fmt: skip
@@ -820,7 +821,7 @@ def check_search_settings(search: dict) -> None:
         if not Path(path).exists():
             raise DataError(f"search data path {path} does not exist")
     check_fitness(search.get("fitness", "esap"))
-    keys = ("population", "elites", "generations", "delta_max", "tau_max")
+    keys = ("population", "elites", "generations", "delta_max", "tau_max", "patience")
     config = EvoConfig(**{k: search[k] for k in keys if k in search})
     if config.population < config.elites:
         raise MoePruneError(f"evo population ({config.population}) must be >= elites ({config.elites})",

@@ -737,6 +737,7 @@ def _search_document(
         "fitness_value": sign * result.best_fitness,
         "uniform": {"allocation": list(uniform), "fitness_value": sign * search.cache[uniform]},
         "evaluations": result.evaluations,
+        "stopped": result.stopped,
         "generations": generations,
         "search_samples": evaluator.num_samples,
         "teacher_cache": {

@@ -57,11 +57,14 @@ class EvoConfig:
     delta_max: int = 4
     tau_max: int = 3
     seed: int = 42
+    patience: int | None = None  # stop after this many generations without a better best (None: never)
 
     def validate(self) -> None:
         for name in ("population", "elites", "generations", "delta_max", "tau_max"):
             if getattr(self, name) < 1:
-                raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}")
+                raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}", options=(name,))
+        if self.patience is not None and self.patience < 1:
+            raise MoePruneError(f"evo patience must be >= 1 generation, got {self.patience}", options=("patience",))
         if self.population < self.elites:
             raise MoePruneError(f"evo population ({self.population}) must be >= elites ({self.elites})")
         if self.seed < 0:
@@ -88,6 +91,7 @@ class EvoResult:
     best_fitness: float
     history: list[GenerationStats] = field(default_factory=list)
     evaluations: int = 0
+    stopped: dict[str, Any] = field(default_factory=dict)  # why the search ended, after how many generations
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +99,7 @@ class EvoResult:
             "best_fitness": self.best_fitness,
             "evaluations": self.evaluations,
             "history": [asdict(h) for h in self.history],
+            "stopped": self.stopped,
         }
 
 
@@ -359,11 +364,13 @@ class EvoSearch:
         self.history: list[GenerationStats] = []
         self._last_save = time.monotonic()
         self._new_in_generation = 0  # evaluations so far in the generation being evaluated
+        self.stopped: dict[str, Any] = {}  # why run() ended (search.json)
 
     # -- identity of a run: what must match for a resume -----------------------------------
     def _identity(self) -> dict[str, Any]:
         config = asdict(self.config)
-        config.pop("generations")  # a resume may extend (or shorten) the run
+        config.pop("generations")  # a resume may extend (or shorten) the run, or stop it earlier
+        config.pop("patience")
         identity = {
             "config": config,
             "budget": self.feas.budget,
@@ -489,8 +496,11 @@ class EvoSearch:
             unit="gen",
             disable=not self.progress,
         )
+        self.stopped = {"reason": "generations", "generations_run": len(self.history)}
         try:
             for generation in range(start, self.config.generations):
+                if self.stalled():
+                    break
                 self.history.append(self._evaluate_population(generation, population, rng))
                 population = self._breed(population, rng)
                 self._new_in_generation = 0
@@ -499,7 +509,21 @@ class EvoSearch:
                 bar.set_postfix(best=f"{self.result().best_fitness:.6g}")
         finally:
             bar.close()
+        stalled = self.stalled()
+        self.stopped = {
+            "reason": "patience" if stalled and len(self.history) < self.config.generations else "generations",
+            "generations_run": len(self.history),
+            **({"patience": self.config.patience} if self.config.patience else {}),
+        }
         return self.result()
+
+    def stalled(self) -> bool:
+        """Whether the best fitness ever seen has not improved in the last `patience` generations."""
+        patience = self.config.patience
+        if not patience or len(self.history) <= patience:
+            return False
+        best_before = max(h.best for h in self.history[:-patience])
+        return max(h.best for h in self.history[-patience:]) <= best_before
 
     def result(self) -> EvoResult:
         """The best allocation ever evaluated (ties: smallest tuple) and the history so far."""
@@ -507,8 +531,9 @@ class EvoSearch:
             raise MoePruneError("the search has not evaluated any allocation yet")
         best, fitness = min(self.cache.items(), key=_rank_key)
         return EvoResult(
-            best=best, best_fitness=fitness, history=list(self.history), evaluations=len(self.cache)
-        )
+            best=best, best_fitness=fitness, history=list(self.history), evaluations=len(self.cache),
+            stopped=dict(self.stopped),
+        )  # fmt: skip
 
 
 def _checked(allocation: Allocation, value: float) -> float:

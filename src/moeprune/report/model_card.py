@@ -64,7 +64,7 @@ def measured(report: dict) -> list[str]:
         uniform = search.get("uniform", {})
         lines.append(
             f"- EvoESAP ({search.get('fitness')} on the search data): searched allocation "
-            f"{search.get('fitness_value'):.4f}, uniform {uniform.get('fitness', float('nan')):.4f} "
+            f"{search.get('fitness_value'):.4f}, uniform {uniform.get('fitness_value', float('nan')):.4f} "
             f"({search.get('evaluations', '—')} candidates evaluated)."
         )
     auto = report.get("criterion_auto")
