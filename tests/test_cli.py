@@ -425,3 +425,22 @@ def test_patience_ends_the_search_early_and_search_json_says_why(checkpoint, dat
     best = [g["best"] for g in search["generations"]]
     assert max(best[-2:]) <= max(best[:-2])  # the last two generations found nothing better
     assert json.loads((out / "report.json").read_text())["search"]["stopped"] == stopped
+
+
+def test_a_model_id_from_the_local_hugging_face_cache(checkpoint, tmp_path, monkeypatch):
+    """MODEL may be a Hub id already in the local cache (nothing is downloaded); else a clear error."""
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny-moe" / "snapshots" / "0123abcd"
+    shutil.copytree(checkpoint, snapshot)
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-moe" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    info = json.loads(run("inspect", "acme/tiny-moe", "--json").output)
+    assert info["family"] == "qwen3_moe" and info["source"] == "acme/tiny-moe"
+    plan = run("prune", "acme/tiny-moe", "--output", tmp_path / "out", "--criterion", "aimer", "--sparsity", "0.25",
+               "--dry-run").output  # fmt: skip
+    assert str(snapshot) in plan
+    missing = run("inspect", "acme/not-cached", ok=False)
+    assert missing.exit_code == 2 and "neither a local folder nor a model in the local Hugging Face cache" in missing.output

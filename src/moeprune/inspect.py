@@ -6,7 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .io import load_config
+from .checkpoint import check_model_path, load_config
 from .models import MoEModel
 
 
@@ -14,8 +14,9 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
     """Build the model on the meta device (no weights read) and describe it."""
     from .checkpoint import build_skeleton
 
-    load_config(path, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
-    return describe_model(build_skeleton(Path(path), meta=True), source=str(path))
+    folder = check_model_path(path)  # a local folder or a cached model id
+    load_config(folder, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
+    return describe_model(build_skeleton(folder, meta=True), source=str(path))
 
 
 def describe_model(model: nn.Module, source: str = "") -> dict:

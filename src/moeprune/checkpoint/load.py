@@ -9,6 +9,7 @@ tensor of the model from the file by name and refuse anything missing or unexpec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -39,14 +40,38 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def check_model_path(path: str | Path) -> Path:
+    """A local checkpoint folder, or the cached snapshot of a Hugging Face model id (offline)."""
+    given = str(path)
     path = Path(path)
+    if not path.exists() and _looks_like_model_id(given):
+        path = _cached_snapshot(given)
     if not path.exists():
-        raise MoePruneError(f"model path {str(path)!r} does not exist; pass a local checkpoint folder")
+        raise MoePruneError(f"model path {given!r} does not exist; pass a local checkpoint folder or a cached model id")
     if not path.is_dir() or not (path / structure.CONFIG).is_file():
         raise MoePruneError(
             f"{str(path)!r} has no config.json; pass a transformers checkpoint folder (the one save_pretrained wrote)"
         )
     return path
+
+
+def _looks_like_model_id(name: str) -> bool:
+    """'org/name' (or 'name'): no path syntax that only a local path would use."""
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
+
+
+def _cached_snapshot(model_id: str) -> Path:
+    """The local snapshot of `model_id` in the Hugging Face cache; nothing is downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE")))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError) as exc:
+        raise MoePruneError(
+            f"{model_id!r} is neither a local folder nor a model in the local Hugging Face cache; moeprune never "
+            f"downloads: fetch it first (huggingface-cli download {model_id}) or pass a local folder"
+        ) from exc
 
 
 def load_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
