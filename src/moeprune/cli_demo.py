@@ -30,7 +30,7 @@ def demo(output: str, quick: bool, overwrite: bool, rebuild: bool, threads: int,
     from .demo.run import run_demo
 
     torch.set_num_threads(threads)
-    results = run_demo(output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild)
+    results = run_demo(output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads)
     click.echo(results["table"])
     click.echo(
         f"\nNLL: held-out answer tokens per domain (lower is better); ESAP: expected speculative "

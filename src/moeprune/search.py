@@ -85,7 +85,10 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # 1 GiB of cached hidden states
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # at most 1 GiB of cached hidden states
+# The cache needs, per batch, the states of the elites' prefixes at every MoE layer: a few times
+# one layer's states for the whole search set. More only ever holds one-off candidates.
+PREFIX_CACHE_COPIES = 6
 TEXT_ONLY_NOTE = "search data has no prompt/answer split: every token counts as answer"
 # Upper bound of one sample's score in the search's direction (esap, sap <= 1; -kl, -nll <= 0),
 # padded for rounding (sum_v min(p, q) can exceed 1 by a few ulps): racing stays conservative.
@@ -229,7 +232,7 @@ class CandidateEvaluator:
         seed: int = 0,
         pad_token_id: int | None = None,
         fast: bool = True,
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_cache_bytes: int | None = None,
         teacher_device: torch.device | str | None = None,
         candidate_context: CandidateContext | None = None,
     ) -> None:
@@ -247,7 +250,9 @@ class CandidateEvaluator:
         self.notes: list[str] = [TEXT_ONLY_NOTE] if search_data.text_only else []
         self.notes += list(search_data.notes)
         self.device = input_device(moe.model)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(
+            prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes(moe, search_data)
+        )
         self.raw_values: dict[Allocation, float] = {}
         self.raced: dict[Allocation, int] = {}  # allocation -> samples scored before it stopped
         self._layers = decoder_layers(moe.model)
@@ -268,6 +273,11 @@ class CandidateEvaluator:
             if self.mode == PLAIN:
                 b.calls = {}
         self.counters = _zero_counters()  # the self-check does not count
+
+    def release(self) -> None:
+        """Drop the teacher distributions, cached states and batches: the evaluator is done."""
+        self.prefix_cache.clear()
+        self._batches, self._taps, self.teacher = [], {}, None
 
     # -- setup --------------------------------------------------------------------------------
     def _teacher_home(self) -> torch.device:
@@ -586,7 +596,7 @@ def run_evo_search(
     pad_token_id: int | None = None,
     fast: bool = True,
     race: bool = True,
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    prefix_cache_bytes: int | None = None,
     candidate_context: CandidateContext | None = None,
     expert_multiple: int = 1,
 ) -> tuple[list[int], dict[str, Any]]:
@@ -649,7 +659,16 @@ def run_evo_search(
     document = _search_document(
         evaluator, search, result, race_log, limits, tuple(uniform), seconds, race, counters, distributed
     )
+    evaluator.release()  # the search and its closures form cycles: free the caches now, not at the next gc
     return list(result.best), document
+
+
+def default_prefix_cache_bytes(moe: MoEModel, search_data: CalibrationData) -> int:
+    """PREFIX_CACHE_COPIES x the MoE layers x one layer's states over the search set, at most 1 GiB."""
+    tokens = sum(len(s.input_ids) for s in search_data.samples)
+    element = next(moe.model.parameters()).element_size()
+    one_layer = tokens * int(moe.config.hidden_size) * max(element, 4)
+    return min(DEFAULT_PREFIX_CACHE_BYTES, PREFIX_CACHE_COPIES * len(moe.layers) * one_layer)
 
 
 class _DataParallel:

@@ -139,12 +139,17 @@ def run_demo(
     overwrite: bool = False,
     progress: bool = True,
     rebuild: bool = False,
+    threads: int | None = None,
 ) -> dict:
-    """Train or reuse the demo model, compare criteria x allocations x sparsities, write results."""
+    """Train or reuse the demo model, compare criteria x allocations x sparsities, write results.
+
+    `threads`: torch CPU threads for every stage, training included (None: torch's setting).
+    """
     check_output_dir(output, overwrite)
     settings = DemoSettings.for_mode(quick)
     start = time.perf_counter()
-    model_dir = get_demo_model(FIXTURE if quick else DEMO, rebuild=rebuild, progress=progress)
+    threads = threads or torch.get_num_threads()
+    model_dir = get_demo_model(FIXTURE if quick else DEMO, rebuild=rebuild, progress=progress, threads=threads)
     trained_s = time.perf_counter() - start
     corpus = model_dir / CORPUS_SUBDIR
     model, tokenizer = load_model(model_dir)
@@ -240,8 +245,10 @@ def _row(criterion, allocation, method, sparsity, metrics, sizes, plan: Plan | N
 
 
 def format_table(results: dict) -> str:
+    """The comparison, one row per configuration, each with the one thing to notice about it."""
     domains = results["domains"]
-    head = ["criterion", "alloc", "method", "sparsity", *[f"NLL {d}" for d in domains], "ESAP", "params (M)"]
+    head = ["criterion", "alloc", "method", "sparsity", *[f"NLL {d}" for d in domains], "ESAP", "params (M)",
+            "what to notice"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
         cells = [
@@ -252,9 +259,35 @@ def format_table(results: dict) -> str:
             *[f"{row['nll'][d]:.3f}" for d in domains],
             f"{row['esap']:.4f}",
             f"{row['parameters']['total'] / 1e6:.2f}",
+            notice(row, results["rows"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def notice(row: dict, rows: list[dict]) -> str:
+    """One sentence: how this row compares with the rows a reader would compare it with."""
+    if row["sparsity"] == 0:
+        return "The reference: ESAP is 1 by definition, every NLL is the one to keep."
+    peers = sorted((r for r in rows if r["sparsity"] == row["sparsity"]), key=lambda r: -r["esap"])
+    rank = [id(r) for r in peers].index(id(row)) + 1
+    standing = "best" if rank == 1 else "worst" if rank == len(peers) else f"{_ordinal(rank)} of {len(peers)}"
+    base = next((r for r in rows if r["sparsity"] == row["sparsity"] and r["criterion"] == row["criterion"]
+                 and r["allocation"] == "uniform" and r["method"] == "drop"), None)  # fmt: skip
+    if row["allocation"] in ("global", "evo") and base is not None:
+        gain = row["esap"] - base["esap"]
+        how = "the search" if row["allocation"] == "evo" else "ranking experts across layers"
+        return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."
+    if row["method"] == "novice" and base is not None:
+        gain = row["esap"] - base["esap"]
+        return f"{standing} at {row['sparsity']:.0%}; keeping mean outputs {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over dropping the same experts."
+    if row["method"] in ("neurons", "tenp"):
+        return f"{standing} at {row['sparsity']:.0%}; removes {row['sparsity']:.0%} of routed parameters by narrowing experts, not dropping them."
+    return f"{standing} of {len(peers)} at {row['sparsity']:.0%}." if rank in (1, len(peers)) else f"{standing} at {row['sparsity']:.0%}."
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _plots(folder: Path, moe: MoEModel, rows: list[dict]) -> None:
