@@ -55,16 +55,29 @@ def routed_parameters(moe: MoEModel) -> dict[str, int]:
     }
 
 
-def plan_routed_parameters(moe: MoEModel, plan: Plan) -> dict[str, int]:
-    """E and A that applying `plan` to this (not yet pruned) model would leave."""
+def _plan_params(moe: MoEModel, plan: Plan) -> list[tuple[int, list[int]]]:
+    """Per plan layer: (top_k, parameters of each kept router position) after applying the plan."""
     per_layer = []
     for lp in plan.layers:
         layer = moe.layer(lp.layer)
         cost, width, hidden = layer_cost(layer), layer.intermediate_size, layer.hidden_size
         novice = set(lp.novice)
-        params = [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept]
-        per_layer.append((lp.top_k, params))
-    return _summary(per_layer)
+        per_layer.append((lp.top_k, [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept]))
+    return per_layer
+
+
+def plan_routed_parameters(moe: MoEModel, plan: Plan) -> dict[str, int]:
+    """E and A that applying `plan` to this (not yet pruned) model would leave."""
+    return _summary(_plan_params(moe, plan))
+
+
+def plan_kept_rows(moe: MoEModel, plan: Plan) -> list[dict]:
+    """`kept_rows` for a plan not yet applied to this (unpruned) model."""
+    after = [
+        {"layer": lp.layer, "experts": len(lp.kept) - len(lp.novice), "routed_params": sum(params)}
+        for lp, (_, params) in zip(plan.layers, _plan_params(moe, plan))
+    ]
+    return kept_rows(kept_per_layer(moe), after)
 
 
 def padded_parameters(moe: MoEModel) -> dict[str, int]:
@@ -79,3 +92,31 @@ def padded_parameters(moe: MoEModel) -> dict[str, int]:
         routed += len(holders) * layer_cost(m).params(max(holders, default=0))
         routed += (len(widths) - len(holders)) * layer_hidden(m)
     return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}
+
+
+def kept_per_layer(moe: MoEModel) -> list[dict]:
+    """Per MoE layer: weight-holding experts and routed-expert parameters (novices count their vector)."""
+    return [
+        {"layer": m.index, "experts": sum(w is not None for w in layer_widths(m)), "routed_params": sum(expert_params(m))}
+        for m in moe.layers
+    ]
+
+
+def kept_rows(before: list[dict], after: list[dict]) -> list[dict]:
+    """report.json's `kept_per_layer`: one row per MoE layer, before and after."""
+    return [
+        {"layer": b["layer"], "experts_before": b["experts"], "experts_after": a["experts"],
+         "routed_params_before": b["routed_params"], "routed_params_after": a["routed_params"]}
+        for b, a in zip(before, after)
+    ]  # fmt: skip
+
+
+def uniform_rows(before: list[dict], removed: list[int], hidden: list[int], novices: bool) -> list[dict]:
+    """The rows a uniform allocation (experts removed per layer, full width) would give."""
+    rows = []
+    for b, r, d in zip(before, removed, hidden):
+        per_expert = b["routed_params"] / b["experts"]
+        params = (b["experts"] - r) * per_expert + (r * d if novices else 0)
+        rows.append({"layer": b["layer"], "experts_before": b["experts"], "experts_after": b["experts"] - r,
+                     "routed_params_before": b["routed_params"], "routed_params_after": int(round(params))})  # fmt: skip
+    return rows

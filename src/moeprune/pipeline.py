@@ -39,8 +39,10 @@ from .criteria import Criterion, LayerScores, compute_scores, get_criterion, uns
 from .data import CalibrationData, load_data, parse_source
 from .errors import DataError, InfeasibleBudgetError, MoePruneError
 from .models import MoEModel
-from .parameters import padded_parameters
+from .parameters import kept_per_layer, kept_rows, padded_parameters, uniform_rows
 from .plan import Plan
+from .plots import plot_search_curve
+from .report.kept import plot_kept
 from .report.model_card import model_card
 from .stats import ExpertStats
 from .surgery.drop import check_not_packed
@@ -652,6 +654,7 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
     tokenizer = job.tokenizer
     moe = MoEModel(model)
     before_layers, before_params = layer_summary(moe), parameter_summary(moe)
+    kept_before = kept_per_layer(moe)
     timer.lap("load")
     crit, scores, stats, sets = score_experts(
         moe, crit.name, tokenizer=tokenizer, data=data, seed=job.seed, progress=progress,
@@ -706,6 +709,7 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
         "layers_after": layer_summary(moe),
         "parameters_before": before_params,
         "parameters_after": parameter_summary(moe),
+        "kept_per_layer": kept_rows(kept_before, kept_per_layer(moe)),
         "save_dtype": str(job.save_dtype).removeprefix("torch."),
         "data": data_summary(sets, stats),
         "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]) if stats else [],
@@ -727,7 +731,8 @@ def run_prune(job: PruneJob, progress: bool = True) -> dict:
         plan.save(tmp / "plan.json")
         if search_doc is not None:
             write_json(tmp / "search.json", search_doc)
-            _search_plots(tmp, moe, before_layers, plan, search_doc)
+            plot_search_curve(tmp / "search_curve.png", search_doc["generations"], search_doc["fitness"])
+        draw_kept(tmp / "density.png", report, search_doc, moe)
         timer.lap("save")
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
@@ -856,14 +861,19 @@ def _novice_context(moe: MoEModel, stats: Sequence[ExpertStats]):
     return context
 
 
-def _search_plots(folder: Path, moe: MoEModel, layers: list[dict], plan: Plan, search_doc: dict) -> None:
-    from .plots import plot_layer_density, plot_search_curve
-
-    plot_layer_density(
-        folder / "density.png", search_doc["layers"], search_doc["num_experts"],
-        {"uniform": search_doc["uniform"]["allocation"], "evo": search_doc["allocation"]},
-    )  # fmt: skip
-    plot_search_curve(folder / "search_curve.png", search_doc["generations"], search_doc["fitness"])
+def draw_kept(path: Path, report: dict, search_doc: dict | None, moe: MoEModel) -> None:
+    """density.png: kept routed parameters (and experts) per layer; uniform beside a searched one."""
+    rows = report["kept_per_layer"]
+    uniform = None
+    if search_doc is not None:
+        hidden = [m.hidden_size for m in moe.layers]
+        uniform = uniform_rows(
+            [{"layer": r["layer"], "experts": r["experts_before"], "routed_params": r["routed_params_before"]} for r in rows],
+            search_doc["uniform"]["allocation"], hidden, novices=report["method"] == "novice",
+        )  # fmt: skip
+    what = f"{report['criterion']}, {report['allocation']}, {report['method']}, sparsity {report['sparsity']}"
+    plot_kept(path, rows, expert_unit=report["method"] in EXPERT_METHODS, title=f"kept per layer ({what})",
+              compare=uniform)  # fmt: skip
 
 
 def prepare_score(
