@@ -215,7 +215,7 @@ def test_cli_no_load_neurons_refuses_llama4_before_observing(tmp_path, data):
     [
         (("--method", "drop", "--sparsity", "0.95"), "top_k"),  # more experts than top-k allows
         (("--method", "neurons", "--sparsity", "0.999"), "lower the sparsity"),
-        (("--method", "drop", "--sparsity", "0.25", "--overwrite", "SAME"), "is the input checkpoint"),
+        (("--method", "drop", "--sparsity", "0.25", "--overwrite", "SAME"), "is the input"),
     ],
 )
 def test_no_load_fails_before_any_scoring(tiny_checkpoint, data, tmp_path, monkeypatch, args, message):

@@ -8,7 +8,9 @@ full-length logits. A candidate is scored batch by batch with a :class:`FitnessA
 so the caller never holds more than one batch of candidate logits.
 
 All distributions are computed in fp32 from logits (bf16 logits are upcast first); sums over the
-vocabulary and over positions accumulate in fp64. Each sample's score is the mean over its
+vocabulary and over positions accumulate in fp64. NaN or infinite logits at a scored position stop
+with :class:`~moeprune.finite.NonFiniteError` (one reduction over rows already gathered): a NaN
+teacher would otherwise read as p = 0 everywhere, i.e. KL 0. Each sample's score is the mean over its
 answer positions, and the fitness is the mean over samples (every sample weighs the same).
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from moeprune.errors import DataError, MoePruneError
+from moeprune.finite import NonFiniteError, all_finite, kind
 
 FITNESSES = ("esap", "sap", "kl", "nll")
 _HIGHER_IS_BETTER = {"esap": True, "sap": True, "kl": False, "nll": False}
@@ -157,6 +160,7 @@ class TeacherCache:
     skipped: list[Hashable] = field(default_factory=list)  # samples with no answer position
     device: torch.device | str = "cpu"
     vocab_size: int | None = None
+    label: str = "the full model"  # who produced the logits, for error messages
     _by_id: dict[Hashable, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -199,6 +203,8 @@ class TeacherCache:
                 self.skipped.append(sample_id)
                 continue
             rows = torch.log_softmax(logits[row, positions.to(logits.device)].to(F32), dim=-1)
+            if not all_finite(rows):  # else NaN would read as p = 0: KL 0, a perfect score
+                raise NonFiniteError(f"{self.label} produced {kind(rows)} logits for sample {sample_id!r}")
             targets = input_ids[row, (positions + 1).to(input_ids.device)]
             self._by_id[sample_id] = len(self.per_sample)
             self.per_sample.append(
@@ -240,10 +246,13 @@ class FitnessAccumulator:
     teacher's; without them the stored teacher positions are used.
     """
 
-    def __init__(self, teacher: TeacherCache, fitness: str, seed: int = 0) -> None:
+    def __init__(
+        self, teacher: TeacherCache, fitness: str, seed: int = 0, label: str = "the candidate"
+    ) -> None:
         self.teacher = teacher
         self.fitness = check_fitness(fitness)
         self.seed = seed
+        self.label = label  # who produced the logits, for error messages
         self.per_sample: dict[Hashable, float] = {}
 
     @property
@@ -280,6 +289,8 @@ class FitnessAccumulator:
                     f" {sample.targets.numel()} in the teacher cache"
                 )
             rows = logits[row, positions.to(logits.device)]
+            if not all_finite(rows):
+                raise NonFiniteError(f"{self.label} produced {kind(rows)} logits for sample {sample_id!r}")
             generator = _sample_generator(self.seed, sample.index) if self.fitness == "sap" else None
             scores = position_scores(
                 self.fitness, sample.log_probs.to(rows.device), rows, sample.targets, generator

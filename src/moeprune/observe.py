@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import CalibrationData
-from .errors import MoePruneError
+from .finite import NonFiniteError, all_finite, kind, locate_nonfinite
 from .models import MoELayer, MoEModel, input_device
 from .models.routed import RoutedOptions, RoutedRows, override_routed
 from .stats import F64, ExpertStats, LayerStats
@@ -54,14 +54,9 @@ class _Accumulator:
             stats.to(ids.device)
         n_experts = stats.num_experts
         y32, x32 = y.float(), x.float()
-        norms = y32.norm(dim=1)
-        if not torch.isfinite(norms).all():
-            bad = sorted(set(ids[~torch.isfinite(norms)].tolist()))
-            raise MoePruneError(
-                f"non-finite expert output in decoder layer {layer.index} (experts {bad}); "
-                "check the weights or use a wider dtype (--dtype fp32)"
-            )
-        cos = (x32 * y32).sum(1) / (x32.norm(dim=1) * norms).clamp_min(1e-30)
+        norms, in_norms = y32.norm(dim=1), x32.norm(dim=1)
+        _check_finite(layer.index, ids, in_norms, g, norms)
+        cos = (x32 * y32).sum(1) / (in_norms * norms).clamp_min(1e-30)
         g64, norms64 = g.to(F64), norms.to(F64)
 
         def segment(values: torch.Tensor) -> torch.Tensor:
@@ -110,6 +105,25 @@ class _Accumulator:
             stats.neuron_l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
 
 
+def _check_finite(layer: int, ids: torch.Tensor, in_norms, weights, out_norms) -> None:
+    """NaN/inf in what one MoE layer received or produced stops the pass, naming the layer and, in
+    order of the computation, the first culprit: the hidden states entering the block, the router's
+    weights, the experts' outputs. Three reductions over per-token vectors the statistics need anyway.
+    """
+    if not all_finite(in_norms):
+        raise NonFiniteError(
+            f"the hidden states entering the MoE block of decoder layer {layer} hold {kind(in_norms)} "
+            "(the attention of that layer or an earlier layer went non-finite)"
+        )
+    if not all_finite(weights):
+        bad = sorted(set(ids[~torch.isfinite(weights)].tolist()))
+        raise NonFiniteError(f"the router of decoder layer {layer} returned {kind(weights)} routing weights "
+                             f"(experts {bad})")  # fmt: skip
+    if not all_finite(out_norms):
+        bad = sorted(set(ids[~torch.isfinite(out_norms)].tolist()))
+        raise NonFiniteError(f"experts {bad} of decoder layer {layer} produced {kind(out_norms)} outputs")
+
+
 def observe(
     moe: MoEModel,
     data: CalibrationData,
@@ -129,12 +143,22 @@ def observe(
     start = time.perf_counter()
     batches = data.batches(batch_size, pad_token_id)
     total = (len(data.samples) + batch_size - 1) // batch_size
-    with torch.no_grad(), override_routed(moe, options):
-        for batch in tqdm(batches, total=total, desc="observe", unit="batch", disable=not progress):
-            mask = batch.attention_mask.to(device)
-            acc.set_valid(mask.reshape(-1).bool())
-            tokens += int(mask.sum())
-            model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+    batch = None
+    try:
+        with torch.no_grad(), override_routed(moe, options):
+            for batch in tqdm(batches, total=total, desc="observe", unit="batch", disable=not progress):
+                mask = batch.attention_mask.to(device)
+                acc.set_valid(mask.reshape(-1).bool())
+                tokens += int(mask.sum())
+                model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+    except NonFiniteError as exc:
+        raise _located(exc, model, batch) from None
     layers = [acc.stats[m.index].to("cpu") for m in moe.layers]
     note = f"observed {tokens} tokens in {time.perf_counter() - start:.1f}s"
     return ExpertStats.from_pass(layers, tokens, data, domain, note)
+
+
+def _located(error: NonFiniteError, model, batch) -> NonFiniteError:
+    """The same error, naming the first module whose output went non-finite (one more forward of
+    the failing batch, with the model's own computation and hooks on every module)."""
+    return error.located(locate_nonfinite(model, batch.input_ids, batch.attention_mask)) if batch else error

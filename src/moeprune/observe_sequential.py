@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ from transformers.utils import logging as hf_logging
 from .checkpoint import build_skeleton
 from .data import CalibrationData
 from .errors import MoePruneError
+from .finite import NonFiniteError, check_finite_weights, first_nonfinite_output
 from .io import check_model_path
 from .models import MoEModel, decoder_layers
 from .models.routed import RoutedOptions, override_routed
@@ -211,6 +213,12 @@ def _materialise_buffers(model: nn.Module, module: nn.Module, device: torch.devi
         model._init_weights(owner)
 
 
+def _prefix(model: nn.Module, module: nn.Module) -> str:
+    """The dotted name of `module` inside `model`, with a trailing dot ("model.layers.3.")."""
+    name = next(n for n, m in model.named_modules() if m is module)
+    return f"{name}." if name else ""
+
+
 def _release_memory() -> None:
     """Give freed layer weights back to the OS.
 
@@ -351,6 +359,8 @@ def _capture_all(model, layers, shards, data, batch_size, pad_token_id, device, 
         _materialise_buffers(model, module, device)
     shards.load(model, OUTER, device, dtype)
     _check_materialised(model.get_input_embeddings(), "the input embedding")
+    for module in outer:
+        check_finite_weights(module, f"{shards.path}", prefix=_prefix(model, module))
     store = _BatchStore(scratch)
     tokens = 0
     total = (len(data.samples) + batch_size - 1) // batch_size
@@ -377,11 +387,17 @@ def _observe_layers(model, moe, layers, shards, store, neurons, device, dtype, p
             _materialise_buffers(model, layer, device)
             shards.load(model, index, device, dtype)
             _check_materialised(layer, f"decoder layer {index}")
+            check_finite_weights(layer, f"{shards.path}", prefix=_prefix(model, layer))
             last = index == len(layers) - 1
             for b in range(len(store)):
                 item = store.get(b, device)
                 acc.set_valid(item.valid)
-                out = _run_layer(layer, item, index)
+                try:
+                    out = _run_layer(layer, item, index)
+                except NonFiniteError as exc:
+                    name = first_nonfinite_output(layer, partial(_run_layer, layer, item, index))
+                    where = f"decoder layer {index} ({_prefix(model, layer)}{name})" if name else ""
+                    raise exc.located(where) from None
                 if not last:
                     store.set_hidden(b, out)
             layer.to("meta")

@@ -15,7 +15,9 @@ table per family, every key goes through transformers' own load-time conversion
 key feeds, the converter's wildcard gives the expert number, and the position of the matching
 source pattern gives the part (gate 0, up 1 of `gate_up_proj`). A naming transformers can load,
 we can stream; a conversion beyond stacking experts and concatenating parts (quantized scales,
-transposes) is refused with a clear error instead of being guessed.
+transposes) is refused with a clear error instead of being guessed. The renamings are applied with
+`rename_source_key` (what loading itself calls, in every release from 5.16 on; the newer helper
+`apply_renamings` is missing up to 5.19 at least).
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from transformers.core_model_loading import (
     MergeModulelist,
     WeightConverter,
     WeightRenaming,
-    apply_renamings,
+    rename_source_key,
 )
 
+from .checkpoint import is_moeprune_format
 from .criteria import CRITERIA, WEIGHT_SCORERS, LayerScores, compute_scores, get_criterion, pruning_order_of
 from .errors import MoePruneError
 from .io import MOEPRUNE_CONFIG, atomic_write_dir, check_model_path, load_config, write_json
@@ -167,7 +170,7 @@ class Naming:
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
     def address(self, key: str) -> Address:
-        renamed = apply_renamings(key, self.renamings)
+        renamed, _ = rename_source_key(key, self.renamings, [])  # renamings only, in order
         for converter in self.converters:  # at most one converter applies, as when loading
             internal, pattern = converter.rename_source_key(renamed)
             if pattern is not None:
@@ -234,7 +237,7 @@ class CheckpointLayout:
 
     def __init__(self, path: str | Path):
         self.path = check_model_path(path)
-        if (self.path / MOEPRUNE_CONFIG).is_file():
+        if is_moeprune_format(self.path):
             raise MoePruneError(
                 f"{str(self.path)!r} is in moeprune's own format (per-layer expert counts); streaming reads stock "
                 "checkpoints: load it with moeprune.load_pretrained instead"

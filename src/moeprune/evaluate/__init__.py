@@ -8,7 +8,8 @@ of several candidates (``--compare``) to one load per model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from moeprune.evaluate.layers import layer_error
 from moeprune.evaluate.routing import PLAN_FILE, original_ids, routing_shift, selection_frequencies
 from moeprune.evaluate.size import measure_peak, model_size, warm_up_loading
 from moeprune.evaluate.speculative import MODES, acceptance
+from moeprune.finite import NonFiniteError, check_finite_weights
 from moeprune.models import MoEModel
 
 if TYPE_CHECKING:
@@ -198,18 +200,35 @@ class _Context:
             self.options.log(f"note: {text}")
 
 
-def _reference_frequencies(ctx: _Context, source: str) -> dict:
-    if source not in ctx.reference_routing:
-        ref = ctx.reference
+def _frequencies(loaded: Loaded, role: str, ctx: _Context, source: str) -> dict:
+    with _about(f"routing of {role} {loaded.label} on data file {source}"):
         freq, _ = selection_frequencies(
-            ref.moe,
+            loaded.moe,
             ctx.datasets[source],
-            original_ids(ref.moe, ref.path),
+            original_ids(loaded.moe, loaded.path),
             batch_size=ctx.batch_size,
             pad_token_id=ctx.pad,
         )
-        ctx.reference_routing[source] = freq
+    return freq
+
+
+def _reference_frequencies(ctx: _Context, source: str) -> dict:
+    if source not in ctx.reference_routing:
+        ctx.reference_routing[source] = _frequencies(ctx.reference, "the reference", ctx, source)
     return ctx.reference_routing[source]
+
+
+@contextmanager
+def _about(where: str) -> Iterator[None]:
+    """NaN/inf found inside a metric: the error says which metric, model and data file."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        raise exc.within(where) from None
+
+
+def _names(model: Loaded, ctx: _Context) -> tuple[str, str]:
+    return f"the model {model.label}", f"the reference {ctx.reference.label}"
 
 
 def _per_file(model: Loaded, ctx: _Context, source: str) -> dict:
@@ -219,23 +238,29 @@ def _per_file(model: Loaded, ctx: _Context, source: str) -> dict:
     if data.text_only and set(metrics) & set(DIVERGENCE_METRICS):
         ctx.note(f"{source} is text only (no prompt/answer split): esap, kl, nll and ppl use all tokens")
     if set(metrics) & set(DIVERGENCE_METRICS):
-        scores = divergence(model.model, ref.model, data, batch_size=ctx.batch_size, pad_token_id=ctx.pad)
+        with _about(f"on data file {source}"):
+            scores = divergence(
+                model.model, ref.model, data, batch_size=ctx.batch_size, pad_token_id=ctx.pad,
+                labels=_names(model, ctx),
+            )  # fmt: skip
         out.update({k: v for k, v in scores.items() if k in metrics or k not in DIVERGENCE_METRICS})
+        for key in ("ppl", "reference_ppl"):
+            if key in out and out[key] is None:
+                ctx.note(
+                    f"{source}: {key} is null: the mean NLL is too large for its exponential to be a float"
+                )
     if "accept" in metrics:
         out.update(_accept(model, ctx, source))
     if "routing" in metrics:
-        freq, _ = selection_frequencies(
-            model.moe,
-            data,
-            original_ids(model.moe, model.path),
-            batch_size=ctx.batch_size,
-            pad_token_id=ctx.pad,
+        out["routing"] = routing_shift(
+            _frequencies(model, "the model", ctx, source), _reference_frequencies(ctx, source)
         )
-        out["routing"] = routing_shift(freq, _reference_frequencies(ctx, source))
     if "layer-error" in metrics:
-        out["layer_error"] = layer_error(
-            model.model, ref.model, data, batch_size=ctx.batch_size, pad_token_id=ctx.pad
-        )
+        with _about(f"layer-error on data file {source}"):
+            out["layer_error"] = layer_error(
+                model.model, ref.model, data, batch_size=ctx.batch_size, pad_token_id=ctx.pad,
+                labels=_names(model, ctx),
+            )  # fmt: skip
     return out
 
 
@@ -246,12 +271,17 @@ def _accept(model: Loaded, ctx: _Context, source: str) -> dict:
         ctx.note(
             f"{source}: samples without a prompt/answer split use their first half as the speculative prompt"
         )
-    results = acceptance(
-        model.model, ctx.reference.model, prompts, gamma=opts.gamma, max_new_tokens=opts.spec_tokens,
-        modes=opts.spec_modes, seed=opts.data.seed, temperature=opts.temperature,
-        eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None),
-    )  # fmt: skip
+    with _about(f"speculative decoding on data file {source}"):
+        results = acceptance(
+            model.model, ctx.reference.model, prompts, gamma=opts.gamma, max_new_tokens=opts.spec_tokens,
+            modes=opts.spec_modes, seed=opts.data.seed, temperature=opts.temperature,
+            eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None), labels=_names(model, ctx),
+        )  # fmt: skip
     main = results.get("sampled") or next(iter(results.values()))
+    if main["accept_rate"] is None:
+        ctx.note(
+            f"{source}: accept_rate is null: no token was drafted (one new token per prompt leaves no room)"
+        )
     return {
         "accept_rate": main["accept_rate"],
         "accepted_per_call": main["mean_accepted_per_call"],
@@ -300,9 +330,14 @@ def _context(reference: Loaded, first: Loaded, options: EvalOptions) -> _Context
 
 
 def evaluate_loaded(models: Iterable[Loaded], reference: Loaded, options: EvalOptions) -> dict:
-    """The report document (see report.py) for `models`, consumed one at a time."""
+    """The report document (see report.py) for `models`, consumed one at a time.
+
+    Every model's weights, the reference's first, are checked for NaN and infinity before use.
+    """
+    check_finite_weights(reference.model, f"the reference {reference.path or reference.label}")
     ctx, entries = None, []
     for model in models:
+        check_finite_weights(model.model, f"the model {model.path or model.label}")
         check_compatible(model, reference)
         ctx = ctx or _context(reference, model, options)
         entries.append(evaluate_pair(model, ctx))

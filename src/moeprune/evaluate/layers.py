@@ -13,6 +13,7 @@ from torch import nn
 from moeprune.data import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.divergence import model_device
+from moeprune.finite import NonFiniteError, all_finite, kind
 
 F64 = torch.float64
 
@@ -30,16 +31,29 @@ def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     return out.hidden_states[1:]
 
 
-def _batch_sums(ours: tuple, theirs: tuple, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_sums(
+    ours: tuple, theirs: tuple, valid: torch.Tensor, labels: tuple[str, str] = ("the model", "the reference")
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per layer, sums over real tokens of the distance and of the relative distance (fp64, on the
-    layers' device; only the [B, L] norms go to the CPU)."""
+    layers' device; only the [B, L] norms go to the CPU). A NaN/inf hidden state raises
+    NonFiniteError naming the model and the first decoder layer whose output holds it."""
     if len(ours) != len(theirs):
         raise MoePruneError(f"model has {len(ours)} decoder layers, reference {len(theirs)}")
     dist = torch.stack(
         [(a.to(F64) - b.to(a.device, F64)).norm(dim=-1).cpu()[valid] for a, b in zip(ours, theirs)]
     )
     norm = torch.stack([b.to(F64).norm(dim=-1).cpu()[valid] for b in theirs])
+    _check_layers(norm, labels[1])
+    _check_layers(dist, labels[0])  # with a finite reference, only the model can make it non-finite
     return dist.sum(1), (dist / norm.clamp_min(1e-30)).sum(1)
+
+
+def _check_layers(norms: torch.Tensor, label: str) -> None:
+    """norms [layers, tokens]: the first decoder layer with a NaN/inf output, if any, stops the metric."""
+    if all_finite(norms):
+        return
+    layer = int((~torch.isfinite(norms)).any(1).nonzero()[0])
+    raise NonFiniteError(f"the output of decoder layer {layer} of {label} holds {kind(norms[layer])}")
 
 
 def layer_error(
@@ -49,15 +63,18 @@ def layer_error(
     *,
     batch_size: int = 8,
     pad_token_id: int | None = None,
+    labels: tuple[str, str] = ("the model", "the reference"),
 ) -> dict[str, object]:
-    """Per layer: mean over tokens of ||h - h_ref||_2 (``l2``) and of that over ||h_ref||_2 (``relative``)."""
+    """Per layer: mean over tokens of ||h - h_ref||_2 (``l2``) and of that over ||h_ref||_2 (``relative``).
+
+    `labels` name the two models when a hidden state is NaN or infinite (NonFiniteError)."""
     l2: torch.Tensor | float = 0.0
     rel: torch.Tensor | float = 0.0
     tokens = 0
     for batch in data.batches(batch_size, pad_token_id):
         ours = _hidden_states(model, batch.input_ids, batch.attention_mask)
         theirs = _hidden_states(reference, batch.input_ids, batch.attention_mask)
-        dist, ratio = _batch_sums(ours, theirs, batch.attention_mask.bool())
+        dist, ratio = _batch_sums(ours, theirs, batch.attention_mask.bool(), labels)
         l2, rel, tokens = l2 + dist, rel + ratio, tokens + int(batch.attention_mask.sum())
     if not tokens or not isinstance(l2, torch.Tensor) or not isinstance(rel, torch.Tensor):
         raise MoePruneError("layer-error needs at least one token of data")

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from moeprune.errors import MoePruneError
+from moeprune.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 from moeprune.models.adapter import input_device
 
 MODES = ("greedy", "sampled")
@@ -58,11 +60,12 @@ class SpecStats:
             self.position_accepted[j] += int(j < accepted)
 
     def to_dict(self) -> dict:
-        """Plain-key summary: accept_rate = accepted / drafted; per-call means; per-position rates."""
+        """Plain-key summary: accept_rate = accepted / drafted (None when nothing was drafted: one
+        new token leaves no room for a draft); per-call means; per-position rates."""
         calls = max(self.target_calls, 1)
         return {
             "gamma": self.gamma,
-            "accept_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+            "accept_rate": self.accepted / self.drafted if self.drafted else None,
             "mean_accepted_per_call": self.accepted / calls,
             "tokens_per_call": self.generated / calls,
             "drafted": self.drafted,
@@ -106,14 +109,24 @@ class IncrementalLogits:
     one rollback); if it disagrees or raises, every later call recomputes (`cached` False).
     """
 
-    def __init__(self, model: nn.Module, use_cache: bool = True) -> None:
+    def __init__(self, model: nn.Module, use_cache: bool = True, label: str = "the model") -> None:
         self.model = model
+        self.label = label  # names the model when its logits are NaN or infinite
         self.cached: bool | None = None if use_cache else False  # None: not probed yet
         self.cache: Any = None
         self.seen: list[int] = []
         self.fed_since_crop = 0
 
     def __call__(self, ids: list[int], last: int) -> torch.Tensor:
+        logits = self._logits(ids, last)
+        if not all_finite(logits):  # NaN probabilities would make sampling fail or accept anything
+            where = locate_nonfinite(self.model, torch.tensor([ids]))
+            raise NonFiniteError(
+                f"{self.label} produced {kind(logits)} logits while decoding (a sequence of {len(ids)} tokens)"
+            ).located(where)
+        return logits
+
+    def _logits(self, ids: list[int], last: int) -> torch.Tensor:
         if self.cached is None and len(ids) >= 3:
             self.cached = self._probe(ids)
         if not self.cached:
@@ -147,6 +160,9 @@ class IncrementalLogits:
             return None
         cache = DynamicCache(config=config)
         cache.activate_past_recording()
+        for layer in getattr(cache, "layers", ()):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                _return_visible_states_only(layer)
         return cache
 
     def _probe(self, ids: list[int]) -> bool:
@@ -159,6 +175,22 @@ class IncrementalLogits:
             return False
         finally:
             self.cache, self.seen, self.fed_since_crop = None, [], 0
+
+
+def _return_visible_states_only(layer: DynamicSlidingWindowLayer) -> None:
+    """Compatibility shim for transformers 5.16 and 5.17 (5.18 and later slice themselves, and then
+    this changes nothing): there a sliding-window layer that records its past returns every state
+    it holds since its last crop, although the attention mask covers only the last
+    ``window - 1 + new`` positions, so a second forward without a crop in between fails (gpt_oss,
+    llama4_text). Slicing the returned states to what the mask covers is what 5.18 does."""
+    update = layer.update
+
+    def visible(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        keys, values = update(key_states, value_states, *args, **kwargs)
+        shown = layer.sliding_window - 1 + key_states.shape[-2]
+        return keys[..., -shown:, :], values[..., -shown:, :]
+
+    layer.update = visible
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -224,7 +256,8 @@ def speculative_generate(
     _check(gamma, max_new_tokens, temperature, prompt)
     stats = stats if stats is not None else SpecStats(gamma)
     draft, target = (
-        m if isinstance(m, IncrementalLogits) else IncrementalLogits(m, use_cache) for m in (draft, target)
+        m if isinstance(m, IncrementalLogits) else IncrementalLogits(m, use_cache, label)
+        for m, label in zip((draft, target), ("the draft", "the target"))
     )
     ids, new = list(prompt), []
     while len(new) < max_new_tokens and (eos_token_id is None or eos_token_id not in new):
@@ -268,9 +301,11 @@ def acceptance(
     temperature: float = 1.0,
     eos_token_id: int | None = None,
     use_cache: bool = True,
+    labels: tuple[str, str] = ("the draft", "the target"),
 ) -> dict[str, dict]:
     """Acceptance statistics per mode over `prompts`; the sampled mode uses one seeded generator.
-    `use_cache` False recomputes every sequence in full (the reference the cache is checked against)."""
+    `use_cache` False recomputes every sequence in full (the reference the cache is checked against).
+    NaN or infinite logits from either model raise NonFiniteError naming it by its `labels`."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise MoePruneError(f"unknown speculative mode(s) {unknown}; choose from {', '.join(MODES)}")
@@ -278,7 +313,7 @@ def acceptance(
     for mode in modes:
         generator = torch.Generator().manual_seed(seed) if mode == "sampled" else None
         stats = SpecStats(gamma)
-        small, large = IncrementalLogits(draft, use_cache), IncrementalLogits(target, use_cache)
+        small, large = (IncrementalLogits(m, use_cache, label) for m, label in zip((draft, target), labels))
         for prompt in prompts:
             speculative_generate(
                 small, large, prompt, max_new_tokens=max_new_tokens, gamma=gamma, generator=generator,
