@@ -107,6 +107,14 @@ def _extra_tensor(world: World) -> None:
     world.edit_weights(lambda tensors: tensors.update({"model.layers.0.mlp.surprise": torch.zeros(3)}))
 
 
+def _nan_weight(world: World) -> None:
+    def poison(tensors: dict) -> None:
+        name = next(k for k in tensors if "layers.1.mlp.experts.2.down_proj" in k)
+        tensors[name][0, 0] = float("nan")
+
+    world.edit_weights(poison)
+
+
 def _truncate(world: World) -> None:
     data = world.weights().read_bytes()
     world.weights().write_bytes(data[: len(data) // 2])
@@ -196,6 +204,8 @@ CASES = [
          setup=_drop_tensor("layers.1.mlp.experts.3.up_proj")),
     Case("unexpected tensor", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
          "unexpected tensors model.layers.0.mlp.surprise", before_load=False, setup=_extra_tensor),
+    Case("NaN in a weight", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "holds NaN", before_load=False,
+         setup=_nan_weight),
     Case("truncated weights", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "is truncated", setup=_truncate),
     Case("empty weights", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "empty or truncated",
          setup=_empty),

@@ -99,11 +99,15 @@ class DataOptions:
 
 
 def load_placed(model_path: str | Path, data: DataOptions | None, dtype: str | None):
-    """Load MODEL where --device / --dtype say (bf16 by default on GPU, fp32 on CPU)."""
+    """Load MODEL where the device and dtype options say (bf16 by default on GPU, fp32 on CPU),
+    and refuse weights holding NaN or inf, naming the first such tensor."""
     from .distributed import placement
+    from .finite import check_finite_weights
 
     device, chosen, device_map = placement((data or DataOptions()).device, dtype)
-    return load_model(model_path, dtype=chosen, device=device, device_map=device_map)
+    model, tokenizer = load_model(model_path, dtype=chosen, device=device, device_map=device_map)
+    check_finite_weights(model, f"the model {model_path}")
+    return model, tokenizer
 
 
 @dataclass
