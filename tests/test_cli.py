@@ -112,7 +112,7 @@ def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
         (["--criterion", "frequency", "--sparsity", "0.5", "--data", "missing.jsonl"], "does not exist"),
         (
             ["--criterion", "frequency", "--sparsity", "0.5", "--device", "banana"],
-            "unknown --device 'banana'",
+            "unknown device 'banana'; use cpu, cuda, cuda:N or auto (--device)",
         ),
         (
             [
@@ -216,7 +216,7 @@ def test_prune_methods_end_to_end(checkpoint, data, tmp_path, method, extra):
 def test_method_needs_data_and_valid_combinations(checkpoint, tmp_path):
     result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "aimer", "--sparsity", "0.25",
                  "--method", "novice", ok=False)  # fmt: skip
-    assert result.exit_code == 2 and "--method novice needs calibration data" in result.output
+    assert result.exit_code == 2 and "the novice method needs calibration data: give data files (--data)" in result.output
     result = run("prune", checkpoint, "--output", tmp_path / "y", "--criterion", "aimer", "--sparsity", "0.25",
                  "--method", "tenp", "--allocation", "global", ok=False)  # fmt: skip
     assert result.exit_code == 2 and "trapezoid" in result.output

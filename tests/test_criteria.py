@@ -251,8 +251,9 @@ def test_random_is_seeded_and_per_layer() -> None:
 
 
 def test_missing_inputs() -> None:
-    with pytest.raises(MoePruneError, match="criterion 'reap' needs calibration data: pass --data FILE"):
+    with pytest.raises(MoePruneError, match="criterion 'reap' needs calibration data: give data files") as caught:
         compute_scores("reap")
+    assert caught.value.options == ("data",)  # the command line names --data
     with pytest.raises(MoePruneError, match="'aimer' needs the model's expert weights"):
         compute_scores("aimer", stats=stats_of(accumulate(TOKENS)))
     with pytest.raises(MoePruneError, match="'random' needs the number of experts"):

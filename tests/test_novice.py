@@ -101,8 +101,9 @@ def test_constant_expert_is_replaced_with_zero_error(family):
 def test_novices_need_calibration_data():
     moe = MoEModel(tiny_model("olmoe"))
     scores = compute_scores("random", num_experts=[8] * len(moe), layers=[m.index for m in moe.layers])
-    with pytest.raises(MoePruneError, match="--data"):
+    with pytest.raises(MoePruneError, match="needs calibration statistics: give calibration data files") as caught:
         novice_plan(moe, None, scores, 0.25, criterion=get_criterion("random"))
+    assert caught.value.options == ("data",)
     plan = Plan.from_removals(
         model_type="olmoe", num_experts=[8] * 3, top_k=[2] * 3, layer_indices=[0, 1, 2], removals=[[1]] * 3,
         criterion="random", allocation="uniform", method="novice", sparsity=0.125,

@@ -139,5 +139,6 @@ def test_tenp_needs_neuron_statistics():
     stats = observe(moe, calibration(), progress=False)
     with pytest.raises(MoePruneError, match="neurons=True"):
         tenp_plan(moe, stats, compute_scores("tenp", stats=stats), 0.5)
-    with pytest.raises(MoePruneError, match="--data"):
+    with pytest.raises(MoePruneError, match="needs calibration statistics: give calibration data files") as caught:
         tenp_plan(moe, None, [], 0.5)
+    assert caught.value.options == ("data",)
