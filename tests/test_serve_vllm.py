@@ -15,15 +15,19 @@ the novice term the novice outputs moved by 0.5 to 1.4; with the novice term mis
 routed_scaling_factor, by 0.2 to 0.5; with the padding neurons non-zero, the TENP output by 0.9.
 
 The tiny models respect the CPU build's limits (attention head_dim 64, DeepSeek MLA with
-kv_lora_rank 512 and qk_rope_head_dim 64, "topk_method": "noaux_tc" for DeepSeek-V3). Six of
-the first MoE layer's experts get weights of one magnitude, so AIMER (which prunes the most
-uniform experts first) makes `global` and `evo` allocations that differ between layers.
+kv_lora_rank 512 and qk_rope_head_dim 64). Six of the first MoE layer's experts get weights of
+one magnitude, so AIMER (which prunes the most uniform experts first) makes `global` and `evo`
+allocations that differ between layers. The DeepSeek-V3 reference spells out its routing
+("scoring_func": "sigmoid", "topk_method": "noaux_tc") as DeepSeek's own configs do, since stock
+vLLM needs that for the stock outputs; the moeprune-format outputs have both removed, as
+transformers-written configs lack them, and the plugin must still route like transformers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,12 +104,6 @@ def main():
     def llm(path, **extra):
         return LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
                    max_model_len=64, kv_cache_memory_bytes=1 << 26, distributed_executor_backend="uni", **extra)
-    for path in spec["refuse"]:
-        try:
-            llm(path)
-            out["refused"][path] = None
-        except Exception as exc:
-            out["refused"][path] = f"{type(exc).__name__}: {exc}"
     for path, extra in spec["models"]:
         start = time.time()
         engine = llm(path, **extra)
@@ -119,6 +117,12 @@ def main():
         }
         del engine, results
         gc.collect()
+    for path in spec["refuse"]:  # last: a failed start may leave state behind
+        try:
+            llm(path)
+            out["refused"][path] = None
+        except Exception as exc:
+            out["refused"][path] = f"{type(exc).__name__}: {exc}"
     out["moeprune_modules"] = sorted(m for m in sys.modules if m.split(".")[0] == "moeprune")
     json.dump(out, open(sys.argv[2], "w"))
 
@@ -166,6 +170,11 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 arguments["search"] = dict(_EVO, search_data=[str(data)])
             made[family, kind] = root / family / kind
             prune(reference, made[family, kind], data=options, progress=False, **arguments)
+            if family == "deepseek_v3" and KINDS[kind][1] == "moeprune":
+                config_path = made[family, kind] / "config.json"
+                config = json.loads(config_path.read_text())
+                assert config.pop("scoring_func") == "sigmoid" and config.pop("topk_method") == "noaux_tc"
+                config_path.write_text(json.dumps(config, indent=2))
     return made
 
 
@@ -182,12 +191,24 @@ def unserved_family(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, outputs, unserved_family, tmp_path_factory) -> dict:
+def damaged(outputs, tmp_path_factory) -> Path:
+    """A TENP output whose config.json gives one expert a width its tensors do not have."""
+    folder = tmp_path_factory.mktemp("damaged") / "tenp"
+    shutil.copytree(outputs["qwen3_moe", "tenp"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    widths = config["moeprune"]["layers"][0]["widths"]
+    widths[0] -= 1
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(vllm_python, outputs, unserved_family, damaged, tmp_path_factory) -> dict:
     """vLLM's results for every output, from one subprocess; also its load times."""
     work = tmp_path_factory.mktemp("vllm")
     spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
             "models": [[str(path), VLLM_OPTIONS.get(family, {})] for (family, _), path in outputs.items()],
-            "refuse": [str(unserved_family)]}  # fmt: skip
+            "refuse": [str(unserved_family), str(damaged)]}  # fmt: skip
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "driver.py").write_text(DRIVER)
     start = time.time()
@@ -227,7 +248,7 @@ def _greedy_and_logprobs(model, prompt: list[int], continuation: list[int]) -> t
 
 
 @pytest.mark.parametrize("family,kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
-def test_vllm_serves_like_moeprune(family, kind, outputs, served):
+def test_vllm_serves_like_moeprune(family, kind, served, outputs):
     path = outputs[family, kind]
     expected_format = KINDS[kind][1]
     assert _is_moeprune_format(path) == (expected_format == "moeprune"), (
@@ -282,6 +303,12 @@ def test_plugin_refuses_a_family_it_does_not_serve(served, unserved_family):
     assert message is not None, "vLLM loaded a gpt_oss checkpoint in moeprune's format"
     assert "moeprune's vLLM plugin does not serve gpt_oss models" in message
     assert "trust_remote_code=True" in message and "moeprune.load_pretrained" in message
+
+
+def test_plugin_refuses_a_damaged_checkpoint(served, damaged):
+    message = served["refused"][str(damaged)]
+    assert message is not None, "vLLM served a checkpoint whose widths disagree with its tensors"
+    assert "the checkpoint is damaged" in message and "layer 0" in message, message
 
 
 def test_serving_imports_nothing_heavy_from_moeprune(served):

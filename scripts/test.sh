@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite, exactly as CI runs it (.ci/run calls this script).
+#
+# Sets up .venv (the newest transformers) and .venv-vllm (vLLM's CPU build, with transformers at
+# the lowest version moeprune supports), then runs the suite in both: the serving tests drive
+# vLLM through .venv-vllm from the first run, so the second run leaves them out. Extra arguments
+# go to both pytest runs (e.g. -x, -k).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./setup.sh
+./scripts/setup_vllm.sh
+.venv/bin/python -m pytest "$@"
+echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
+.venv-vllm/bin/python -m pytest --ignore=tests/test_serve_vllm.py "$@"

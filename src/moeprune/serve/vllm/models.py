@@ -1,0 +1,141 @@
+"""The `MoePrune*ForCausalLM` classes vLLM builds for moeprune-format checkpoints.
+
+Each is vLLM's own class for the base family with two additions, shared by every family:
+
+- construction runs inside `per_layer_moe` (moe.py), so every MoE layer gets the checkpoint's
+  expert count, width and novices; everything else (attention, norms, the decoder loop,
+  parallelism, the family's own weight loader) is vLLM's unchanged code;
+- loading renames each weight-holding router position to its fused expert index, pads the
+  narrower experts with zero neurons to the layer's width, and copies novices' mean_output
+  vectors into their layer's table; every novice must be found, like every other weight.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+
+import torch
+from vllm.model_executor.models import deepseek_v2, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+
+from .layout import DOWN_PROJECTIONS, LayerLayout, LayoutError, read_layout
+from .moe import NoviceTable, per_layer_moe
+
+_EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
+MEAN_OUTPUT = "mean_output"
+
+
+class _MoePruneForCausalLM:
+    """Mixin placed before vLLM's class: per-layer shapes at construction, remapped loading."""
+
+    family: str
+    family_module: ModuleType
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        config = vllm_config.model_config.hf_config
+        where = f"{getattr(config, 'name_or_path', '') or 'the checkpoint'}/config.json"
+        layout = read_layout({"moeprune": getattr(config, "moeprune", None)}, where)
+        if not layout:
+            raise LayoutError(f"{where} names a MoePrune architecture but has no moeprune section; "
+                              "re-create the checkpoint with moeprune")  # fmt: skip
+        _route_like_transformers(self.family, config)
+        with per_layer_moe(self.family_module, layout, self.family) as built:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        model = self.model
+        expected = {i for i in layout if model.start_layer <= i < model.end_layer}  # this pipeline stage
+        if set(built) != expected:
+            raise LayoutError(
+                f"vLLM built MoE layers {sorted(built)} for this {self.family} checkpoint, whose moeprune section "
+                f"lists {sorted(expected)}; the checkpoint is damaged, or this vLLM builds MoE layers in a way "
+                "moeprune's plugin does not know (it was written for vLLM 0.32)"
+            )
+        self._moeprune_layout = layout
+        self._moeprune_novices = {i: t for i, t in built.items() if t is not None}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = set(super().load_weights(self._fused_weights(weights)))
+        names = {id(p): n for n, p in self.named_parameters()}
+        for table in self._moeprune_novices.values():
+            table.check_loaded()
+            loaded.add(names[id(table.mean_output)])
+        return loaded
+
+    def _fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Router positions -> fused expert indices, narrow experts zero-padded, novices taken out."""
+        for name, tensor in weights:
+            match = _EXPERT.search(name)
+            layer = self._moeprune_layout.get(int(match.group(1))) if match else None
+            if layer is None:
+                yield name, tensor
+                continue
+            position, rest = int(match.group(2)), match.group(3)
+            if position >= layer.num_experts:
+                raise LayoutError(f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged")
+            if rest == MEAN_OUTPUT:
+                _load_novice(self._moeprune_novices, layer, position, name, tensor)
+                continue
+            if layer.widths[position] is None:
+                raise LayoutError(f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
+                                  "expert weights; the checkpoint is damaged, re-create it with moeprune")  # fmt: skip
+            fused = name[: match.start(2)] + str(layer.fused_index(position)) + name[match.end(2) :]
+            yield fused, _padded(tensor, layer, position, rest, name)
+
+
+def _route_like_transformers(family: str, config) -> None:
+    """Spell out the routing transformers applies but transformers-written configs leave implicit.
+
+    vLLM reads DeepSeek's routing from optional config fields that DeepSeek's own configs carry
+    and transformers' configs omit, defaulting to softmax without selection bias. moeprune's
+    result must route as transformers did when it was pruned, so the fields are set here:
+    DeepSeek-V3 always uses sigmoid scores and the selection bias (noaux_tc); DeepSeek-V2 never
+    renormalises the top-k weights, and its "greedy" top-k ignores expert groups (vLLM applies
+    them whenever n_group > 1).
+    """
+    if family == "deepseek_v3":
+        config.scoring_func = "sigmoid"
+        config.topk_method = "noaux_tc"
+    elif family == "deepseek_v2":
+        config.norm_topk_prob = False
+        if getattr(config, "topk_method", None) in (None, "greedy"):
+            config.n_group, config.topk_group = 1, 1
+
+
+def _load_novice(tables: dict[int, NoviceTable], layer: LayerLayout, position: int, name: str, tensor) -> None:
+    if position not in layer.novices:
+        raise LayoutError(f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged")
+    table = tables.get(layer.layer)
+    if table is not None:  # None: the layer lives on another pipeline stage
+        table.load(position, tensor)
+
+
+def _padded(tensor: torch.Tensor, layer: LayerLayout, position: int, rest: str, name: str) -> torch.Tensor:
+    """An expert matrix widened to the layer's width with zero neurons (exact for gated MLPs)."""
+    dim = 1 if rest.split(".")[0] in DOWN_PROJECTIONS else 0
+    width = layer.widths[position]
+    if tensor.dim() != 2 or tensor.shape[dim] != width:
+        raise LayoutError(f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
+                          f"layer {layer.layer} {width} neurons; the checkpoint is damaged")  # fmt: skip
+    if width == layer.width:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = layer.width
+    padded = tensor.new_zeros(shape)
+    padded.narrow(dim, 0, width).copy_(tensor)
+    return padded
+
+
+def _served(stock: type, module: ModuleType, family: str) -> type:
+    name = f"MoePrune{stock.__name__}"
+    attrs = {"family": family, "family_module": module, "__module__": __name__, "__qualname__": name,
+             "__doc__": f"vLLM's {stock.__name__} with moeprune's per-layer experts, widths and novices."}  # fmt: skip
+    return type(name, (_MoePruneForCausalLM, stock), attrs)
+
+
+MoePruneQwen3MoeForCausalLM = _served(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe, "qwen3_moe")
+MoePruneOlmoeForCausalLM = _served(olmoe.OlmoeForCausalLM, olmoe, "olmoe")
+MoePruneMixtralForCausalLM = _served(mixtral.MixtralForCausalLM, mixtral, "mixtral")
+MoePruneDeepseekV3ForCausalLM = _served(deepseek_v2.DeepseekV3ForCausalLM, deepseek_v2, "deepseek_v3")
+MoePruneDeepseekV2ForCausalLM = _served(deepseek_v2.DeepseekV2ForCausalLM, deepseek_v2, "deepseek_v2")
+MoePruneQwen2MoeForCausalLM = _served(qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe, "qwen2_moe")
+MoePruneGlm4MoeForCausalLM = _served(glm4_moe.Glm4MoeForCausalLM, glm4_moe, "glm4_moe")

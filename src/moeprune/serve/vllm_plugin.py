@@ -1,0 +1,97 @@
+"""moeprune's vLLM plugin: `vllm serve OUT` / `vllm.LLM(model=OUT)` on moeprune-format results.
+
+vLLM calls `register()` in every process it starts (entry point group `vllm.general_plugins`,
+declared in pyproject.toml). It tells vLLM three things:
+
+1. the architectures `MoePrune<Family>ForCausalLM` live in moeprune.serve.vllm.models (lazy
+   "module:Class" strings: nothing is imported until vLLM builds such a model);
+2. the config types `moeprune_<family>` are the family's stock config class under that name
+   (the `MoePrune<Config>` classes of modeling_moeprune.py), so vLLM reads them without
+   trust_remote_code; the families the plugin does not serve get a config type that refuses
+   with one sentence naming the alternatives, before anything is loaded;
+3. vLLM decisions keyed on `model_type` that matter for the served families see through the
+   prefix: DeepSeek-V2/V3 attention is MLA (`is_deepseek_mla`, via vLLM's
+   MODEL_ARCH_CONFIG_CONVERTORS registry). The other model_type checks in vLLM 0.32 (MTP
+   speculative drafts, DeepSeek-V3.2/V4 indexers, GLM-5 router dtype) concern features or
+   families a moeprune result does not have.
+
+Importing this module costs nothing beyond moeprune's package root and the layout table:
+no torch, no vLLM, none of moeprune's pipeline (tested).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .vllm.layout import ARCHITECTURE_PREFIX, MODEL_TYPE_PREFIX, REFUSED_FAMILIES, SERVED_FAMILIES, refusal
+
+MODELS_MODULE = "moeprune.serve.vllm.models"
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+_registered = False
+
+
+def register() -> None:
+    """Entry point: register moeprune's architectures, config types and MLA convertors (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm import ModelRegistry
+
+    for arch in SERVED_FAMILIES.values():
+        name = ARCHITECTURE_PREFIX + arch
+        ModelRegistry.register_model(name, f"{MODELS_MODULE}:{name}")
+    _register_configs()
+    _register_mla()
+    _registered = True
+
+
+def config_class(family: str) -> type:
+    """The config class of `moeprune_<family>`: modeling_moeprune's, or the stock class renamed."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    stock = CONFIG_MAPPING[family]
+    name = ARCHITECTURE_PREFIX + stock.__name__
+    module = f"{__package__}.modeling_moeprune"
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as exc:  # the self-contained modeling file is not installed beside us
+        if exc.name != module:
+            raise
+        found = None
+    if found is not None:
+        return found
+    return type(name, (stock,), {"model_type": MODEL_TYPE_PREFIX + family, "__module__": __name__})
+
+
+def _refusing_config(family: str) -> type:
+    from transformers import PretrainedConfig
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(refusal(family))
+
+    name = f"MoePruneUnservedConfig_{family}"
+    return type(name, (PretrainedConfig,), {"model_type": MODEL_TYPE_PREFIX + family, "__init__": __init__,
+                                             "__module__": __name__})  # fmt: skip
+
+
+def _register_configs() -> None:
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    for family in SERVED_FAMILIES:
+        _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = config_class(family)
+    for family in REFUSED_FAMILIES:
+        _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = _refusing_config(family)
+
+
+def _register_mla() -> None:
+    from vllm.transformers_utils import model_arch_config_convertor as convertors
+
+    class MoePruneMLAConvertor(convertors.ModelArchConfigConvertorBase):
+        """DeepSeek-V2/V3 results keep MLA attention whenever the config has a KV LoRA rank, as
+        vLLM decides for the stock model types."""
+
+        def is_deepseek_mla(self) -> bool:
+            return getattr(self.hf_text_config, "kv_lora_rank", None) is not None
+
+    for family in MLA_FAMILIES:
+        convertors.MODEL_ARCH_CONFIG_CONVERTORS[MODEL_TYPE_PREFIX + family] = MoePruneMLAConvertor
