@@ -1,0 +1,164 @@
+"""What a pruning is asked to do (PruneConfig), and the registries that name what it can ask for.
+
+Every named choice (criterion, allocation, surgery method, fitness, evaluation metric) is one
+entry of one `Registry`, declared once beside its implementation with its help text and what it
+needs; the command line's choices and help, the validation of a config and the README's tables
+are all read from the registries, so adding a criterion is one module and one decorator.
+
+`PruneConfig` is a plain dataclass that round-trips through JSON (`to_dict` / `from_dict`): the
+`recipe.json` beside every output is one, and `moeprune prune MODEL --config recipe.json` reads
+it back. This module imports nothing of moeprune but its errors, so every stage can register here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any, Generic, TypeVar
+
+from .errors import MoePruneError
+
+# What an entry may need: the model's expert weights, calibration statistics (a pass over data),
+# per-neuron statistics (a pass that also records neuron shares), or search data (prompt/answer).
+WEIGHTS, CALIBRATION, NEURON_STATS, SEARCH_DATA = "weights", "calibration", "neuron statistics", "search data"
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Named specs of one kind, in registration order.
+
+    A spec is a frozen dataclass with at least `name`, `help` and `needs`; kinds whose entries are
+    code (criteria, methods, metrics) give it an `fn` field, which `register` fills:
+
+        @CRITERIA.register(Criterion("reap", ..., help="mean of g ||E(h)||", needs=(CALIBRATION,)))
+        def reap(stats): ...
+    """
+
+    def __init__(self, kind: str, option: str):
+        self.kind = kind  # "criterion", "allocation", ...
+        self.option = option  # the API parameter that names one (the CLI turns it into its flag)
+        self._specs: dict[str, T] = {}
+
+    def add(self, spec: T) -> T:
+        name = spec.name  # type: ignore[attr-defined]
+        if name in self._specs:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._specs[name] = spec
+        return spec
+
+    def register(self, spec: T) -> Callable[[Callable], Callable]:
+        """Decorator: register `spec` with the decorated function as its `fn`."""
+
+        def decorate(fn: Callable) -> Callable:
+            self.add(replace(spec, fn=fn))  # type: ignore[type-var]
+            return fn
+
+        return decorate
+
+    def get(self, name: str) -> T:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise MoePruneError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self._specs)}",
+                                options=(self.option,)) from None  # fmt: skip
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._specs.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._specs
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+# ----------------------------------------------------------------------------- the recipe
+def _check_type(value: Any, kind: type, where: str) -> None:
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise MoePruneError(f"{where} must be {kind.__name__}, got {value!r}")
+
+
+_TYPES: dict[str, tuple[type, bool]] = {}  # field name -> (type, optional), filled below
+
+
+@dataclass
+class SearchConfig:
+    """EvoESAP's settings (defaults: the paper's, P=32, m=4, T=50, Delta=4, tau=3)."""
+
+    fitness: str = "esap"
+    samples: int = 64  # search samples drawn from the search data (0 = all)
+    population: int = 32
+    elites: int = 4
+    generations: int = 50
+    patience: int | None = None  # stop after this many generations without improvement
+    delta_max: int = 4
+    tau_max: int = 3
+    seed: int = 42
+
+
+@dataclass
+class PruneConfig:
+    """What to prune and how; see README, "Python API". Round-trips through JSON."""
+
+    criterion: str  # a registered criterion, or "auto" (the best uniform plan on the search data)
+    sparsity: float  # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters
+    allocation: str | None = None  # None: the method's default (uniform; trapezoid for tenp)
+    method: str = "drop"
+    expert_multiple: int = 1  # every layer keeps a multiple of this many experts
+    neuron_importance: str = "projection"  # neurons/tenp: or "l2"
+    important_fraction: float | None = None  # tenp: share kept as whole experts (None: half the kept budget)
+    slope: float = 0.5  # tenp: how fast the number of whole experts grows with depth
+    seed: int = 0  # the random criterion's permutation
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PruneConfig:
+        """The config a dict (e.g. recipe.json's "config") describes; unknown or mistyped keys are an
+        error naming them, never silently ignored."""
+        if not isinstance(data, dict):
+            raise MoePruneError(f"a prune config is a JSON object, got {type(data).__name__}")
+        search = data.get("search", {})
+        if not isinstance(search, dict):
+            raise MoePruneError(f"the config's 'search' must be an object, got {search!r}")
+        values = _read(cls, {k: v for k, v in data.items() if k != "search"}, "config")
+        return cls(**values, search=SearchConfig(**_read(SearchConfig, search, "config.search")))
+
+
+def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name: f for f in fields(cls) if f.name != "search"}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise MoePruneError(f"{where} has unknown keys {unknown}; known: {', '.join(known)}")
+    missing = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data]
+    if missing:
+        raise MoePruneError(f"{where} lacks {', '.join(missing)}")
+    for name, value in data.items():
+        kind, optional = _TYPES[f"{cls.__name__}.{name}"]
+        if not (optional and value is None):
+            _check_type(value, kind, f"{where}.{name}")
+    return dict(data)
+
+
+def _field_types() -> None:
+    """The JSON type of each field, from the annotations (`int | None` is an optional int)."""
+    names = {"str": str, "float": float, "int": int}
+    for cls in (SearchConfig, PruneConfig):
+        for f in fields(cls):
+            if f.name == "search":
+                continue
+            text = str(f.type)
+            base = text.split("|")[0].strip()
+            _TYPES[f"{cls.__name__}.{f.name}"] = (names[base], "None" in text)
+
+
+_field_types()
