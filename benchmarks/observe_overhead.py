@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from moeprune.data import CalibrationData, Sample
+from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
+from moeprune.observe.observer import observe
 
 
 def build(args) -> MoEModel:

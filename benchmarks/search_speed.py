@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.evo import EvoConfig
-from moeprune.data import CalibrationData, load_data
-from moeprune.io import load_model
+from moeprune.allocate.search.candidates import CandidateEvaluator, layer_limits, run_evo_search
+from moeprune.allocate.search.evo import EvoConfig
+from moeprune.api import DataOptions, score_experts
+from moeprune.checkpoint import load_model
+from moeprune.data.loading import CalibrationData, load_data
 from moeprune.models import MoEModel
-from moeprune.pipeline import DataOptions, score_experts
-from moeprune.search import CandidateEvaluator, layer_limits, run_evo_search
 
 DOMAINS = ("code", "prose", "math")
 

@@ -33,10 +33,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from moeprune.checkpoint import atomic_write_dir, resolve_dtype
 from moeprune.demo.train import cache_root
-from moeprune.io import atomic_write_dir, resolve_dtype
 from moeprune.models.factory import tiny_model
-from moeprune.streaming import CheckpointLayout, score_checkpoint
+from moeprune.shards.layout import CheckpointLayout, score_checkpoint
 
 
 def build(args) -> Path:

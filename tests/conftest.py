@@ -34,8 +34,8 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
     Read-only: tests that modify a model copy it first.
     """
+    from moeprune.data.tokenizer import byte_tokenizer
     from moeprune.models.factory import tiny_model
-    from moeprune.tokenizer import byte_tokenizer
 
     path = tmp_path_factory.mktemp("tiny") / "ref"
     tokenizer = byte_tokenizer()

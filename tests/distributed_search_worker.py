@@ -19,15 +19,14 @@ from typing import Any
 
 import torch
 
-import moeprune.allocate.evo as evo
-import moeprune.auto as auto
-import moeprune.pipeline as pipeline
-import moeprune.search as search
-from moeprune.allocate.evo import EvoConfig, EvoSearch, _rank_key
-from moeprune.distributed import init_distributed
+from moeprune import api as pipeline
+from moeprune.allocate.search import auto, evo
+from moeprune.allocate.search import candidates as search
+from moeprune.allocate.search.candidates import CandidateEvaluator, run_evo_search
+from moeprune.allocate.search.evo import EvoConfig, EvoSearch, _rank_key
 from moeprune.errors import MoePruneError
-from moeprune.observe import observe
-from moeprune.search import CandidateEvaluator, run_evo_search
+from moeprune.observe.observer import observe
+from moeprune.runtime.distributed import init_distributed
 from test_search import _data, _moe, _orders
 
 CONFIG = EvoConfig(population=8, elites=2, generations=4, seed=11)

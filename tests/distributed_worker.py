@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from moeprune.distributed import init_distributed, observe_distributed, observe_sequential_distributed
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.runtime.distributed import init_distributed, observe_distributed, observe_sequential_distributed
 from test_observe import calibration
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")

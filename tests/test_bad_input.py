@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 import moeprune
 from moeprune.checkpoint import load as load_module
 from moeprune.checkpoint.atomic import output_lock
-from moeprune.cli import main
+from moeprune.cli.main import main
 from moeprune.models import MoEModel
 from moeprune.surgery import drop_experts
 

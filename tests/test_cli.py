@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
-from moeprune.cli import main
+from moeprune.cli.main import main
 from moeprune.models import MoEModel
 
 
@@ -292,7 +292,7 @@ def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path
 def test_activations_on_disk_give_the_same_scores(checkpoint, data, tmp_path, monkeypatch):
     """--activations-dir: the cached hidden states go to a temporary folder there (removed after),
     the statistics do not change; without --sequential the option is refused."""
-    import moeprune.observe_sequential as sequential
+    from moeprune.observe import sequential
 
     made = []
     mkdtemp = sequential.tempfile.mkdtemp

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.evo import EvoConfig
+from moeprune.allocate.search.candidates import run_evo_search
+from moeprune.allocate.search.evo import EvoConfig
+from moeprune.api import _novice_context, apply_plan, build_plan
 from moeprune.criteria import compute_scores, get_criterion
-from moeprune.data import CalibrationData, Sample
+from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
-from moeprune.parameters import routed_parameters
-from moeprune.pipeline import _novice_context, apply_plan, build_plan
-from moeprune.search import run_evo_search
+from moeprune.models.parameters import routed_parameters
+from moeprune.observe.observer import observe
 from moeprune.surgery.plans import virtual_plan
 
 TOKENS = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(5))

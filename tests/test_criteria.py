@@ -17,7 +17,7 @@ from moeprune.criteria import (
     unseen_note,
 )
 from moeprune.errors import MoePruneError
-from moeprune.stats import ExpertStats, LayerStats
+from moeprune.observe.stats import ExpertStats, LayerStats
 
 # Tokens of one layer with 4 experts, hidden size 2: (expert, E_i(h_t), g_i(t), h_t).
 # Expert 2 is never reached.

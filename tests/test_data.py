@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from moeprune.data import CalibrationData, load_data, parse_source
+from moeprune.data.loading import CalibrationData, load_data, parse_source
 from moeprune.errors import DataError
 
 CHAT = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from moeprune.data.tokenizer import BOS, EOS, PAD, byte_tokenizer, train_bpe_tokenizer
 from moeprune.demo import corpus as corpus_mod
 from moeprune.demo import train as train_mod
 from moeprune.demo.corpus import DOMAINS, SPLITS, build_corpus, load_split
 from moeprune.demo.train import FIXTURE, DemoModelSpec, get_demo_model, heldout_stats, unigram_nll
-from moeprune.tokenizer import BOS, EOS, PAD, byte_tokenizer, train_bpe_tokenizer
 
 # Floors the fixture must clear (measured values are in the comments).
 NLL_MARGIN_NATS = 1.0  # unigram minus model NLL on the eval split (measured ~3.0)

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from moeprune.cli import main
+from moeprune.cli.main import main
 from moeprune.demo import run as demo_run
 
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from distributed_worker import BATCH_SIZE, FAMILIES, LENGTHS, SEQUENTIAL_FAMILY
-from moeprune import distributed
-from moeprune.distributed import _flatten, _unflatten, observe_distributed, placement, shard_data
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
-from moeprune.observe import observe
-from moeprune.observe_sequential import observe_sequential
-from moeprune.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
+from moeprune.observe.observer import observe
+from moeprune.observe.sequential import observe_sequential
+from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
+from moeprune.runtime import distributed
+from moeprune.runtime.distributed import _flatten, _unflatten, observe_distributed, placement, shard_data
 from test_observe import calibration
 
 

@@ -27,7 +27,7 @@ from distributed_search_worker import (
     recorded,
     search_once,
 )
-from moeprune.cli import main
+from moeprune.cli.main import main
 from test_distributed import free_port
 
 WORLD = 2

@@ -14,22 +14,21 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from moeprune.checkpoint import save_pretrained
-from moeprune.cli import main
+from moeprune.api import DataOptions, apply_plan, build_plan, prune, score_experts
+from moeprune.checkpoint import load_model, save_pretrained
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded, parse_metrics
-from moeprune.evaluate.report import to_markdown
 from moeprune.evaluate.routing import original_ids
 from moeprune.evaluate.size import disk_bytes, measure_peak
-from moeprune.io import load_model
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.parameters import plan_routed_parameters
-from moeprune.pipeline import DataOptions, apply_plan, build_plan, prune, score_experts
+from moeprune.models.parameters import plan_routed_parameters
 from moeprune.plan import Plan
-from moeprune.plots_eval import _importance_profile, draw_directory, plot_score_profiles
+from moeprune.report.eval_plots import _importance_profile, draw_directory, plot_score_profiles
+from moeprune.report.eval_report import to_markdown
 from moeprune.surgery import drop_experts
-from moeprune.tokenizer import byte_tokenizer
 
 PNG = b"\x89PNG"
 

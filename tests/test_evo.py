@@ -9,13 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moeprune.allocate.evo import (
-    EvoConfig,
-    EvoSearch,
-    Feasibility,
-    initial_population,
-    mutate,
-)
+from moeprune.allocate.search.evo import EvoConfig, EvoSearch, Feasibility, initial_population, mutate
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
 SMALL = EvoConfig(population=8, elites=2, generations=6, seed=3)

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from moeprune.errors import DataError, MoePruneError
-from moeprune.fitness import (
+from moeprune.allocate.search.fitness import (
     FITNESSES,
     FitnessAccumulator,
     TeacherCache,
@@ -18,6 +17,7 @@ from moeprune.fitness import (
     score_candidate,
     total_variation,
 )
+from moeprune.errors import DataError, MoePruneError
 
 
 def _batch(logits: torch.Tensor, answer_mask: torch.Tensor, input_ids: torch.Tensor | None = None):

@@ -11,17 +11,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from moeprune.checkpoint import save_pretrained
-from moeprune.cli import main
+from moeprune.checkpoint import load_model, save_pretrained
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded
 from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, recovery, require_lm_eval
-from moeprune.evaluate.report import to_markdown
-from moeprune.io import load_model
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.report.eval_report import to_markdown
 from moeprune.surgery import drop_experts
-from moeprune.tokenizer import byte_tokenizer
 
 HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 needs_lm_eval = pytest.mark.skipif(

@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
+from moeprune.checkpoint import load_config, load_model
 from moeprune.errors import MoePruneError, UnsupportedModelError
-from moeprune.io import load_config, load_model
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.models.routed import RoutedOptions, override_routed

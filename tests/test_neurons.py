@@ -16,9 +16,9 @@ from moeprune.checkpoint import is_moeprune_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
-from moeprune.parameters import plan_routed_parameters, routed_parameters
-from moeprune.stats import LayerStats
+from moeprune.models.parameters import plan_routed_parameters, routed_parameters
+from moeprune.observe.observer import observe
+from moeprune.observe.stats import LayerStats
 from moeprune.surgery.neurons import (
     check_neuron_prunable,
     neuron_importance,

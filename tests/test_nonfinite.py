@@ -18,20 +18,20 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moeprune.cli import main
+from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
+from moeprune.api import DataOptions
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, evaluate_models, parse_metrics
 from moeprune.evaluate.divergence import _exp
-from moeprune.evaluate.report import write_report
 from moeprune.evaluate.speculative import SpecStats, acceptance
-from moeprune.finite import NonFiniteError, check_finite_logits, check_finite_weights
-from moeprune.fitness import FitnessAccumulator, TeacherCache
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
-from moeprune.observe_sequential import observe_sequential
-from moeprune.pipeline import DataOptions
-from moeprune.tokenizer import byte_tokenizer
+from moeprune.observe.observer import observe
+from moeprune.observe.sequential import observe_sequential
+from moeprune.report.eval_report import write_report
+from moeprune.runtime.finite import NonFiniteError, check_finite_logits, check_finite_weights
 from test_observe import calibration
 
 Edit = Callable[[torch.nn.Module], None]
@@ -177,7 +177,7 @@ def test_check_finite_weights_names_the_first_bad_tensor(edit, fragment):
 
 def test_weight_scan_reads_chunks_of_strided_and_bf16_tensors(monkeypatch):
     """Small chunks, a transposed (non-contiguous) bf16 weight: the index is still the logical one."""
-    import moeprune.finite as finite
+    from moeprune.runtime import finite
 
     monkeypatch.setattr(finite, "_CHUNK", 7)
     layer = torch.nn.Linear(12, 10).to(torch.bfloat16)

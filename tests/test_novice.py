@@ -10,15 +10,15 @@ import torch
 
 import moeprune
 from helpers import assert_logits_close
+from moeprune.checkpoint import load_model
 from moeprune.criteria import compute_scores, get_criterion
-from moeprune.data import load_data
+from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
-from moeprune.io import load_model
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
+from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.models.routed import RoutedOptions, override_routed
-from moeprune.observe import observe
-from moeprune.parameters import plan_routed_parameters, routed_parameters
+from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 from moeprune.surgery.novice import novice_plan
 from moeprune.surgery.packed import router_count

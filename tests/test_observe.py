@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeprune.data import CalibrationData, Sample
+from moeprune.data.loading import CalibrationData, Sample
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
+from moeprune.observe.observer import observe
 
 F64 = torch.float64
 

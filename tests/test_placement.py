@@ -8,11 +8,11 @@ from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
-from moeprune.distributed import placement
+from moeprune.checkpoint import check_not_offloaded, load_model
 from moeprune.errors import MoePruneError
-from moeprune.io import check_not_offloaded, load_model
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.runtime.distributed import placement
 from moeprune.surgery import drop_experts
 
 pytest.importorskip("accelerate")

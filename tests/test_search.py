@@ -12,14 +12,20 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.evo import EvoConfig, Feasibility
-from moeprune.data import CalibrationData, Sample, load_data
+from moeprune.allocate.search.candidates import (
+    TEXT_ONLY_NOTE,
+    CandidateEvaluator,
+    PrefixCache,
+    layer_limits,
+    run_evo_search,
+)
+from moeprune.allocate.search.evo import EvoConfig, Feasibility
+from moeprune.allocate.search.fitness import FitnessAccumulator
+from moeprune.data.loading import CalibrationData, Sample, load_data
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
-from moeprune.fitness import FitnessAccumulator
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.plots import plot_layer_density, plot_search_curve
-from moeprune.search import TEXT_ONLY_NOTE, CandidateEvaluator, PrefixCache, layer_limits, run_evo_search
+from moeprune.report.plots import plot_layer_density, plot_search_curve
 from moeprune.surgery.drop import drop_experts
 
 VOCAB = 96  # the tiny models' vocabulary
@@ -100,7 +106,7 @@ def test_fast_layer_loop_matches_model_for_every_family(family):
 
 
 def test_resume_modes_fall_back_when_the_self_check_fails(monkeypatch):
-    import moeprune.search as search
+    from moeprune.allocate.search import candidates as search
 
     moe, data = _moe("olmoe", num_hidden_layers=4), _data()
     plain = CandidateEvaluator(moe, data, _orders(moe), batch_size=4, fast=False)
@@ -236,7 +242,7 @@ def test_search_document_and_plots(tmp_path):
 
 def test_text_only_search_data_is_noted(caplog):
     moe = _moe("qwen3_moe")
-    with caplog.at_level(logging.WARNING, logger="moeprune.search"):
+    with caplog.at_level(logging.WARNING, logger="moeprune.allocate.search.candidates"):
         _, doc = _search(moe, _data(text_only=True), 4, EvoConfig(population=4, elites=2, generations=2))
     assert TEXT_ONLY_NOTE in doc["notes"] and TEXT_ONLY_NOTE in caplog.text
     _, doc = _search(moe, _data(), 4, EvoConfig(population=4, elites=2, generations=2))
@@ -267,8 +273,8 @@ def test_bad_input_fails_early_with_a_reason(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("criterion", ["frequency", "reap"])
 def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, criterion):
-    from moeprune.io import load_model
-    from moeprune.pipeline import DataOptions, score_experts
+    from moeprune.api import DataOptions, score_experts
+    from moeprune.checkpoint import load_model
 
     model_dir, corpus = trained_moe
     model, tokenizer = load_model(model_dir)

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeprune.checkpoint import load_pretrained, save_pretrained
-from moeprune.io import load_model
+from moeprune.checkpoint import load_model, load_pretrained, save_pretrained
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
-from moeprune.observe import observe
-from moeprune.observe_sequential import observe_sequential
-from moeprune.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
+from moeprune.observe.observer import observe
+from moeprune.observe.sequential import observe_sequential
+from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from moeprune.surgery.drop import drop_experts
 from test_observe import calibration
 
@@ -91,7 +90,7 @@ _MEASURE = textwrap.dedent(
     import sys
     import torch
     torch.set_num_threads(1)
-    from moeprune.observe_sequential import observe_sequential
+    from moeprune.observe.sequential import observe_sequential
     from test_observe import calibration
 
     def status(field):  # VmHWM is this process's own peak (ru_maxrss would include the parent's at fork)

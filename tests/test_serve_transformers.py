@@ -39,7 +39,7 @@ from moeprune.criteria import compute_scores
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.models.spec import FAMILIES as SPECS
-from moeprune.observe import observe
+from moeprune.observe.observer import observe
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery import drop_experts
 from moeprune.surgery.plans import apply_plan_physical

@@ -37,10 +37,10 @@ import pytest
 import torch
 
 import moeprune
+from moeprune.api import DataOptions, prune
+from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.pipeline import DataOptions, prune
-from moeprune.tokenizer import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -150,7 +150,7 @@ def _reference(family: str, path: Path, vocab: int) -> None:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Every (family, kind) output, made by moeprune.pipeline.prune."""
+    """Every (family, kind) output, made by moeprune.api.prune."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = byte_tokenizer()
     data = root / "calib.jsonl"
@@ -327,8 +327,8 @@ def test_plugin_import_is_light():
     )
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                            check=True).stdout))  # fmt: skip
-    heavy = {"torch", "transformers", "vllm", "numpy", "moeprune.pipeline", "moeprune.observe", "moeprune.search",
-             "moeprune.evaluate", "moeprune.data", "moeprune.models", "moeprune.checkpoint"}  # fmt: skip
+    heavy = {"torch", "transformers", "vllm", "numpy", "moeprune.api", "moeprune.observe", "moeprune.allocate",
+             "moeprune.evaluate", "moeprune.data", "moeprune.models", "moeprune.checkpoint.load"}  # fmt: skip
     assert not loaded & heavy, sorted(loaded & heavy)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from moeprune.checkpoint import load_model
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.speculative import (
     IncrementalLogits,
@@ -23,7 +24,6 @@ from moeprune.evaluate.speculative import (
     acceptance,
     speculative_generate,
 )
-from moeprune.io import load_model
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.surgery import drop_experts

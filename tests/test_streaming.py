@@ -22,7 +22,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
-from moeprune.streaming import (
+from moeprune.shards.layout import (
     INDEX,
     _Sums,
     checkpoint_layers,

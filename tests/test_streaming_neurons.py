@@ -12,15 +12,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from moeprune.cli import main
+from moeprune.cli.main import main
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.models.spec import FAMILIES
+from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.plan import Plan
-from moeprune.stats import ExpertStats, LayerStats
-from moeprune.streaming import INDEX, meta_model
-from moeprune.streaming_neurons import rewrite_neuron_checkpoint
+from moeprune.shards.layout import INDEX, meta_model
+from moeprune.shards.neurons import rewrite_neuron_checkpoint
 from moeprune.surgery.neurons import neuron_plan, stock_width_expressible
 from moeprune.surgery.plans import apply_plan_physical, resolve_plan
 from test_streaming import assert_same_model
@@ -137,7 +137,7 @@ def test_plan_keeping_every_neuron_copies_the_weights(tmp_path):
 
 def test_rewrite_reads_one_expert_at_a_time(tmp_path, monkeypatch):
     """Each expert's tensors are read once and the cut expert is released before the next one."""
-    from moeprune import streaming
+    from moeprune.shards import layout as streaming
 
     src = tmp_path / "src"
     tiny_model("qwen3_moe").save_pretrained(src)
@@ -220,7 +220,7 @@ def test_cli_no_load_neurons_refuses_llama4_before_observing(tmp_path, data):
 )
 def test_no_load_fails_before_any_scoring(tiny_checkpoint, data, tmp_path, monkeypatch, args, message):
     """Cheap checks (budget, neuron width, output folder) run before hours of observation."""
-    import moeprune.pipeline as pipeline
+    from moeprune import api as pipeline
 
     def never(*args, **kwargs):
         raise AssertionError("scored or observed before the cheap checks")

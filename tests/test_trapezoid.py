@@ -16,8 +16,8 @@ from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.observe import observe
-from moeprune.parameters import plan_routed_parameters, routed_parameters
+from moeprune.models.parameters import plan_routed_parameters, routed_parameters
+from moeprune.observe.observer import observe
 from moeprune.surgery.packed import ExpertCost
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from test_observe import calibration

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Generic, TypeVar
 
-from .errors import MoePruneError
+from moeprune.errors import MoePruneError
 
 # What an entry may need: the model's expert weights, calibration statistics (a pass over data),
 # per-neuron statistics (a pass that also records neuron shares), or search data (prompt/answer).

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import InfeasibleBudgetError, MoePruneError
-from ..models.adapter import MoEModel
-from .basic import group_limited_cap
+from moeprune.allocate.basic import group_limited_cap
+from moeprune.errors import InfeasibleBudgetError, MoePruneError
+from moeprune.models.adapter import MoEModel
 
 
 @dataclass(frozen=True)

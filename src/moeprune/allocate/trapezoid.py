@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..criteria import LayerScores
-from ..errors import MoePruneError
-from ..models.adapter import MoEModel
-from ..plan import LayerPlan, Plan
-from ..surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats, check_ratio
-from ..surgery.novice import StatsInput
-from ..surgery.packed import ExpertCost, layer_cost
+from moeprune.criteria import LayerScores
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats, check_ratio
+from moeprune.surgery.novice import StatsInput
+from moeprune.surgery.packed import ExpertCost, layer_cost
 
 DEFAULT_SLOPE = 0.5
 

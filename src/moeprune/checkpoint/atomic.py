@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import MoePruneError
+from moeprune.errors import MoePruneError
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
 

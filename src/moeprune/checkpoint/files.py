@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import MoePruneError
+from moeprune.errors import MoePruneError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -18,13 +18,13 @@ from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
-from ..errors import MoePruneError
-from ..models import MoEModel, check_config
-from ..models.adapter import EXPERT_IDS_ATTR
-from ..surgery.drop import drop_experts
-from ..surgery.packed import pack_like
-from . import files, structure
-from .names import disk_tensors
+from moeprune.checkpoint import files, structure
+from moeprune.checkpoint.names import disk_tensors
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel, check_config
+from moeprune.models.adapter import EXPERT_IDS_ATTR
+from moeprune.surgery.drop import drop_experts
+from moeprune.surgery.packed import pack_like
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip

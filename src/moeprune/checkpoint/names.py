@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..errors import MoePruneError
-from ..models.adapter import MoELayer, MoEModel, decoder_layers
-from ..models.spec import FUSED
-from ..surgery.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoELayer, MoEModel, decoder_layers
+from moeprune.models.spec import FUSED
+from moeprune.surgery.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
 
 MEAN_OUTPUT = "mean_output"  # a novice's stored vector: mu_i, what the block adds times g_i(t)
 

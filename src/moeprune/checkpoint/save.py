@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import MoePruneError
-from ..models import MoEModel
-from ..surgery.packed import is_packed, router_count
-from . import files, structure
-from .atomic import atomic_write_dir
-from .load import resolve_dtype
-from .names import disk_tensors
+from moeprune.checkpoint import files, structure
+from moeprune.checkpoint.atomic import atomic_write_dir
+from moeprune.checkpoint.load import resolve_dtype
+from moeprune.checkpoint.names import disk_tensors
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.surgery.packed import is_packed, router_count
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve" / structure.MODELING_FILE
 

@@ -17,10 +17,10 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
-from ..errors import MoePruneError
-from ..models.adapter import MoEModel
-from ..surgery.packed import layer_widths, router_count
+from moeprune import __version__
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.surgery.packed import layer_widths, router_count
 
 FORMAT = "moeprune-checkpoint"
 FORMAT_VERSION = 3  # the newest version this moeprune reads and writes

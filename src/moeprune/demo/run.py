@@ -17,22 +17,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..allocate import budget_from_sparsity
-from ..allocate.evo import EvoConfig
-from ..criteria import compute_scores, get_criterion
-from ..data import CalibrationData, load_data
-from ..fitness import FitnessAccumulator, TeacherCache
-from ..io import atomic_write_dir, check_output_dir, load_model, write_json
-from ..models import MoEModel
-from ..observe import observe
-from ..parameters import plan_routed_parameters, routed_parameters
-from ..pipeline import build_plan
-from ..plan import Plan
-from ..plots import plot_search_curve
-from ..search import run_evo_search
-from ..surgery.plans import virtual_plan
-from .corpus import DOMAINS
-from .train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
+from moeprune.allocate import budget_from_sparsity
+from moeprune.allocate.search.candidates import run_evo_search
+from moeprune.allocate.search.evo import EvoConfig
+from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
+from moeprune.api import build_plan
+from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
+from moeprune.criteria import compute_scores, get_criterion
+from moeprune.data.loading import CalibrationData, load_data
+from moeprune.demo.corpus import DOMAINS
+from moeprune.demo.train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
+from moeprune.models import MoEModel
+from moeprune.models.parameters import plan_routed_parameters, routed_parameters
+from moeprune.observe.observer import observe
+from moeprune.plan import Plan
+from moeprune.report.plots import plot_search_curve
+from moeprune.surgery.plans import virtual_plan
 
 CRITERIA = ("frequency", "reap", "aimer", "mone", "seer", "ean", "tenp", "random")
 QUICK_CRITERIA = ("frequency", "reap", "aimer", "mone")

@@ -27,8 +27,8 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from moeprune.data.tokenizer import train_bpe_tokenizer
 from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, build_corpus, load_split
-from moeprune.tokenizer import train_bpe_tokenizer
 
 TRAINER_VERSION = 1
 CORPUS_SUBDIR = "corpus"

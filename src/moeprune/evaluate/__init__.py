@@ -15,19 +15,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moeprune import __version__
-from moeprune.data import CalibrationData, load_data
+from moeprune.data.loading import CalibrationData, load_data
 from moeprune.errors import DataError, MoePruneError
 from moeprune.evaluate.divergence import DIVERGENCE_METRICS, divergence
 from moeprune.evaluate.layers import layer_error
 from moeprune.evaluate.routing import PLAN_FILE, original_ids, routing_shift, selection_frequencies
 from moeprune.evaluate.size import measure_peak, model_size, warm_up_loading
 from moeprune.evaluate.speculative import MODES, acceptance
-from moeprune.finite import NonFiniteError, check_finite_weights
 from moeprune.models import MoEModel
+from moeprune.runtime.finite import NonFiniteError, check_finite_weights
 
 if TYPE_CHECKING:
+    from moeprune.api import DataOptions
     from moeprune.evaluate.lm_eval_bridge import LmEvalOptions
-    from moeprune.pipeline import DataOptions
 
 METRICS = (*DIVERGENCE_METRICS, "accept", "routing", "layer-error", "size")
 _ALIASES = {"layer_error": "layer-error", "perplexity": "ppl", "acceptance": "accept", "all": "all"}
@@ -87,8 +87,8 @@ class Loaded:
 
     @classmethod
     def from_path(cls, path: str, options: EvalOptions) -> Loaded:
-        from moeprune.distributed import placement
-        from moeprune.io import load_model
+        from moeprune.checkpoint import load_model
+        from moeprune.runtime.distributed import placement
 
         _warm_up(path, measure="size" in options.metrics)
         device, dtype, device_map = placement(options.device, options.dtype)  # as score and prune do
@@ -103,7 +103,7 @@ class Loaded:
 
 def _warm_up(path: str, measure: bool) -> None:
     """Validate the config first (clear errors before any weight is read); warm the loader to measure."""
-    from moeprune.io import load_config
+    from moeprune.checkpoint import load_config
 
     config = load_config(path)
     if measure:
@@ -133,7 +133,7 @@ def check_compatible(model: Loaded, reference: Loaded) -> None:
 
 
 def _tokenizer(reference: Loaded, models: Sequence[Loaded], options: EvalOptions):
-    from moeprune.io import load_tokenizer
+    from moeprune.checkpoint import load_tokenizer
 
     if options.tokenizer_path:
         tok = load_tokenizer(options.tokenizer_path)
@@ -385,7 +385,7 @@ def evaluate_models(models: Sequence[str], reference: str, options: EvalOptions)
 
 def _check_sources(data_options: DataOptions | None) -> None:
     """Fail on a missing data file before any model is loaded."""
-    from moeprune.data import parse_source
+    from moeprune.data.loading import parse_source
 
     sources = getattr(data_options, "sources", None)
     if not sources:

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from moeprune.data import Batch, CalibrationData
+from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
+from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError
-from moeprune.finite import check_finite_logits
-from moeprune.fitness import FitnessAccumulator, TeacherCache
 from moeprune.models.adapter import input_device
+from moeprune.runtime.finite import check_finite_logits
 
 DIVERGENCE_METRICS = ("esap", "kl", "nll", "ppl")
 _SCORED = ("esap", "kl", "nll")  # computed by fitness.py; ppl follows from nll

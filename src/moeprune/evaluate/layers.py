@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeprune.data import CalibrationData
+from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.divergence import model_device
-from moeprune.finite import NonFiniteError, all_finite, kind
+from moeprune.runtime.finite import NonFiniteError, all_finite, kind
 
 F64 = torch.float64
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moeprune.data import CalibrationData
+from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import EXPERT_IDS_ATTR
-from moeprune.observe import observe
+from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 
 PLAN_FILE = "plan.json"

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from .adapter import MoELayer, MoEModel, check_config, decoder_layers, family_spec, input_device
-from .spec import FAMILIES, FamilySpec, supported_families
+from moeprune.models.adapter import (
+    MoELayer,
+    MoEModel,
+    check_config,
+    decoder_layers,
+    family_spec,
+    input_device,
+)
+from moeprune.models.spec import FAMILIES, FamilySpec, supported_families
 
 __all__ = [
     "FAMILIES",

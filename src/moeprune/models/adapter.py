@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import UnsupportedModelError
-from .spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec, supported_families
+from moeprune.errors import UnsupportedModelError
+from moeprune.models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec, supported_families
 
 EXPERT_IDS_ATTR = "moeprune_expert_ids"  # original expert ids kept by a block after surgery
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from .spec import supported_families
+from moeprune.models.spec import supported_families
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=96,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapter import MoELayer, MoEModel
+from moeprune.models.adapter import MoELayer, MoEModel
 
 
 @dataclass
@@ -150,8 +150,8 @@ def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
 def _override_packed(layer: MoELayer, options: RoutedOptions) -> Iterator[None]:
     """A packed layer (moeprune format) keeps its own novices and widths; recording and extra
     masks are added on top. Neuron statistics need one width for all experts: refused."""
-    from ..errors import MoePruneError
-    from ..surgery.packed import packed_view
+    from moeprune.errors import MoePruneError
+    from moeprune.surgery.packed import packed_view
 
     if options.need_intermediate:
         raise MoePruneError(

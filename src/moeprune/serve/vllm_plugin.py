@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import importlib
 
-from .vllm.layout import ARCHITECTURE_PREFIX, MODEL_TYPE_PREFIX, REFUSED_FAMILIES, SERVED_FAMILIES, refusal
+from moeprune.serve.vllm.layout import (
+    ARCHITECTURE_PREFIX,
+    MODEL_TYPE_PREFIX,
+    REFUSED_FAMILIES,
+    SERVED_FAMILIES,
+    refusal,
+)
 
 MODELS_MODULE = "moeprune.serve.vllm.models"
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .drop import drop_experts, kept_experts, mask_experts
+from moeprune.surgery.drop import drop_experts, kept_experts, mask_experts
 
 __all__ = ["drop_experts", "kept_experts", "mask_experts"]

@@ -14,8 +14,8 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from ..errors import MoePruneError
-from ..models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
 
 
 def check_not_packed(moe: MoEModel | Sequence[MoELayer]) -> None:

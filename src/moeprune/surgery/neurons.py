@@ -33,13 +33,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..errors import MoePruneError
-from ..models.adapter import MoELayer, MoEModel, set_path
-from ..parameters import plan_routed_parameters, routed_parameters
-from ..plan import LayerPlan, Plan
-from ..stats import F64, LayerStats
-from .novice import StatsInput, layer_stats, require_stats
-from .packed import (
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoELayer, MoEModel, set_path
+from moeprune.models.parameters import plan_routed_parameters, routed_parameters
+from moeprune.observe.stats import F64, LayerStats
+from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
+from moeprune.surgery.packed import (
     NEURON_AXES,
     ExpertCost,
     expert_tensor_names,

@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..allocate.basic import budget_from_sparsity, global_allocation, plan_removals, uniform_allocation
-from ..criteria import Criterion, LayerScores, merged_layer
-from ..errors import MoePruneError
-from ..models.adapter import MoELayer, MoEModel
-from ..plan import Plan
-from ..stats import ExpertStats, LayerStats
-from .packed import pack_layer
+from moeprune.allocate.basic import budget_from_sparsity, global_allocation, plan_removals, uniform_allocation
+from moeprune.criteria import Criterion, LayerScores, merged_layer
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.observe.stats import ExpertStats, LayerStats
+from moeprune.plan import Plan
+from moeprune.surgery.packed import pack_layer
 
 StatsInput = ExpertStats | Sequence[ExpertStats]
 NOVICE_ALLOCATIONS = ("uniform", "global")

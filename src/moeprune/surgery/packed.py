@@ -24,10 +24,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ..errors import MoePruneError
-from ..models.adapter import EXPERT_IDS_ATTR, MoELayer
-from ..models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
-from ..models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer
+from moeprune.models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
+from moeprune.models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
 
 # Per-expert native tensors of each layout: name -> (axis of the neurons in one expert's tensor,
 # values per neuron), or None for a tensor without a neuron axis (gpt_oss's down bias).

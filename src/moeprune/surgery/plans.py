@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import MoePruneError
-from ..models.adapter import MoELayer, MoEModel
-from ..models.routed import RoutedOptions, override_routed
-from ..plan import Plan
-from .drop import drop_experts, mask_experts
-from .neurons import (
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.plan import Plan
+from moeprune.surgery.drop import drop_experts, mask_experts
+from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
     kept_neurons,
@@ -29,8 +29,8 @@ from .neurons import (
     stock_width_expressible,
     uniform_width,
 )
-from .novice import StatsInput, layer_stats, mean_outputs, require_stats
-from .packed import pack_layer
+from moeprune.surgery.novice import StatsInput, layer_stats, mean_outputs, require_stats
+from moeprune.surgery.packed import pack_layer
 
 
 @dataclass

@@ -19,8 +19,8 @@ from types import ModuleType
 import torch
 from vllm.model_executor.models import deepseek_v2, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
-from .layout import DOWN_PROJECTIONS, LayerLayout, LayoutError, read_layout
-from .moe import NoviceTable, per_layer_moe
+from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, LayerLayout, LayoutError, read_layout
+from moeprune.serve.vllm.moe import NoviceTable, per_layer_moe
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
 MEAN_OUTPUT = "mean_output"

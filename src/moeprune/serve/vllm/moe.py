@@ -38,7 +38,7 @@ from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-from .layout import LayerLayout, LayoutError
+from moeprune.serve.vllm.layout import LayerLayout, LayoutError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

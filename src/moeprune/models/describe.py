@@ -6,13 +6,13 @@ from pathlib import Path
 
 from torch import nn
 
-from .checkpoint import check_model_path, load_config
-from .models import MoEModel
+from moeprune.checkpoint import check_model_path, load_config
+from moeprune.models import MoEModel
 
 
 def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> dict:
     """Build the model on the meta device (no weights read) and describe it."""
-    from .checkpoint import build_skeleton
+    from moeprune.checkpoint import build_skeleton
 
     folder = check_model_path(path)  # a local folder or a cached model id
     load_config(folder, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
@@ -20,7 +20,7 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
 
 
 def describe_model(model: nn.Module, source: str = "") -> dict:
-    from .parameters import describe_layers, expert_params, routed_parameters
+    from moeprune.models.parameters import describe_layers, expert_params, routed_parameters
 
     moe = MoEModel(model)
     config = model.config

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moeprune.errors import MoePruneError
-from moeprune.stats import ExpertStats, LayerStats
+from moeprune.observe.stats import ExpertStats, LayerStats
 
 F64 = torch.float64
 _CHUNK = 1 << 22  # elements cast to fp64 at a time when streaming expert weights

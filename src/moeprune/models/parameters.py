@@ -8,9 +8,9 @@ uniform routing: sum over layers of top_k times the mean routed expert's paramet
 
 from __future__ import annotations
 
-from .models.adapter import MoELayer, MoEModel
-from .plan import Plan
-from .surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
+from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.plan import Plan
+from moeprune.surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
 
 
 def expert_params(layer: MoELayer) -> list[int]:

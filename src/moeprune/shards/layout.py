@@ -52,22 +52,35 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from .checkpoint import is_moeprune_format
-from .criteria import CRITERIA, WEIGHT_SCORERS, LayerScores, compute_scores, get_criterion, pruning_order_of
-from .errors import MoePruneError
-from .io import MOEPRUNE_CONFIG, atomic_write_dir, check_model_path, load_config, write_json
-from .models import MoEModel
-from .models.adapter import MoELayer
-from .models.spec import FamilySpec
-from .plan import Plan
-from .surgery.drop import kept_experts
+from moeprune.checkpoint import (
+    LEGACY_FILE,
+    atomic_write_dir,
+    check_model_path,
+    is_moeprune_format,
+    load_config,
+    write_json,
+)
+from moeprune.criteria import (
+    CRITERIA,
+    WEIGHT_SCORERS,
+    LayerScores,
+    compute_scores,
+    get_criterion,
+    pruning_order_of,
+)
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.models.adapter import MoELayer
+from moeprune.models.spec import FamilySpec
+from moeprune.plan import Plan
+from moeprune.surgery.drop import kept_experts
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 PLAN = "plan.json"
 # Top-level files a rewrite does not copy: rewritten ones, stale weights, the source's own evidence.
-_NOT_COPIED = (CONFIG, INDEX, PLAN, "report.json", MOEPRUNE_CONFIG)
+_NOT_COPIED = (CONFIG, INDEX, PLAN, "report.json", LEGACY_FILE)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
     **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .data import CalibrationData
-from .errors import MoePruneError
-from .io import resolve_dtype
-from .models import MoEModel
-from .observe import observe
-from .observe_sequential import observe_sequential
-from .stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats, LayerStats
+from moeprune.checkpoint import resolve_dtype
+from moeprune.data.loading import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.observe.observer import observe
+from moeprune.observe.sequential import observe_sequential
+from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats, LayerStats
 
 _MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
 _NEURON_FIELDS = NEURON_FIELDS

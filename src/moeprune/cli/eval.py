@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from .cli import data_from_options, data_options
-from .errors import MoePruneError
-from .evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
+from moeprune.cli.main import data_from_options, data_options
+from moeprune.errors import MoePruneError
+from moeprune.evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
 
 _SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}
 
@@ -19,7 +19,7 @@ def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None
         if include or limit is not None:
             raise MoePruneError("--lm-eval-include and --limit need --lm-eval-tasks")
         return None
-    from .evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
+    from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
 
     if include and not Path(include).is_dir():
         raise MoePruneError(f"--lm-eval-include {include!r} is not a folder")
@@ -85,7 +85,7 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
     )  # fmt: skip
     doc = evaluate_models(list(models), reference, options)
     if not output:
-        from .evaluate.report import to_markdown
+        from moeprune.report.eval_report import to_markdown
 
         click.echo(to_markdown(doc))
         return
@@ -93,12 +93,12 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
 
 
 def _write(doc: dict, output: Path, plots: bool) -> None:
-    from .evaluate.report import write_report
+    from moeprune.report.eval_report import write_report
 
     json_path, md_path = write_report(doc, output)
     click.echo(f"wrote {json_path} and {md_path}")
     if plots and any(d.get("accept") for m in doc["models"] for d in m["per_data"].values()):
-        from .plots_eval import plot_acceptance
+        from moeprune.report.eval_plots import plot_acceptance
 
         click.echo(f"wrote {plot_acceptance(output.with_name(f'{output.stem}_acceptance.png'), doc)}")
 
@@ -107,10 +107,8 @@ def _write(doc: dict, output: Path, plots: bool) -> None:
 @click.argument("folder", type=click.Path())
 def report_command(folder: str) -> None:
     """(Re)draw plots and Markdown summaries from the JSON files in FOLDER (eval, plan, scores, search)."""
-    from .plots_eval import draw_directory
+    from moeprune.report.eval_plots import draw_directory
 
     for path in draw_directory(folder):
         click.echo(f"wrote {path}")
 
-
-COMMANDS = [eval_command, report_command]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from moeprune.errors import DataError, MoePruneError
-from moeprune.finite import NonFiniteError, all_finite, kind
+from moeprune.runtime.finite import NonFiniteError, all_finite, kind
 
 FITNESSES = ("esap", "sap", "kl", "nll")
 _HIGHER_IS_BETTER = {"esap": True, "sap": True, "kl": False, "nll": False}

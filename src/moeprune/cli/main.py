@@ -13,10 +13,10 @@ from pathlib import Path
 import click
 import torch
 
-from . import __version__
-from .criteria import list_criteria
-from .errors import MoePruneError
-from .models.spec import supported_families
+from moeprune import __version__
+from moeprune.criteria import list_criteria
+from moeprune.errors import MoePruneError
+from moeprune.models.spec import supported_families
 
 
 class MoePruneGroup(click.Group):
@@ -100,7 +100,7 @@ def data_options(func):
 
 
 def data_from_options(kwargs) -> object:
-    from .pipeline import DataOptions
+    from moeprune.api import DataOptions
 
     if kwargs.get("threads"):
         torch.set_num_threads(kwargs["threads"])
@@ -131,7 +131,7 @@ def refuse_given(ctx: click.Context, names: Sequence[str], reason: str) -> None:
 
 
 def _check_criterion(name: str) -> str:
-    from .criteria import get_criterion
+    from moeprune.criteria import get_criterion
 
     get_criterion(name)
     return name
@@ -146,10 +146,10 @@ def _check_criterion(name: str) -> str:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own config code; never run otherwise.")
 def inspect(model: str | None, tiny: str | None, as_json: bool, trust_remote_code: bool) -> None:
     """Show a checkpoint's MoE structure and parameter counts (weights are not loaded)."""
-    from .inspect import describe_checkpoint, describe_model, format_description
+    from moeprune.models.describe import describe_checkpoint, describe_model, format_description
 
     if tiny:
-        from .models.factory import tiny_model
+        from moeprune.models.factory import tiny_model
 
         info = describe_model(tiny_model(tiny), source=f"built-in tiny {tiny}")
     elif model:
@@ -170,11 +170,11 @@ def inspect(model: str | None, tiny: str | None, as_json: bool, trust_remote_cod
 @data_options
 def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
-    from .checkpoint import write_json
-    from .criteria import get_criterion
-    from .distributed import init_distributed
-    from .models import MoEModel
-    from .pipeline import load_placed, prepare_score, score_experts, score_without_loading, scores_document
+    from moeprune.api import load_placed, prepare_score, score_experts, score_without_loading, scores_document
+    from moeprune.checkpoint import write_json
+    from moeprune.criteria import get_criterion
+    from moeprune.models import MoEModel
+    from moeprune.runtime.distributed import init_distributed
 
     _check_criterion(criterion)
     data = data_from_options(kwargs)
@@ -306,16 +306,16 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
           tau_max: int, search_seed: int, resume: bool, expert_multiple: int, save_dtype: str | None,
           max_shard_size: str, dry_run: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with plan.json and report.json (and search.json for evo)."""
-    from .distributed import init_distributed
-    from .pipeline import MethodOptions, SaveOptions
-    from .pipeline import prune as run_prune
+    from moeprune.api import MethodOptions, SaveOptions
+    from moeprune.api import prune as run_prune
+    from moeprune.runtime.distributed import init_distributed
 
     if criterion != "auto":
         _check_criterion(criterion)
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
     ctx = click.get_current_context()
     if no_load:
-        from .pipeline import prune_without_loading
+        from moeprune.api import prune_without_loading
 
         if method not in ("drop", "neurons") or (allocation or "uniform") != "uniform" or criterion == "auto":
             raise MoePruneError(
@@ -400,24 +400,3 @@ def format_plan_of_work(plan: dict) -> str:
     lines.append(f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}")
     lines.append("dry run: nothing was loaded or written")
     return "\n".join(lines)
-
-
-def _register_optional_commands() -> None:
-    """Commands that live in their own modules (evaluation, demo), added when present."""
-    import importlib
-
-    for module_name in ("moeprune.cli_eval", "moeprune.cli_demo"):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue
-        for command in getattr(module, "COMMANDS", []):
-            main.add_command(command)
-
-
-_register_optional_commands()
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

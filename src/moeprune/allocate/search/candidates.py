@@ -56,12 +56,9 @@ import torch
 from torch import nn
 
 from moeprune.allocate.basic import plan_removals, uniform_allocation
-from moeprune.allocate.evo import Allocation, EvoConfig, EvoResult, EvoSearch
 from moeprune.allocate.limits import LayerLimits, layer_limits
-from moeprune.data import Batch, CalibrationData
-from moeprune.distributed import all_gather_objects, rank_and_world, split_map
-from moeprune.errors import DataError, MoePruneError
-from moeprune.fitness import (
+from moeprune.allocate.search.evo import Allocation, EvoConfig, EvoResult, EvoSearch
+from moeprune.allocate.search.fitness import (
     FitnessAccumulator,
     TeacherCache,
     answer_positions,
@@ -69,8 +66,11 @@ from moeprune.fitness import (
     higher_is_better,
     teacher_home,
 )
-from moeprune.io import write_json
+from moeprune.checkpoint import write_json
+from moeprune.data.loading import Batch, CalibrationData
+from moeprune.errors import DataError, MoePruneError
 from moeprune.models.adapter import MoEModel, decoder_layers, input_device
+from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.surgery.drop import mask_experts
 
 __all__ = [

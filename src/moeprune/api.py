@@ -15,15 +15,10 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .allocate import (
-    budget_from_sparsity,
-    global_allocation,
-    plan_removals,
-    uniform_allocation,
-)
-from .allocate.limits import LayerLimits, layer_limits
-from .checkpoint import (
+from moeprune import __version__
+from moeprune.allocate import budget_from_sparsity, global_allocation, plan_removals, uniform_allocation
+from moeprune.allocate.limits import LayerLimits, layer_limits
+from moeprune.checkpoint import (
     atomic_write_dir,
     build_skeleton,
     check_model_path,
@@ -34,18 +29,18 @@ from .checkpoint import (
     resolve_dtype,
     write_json,
 )
-from .checkpoint.files import DEFAULT_MAX_SHARD_SIZE
-from .criteria import Criterion, LayerScores, compute_scores, get_criterion, unseen_note
-from .data import CalibrationData, load_data, parse_source
-from .errors import DataError, InfeasibleBudgetError, MoePruneError
-from .models import MoEModel
-from .parameters import kept_per_layer, kept_rows, padded_parameters, uniform_rows
-from .plan import Plan
-from .plots import plot_search_curve
-from .report.kept import plot_kept
-from .report.model_card import model_card
-from .stats import ExpertStats
-from .surgery.drop import check_not_packed
+from moeprune.checkpoint.files import DEFAULT_MAX_SHARD_SIZE
+from moeprune.criteria import Criterion, LayerScores, compute_scores, get_criterion, unseen_note
+from moeprune.data.loading import CalibrationData, load_data, parse_source
+from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
+from moeprune.models import MoEModel
+from moeprune.models.parameters import kept_per_layer, kept_rows, padded_parameters, uniform_rows
+from moeprune.observe.stats import ExpertStats
+from moeprune.plan import Plan
+from moeprune.report.kept import plot_kept
+from moeprune.report.model_card import model_card
+from moeprune.report.plots import plot_search_curve
+from moeprune.surgery.drop import check_not_packed
 
 ALLOCATIONS = ("uniform", "global", "trapezoid")
 METHODS = ("drop", "novice", "neurons", "tenp")
@@ -101,8 +96,8 @@ class DataOptions:
 def load_placed(model_path: str | Path, data: DataOptions | None, dtype: str | None):
     """Load MODEL where the device and dtype options say (bf16 by default on GPU, fp32 on CPU),
     and refuse weights holding NaN or inf, naming the first such tensor."""
-    from .distributed import placement
-    from .finite import check_finite_weights
+    from moeprune.runtime.distributed import placement
+    from moeprune.runtime.finite import check_finite_weights
 
     device, chosen, device_map = placement((data or DataOptions()).device, dtype)
     model, tokenizer = load_model(model_path, dtype=chosen, device=device, device_map=device_map)
@@ -184,7 +179,7 @@ def score_experts(
         sets = calibration_sets(tokenizer, criterion, data or DataOptions(), observe_for)
     if sets:
         pad = getattr(tokenizer, "pad_token_id", None) or 0
-        from .distributed import observe_distributed
+        from moeprune.runtime.distributed import observe_distributed
 
         stats = [
             observe_distributed(moe, d, batch_size=(data or DataOptions()).batch_size, pad_token_id=pad,
@@ -240,12 +235,12 @@ def build_plan(
     options = options or MethodOptions()
     domains = list(stats) if len(stats) > 1 else (stats[0] if stats else None)
     if method == "neurons":
-        from .surgery.neurons import neuron_plan
+        from moeprune.surgery.neurons import neuron_plan
 
         return neuron_plan(moe, domains, sparsity, importance=options.neuron_importance, criterion=criterion.name,
                            data_fingerprint=data_fingerprint)  # fmt: skip
     if method == "tenp":
-        from .allocate.trapezoid import tenp_plan
+        from moeprune.allocate.trapezoid import tenp_plan
 
         return tenp_plan(moe, domains, importance_scores(criterion, scores), sparsity,
                          important_fraction=options.important_fraction, slope=options.slope,
@@ -255,7 +250,7 @@ def build_plan(
         limits = method_limits(moe, method, expert_multiple)
         removed = expert_allocation(moe, criterion, scores, sparsity, allocation, limits)
     if method == "novice":
-        from .surgery.novice import novice_plan
+        from moeprune.surgery.novice import novice_plan
 
         plan = novice_plan(moe, domains, scores, sparsity, criterion=criterion, allocation=allocation,
                            removed=list(removed), data_fingerprint=data_fingerprint)  # fmt: skip
@@ -343,27 +338,27 @@ def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
 
 def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> dict:
     """Physical surgery of any plan (drops, novices, neuron counts); returns what was done."""
-    from .surgery.plans import apply_plan_physical
+    from moeprune.surgery.plans import apply_plan_physical
 
     return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
 
 
 def weight_bytes(folder: Path) -> int:
     """Bytes of a checkpoint's safetensors weights on disk."""
-    from .checkpoint.files import shard_names
+    from moeprune.checkpoint.files import shard_names
 
     return sum((Path(folder) / name).stat().st_size for name in shard_names(Path(folder)))
 
 
 def layer_summary(moe: MoEModel) -> list[dict]:
-    from .parameters import describe_layers
+    from moeprune.models.parameters import describe_layers
 
     return describe_layers(moe)
 
 
 def parameter_summary(moe: MoEModel) -> dict[str, int]:
     """Total, routed-expert (TENP's E) and active-per-token (A) parameters, packed layers included."""
-    from .parameters import routed_parameters
+    from moeprune.models.parameters import routed_parameters
 
     return routed_parameters(moe)
 
@@ -470,9 +465,9 @@ def prepare_prune(
     trust_remote_code: bool = False,
 ) -> PruneJob:
     """Every check of a prune request that needs no weights, in the order a user would fix them."""
-    from .auto import AUTO
-    from .checkpoint.atomic import check_not_inside, recover
-    from .checkpoint.files import check_weights, stored_dtype
+    from moeprune.allocate.search.auto import AUTO
+    from moeprune.checkpoint.atomic import check_not_inside, recover
+    from moeprune.checkpoint.files import check_weights, stored_dtype
 
     data, options, search, save = data or DataOptions(), options or MethodOptions(), dict(search or {}), save or SaveOptions()
     allocation = allocation or default_allocation(method)
@@ -485,7 +480,7 @@ def prepare_prune(
             "sequential (layer-by-layer) observation never loads the whole model: use it to score, or to prune "
             "without loading", options=("sequential",),
         )  # fmt: skip
-    from .distributed import placement
+    from moeprune.runtime.distributed import placement
 
     placement(data.device, dtype)  # an unknown or absent device fails now, not after tokenizing
     model_path, output = check_model_path(model_path), Path(output)
@@ -524,7 +519,7 @@ def prepare_prune(
     save_dtype = resolve_dtype(save.dtype) if save.dtype else (stored_dtype(model_path) or getattr(config, "dtype", None))
     if not isinstance(save_dtype, torch.dtype):
         save_dtype = resolve_dtype(save_dtype if save_dtype in ("float32", "bfloat16", "float16") else None)
-    from .checkpoint.files import parse_size
+    from moeprune.checkpoint.files import parse_size
 
     parse_size(save.max_shard_size)
     return PruneJob(
@@ -581,14 +576,14 @@ def _check_feasible(
         if uneven:
             raise InfeasibleBudgetError(f"decoder layer {uneven[0]} has {meta.layer(uneven[0]).num_experts} experts, "
                                         f"not a multiple of {expert_multiple}", options=("expert_multiple",))  # fmt: skip
-    from .surgery.neurons import check_importance, check_neuron_prunable, uniform_widths
+    from moeprune.surgery.neurons import check_importance, check_neuron_prunable, uniform_widths
 
     check_importance(options.neuron_importance)
     check_neuron_prunable(meta)
     if method == "neurons":
         return None, {"neurons_per_expert": dict(zip([m.index for m in meta.layers], uniform_widths(meta, sparsity)))}
-    from .allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
-    from .surgery.packed import layer_cost
+    from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+    from moeprune.surgery.packed import layer_cost
 
     layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in meta.layers]
     alloc = trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope)
@@ -626,8 +621,8 @@ def prune(
     Under torchrun (after `init_distributed()`) every rank runs this with the same arguments:
     observation and the search are data-parallel, and rank 0 alone writes OUTPUT.
     """
-    from .checkpoint.atomic import output_lock
-    from .distributed import barrier, rank_and_world
+    from moeprune.checkpoint.atomic import output_lock
+    from moeprune.runtime.distributed import barrier, rank_and_world
 
     job = prepare_prune(
         model_path, output, criterion=criterion, sparsity=sparsity, allocation=allocation, method=method, data=data,
@@ -645,9 +640,9 @@ def prune(
 
 def run_prune(job: PruneJob, progress: bool = True) -> dict:
     """The expensive part of `prune`, on a checked job."""
-    from .auto import AUTO, choose_criterion
-    from .checkpoint import write_checkpoint
-    from .distributed import rank_and_world
+    from moeprune.allocate.search.auto import AUTO, choose_criterion
+    from moeprune.checkpoint import write_checkpoint
+    from moeprune.runtime.distributed import rank_and_world
 
     rank, _ = rank_and_world()
     search, data, method, allocation = job.search, job.data, job.method, job.allocation
@@ -793,8 +788,8 @@ def search_allocation(
     constant substitution), never by copying the model. The state is checkpointed every
     generation beside OUTPUT; `resume` continues it and refuses other data or arguments.
     """
-    from .allocate.evo import EvoConfig
-    from .search import run_evo_search
+    from moeprune.allocate.search.candidates import run_evo_search
+    from moeprune.allocate.search.evo import EvoConfig
 
     if method not in EXPERT_METHODS:
         raise MoePruneError(f"the evo allocation searches expert counts: use the drop or novice method, not {method!r}",
@@ -822,8 +817,8 @@ def search_allocation(
 
 def check_search_settings(search: dict) -> None:
     """Everything about the search that can be wrong, checked before any model is loaded."""
-    from .allocate.evo import EvoConfig
-    from .fitness import check_fitness
+    from moeprune.allocate.search.evo import EvoConfig
+    from moeprune.allocate.search.fitness import check_fitness
 
     for source in search.get("search_data", ()):
         path = parse_source(source)[0]
@@ -852,8 +847,8 @@ def model_fingerprint(moe: MoEModel) -> str:
 
 def _novice_context(moe: MoEModel, stats: Sequence[ExpertStats]):
     """Virtual MoNE candidates: removed experts add g_i(t) mu_i instead of running."""
-    from .models.routed import RoutedOptions, override_routed
-    from .surgery.novice import layer_stats, mean_outputs
+    from moeprune.models.routed import RoutedOptions, override_routed
+    from moeprune.surgery.novice import layer_stats, mean_outputs
 
     def context(removed: dict[int, list[int]]):
         novices = {}
@@ -885,9 +880,9 @@ def prepare_score(
     overwrite: bool = False, trust_remote_code: bool = False, load_sets: bool = True,
 ) -> tuple[Path, object | None, list[CalibrationData]]:  # fmt: skip
     """The checks of `moeprune score` that need no weights; returns (model path, tokenizer, data)."""
-    from .checkpoint.atomic import check_creatable, check_not_inside
-    from .checkpoint.files import check_weights
-    from .distributed import placement
+    from moeprune.checkpoint.atomic import check_creatable, check_not_inside
+    from moeprune.checkpoint.files import check_weights
+    from moeprune.runtime.distributed import placement
 
     crit = get_criterion(criterion)
     placement(data.device if data.device != "auto" or not data.sequential else None, None)
@@ -930,8 +925,8 @@ def score_without_loading(
     (`neurons`: with neuron sums); the criterion is then only a label for a weight-only
     criterion, whose scores are not streamed (an empty list: the method does not use them).
     """
-    from .distributed import observe_sequential_distributed, placement
-    from .streaming import score_checkpoint
+    from moeprune.runtime.distributed import observe_sequential_distributed, placement
+    from moeprune.shards.layout import score_checkpoint
 
     crit = get_criterion(criterion)
     if not crit.needs_data and not observe_for:
@@ -973,7 +968,7 @@ def prune_without_loading(
     expert's top-K neurons (K the same for all: a stock checkpoint), chosen from neuron
     statistics observed layer by layer.
     """
-    from .checkpoint.atomic import check_not_inside, output_lock, recover
+    from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
 
     if method not in NO_LOAD_METHODS:
         raise MoePruneError(
@@ -997,7 +992,7 @@ def _prune_without_loading(
     data: DataOptions | None, tokenizer_path: str | Path | None, dtype: str | None, progress: bool, method: str,
     options: MethodOptions | None,
 ) -> dict:  # fmt: skip
-    from .streaming import meta_model, rewrite_checkpoint
+    from moeprune.shards.layout import meta_model, rewrite_checkpoint
 
     timer = Timer()
     moe = meta_model(model_path)
@@ -1057,7 +1052,7 @@ def _no_load_report(
 
 def _writes_outputs() -> bool:
     """Under torchrun every rank observes its share of the data; rank 0 alone writes."""
-    from .distributed import rank_and_world
+    from moeprune.runtime.distributed import rank_and_world
 
     return rank_and_world()[0] == 0
 
@@ -1068,11 +1063,11 @@ def _shrink_without_loading(
     progress: bool, options: MethodOptions | None,
 ) -> dict:  # fmt: skip
     """`prune_without_loading` for --method neurons: observe with neuron sums, plan, rewrite."""
-    from .criteria import unseen_note
-    from .streaming import meta_model
-    from .streaming_neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
-    from .surgery.neurons import check_importance, uniform_widths
-    from .surgery.plans import resolve_plan
+    from moeprune.criteria import unseen_note
+    from moeprune.shards.layout import meta_model
+    from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
+    from moeprune.surgery.neurons import check_importance, uniform_widths
+    from moeprune.surgery.plans import resolve_plan
 
     options = options or MethodOptions()
     importance = check_importance(options.neuron_importance)

@@ -12,11 +12,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .data import CalibrationData
-from .finite import NonFiniteError, all_finite, kind, locate_nonfinite
-from .models import MoELayer, MoEModel, input_device
-from .models.routed import RoutedOptions, RoutedRows, override_routed
-from .stats import F64, ExpertStats, LayerStats
+from moeprune.data.loading import CalibrationData
+from moeprune.models import MoELayer, MoEModel, input_device
+from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
+from moeprune.observe.stats import F64, ExpertStats, LayerStats
+from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 
 
 class _Accumulator:

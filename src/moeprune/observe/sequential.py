@@ -45,15 +45,14 @@ from transformers.core_model_loading import (
 from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils import logging as hf_logging
 
-from .checkpoint import build_skeleton
-from .data import CalibrationData
-from .errors import MoePruneError
-from .finite import NonFiniteError, check_finite_weights, first_nonfinite_output
-from .io import check_model_path
-from .models import MoEModel, decoder_layers
-from .models.routed import RoutedOptions, override_routed
-from .observe import _Accumulator
-from .stats import ExpertStats, LayerStats
+from moeprune.checkpoint import build_skeleton, check_model_path
+from moeprune.data.loading import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel, decoder_layers
+from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.observe.observer import _Accumulator
+from moeprune.observe.stats import ExpertStats, LayerStats
+from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
 
 OUTER = -1  # group id of the weights outside the decoder layers
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moeprune.checkpoint import write_json
 from moeprune.errors import MoePruneError
-from moeprune.io import write_json
 
 Getter = Callable[[dict], Any]
 DASH = "—"

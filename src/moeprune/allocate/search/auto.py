@@ -13,10 +13,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .criteria import CRITERIA, compute_scores, get_criterion
-from .data import CalibrationData
-from .distributed import rank_and_world, split_map
-from .fitness import (
+from moeprune.allocate.search.fitness import (
     FitnessAccumulator,
     TeacherCache,
     answer_positions,
@@ -24,8 +21,11 @@ from .fitness import (
     higher_is_better,
     teacher_home,
 )
-from .models import MoEModel, input_device
-from .stats import ExpertStats
+from moeprune.criteria import CRITERIA, compute_scores, get_criterion
+from moeprune.data.loading import CalibrationData
+from moeprune.models import MoEModel, input_device
+from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.distributed import rank_and_world, split_map
 
 AUTO = "auto"
 
@@ -61,8 +61,8 @@ def choose_criterion(
     progress: bool = True,
 ) -> tuple[str, list[dict]]:
     """The best criterion for a uniform plan at `sparsity`, and every criterion's fitness."""
-    from .pipeline import build_plan, default_allocation
-    from .surgery.plans import virtual_plan
+    from moeprune.api import build_plan, default_allocation
+    from moeprune.surgery.plans import virtual_plan
 
     check_fitness(fitness)
     teacher, batches = _teacher(moe, search, batch_size, pad_token_id)

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from .errors import MoePruneError
-from .io import atomic_write_dir, write_json
-from .models.adapter import MoEModel
-from .plan import Plan
-from .streaming import (
+from moeprune.checkpoint import atomic_write_dir, write_json
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.plan import Plan
+from moeprune.shards.layout import (
     INDEX,
     PLAN,
     CheckpointLayout,
@@ -53,8 +53,8 @@ from .streaming import (
     whole_tensor,
     write_shard,
 )
-from .surgery.neurons import check_neuron_prunable, shared_multiplier, stock_width_expressible
-from .surgery.packed import NEURON_AXES, neuron_index, slice_neurons
+from moeprune.surgery.neurons import check_neuron_prunable, shared_multiplier, stock_width_expressible
+from moeprune.surgery.packed import NEURON_AXES, neuron_index, slice_neurons
 
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> expert id -> kept neuron ids
 _SHARED_PROJ = (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))  # as surgery.neurons.pad_mlp

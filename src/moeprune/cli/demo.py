@@ -27,7 +27,7 @@ import torch
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def demo(output: str, quick: bool, overwrite: bool, rebuild: bool, threads: int, quiet: bool) -> None:
     """Train (or reuse) a small MoE on local text, prune it many ways, print the comparison."""
-    from .demo.run import run_demo
+    from moeprune.demo.run import run_demo
 
     torch.set_num_threads(threads)
     results = run_demo(output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads)
@@ -38,5 +38,3 @@ def demo(output: str, quick: bool, overwrite: bool, rebuild: bool, threads: int,
         f"{results['timing_s']['total']:.0f}s (model ready in {results['timing_s']['model']:.0f}s)."
     )
 
-
-COMMANDS = [demo]

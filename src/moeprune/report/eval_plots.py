@@ -16,9 +16,9 @@ from typing import Any
 from matplotlib.ticker import MaxNLocator
 
 from moeprune.errors import MoePruneError
-from moeprune.evaluate.report import is_eval_report, markdown_path, to_markdown
 from moeprune.plan import Plan
-from moeprune.plots import PathLike, plot_layer_density, plot_search_curve, plt, save_figure
+from moeprune.report.eval_report import is_eval_report, markdown_path, to_markdown
+from moeprune.report.plots import PathLike, plot_layer_density, plot_search_curve, plt, save_figure
 
 PLAN_FILE = "plan.json"
 _MAX_JSON_BYTES = 64 * 2**20  # larger JSON files (statistics dumps) are not plot inputs
