@@ -24,11 +24,14 @@ from pathlib import Path
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.candidates import CandidateEvaluator, layer_limits, run_evo_search
-from moeprune.allocate.search.evo import EvoConfig
-from moeprune.api import DataOptions, score_experts
+from moeprune.allocate.limits import layer_limits
+from moeprune.allocate.search.candidates import CandidateEvaluator
+from moeprune.allocate.search.population import EvoConfig
+from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import load_model
-from moeprune.data.loading import CalibrationData, load_data
+from moeprune.config import DataOptions
+from moeprune.criteria import score_experts
+from moeprune.data.loading import CalibrationData, calibration_sets, load_data
 from moeprune.models import MoEModel
 
 DOMAINS = ("code", "prose", "math")
@@ -100,7 +103,13 @@ def main() -> None:
     sources = [str(corpus / f"{d}_search.jsonl") for d in DOMAINS]
     data = load_data(sources, tokenizer, num_samples=args.samples, max_length=args.max_length, seed=0)
     options = DataOptions(sources=sources, samples=args.samples, max_length=args.max_length)
-    _, scores, _, _ = score_experts(moe, args.criterion, tokenizer=tokenizer, data=options, progress=False)
+    _, scores, _ = score_experts(
+        moe,
+        args.criterion,
+        calibration_sets(tokenizer, options),
+        progress=False,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     orders = [s.order for s in scores]
     limits = layer_limits(moe)
     budget = budget_from_sparsity(args.sparsity, limits.num_experts, limits.top_k)

@@ -4,7 +4,7 @@ Arguments: an output folder, a tiny checkpoint with a tokenizer, a calibration J
 runs the same searches (a straight one, one interrupted after 2 generations and resumed, and one
 where rank 1 fails) and saves what it saw to ``rank{R}.json``: the results, the elites of every
 generation, the allocations it evaluated itself, and every file the search library wrote from
-that rank. Then every rank runs a plain (uniform) ``pipeline.prune`` into ``uniform/``.
+that rank. Then every rank runs a plain (uniform) ``prune_checkpoint`` into ``uniform/``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import torch
 
 from moeprune import api as pipeline
 from moeprune.allocate.search import auto, evo
-from moeprune.allocate.search import candidates as search
-from moeprune.allocate.search.candidates import CandidateEvaluator, run_evo_search
+from moeprune.allocate.search import run as search_run
+from moeprune.allocate.search.candidates import CandidateEvaluator
 from moeprune.allocate.search.evo import EvoConfig, EvoSearch, _rank_key
+from moeprune.allocate.search.run import run_evo_search
 from moeprune.errors import MoePruneError
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
@@ -59,7 +60,7 @@ def recorded() -> Iterator[dict[str, list]]:
     files the search wrote (the state, the race log)."""
     record: dict[str, list] = {"elites": [], "evaluated": [], "writes": []}
     breed, evaluate = EvoSearch._breed, CandidateEvaluator.evaluate
-    state_write, log_write = evo._atomic_write_json, search.write_json
+    state_write, log_write = evo.write_json, search_run.write_json
 
     def spy_breed(self, population, rng):
         ranked = sorted({a: self.cache[a] for a in population}.items(), key=_rank_key)
@@ -79,12 +80,12 @@ def recorded() -> Iterator[dict[str, list]]:
         return log_write(path, payload)
 
     EvoSearch._breed, CandidateEvaluator.evaluate = spy_breed, spy_evaluate
-    evo._atomic_write_json, search.write_json = spy_state, spy_log
+    evo.write_json, search_run.write_json = spy_state, spy_log
     try:
         yield record
     finally:
         EvoSearch._breed, CandidateEvaluator.evaluate = breed, evaluate
-        evo._atomic_write_json, search.write_json = state_write, log_write
+        evo.write_json, search_run.write_json = state_write, log_write
 
 
 def summary(best: list[int], doc: dict, record: dict) -> dict[str, Any]:
@@ -148,8 +149,8 @@ def main(out: Path, checkpoint: Path, calibration: Path) -> None:
 
     pipeline.atomic_write_dir = spy_write_dir
     try:
-        report = pipeline.prune(
-            checkpoint, out / "uniform", criterion="frequency", sparsity=0.5, progress=False,
+        report = pipeline.prune_checkpoint(
+            checkpoint, out / "uniform", pipeline.PruneConfig(criterion="frequency", sparsity=0.5), progress=False,
             data=pipeline.DataOptions(sources=[str(calibration)], batch_size=2),
         )  # fmt: skip
     finally:

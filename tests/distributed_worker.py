@@ -12,7 +12,9 @@ import torch
 
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.runtime.distributed import init_distributed, observe_distributed, observe_sequential_distributed
+from moeprune.observe.distributed import observe_distributed
+from moeprune.observe.sequential import observe_sequential_distributed
+from moeprune.runtime.distributed import init_distributed
 from test_observe import calibration
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")

@@ -166,7 +166,9 @@ def _truncated_moeprune_config(world: World) -> None:
 
 def _remote_code(world: World) -> None:
     """A checkpoint whose config asks for its own Python, which would leave a marker if run."""
-    world.edit_config(lambda c: c.update(model_type="sneaky_moe", auto_map={"AutoConfig": "sneaky.SneakyConfig"}))
+    world.edit_config(
+        lambda c: c.update(model_type="sneaky_moe", auto_map={"AutoConfig": "sneaky.SneakyConfig"})
+    )
     (world.model / "sneaky.py").write_text(f"open({str(world.root / 'RAN')!r}, 'w').write('ran')\n")
 
 
@@ -176,85 +178,294 @@ def _symlink_to_model(world: World) -> None:
 
 CASES = [
     # the output would destroy or modify the input
-    Case("output is the input", ["prune", "{model}", "--output", "{model}", "--overwrite", *PRUNE], "is the input"),
-    Case("output is a symlink to the input", ["prune", "{model}", "--output", "{root}/alias", "--overwrite", *PRUNE],
-         "is the input", setup=_symlink_to_model),
-    Case("output inside the input", ["prune", "{model}", "--output", "{model}/sub", *PRUNE], "lies inside the input"),
-    Case("output contains the input", ["prune", "{model}", "--output", "{root}", "--overwrite", *PRUNE],
-         "contains the input"),
-    Case("scores file inside the input", ["score", "{model}", "--criterion", "aimer", "--output", "{model}/s.json"],
-         "lies inside the input"),
-    Case("existing output without --overwrite", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
-         "already exists", setup=_existing_output),
-    Case("output under a file", ["prune", "{model}", "--output", "{root}/file/out", *PRUNE], "is a file, not a folder",
-         setup=_parent_is_a_file),
+    Case(
+        "output is the input",
+        ["prune", "{model}", "--output", "{model}", "--overwrite", *PRUNE],
+        "is the input",
+    ),
+    Case(
+        "output is a symlink to the input",
+        ["prune", "{model}", "--output", "{root}/alias", "--overwrite", *PRUNE],
+        "is the input",
+        setup=_symlink_to_model,
+    ),
+    Case(
+        "output inside the input",
+        ["prune", "{model}", "--output", "{model}/sub", *PRUNE],
+        "lies inside the input",
+    ),
+    Case(
+        "output contains the input",
+        ["prune", "{model}", "--output", "{root}", "--overwrite", *PRUNE],
+        "contains the input",
+    ),
+    Case(
+        "scores file inside the input",
+        ["score", "{model}", "--criterion", "aimer", "--output", "{model}/s.json"],
+        "lies inside the input",
+    ),
+    Case(
+        "existing output without --overwrite",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "already exists",
+        setup=_existing_output,
+    ),
+    Case(
+        "output under a file",
+        ["prune", "{model}", "--output", "{root}/file/out", *PRUNE],
+        "is a file, not a folder",
+        setup=_parent_is_a_file,
+    ),
     # --resume never deletes anything
-    Case("--resume without evo", ["prune", "{model}", "--output", "{root}/out", "--resume", *PRUNE],
-         "needs the evo allocation"),
-    Case("--resume of a finished folder", ["prune", "{model}", "--output", "{root}/out", "--resume", *PRUNE,
-         "--allocation", "evo", "--search-data", "{data}"], "not a search in progress", setup=_finished_output),
-    Case("--resume with no search", ["prune", "{model}", "--output", "{root}/out", "--resume", *PRUNE, "--allocation",
-         "evo", "--search-data", "{data}"], "nothing to resume"),
+    Case(
+        "--resume without evo",
+        ["prune", "{model}", "--output", "{root}/out", "--resume", *PRUNE],
+        "needs the evo allocation",
+    ),
+    Case(
+        "--resume of a finished folder",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--resume",
+            *PRUNE,
+            "--allocation",
+            "evo",
+            "--search-data",
+            "{data}",
+        ],
+        "not a search in progress",
+        setup=_finished_output,
+    ),
+    Case(
+        "--resume with no search",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--resume",
+            *PRUNE,
+            "--allocation",
+            "evo",
+            "--search-data",
+            "{data}",
+        ],
+        "nothing to resume",
+    ),
     # damaged or incomplete checkpoints
-    Case("attention tensor missing", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
-         "missing tensors model.layers.0.self_attn.q_proj.weight", before_load=False,
-         setup=_drop_tensor("layers.0.self_attn.q_proj")),
-    Case("expert tensor missing", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
-         "missing tensors model.layers.1.mlp.experts", before_load=False,
-         setup=_drop_tensor("layers.1.mlp.experts.3.up_proj")),
-    Case("unexpected tensor", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
-         "unexpected tensors model.layers.0.mlp.surprise", before_load=False, setup=_extra_tensor),
-    Case("NaN in a weight", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "holds NaN", before_load=False,
-         setup=_nan_weight),
-    Case("truncated weights", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "is truncated", setup=_truncate),
-    Case("empty weights", ["prune", "{model}", "--output", "{root}/out", *PRUNE], "empty or truncated",
-         setup=_empty),
-    Case("shard missing from the index", ["prune", "{model}", "--output", "{root}/out", *PRUNE],
-         "names 1 shard(s) that are not in the folder", setup=_missing_shard),
+    Case(
+        "attention tensor missing",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "missing tensors model.layers.0.self_attn.q_proj.weight",
+        before_load=False,
+        setup=_drop_tensor("layers.0.self_attn.q_proj"),
+    ),
+    Case(
+        "expert tensor missing",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "missing tensors model.layers.1.mlp.experts",
+        before_load=False,
+        setup=_drop_tensor("layers.1.mlp.experts.3.up_proj"),
+    ),
+    Case(
+        "unexpected tensor",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "unexpected tensors model.layers.0.mlp.surprise",
+        before_load=False,
+        setup=_extra_tensor,
+    ),
+    Case(
+        "NaN in a weight",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "holds NaN",
+        before_load=False,
+        setup=_nan_weight,
+    ),
+    Case(
+        "truncated weights",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "is truncated",
+        setup=_truncate,
+    ),
+    Case(
+        "empty weights",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "empty or truncated",
+        setup=_empty,
+    ),
+    Case(
+        "shard missing from the index",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE],
+        "names 1 shard(s) that are not in the folder",
+        setup=_missing_shard,
+    ),
     Case("damaged config.json", ["inspect", "{model}"], "is damaged", setup=_damaged_config),
-    Case("checkpoint code is never run", ["inspect", "{model}"], "runs checkpoint code only when told", setup=_remote_code),
+    Case(
+        "checkpoint code is never run",
+        ["inspect", "{model}"],
+        "runs checkpoint code only when told",
+        setup=_remote_code,
+    ),
     # moeprune-format metadata is checked, never trusted
-    Case("duplicate expert ids", ["inspect", "{root}/pruned"], "appear twice", setup=_structure(_duplicate_ids)),
-    Case("layer out of range", ["inspect", "{root}/pruned"], "does not exist", setup=_structure(_out_of_range_layer)),
-    Case("count disagrees with the ids", ["inspect", "{root}/pruned"], "disagrees with",
-         setup=_structure(_count_disagrees)),
-    Case("format version from the future", ["inspect", "{root}/pruned"], "upgrade moeprune",
-         setup=_structure(_future_version)),
-    Case("truncated moeprune config", ["inspect", "{root}/pruned"], "is damaged", setup=_truncated_moeprune_config),
+    Case(
+        "duplicate expert ids", ["inspect", "{root}/pruned"], "appear twice", setup=_structure(_duplicate_ids)
+    ),
+    Case(
+        "layer out of range",
+        ["inspect", "{root}/pruned"],
+        "does not exist",
+        setup=_structure(_out_of_range_layer),
+    ),
+    Case(
+        "count disagrees with the ids",
+        ["inspect", "{root}/pruned"],
+        "disagrees with",
+        setup=_structure(_count_disagrees),
+    ),
+    Case(
+        "format version from the future",
+        ["inspect", "{root}/pruned"],
+        "upgrade moeprune",
+        setup=_structure(_future_version),
+    ),
+    Case(
+        "truncated moeprune config",
+        ["inspect", "{root}/pruned"],
+        "is damaged",
+        setup=_truncated_moeprune_config,
+    ),
     # impossible requests, refused from the config alone
-    Case("sparsity above what top-k allows", ["prune", "{model}", "--output", "{root}/out", "--criterion", "reap",
-         "--sparsity", "0.9", "--data", "{data}"], "outside the feasible range"),
-    Case("expert multiple that divides no layer", ["prune", "{model}", "--output", "{root}/out", *PRUNE,
-         "--expert-multiple", "3"], "not a multiple of 3"),
-    Case("neuron sparsity leaving no neuron", ["prune", "{model}", "--output", "{root}/out", "--criterion", "reap",
-         "--sparsity", "0.99", "--method", "neurons", "--data", "{data}"], "lower the sparsity"),
-    Case("missing data file", ["prune", "{model}", "--output", "{root}/out", "--criterion", "reap", "--sparsity",
-         "0.25", "--data", "{root}/nope.jsonl"], "does not exist"),
-    Case("data criterion without data", ["prune", "{model}", "--output", "{root}/out", "--criterion", "reap",
-         "--sparsity", "0.25"], "needs calibration data"),
-    Case("unknown device", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--device", "banana"],
-         "unknown device 'banana'"),
+    Case(
+        "sparsity above what top-k allows",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--criterion",
+            "reap",
+            "--sparsity",
+            "0.9",
+            "--data",
+            "{data}",
+        ],
+        "outside the feasible range",
+    ),
+    Case(
+        "expert multiple that divides no layer",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--expert-multiple", "3"],
+        "not a multiple of 3",
+    ),
+    Case(
+        "neuron sparsity leaving no neuron",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--criterion",
+            "reap",
+            "--sparsity",
+            "0.99",
+            "--method",
+            "neurons",
+            "--data",
+            "{data}",
+        ],
+        "lower the sparsity",
+    ),
+    Case(
+        "missing data file",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--criterion",
+            "reap",
+            "--sparsity",
+            "0.25",
+            "--data",
+            "{root}/nope.jsonl",
+        ],
+        "does not exist",
+    ),
+    Case(
+        "data criterion without data",
+        ["prune", "{model}", "--output", "{root}/out", "--criterion", "reap", "--sparsity", "0.25"],
+        "needs calibration data",
+    ),
+    Case(
+        "unknown device",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--device", "banana"],
+        "unknown device 'banana'",
+    ),
     # option values and options a run would ignore
-    Case("--batch-size 0", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--batch-size", "0"],
-         "Invalid value for '--batch-size'"),
-    Case("--max-length 0", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--max-length", "0"],
-         "Invalid value for '--max-length'"),
-    Case("negative --samples", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--samples", "-1"],
-         "Invalid value for '--samples'"),
-    Case("--threads 0", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--threads", "0"],
-         "Invalid value for '--threads'"),
-    Case("sparsity 0", ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer", "--sparsity", "0"],
-         "Invalid value for '--sparsity'"),
-    Case("sparsity 1", ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer", "--sparsity", "1"],
-         "Invalid value for '--sparsity'"),
-    Case("search option without a search", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--population",
-         "8"], "--population has no effect"),
-    Case("tenp option without tenp", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--slope", "0.2"],
-         "--slope has no effect"),
-    Case("--save-dtype with --no-load", ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer",
-         "--sparsity", "0.25", "--no-load", "--save-dtype", "bf16"], "--save-dtype has no effect"),
-    Case("bad shard size", ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--max-shard-size", "lots"],
-         "is not a size"),
+    Case(
+        "--batch-size 0",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--batch-size", "0"],
+        "Invalid value for '--batch-size'",
+    ),
+    Case(
+        "--max-length 0",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--max-length", "0"],
+        "Invalid value for '--max-length'",
+    ),
+    Case(
+        "negative --samples",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--samples", "-1"],
+        "Invalid value for '--samples'",
+    ),
+    Case(
+        "--threads 0",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--threads", "0"],
+        "Invalid value for '--threads'",
+    ),
+    Case(
+        "sparsity 0",
+        ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer", "--sparsity", "0"],
+        "Invalid value for '--sparsity'",
+    ),
+    Case(
+        "sparsity 1",
+        ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer", "--sparsity", "1"],
+        "Invalid value for '--sparsity'",
+    ),
+    Case(
+        "search option without a search",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--population", "8"],
+        "--population has no effect",
+    ),
+    Case(
+        "tenp option without tenp",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--slope", "0.2"],
+        "--slope has no effect",
+    ),
+    Case(
+        "--save-dtype with --no-load",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            "--criterion",
+            "aimer",
+            "--sparsity",
+            "0.25",
+            "--no-load",
+            "--save-dtype",
+            "bf16",
+        ],
+        "--save-dtype has no effect",
+    ),
+    Case(
+        "bad shard size",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--max-shard-size", "lots"],
+        "is not a size",
+    ),
 ]
 
 
@@ -317,7 +528,17 @@ def test_stale_lock_of_a_dead_process_is_taken_over(world):
     """A lock file left by a killed run (no process holds its flock) does not block anyone."""
     out = world.root / "out"
     (world.root / ".out.lock").write_text("moeprune pid 999999 on elsewhere since 00:00:00\n")
-    args = ["prune", str(world.model), "--output", str(out), "--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
+    args = [
+        "prune",
+        str(world.model),
+        "--output",
+        str(out),
+        "--criterion",
+        "aimer",
+        "--sparsity",
+        "0.25",
+        "--quiet",
+    ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert (out / "plan.json").is_file() and not (world.root / ".out.lock").exists()
@@ -328,6 +549,15 @@ def test_score_on_cpu_needs_no_accelerate(world, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate now fails
-    args = ["score", str(world.model), "--criterion", "aimer", "--output", str(world.root / "s.json"), "--device", "cpu"]
+    args = [
+        "score",
+        str(world.model),
+        "--criterion",
+        "aimer",
+        "--output",
+        str(world.root / "s.json"),
+        "--device",
+        "cpu",
+    ]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -88,7 +88,11 @@ def _packed(model) -> None:
 
     for layer in MoEModel(model).layers:
         width = layer.intermediate_size
-        pack_layer(layer, {1: torch.randn(layer.hidden_size)}, {0: torch.tensor([0, 2, 5]), 3: torch.arange(width // 2)})
+        pack_layer(
+            layer,
+            {1: torch.randn(layer.hidden_size)},
+            {0: torch.tensor([0, 2, 5]), 3: torch.arange(width // 2)},
+        )
 
 
 @pytest.mark.parametrize("family", supported_families())
@@ -179,7 +183,12 @@ def _write_legacy(model, folder, version: int) -> None:
         if is_packed(m):
             entry["packed"] = packed_structure(m)
         layers.append(entry)
-    meta = {"format": "moeprune-checkpoint", "format_version": version, "model_type": moe.model_type, "layers": layers}
+    meta = {
+        "format": "moeprune-checkpoint",
+        "format_version": version,
+        "model_type": moe.model_type,
+        "layers": layers,
+    }
     (folder / "moeprune.json").write_text(json.dumps(meta))
 
 

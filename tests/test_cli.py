@@ -106,7 +106,7 @@ def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--criterion", "nope", "--sparsity", "0.5"], "unknown criterion 'nope'"),
+        (["--criterion", "nope", "--sparsity", "0.5"], "'nope' is not one of 'random'"),
         (["--criterion", "reap", "--sparsity", "0.5"], "needs calibration data: give data files (--data)"),
         (["--criterion", "aimer", "--sparsity", "0.9"], "outside the feasible range"),
         (["--criterion", "frequency", "--sparsity", "0.5", "--data", "missing.jsonl"], "does not exist"),
@@ -216,7 +216,10 @@ def test_prune_methods_end_to_end(checkpoint, data, tmp_path, method, extra):
 def test_method_needs_data_and_valid_combinations(checkpoint, tmp_path):
     result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "aimer", "--sparsity", "0.25",
                  "--method", "novice", ok=False)  # fmt: skip
-    assert result.exit_code == 2 and "the novice method needs calibration data: give data files (--data)" in result.output
+    assert (
+        result.exit_code == 2
+        and "the novice method needs calibration data: give data files (--data)" in result.output
+    )
     result = run("prune", checkpoint, "--output", tmp_path / "y", "--criterion", "aimer", "--sparsity", "0.25",
                  "--method", "tenp", "--allocation", "global", ok=False)  # fmt: skip
     assert result.exit_code == 2 and "trapezoid" in result.output
@@ -352,7 +355,11 @@ def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
     assert report["criterion"] == best["criterion"] == report["criterion_auto"]["chosen"]
     result = run("prune", checkpoint, "--output", tmp_path / "x", "--criterion", "auto", "--sparsity", "0.25",
                  "--data", data, ok=False)  # fmt: skip
-    assert result.exit_code == 2 and "choosing the criterion automatically needs search data" in result.output and "(--search-data)" in result.output
+    assert (
+        result.exit_code == 2
+        and "choosing the criterion automatically needs search data" in result.output
+        and "(--search-data)" in result.output
+    )
 
 
 def test_prune_help_documents_every_option_family():
@@ -388,7 +395,10 @@ def test_bf16_input_stays_bf16_unless_asked(checkpoint, tmp_path):
     common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
     run("prune", bf16, "--output", tmp_path / "same", *common)
     run("prune", bf16, "--output", tmp_path / "fp32", *common, "--save-dtype", "fp32")
-    dtypes = {name: {t.dtype for t in load_file(tmp_path / name / "model.safetensors").values()} for name in ("same", "fp32")}
+    dtypes = {
+        name: {t.dtype for t in load_file(tmp_path / name / "model.safetensors").values()}
+        for name in ("same", "fp32")
+    }
     assert dtypes == {"same": {torch.bfloat16}, "fp32": {torch.float32}}
     assert json.loads((tmp_path / "same" / "report.json").read_text())["save_dtype"] == "bfloat16"
 
@@ -401,8 +411,13 @@ def test_every_output_has_a_model_card(checkpoint, data, tmp_path, method):
         "--data", data, "--quiet", *allocation)  # fmt: skip
     card = (out / "README.md").read_text()
     report = json.loads((out / "report.json").read_text())
-    assert f"`{checkpoint}`" in card and f"Criterion: reap; allocation: {report['allocation']}; method: {method}" in card
-    rows = [line for line in card.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert (
+        f"`{checkpoint}`" in card
+        and f"Criterion: reap; allocation: {report['allocation']}; method: {method}" in card
+    )
+    rows = [
+        line for line in card.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()
+    ]
     assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2, 3]  # one row per MoE layer
     for row, layer in zip(rows, report["layers_after"]):
         kept = layer["experts"] - layer["novices"]
@@ -443,4 +458,7 @@ def test_a_model_id_from_the_local_hugging_face_cache(checkpoint, tmp_path, monk
                "--dry-run").output  # fmt: skip
     assert str(snapshot) in plan
     missing = run("inspect", "acme/not-cached", ok=False)
-    assert missing.exit_code == 2 and "neither a local folder nor a model in the local Hugging Face cache" in missing.output
+    assert (
+        missing.exit_code == 2
+        and "neither a local folder nor a model in the local Hugging Face cache" in missing.output
+    )

@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.candidates import run_evo_search
-from moeprune.allocate.search.evo import EvoConfig
-from moeprune.api import _novice_context, apply_plan, build_plan
+from moeprune.allocate.search.population import EvoConfig
+from moeprune.allocate.search.run import run_evo_search
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.models.parameters import routed_parameters
 from moeprune.observe.observer import observe
+from moeprune.surgery.novice import novice_context
+from moeprune.surgery.parameters import routed_parameters
+from moeprune.surgery.planning import apply_plan, build_plan
 from moeprune.surgery.plans import virtual_plan
 
 TOKENS = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -67,7 +68,7 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
         budget = budget_from_sparsity(
             SPARSITY, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
         )
-        context = _novice_context(moe, [stats]) if method == "novice" else None
+        context = novice_context(moe, [stats]) if method == "novice" else None
         removed, document = run_evo_search(
             moe, data(4, seed=9), [s.order for s in scores], budget, config=EvoConfig(population=6, elites=2,
             generations=2), fingerprint={}, batch_size=4, progress=False, candidate_context=context,

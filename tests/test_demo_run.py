@@ -14,7 +14,7 @@ from moeprune.demo import run as demo_run
 @pytest.fixture()
 def quick_on_fixture(monkeypatch, trained_moe):
     """Quick mode, every criterion, on the session's trained fixture (already cached)."""
-    monkeypatch.setattr(demo_run, "QUICK_CRITERIA", demo_run.CRITERIA)
+    monkeypatch.setattr(demo_run, "QUICK_CRITERIA", demo_run.DEMO_CRITERIA)
     monkeypatch.setattr(demo_run, "get_demo_model", lambda *a, **k: trained_moe[0])
 
 
@@ -31,7 +31,7 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     methods = {(r["allocation"], r["method"]) for r in rows[1:]}
     assert {("uniform", "drop"), ("global", "drop"), ("uniform", "novice"), ("uniform", "neurons"),
             ("trapezoid", "tenp"), ("evo", "drop")} <= methods  # fmt: skip
-    assert {r["criterion"] for r in rows[1:]} >= set(demo_run.CRITERIA)
+    assert {r["criterion"] for r in rows[1:]} >= set(demo_run.DEMO_CRITERIA)
     for row in rows[1:]:
         assert 0 < row["esap"] < 1
         assert row["parameters"]["total"] < full["parameters"]["total"]

@@ -15,11 +15,13 @@ from distributed_worker import BATCH_SIZE, FAMILIES, LENGTHS, SEQUENTIAL_FAMILY
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.observe.distributed import _flatten, _unflatten, observe_distributed
 from moeprune.observe.observer import observe
 from moeprune.observe.sequential import observe_sequential
 from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
-from moeprune.runtime import distributed
-from moeprune.runtime.distributed import _flatten, _unflatten, observe_distributed, placement, shard_data
+from moeprune.runtime import device
+from moeprune.runtime.device import Placement
+from moeprune.runtime.distributed import shard_data
 from test_observe import calibration
 
 
@@ -110,22 +112,22 @@ def check_ranks(reference: ExpertStats, files: list[Path]) -> None:
 
 def test_placement_defaults(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert placement(None, None) == (torch.device("cpu"), torch.float32, None)
-    assert placement("cpu", "bf16") == (torch.device("cpu"), torch.bfloat16, None)
+    assert Placement.choose(None, None) == Placement(torch.device("cpu"), torch.float32, None)
+    assert Placement.choose("cpu", "bf16") == Placement(torch.device("cpu"), torch.bfloat16, None)
     with pytest.raises(MoePruneError, match="0 visible CUDA GPU.*use the cpu") as caught:
-        placement("cuda", None)  # a clear line, not torch's "not compiled with CUDA" traceback
+        Placement.choose("cuda", None)  # a clear line, not torch's "not compiled with CUDA" traceback
     assert caught.value.options == ("device",)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert placement("cuda:1", None)[:2] == (torch.device("cuda", 1), torch.bfloat16)
+    assert Placement.choose("cuda:1", None).device == torch.device("cuda", 1)
     with pytest.raises(MoePruneError, match="2 visible CUDA GPU"):
-        placement("cuda:2", None)
+        Placement.choose("cuda:2", None)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert placement(None, None) == (torch.device("cuda", 1), torch.bfloat16, None)
-    assert placement(None, "fp32")[1] == torch.float32
+    assert Placement.choose(None, None) == Placement(torch.device("cuda", 1), torch.bfloat16, None)
+    assert Placement.choose(None, "fp32").dtype == torch.float32
 
 
 def test_device_map_auto_needs_accelerate(monkeypatch):
-    monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MoePruneError, match="accelerate"):
-        placement("auto", None)
+        Placement.choose("auto", None)

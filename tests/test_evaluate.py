@@ -14,9 +14,12 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from moeprune.api import DataOptions, apply_plan, build_plan, prune, score_experts
+from moeprune.api import PruneConfig, prune_checkpoint
 from moeprune.checkpoint import load_model, save_pretrained
 from moeprune.cli.main import main
+from moeprune.config import DataOptions
+from moeprune.criteria import score_experts
+from moeprune.data.loading import calibration_sets
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded, parse_metrics
@@ -24,11 +27,12 @@ from moeprune.evaluate.routing import original_ids
 from moeprune.evaluate.size import disk_bytes, measure_peak
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.models.parameters import plan_routed_parameters
 from moeprune.plan import Plan
 from moeprune.report.eval_plots import _importance_profile, draw_directory, plot_score_profiles
 from moeprune.report.eval_report import to_markdown
 from moeprune.surgery import drop_experts
+from moeprune.surgery.parameters import plan_routed_parameters
+from moeprune.surgery.planning import apply_plan, build_plan
 
 PNG = b"\x89PNG"
 
@@ -71,7 +75,9 @@ def tiny_pruned(tiny_dir, tiny_data, tmp_path_factory) -> Path:
     """A stock-format pruned copy (uniform, 25%), with plan.json beside it."""
     out = tmp_path_factory.mktemp("pruned") / "freq25"
     data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
-    prune(tiny_dir, out, criterion="frequency", sparsity=0.25, data=data, progress=False)
+    prune_checkpoint(
+        tiny_dir, out, PruneConfig(criterion="frequency", sparsity=0.25), data=data, progress=False
+    )
     return out
 
 
@@ -282,9 +288,8 @@ def test_pruned_esap_is_between_0_and_1_and_falls_with_sparsity(trained):
     data = DataOptions(
         sources=[str(corpus / "math_search.jsonl"), str(corpus / "code_search.jsonl")], samples=32
     )
-    criterion, scores, _, _ = score_experts(
-        moe, "frequency", tokenizer=reference.tokenizer, data=data, progress=False
-    )
+    sets = calibration_sets(reference.tokenizer, data)
+    criterion, scores, _ = score_experts(moe, "frequency", sets, progress=False)
     pruned = []
     for sparsity in (0.25, 0.5):
         model = copy.deepcopy(reference.model)
@@ -313,7 +318,13 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
     pruned = tmp_path / method
     data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
     criterion = "mone" if method == "novice" else "tenp"
-    prune(tiny_dir, pruned, criterion=criterion, sparsity=0.5, method=method, data=data, progress=False)
+    prune_checkpoint(
+        tiny_dir,
+        pruned,
+        PruneConfig(criterion=criterion, sparsity=0.5, method=method),
+        data=data,
+        progress=False,
+    )
     out = tmp_path / "rep" / "report.json"
     run("eval", pruned, "--reference", tiny_dir, "--data", tiny_data[0], "--samples", 6, "--spec-prompts", 2,
         "--spec-tokens", 6, "--output", out, "--quiet")  # fmt: skip
@@ -332,5 +343,11 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
     for key in ("routed_experts", "active_routed_experts"):
         assert entry["size"]["parameters"][key] == expected[key], key
     with pytest.raises(MoePruneError, match="cannot be pruned again"):  # packed: renumbering unsupported
-        prune(pruned, tmp_path / "again", criterion="frequency", sparsity=0.25, data=data, progress=False)
+        prune_checkpoint(
+            pruned,
+            tmp_path / "again",
+            PruneConfig(criterion="frequency", sparsity=0.25),
+            data=data,
+            progress=False,
+        )
     assert not (tmp_path / "again").exists()

@@ -217,12 +217,16 @@ def test_resume_refuses_other_settings_and_missing_state(tmp_path):
 
 def test_patience_stops_a_stalled_search_and_says_why():
     caps, budget = [6] * 4, 8
-    flat = _separable([0.0, 0.0, 0.0, 0.0])  # every allocation ties: the best never improves after generation 0
+    flat = _separable(
+        [0.0, 0.0, 0.0, 0.0]
+    )  # every allocation ties: the best never improves after generation 0
     config = EvoConfig(population=6, elites=2, generations=30, seed=1, patience=3)
     result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, progress=False).run()
     assert len(result.history) == 4  # generation 0, then 3 without improvement
     assert result.stopped == {"reason": "patience", "generations_run": 4, "patience": 3}
-    full = EvoSearch(flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), progress=False).run()
+    full = EvoSearch(
+        flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), progress=False
+    ).run()
     assert len(full.history) == 30 and full.stopped == {"reason": "generations", "generations_run": 30}
 
 

@@ -36,7 +36,7 @@ def _score(teacher, logits, fitness: str, seed: int = 0) -> float:
 
 
 def test_directions_and_unknown_name():
-    assert [higher_is_better(f) for f in FITNESSES] == [True, True, False, False]
+    assert [higher_is_better(f) for f in FITNESSES.names()] == [True, True, False, False]
     with pytest.raises(MoePruneError, match="unknown fitness"):
         higher_is_better("bleu")
 
@@ -162,7 +162,7 @@ def test_missing_or_unknown_samples_are_errors():
         acc.add([0], logits[:1])
 
 
-@pytest.mark.parametrize("fitness", FITNESSES)
+@pytest.mark.parametrize("fitness", FITNESSES.names())
 def test_bf16_logits_equal_their_fp32_upcast(fitness):
     g = torch.Generator().manual_seed(4)
     t_logits = (torch.randn(2, 5, 64, generator=g) * 3).to(torch.bfloat16)

@@ -16,7 +16,6 @@ from moeprune.checkpoint import is_moeprune_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.observe.observer import observe
 from moeprune.observe.stats import LayerStats
 from moeprune.surgery.neurons import (
@@ -26,6 +25,7 @@ from moeprune.surgery.neurons import (
     stock_width_expressible,
     top_neurons,
 )
+from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from test_observe import calibration
 
@@ -175,7 +175,9 @@ def test_bad_inputs_are_refused():
         neuron_plan(moe, stats, 0.99, multiple_of=1)
     with pytest.raises(MoePruneError, match="neurons=True"):
         neuron_plan(moe, observe(moe, calibration(), progress=False), 0.5)
-    with pytest.raises(MoePruneError, match="needs calibration statistics: give calibration data files") as caught:
+    with pytest.raises(
+        MoePruneError, match="needs calibration statistics: give calibration data files"
+    ) as caught:
         neuron_plan(moe, None, 0.5)
     assert caught.value.options == ("data",)
     with pytest.raises(MoePruneError, match="unknown neuron importance"):

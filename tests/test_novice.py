@@ -16,12 +16,12 @@ from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 from moeprune.surgery.novice import novice_plan
 from moeprune.surgery.packed import router_count
+from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from test_observe import calibration
 
@@ -101,7 +101,9 @@ def test_constant_expert_is_replaced_with_zero_error(family):
 def test_novices_need_calibration_data():
     moe = MoEModel(tiny_model("olmoe"))
     scores = compute_scores("random", num_experts=[8] * len(moe), layers=[m.index for m in moe.layers])
-    with pytest.raises(MoePruneError, match="needs calibration statistics: give calibration data files") as caught:
+    with pytest.raises(
+        MoePruneError, match="needs calibration statistics: give calibration data files"
+    ) as caught:
         novice_plan(moe, None, scores, 0.25, criterion=get_criterion("random"))
     assert caught.value.options == ("data",)
     plan = Plan.from_removals(
@@ -126,7 +128,9 @@ def test_packed_layer_json_records_novices(tmp_path):
     assert meta["format_version"] == 3
     for entry, lp in zip(meta["layers"], plan.layers):
         assert entry["novice"] == lp.novice  # nothing dropped: router positions are the original ids
-        assert [p for p, w in enumerate(entry["widths"]) if w is not None] == sorted(set(lp.kept) - set(lp.novice))
+        assert [p for p, w in enumerate(entry["widths"]) if w is not None] == sorted(
+            set(lp.kept) - set(lp.novice)
+        )
 
 
 def _block_errors(moe: MoEModel, inputs: dict[int, list], plan: Plan, stats) -> list[float]:

@@ -12,7 +12,7 @@ from moeprune.checkpoint import check_not_offloaded, load_model
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
-from moeprune.runtime.distributed import placement
+from moeprune.runtime.device import Placement
 from moeprune.surgery import drop_experts
 
 pytest.importorskip("accelerate")
@@ -64,10 +64,10 @@ def test_device_map_is_refused_for_moeprune_format(tmp_path):
 def test_device_auto_is_refused_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(MoePruneError, match="under torchrun each rank holds its own copy"):
-        placement("auto", None)
+        Placement.choose("auto", None)
 
 
 def test_device_auto_without_gpus_is_plain_cpu(monkeypatch):
     """No GPU: no accelerate device map at all (which moeprune-format checkpoints could not take)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert placement("auto", None) == (torch.device("cpu"), torch.float32, None)
+    assert Placement.choose("auto", None) == Placement(torch.device("cpu"), torch.float32, None)

@@ -17,11 +17,14 @@ from moeprune.allocate.search.candidates import (
     CandidateEvaluator,
     PrefixCache,
     layer_limits,
-    run_evo_search,
 )
-from moeprune.allocate.search.evo import EvoConfig, Feasibility
 from moeprune.allocate.search.fitness import FitnessAccumulator
-from moeprune.data.loading import CalibrationData, Sample, load_data
+from moeprune.allocate.search.population import EvoConfig, Feasibility
+from moeprune.allocate.search.run import run_evo_search
+from moeprune.checkpoint import load_model
+from moeprune.config import DataOptions
+from moeprune.criteria import score_experts
+from moeprune.data.loading import CalibrationData, Sample, calibration_sets, load_data
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
@@ -273,15 +276,19 @@ def test_bad_input_fails_early_with_a_reason(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("criterion", ["frequency", "reap"])
 def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, criterion):
-    from moeprune.api import DataOptions, score_experts
-    from moeprune.checkpoint import load_model
 
     model_dir, corpus = trained_moe
     model, tokenizer = load_model(model_dir)
     moe = MoEModel(model)
     sources = [str(corpus / f"{d}_search.jsonl") for d in ("code", "prose", "math")]
     options = DataOptions(sources=sources, samples=24, max_length=128)
-    _, scores, _, _ = score_experts(moe, criterion, tokenizer=tokenizer, data=options, progress=False)
+    _, scores, _ = score_experts(
+        moe,
+        criterion,
+        calibration_sets(tokenizer, options),
+        progress=False,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     search = load_data(sources, tokenizer, num_samples=24, max_length=128, seed=1)
     limits = layer_limits(moe)
     budget = budget_from_sparsity(0.5, limits.num_experts, limits.top_k)

@@ -20,11 +20,14 @@ from __future__ import annotations
 import ast
 import copy
 import filecmp
+import functools
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,6 @@ from safetensors.torch import load_file, save_file
 
 import moeprune
 from helpers import REORDER_RTOL, assert_logits_close
-from moeprune.allocate.trapezoid import tenp_plan
 from moeprune.checkpoint.save import moeprune_config
 from moeprune.criteria import compute_scores
 from moeprune.models import MoEModel, supported_families
@@ -41,11 +43,14 @@ from moeprune.models.factory import tiny_model
 from moeprune.models.spec import FAMILIES as SPECS
 from moeprune.observe.observer import observe
 from moeprune.plan import LayerPlan, Plan
+from moeprune.serve.modeling_moeprune import MODELING_FILES as modeling_files
 from moeprune.surgery import drop_experts
 from moeprune.surgery.plans import apply_plan_physical
+from moeprune.surgery.tenp import tenp_plan
 from test_observe import calibration
 
 MODELING = Path(moeprune.__file__).parent / "serve" / "modeling_moeprune.py"
+MODELING_FILES = [MODELING.parent / name for name in modeling_files]  # the entry file and what it imports
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 KINDS = ("counts", "novice", "tenp", "uniform12")
 EXTRA = ("llama4_text-uniform8", "qwen3_moe-sharded-tied", "deepseek_v3-bf16", "deepseek_v3-bf16-as-fp32",
@@ -111,9 +116,8 @@ def save(model, path: Path, **kwargs) -> Path:
     assert moeprune.save_pretrained(model, path, **kwargs) == "moeprune", (
         f"{path.name} saved as a stock checkpoint"
     )
-    assert filecmp.cmp(path / MODELING.name, MODELING, shallow=False), (
-        "the saver did not copy this modeling file"
-    )
+    for source in MODELING_FILES:
+        assert filecmp.cmp(path / source.name, source, shallow=False), f"the saver did not copy {source.name}"
     return path
 
 
@@ -377,12 +381,16 @@ def test_damaged_folders_and_unsupported_arguments_fail_clearly(served, name):
 
 
 # ----------------------------------------------------------------------------- the file itself
+@functools.cache
 def _modeling_module():
-    spec = importlib.util.spec_from_file_location("modeling_moeprune_under_test", MODELING)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The modeling files by themselves, as a package of their own (as transformers loads them)."""
+    folder = Path(tempfile.mkdtemp()) / "modeling_under_test"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for source in MODELING_FILES:
+        shutil.copyfile(source, folder / source.name)
+    sys.path.insert(0, str(folder.parent))
+    return importlib.import_module("modeling_under_test.modeling_moeprune")
 
 
 def test_family_table_agrees_with_family_spec():
@@ -428,9 +436,10 @@ def test_every_family_defines_the_classes_the_saver_names(tmp_path):
         assert model_class.config_class is config_class and data["architectures"] == [model_class.__name__]
 
 
-def test_modeling_file_imports_only_torch_transformers_and_the_standard_library():
+@pytest.mark.parametrize("source", MODELING_FILES, ids=lambda p: p.name)
+def test_modeling_files_import_only_torch_transformers_the_standard_library_and_each_other(source):
     allowed = set(sys.stdlib_module_names) | {"torch", "transformers", "safetensors", "huggingface_hub"}
-    tree = ast.parse(MODELING.read_text())
+    tree = ast.parse(source.read_text())
     imported = {
         alias.name.split(".")[0]
         for node in ast.walk(tree)
@@ -440,9 +449,12 @@ def test_modeling_file_imports_only_torch_transformers_and_the_standard_library(
     imported |= {
         node.module.split(".")[0]
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
     }
     assert imported <= allowed, sorted(imported - allowed)
-    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)), (
-        "relative import"
+    # relative imports reach the sibling files only: transformers copies exactly those with the entry file
+    siblings = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+    assert all(
+        isinstance(n, ast.ImportFrom) and n.level == 1 for n in ast.walk(tree) if getattr(n, "level", 0)
     )
+    assert {f"{name}.py" for name in siblings} <= {p.name for p in MODELING_FILES}, siblings

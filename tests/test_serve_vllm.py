@@ -37,7 +37,8 @@ import pytest
 import torch
 
 import moeprune
-from moeprune.api import DataOptions, prune
+from moeprune.api import prune_checkpoint
+from moeprune.config import DataOptions, PruneConfig, SearchConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
@@ -70,7 +71,7 @@ FAMILIES = {
                      first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.5),
 }  # fmt: skip
 TESTED = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")  # every kind; the other families: EXTRA_KINDS
-_EVO = dict(search_samples=4, population=4, elites=2, generations=2)
+_EVO = SearchConfig(samples=4, population=4, elites=2, generations=2)
 KINDS = {  # kind: (prune arguments, expected format)
     "drop": (dict(criterion="reap", sparsity=0.25), "stock"),
     "global": (dict(criterion="aimer", sparsity=0.25, allocation="global"), "moeprune"),
@@ -134,7 +135,10 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     if not VLLM_PYTHON.is_file():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh to install vLLM beside moeprune", pytrace=False)
+        pytest.fail(
+            f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh to install vLLM beside moeprune",
+            pytrace=False,
+        )
     return VLLM_PYTHON
 
 
@@ -150,7 +154,7 @@ def _reference(family: str, path: Path, vocab: int) -> None:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Every (family, kind) output, made by moeprune.api.prune."""
+    """Every (family, kind) output, made by moeprune.api.prune_checkpoint."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = byte_tokenizer()
     data = root / "calib.jsonl"
@@ -165,11 +169,12 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
         for kind in KINDS:
             if (family, kind) not in CASES:
                 continue
-            arguments = dict(KINDS[kind][0])
-            if arguments.get("allocation") == "evo":
-                arguments["search"] = dict(_EVO, search_data=[str(data)])
+            config = PruneConfig(**KINDS[kind][0], search=_EVO)
             made[family, kind] = root / family / kind
-            prune(reference, made[family, kind], data=options, progress=False, **arguments)
+            search = [str(data)] if config.allocation == "evo" else []
+            prune_checkpoint(
+                reference, made[family, kind], config, data=options, search_data=search, progress=False
+            )
             if family == "deepseek_v3" and KINDS[kind][1] == "moeprune":
                 config_path = made[family, kind] / "config.json"
                 config = json.loads(config_path.read_text())
@@ -212,9 +217,14 @@ def served(vllm_python, outputs, unserved_family, damaged, tmp_path_factory) -> 
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "driver.py").write_text(DRIVER)
     start = time.time()
-    result = _run_vllm(vllm_python, [work / "driver.py", work / "spec.json", work / "out.json"], work / "log.txt")
+    result = _run_vllm(
+        vllm_python, [work / "driver.py", work / "spec.json", work / "out.json"], work / "log.txt"
+    )
     if result.returncode != 0:
-        pytest.fail(f"vLLM failed (exit {result.returncode}); the end of its log:\n{_tail(work / 'log.txt')}", pytrace=False)
+        pytest.fail(
+            f"vLLM failed (exit {result.returncode}); the end of its log:\n{_tail(work / 'log.txt')}",
+            pytrace=False,
+        )
     served = json.loads((work / "out.json").read_text())
     served["seconds"] = time.time() - start
     print(f"\nvLLM served {len(outputs)} outputs in {served['seconds']:.0f} s (one process)")
@@ -314,6 +324,7 @@ def test_plugin_refuses_a_damaged_checkpoint(served, damaged):
 def test_serving_imports_nothing_heavy_from_moeprune(served):
     """vLLM's processes import moeprune's plugin and serving code only (no pipeline, data, ...)."""
     allowed = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
+               "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading",
                "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
                "moeprune.serve.vllm.models"}  # fmt: skip
     assert set(served["moeprune_modules"]) <= allowed, sorted(set(served["moeprune_modules"]) - allowed)

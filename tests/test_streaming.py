@@ -17,19 +17,16 @@ from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import assert_logits_close
+from moeprune.checkpoint.files import INDEX
 from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
-from moeprune.shards.layout import (
-    INDEX,
-    _Sums,
-    checkpoint_layers,
-    meta_model,
-    rewrite_checkpoint,
-    score_checkpoint,
-)
+from moeprune.shards.layout import meta_model
+from moeprune.shards.reader import checkpoint_layers
+from moeprune.shards.rewrite import rewrite_checkpoint
+from moeprune.shards.weight_scores import _Sums, score_checkpoint
 from moeprune.surgery import drop_experts
 
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -156,7 +153,7 @@ def test_truncated_shard_is_reported(checkpoints, tmp_path):
     key, start, _ = layer.stored_ranges("down_proj", layer.num_experts - 1)[0]
     shard = path / layer.stored_tensor(key).file
     shard.write_bytes(shard.read_bytes()[: start + 16])  # cut inside the last expert's weights
-    with pytest.raises(MoePruneError, match="ended early: truncated"):
+    with pytest.raises(MoePruneError, match="is truncated"):
         score_checkpoint(path, "aimer")
 
 

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from moeprune.checkpoint.files import INDEX
 from moeprune.cli.main import main
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
@@ -19,8 +20,9 @@ from moeprune.models.factory import tiny_model
 from moeprune.models.spec import FAMILIES
 from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.plan import Plan
-from moeprune.shards.layout import INDEX, meta_model
+from moeprune.shards.layout import meta_model
 from moeprune.shards.neurons import rewrite_neuron_checkpoint
+from moeprune.shards.reader import SafetensorsExperts
 from moeprune.surgery.neurons import neuron_plan, stock_width_expressible
 from moeprune.surgery.plans import apply_plan_physical, resolve_plan
 from test_streaming import assert_same_model
@@ -137,19 +139,17 @@ def test_plan_keeping_every_neuron_copies_the_weights(tmp_path):
 
 def test_rewrite_reads_one_expert_at_a_time(tmp_path, monkeypatch):
     """Each expert's tensors are read once and the cut expert is released before the next one."""
-    from moeprune.shards import layout as streaming
-
     src = tmp_path / "src"
     tiny_model("qwen3_moe").save_pretrained(src)
     _, plan, keep = plan_and_keep(src)
     reads: list[tuple[int, str, int]] = []
-    real = streaming.SafetensorsExperts.expert_tensor
+    real = SafetensorsExperts.expert_tensor
 
     def counted(self, name, expert):
         reads.append((self.layer, name, expert))
         return real(self, name, expert)
 
-    monkeypatch.setattr(streaming.SafetensorsExperts, "expert_tensor", counted)
+    monkeypatch.setattr(SafetensorsExperts, "expert_tensor", counted)
     rewrite_neuron_checkpoint(src, tmp_path / "out", plan, keep)
     assert sorted(reads) == sorted(
         {(i, n, e) for i in keep for n in ("gate_up_proj", "down_proj") for e in range(8)}
@@ -188,8 +188,8 @@ def test_cli_no_load_neurons_equals_in_memory_prune(tiny_checkpoint, data, tmp_p
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--method", "tenp", "--criterion", "reap"), "--method drop or neurons"),
-        (("--method", "novice", "--criterion", "reap"), "--method drop or neurons"),
+        (("--method", "tenp", "--criterion", "reap"), "drop or neurons method"),
+        (("--method", "novice", "--criterion", "reap"), "drop or neurons method"),
         (("--method", "neurons", "--criterion", "auto"), "named criterion"),
     ],
 )
@@ -220,12 +220,12 @@ def test_cli_no_load_neurons_refuses_llama4_before_observing(tmp_path, data):
 )
 def test_no_load_fails_before_any_scoring(tiny_checkpoint, data, tmp_path, monkeypatch, args, message):
     """Cheap checks (budget, neuron width, output folder) run before hours of observation."""
-    from moeprune import api as pipeline
+    from moeprune.shards import prune as shard_prune
 
     def never(*args, **kwargs):
         raise AssertionError("scored or observed before the cheap checks")
 
-    monkeypatch.setattr(pipeline, "score_without_loading", never)
+    monkeypatch.setattr(shard_prune, "score_without_loading", never)
     src = tmp_path / "src"
     src.mkdir()
     for item in tiny_checkpoint.iterdir():

@@ -11,15 +11,16 @@ import torch
 
 import moeprune
 from helpers import assert_logits_close
-from moeprune.allocate.trapezoid import TrapezoidLayer, depth_weights, tenp_plan, trapezoid_allocation
+from moeprune.allocate.trapezoid import TrapezoidLayer, depth_weights, trapezoid_allocation
 from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
+from moeprune.models.adapter import ExpertCost
 from moeprune.models.factory import tiny_model
-from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.observe.observer import observe
-from moeprune.surgery.packed import ExpertCost
+from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
+from moeprune.surgery.tenp import tenp_plan
 from test_observe import calibration
 
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -139,6 +140,8 @@ def test_tenp_needs_neuron_statistics():
     stats = observe(moe, calibration(), progress=False)
     with pytest.raises(MoePruneError, match="neurons=True"):
         tenp_plan(moe, stats, compute_scores("tenp", stats=stats), 0.5)
-    with pytest.raises(MoePruneError, match="needs calibration statistics: give calibration data files") as caught:
+    with pytest.raises(
+        MoePruneError, match="needs calibration statistics: give calibration data files"
+    ) as caught:
         tenp_plan(moe, None, [], 0.5)
     assert caught.value.options == ("data",)

@@ -12,7 +12,7 @@ it back. This module imports nothing of moeprune but its errors, so every stage 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any, Generic, TypeVar
 
@@ -74,6 +74,30 @@ class Registry(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._specs)
+
+
+# ----------------------------------------------------------------------------- data and saving
+@dataclass
+class DataOptions:
+    """Where calibration (or evaluation) data comes from, how much of it, and where the model runs."""
+
+    sources: Sequence[str] = ()  # files, FILE:WEIGHT to mix them
+    samples: int | None = 128  # None: every sample
+    max_length: int = 512
+    batch_size: int = 8
+    seed: int = 0
+    packing: bool = False
+    device: str | None = None  # None: the GPU when there is one, else the CPU; "auto": device_map="auto"
+    sequential: bool = False  # observe one decoder layer at a time, never loading the whole model
+    activations_dir: str | None = None  # sequential: cached activations on disk under this folder
+
+
+@dataclass
+class SaveOptions:
+    """How a result is written (docs/checkpoint-format.md)."""
+
+    dtype: str | None = None  # None: the dtype the input checkpoint stores (bf16 stays bf16)
+    max_shard_size: int | str = "5GB"
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -139,7 +163,9 @@ def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise MoePruneError(f"{where} has unknown keys {unknown}; known: {', '.join(known)}")
-    missing = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data]
+    missing = [
+        n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data
+    ]
     if missing:
         raise MoePruneError(f"{where} lacks {', '.join(missing)}")
     for name, value in data.items():

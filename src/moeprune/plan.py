@@ -17,6 +17,7 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
+from moeprune import __version__
 from moeprune.errors import MoePruneError
 
 FORMAT = "moeprune-plan"
@@ -308,8 +309,6 @@ def _json_default(value: Any) -> Any:
 
 def _versions() -> dict[str, str]:
     """Library versions, read from package metadata so that torch need not be imported."""
-    from moeprune import __version__
-
     versions = {"moeprune": __version__}
     for name in ("torch", "transformers"):
         try:

@@ -20,10 +20,29 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
+
+ALLOCATIONS.add(
+    Allocator("uniform", "the same share of experts removed in every layer (remainders by largest remainder)")
+)
+ALLOCATIONS.add(
+    Allocator(
+        "global",
+        "rank all experts of all layers by the criterion (normalised per layer unless "
+        "comparable across layers) and remove the least important",
+    )
+)
 
 # Which end of a criterion's scale is pruned first; "smallest"/"largest" are accepted aliases.
 _DIRECTIONS = {"lowest": 1.0, "smallest": 1.0, "highest": -1.0, "largest": -1.0}
+
+
+def check_ratio(ratio: float, what: str) -> float:
+    """A fraction in (0, 1], or an error naming what it is."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise MoePruneError(f"{what} must be in (0, 1], got {ratio!r}")
+    return float(ratio)
 
 
 def _as_int(value: object, what: str) -> int:

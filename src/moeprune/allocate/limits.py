@@ -8,15 +8,22 @@
   kernels prefer multiples of 8) and group-limited layers stay balanced.
 
 Works on a model on the meta device, so an impossible request is refused before any weight
-is loaded.
+is loaded. `expert_allocation` applies the uniform and global allocations under these limits.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moeprune.allocate.basic import group_limited_cap
+from moeprune.allocate.basic import (
+    budget_from_sparsity,
+    global_allocation,
+    group_limited_cap,
+    uniform_allocation,
+)
+from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models.adapter import MoEModel
 
@@ -67,3 +74,22 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
         groups=groups,
         multiples=[math.lcm(g, expert_multiple) for g in groups],
     )
+
+
+def expert_allocation(
+    moe: MoEModel, criterion: Criterion, scores: Sequence[LayerScores], sparsity: float, allocation: str,
+    limits: LayerLimits | None = None,
+) -> list[int]:  # fmt: skip
+    """How many experts each MoE layer loses under the global budget (uniform or global)."""
+    limits = limits or layer_limits(moe)
+    budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
+    if allocation == "uniform":
+        return uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+    if allocation == "global":
+        normalize = not criterion.comparable_across_layers
+        return global_allocation(
+            [s.scores for s in scores], criterion.prune_first, budget, limits.num_experts, limits.top_k, normalize,
+            **limits.as_kwargs(),
+        )  # fmt: skip
+    raise MoePruneError(f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)",
+                        options=("allocation",))  # fmt: skip

@@ -56,9 +56,13 @@ def check_not_inside(output: str | Path, inputs: list[str | Path], what: str = "
     for source in inputs:
         src = Path(source).resolve()
         if out == src:
-            raise MoePruneError(f"the {what} {str(output)!r} is the input {str(source)!r}; write somewhere else")
+            raise MoePruneError(
+                f"the {what} {str(output)!r} is the input {str(source)!r}; write somewhere else"
+            )
         if src in out.parents:
-            raise MoePruneError(f"the {what} {str(output)!r} lies inside the input {str(source)!r}; write somewhere else")
+            raise MoePruneError(
+                f"the {what} {str(output)!r} lies inside the input {str(source)!r}; write somewhere else"
+            )
         if out in src.parents:
             raise MoePruneError(
                 f"the {what} {str(output)!r} contains the input {str(source)!r} (replacing it would delete the "
@@ -173,13 +177,17 @@ def atomic_write_dir(out_dir: str | Path, write: Callable[[Path], None], overwri
 def write_json(path: str | Path, data: object) -> None:
     """Atomic, strict JSON (temporary file + rename; NaN and infinity are refused)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     except ValueError as exc:
         raise MoePruneError(f"refusing to write {path}: it would hold a non-finite number ({exc})") from exc
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
-        tmp.write_text(text)
+        with tmp.open("w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before the rename: even a power cut leaves a whole file
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -205,7 +213,9 @@ def output_lock(output: str | Path) -> Iterator[None]:
     try:
         handle.seek(0)
         handle.truncate()
-        handle.write(f"moeprune pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n")
+        handle.write(
+            f"moeprune pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%H:%M:%S')}\n"
+        )
         handle.flush()
         yield
     finally:

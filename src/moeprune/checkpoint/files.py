@@ -24,7 +24,12 @@ from moeprune.errors import MoePruneError
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -47,10 +52,14 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
         with path.open("rb") as handle:
             raw = handle.read(8)
             if len(raw) < 8:
-                raise MoePruneError(f"{path} is empty or truncated ({size_on_disk} bytes): copy the file again")
+                raise MoePruneError(
+                    f"{path} is empty or truncated ({size_on_disk} bytes): copy the file again"
+                )
             (length,) = struct.unpack("<Q", raw)
             if 8 + length > size_on_disk:
-                raise MoePruneError(f"{path} is truncated (its header runs past the end): copy the file again")
+                raise MoePruneError(
+                    f"{path} is truncated (its header runs past the end): copy the file again"
+                )
             header = json.loads(handle.read(length))
     except (OSError, ValueError) as exc:
         raise MoePruneError(f"cannot read the safetensors header of {path}: {exc}") from exc
@@ -165,7 +174,9 @@ def write_shards(
         groups[-1].append(name)
         used += size
     count = len(groups)
-    files = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    files = (
+        [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
     for file, names in zip(files, groups):
         shard = {}
         for name in names:

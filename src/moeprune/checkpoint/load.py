@@ -23,20 +23,12 @@ from moeprune.checkpoint.names import disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
+from moeprune.runtime.device import Placement, resolve_dtype
+from moeprune.runtime.finite import check_finite_weights
 from moeprune.surgery.drop import drop_experts
 from moeprune.surgery.packed import pack_like
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 _MOEPRUNE_KEYS = ("moeprune", "auto_map")  # config.json entries only the saved folder needs
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype or torch.float32
-    if dtype not in DTYPES:
-        raise MoePruneError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def check_model_path(path: str | Path) -> Path:
@@ -46,7 +38,9 @@ def check_model_path(path: str | Path) -> Path:
     if not path.exists() and _looks_like_model_id(given):
         path = _cached_snapshot(given)
     if not path.exists():
-        raise MoePruneError(f"model path {given!r} does not exist; pass a local checkpoint folder or a cached model id")
+        raise MoePruneError(
+            f"model path {given!r} does not exist; pass a local checkpoint folder or a cached model id"
+        )
     if not path.is_dir() or not (path / structure.CONFIG).is_file():
         raise MoePruneError(
             f"{str(path)!r} has no config.json; pass a transformers checkpoint folder (the one save_pretrained wrote)"
@@ -66,7 +60,9 @@ def _cached_snapshot(model_id: str) -> Path:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(model_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE")))
+        return Path(
+            snapshot_download(model_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE"))
+        )
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError, OSError) as exc:
         raise MoePruneError(
             f"{model_id!r} is neither a local folder nor a model in the local Hugging Face cache; moeprune never "
@@ -107,7 +103,9 @@ def _base_config(data: dict, base: str, path: Path) -> PretrainedConfig:
         )
     plain = {k: v for k, v in data.items() if k not in _MOEPRUNE_KEYS}
     plain["model_type"] = base
-    plain["architectures"] = [a.removeprefix(structure.ARCHITECTURE_PREFIX) for a in data.get("architectures") or []]
+    plain["architectures"] = [
+        a.removeprefix(structure.ARCHITECTURE_PREFIX) for a in data.get("architectures") or []
+    ]
     try:
         return CONFIG_MAPPING[base].from_dict(plain)
     except (ValueError, KeyError, TypeError) as exc:
@@ -219,7 +217,9 @@ def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
         hf_logging.set_verbosity(verbosity)
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(problems.values()):
-        raise MoePruneError(f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged")
+        raise MoePruneError(
+            f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged"
+        )
     return model
 
 
@@ -259,7 +259,9 @@ def fill_from_disk(moe: MoEModel, path: Path) -> None:
     missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
     if missing or unexpected:
         problems = {"missing_keys": missing, "unexpected_keys": unexpected}
-        raise MoePruneError(f"{path} does not match its structure: {_describe(problems)}; the checkpoint is damaged")
+        raise MoePruneError(
+            f"{path} does not match its structure: {_describe(problems)}; the checkpoint is damaged"
+        )
     with torch.no_grad():
         for name, value in files.iter_tensors(path):
             target = targets[name]
@@ -282,10 +284,14 @@ def _load_legacy(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     files.read_header(weights)
     missing, unexpected = load_into(model, str(weights), strict=False)
     if unexpected:
-        raise MoePruneError(f"{weights} does not match {structure.LEGACY_FILE}: unexpected tensors {unexpected[:5]}")
+        raise MoePruneError(
+            f"{weights} does not match {structure.LEGACY_FILE}: unexpected tensors {unexpected[:5]}"
+        )
     tied = {name for name in missing if _tied_partner(model, name) is not None}
     if set(missing) - tied:
-        raise MoePruneError(f"{weights} does not match {structure.LEGACY_FILE}: missing tensors {sorted(set(missing) - tied)[:5]}")
+        raise MoePruneError(
+            f"{weights} does not match {structure.LEGACY_FILE}: missing tensors {sorted(set(missing) - tied)[:5]}"
+        )
     if tied:
         model.tie_weights()
     return model
@@ -332,6 +338,28 @@ def _load_auto(path: Path, dtype: torch.dtype, device_map: str) -> PreTrainedMod
     model = _from_pretrained(path, dtype=dtype, device_map=device_map)
     check_not_offloaded(model)
     return model
+
+
+def load_placed(
+    path: str | Path, placement: Placement, trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, object | None]:
+    """Load where `placement` says, and refuse weights holding NaN or inf, naming the first such tensor."""
+    model, tokenizer = load_model(path, dtype=placement.dtype, device=placement.device,
+                                  device_map=placement.device_map, trust_remote_code=trust_remote_code)  # fmt: skip
+    check_finite_weights(model, f"the model {path}")
+    return model, tokenizer
+
+
+def require_tokenizer(
+    model_path: str | Path, tokenizer_path: str | Path | None = None, trust_remote_code: bool = False
+):
+    """The tokenizer of `tokenizer_path` or of the checkpoint; a clear error when there is none."""
+    where = tokenizer_path or model_path
+    tokenizer = load_tokenizer(where, trust_remote_code)
+    if tokenizer is None:
+        raise MoePruneError(f"no tokenizer found in {str(where)!r}; give a folder with tokenizer files",
+                            options=("tokenizer_path",))  # fmt: skip
+    return tokenizer
 
 
 def check_not_offloaded(model: PreTrainedModel) -> None:

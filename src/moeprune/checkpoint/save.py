@@ -21,13 +21,14 @@ from transformers import PreTrainedModel
 
 from moeprune.checkpoint import files, structure
 from moeprune.checkpoint.atomic import atomic_write_dir
-from moeprune.checkpoint.load import resolve_dtype
 from moeprune.checkpoint.names import disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.runtime.device import resolve_dtype
+from moeprune.serve.modeling_moeprune import MODELING_FILES
 from moeprune.surgery.packed import is_packed, router_count
 
-MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve" / structure.MODELING_FILE
+MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve"  # the modeling files copied into results
 
 
 def stock_expressible(moe: MoEModel) -> bool:
@@ -61,10 +62,15 @@ def write_checkpoint(
     if stock:
         config.save_pretrained(folder)
     else:
-        (folder / structure.CONFIG).write_text(json.dumps(moeprune_config(moe, config), indent=2, sort_keys=True) + "\n")
-        if not MODELING_SOURCE.is_file():  # pragma: no cover - a broken installation
-            raise MoePruneError(f"moeprune's modeling file {MODELING_SOURCE} is missing; reinstall moeprune")
-        shutil.copyfile(MODELING_SOURCE, folder / structure.MODELING_FILE)
+        (folder / structure.CONFIG).write_text(
+            json.dumps(moeprune_config(moe, config), indent=2, sort_keys=True) + "\n"
+        )
+        for name in MODELING_FILES:
+            if not (MODELING_SOURCE / name).is_file():  # pragma: no cover - a broken installation
+                raise MoePruneError(
+                    f"moeprune's modeling file {MODELING_SOURCE / name} is missing; reinstall moeprune"
+                )
+            shutil.copyfile(MODELING_SOURCE / name, folder / name)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
     files.write_shards(folder, disk_tensors(moe), max_shard_size=max_shard_size, dtype=dtype)
@@ -103,7 +109,9 @@ def save_pretrained(
     found: list[str] = []
     atomic_write_dir(
         directory,
-        lambda tmp: found.append(write_checkpoint(model, tmp, tokenizer, dtype=chosen, max_shard_size=max_shard_size)),
+        lambda tmp: found.append(
+            write_checkpoint(model, tmp, tokenizer, dtype=chosen, max_shard_size=max_shard_size)
+        ),
         overwrite=overwrite or empty,
     )
     return found[0]

@@ -28,7 +28,7 @@ LEGACY_FILE = "moeprune.json"  # versions 1 and 2 kept the structure here
 CONFIG = "config.json"
 MODEL_TYPE_PREFIX = "moeprune_"
 ARCHITECTURE_PREFIX = "MoePrune"
-MODELING_FILE = "modeling_moeprune.py"
+MODELING_FILE = "modeling_moeprune.py"  # what config.json's auto_map names
 
 
 @dataclass(frozen=True)
@@ -113,13 +113,17 @@ def read(folder: Path) -> Structure | None:
         try:
             legacy = json.loads((folder / LEGACY_FILE).read_text())
         except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise MoePruneError(f"{folder / LEGACY_FILE} is damaged ({exc}); re-create the result with moeprune prune") from exc
+            raise MoePruneError(
+                f"{folder / LEGACY_FILE} is damaged ({exc}); re-create the result with moeprune prune"
+            ) from exc
         return _parse(legacy, str(folder / LEGACY_FILE), config)
     return None
 
 
 def _fail(where: str, what: str) -> MoePruneError:
-    return MoePruneError(f"{where}: {what}; the checkpoint is damaged or was edited by hand, re-create it with moeprune prune")
+    return MoePruneError(
+        f"{where}: {what}; the checkpoint is damaged or was edited by hand, re-create it with moeprune prune"
+    )
 
 
 def _int(value: Any) -> bool:

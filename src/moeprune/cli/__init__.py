@@ -1,18 +1,22 @@
 """The `moeprune` command: one module per command, nothing but argument parsing, a call into the
 library, and turning its errors into one line with the flags that fix them.
 
-- main.py   the command group, shared options and error translation; inspect, score, prune
-- eval.py   eval and report
-- demo.py   demo
+- main.py     the command group and error translation (MoePruneError -> one line, exit code 2)
+- options.py  options several commands share, choices and help read from the registries
+- inspect.py, score.py, prune.py, eval.py (eval and report), demo.py: one command each
 """
 
 from __future__ import annotations
 
-from moeprune.cli.demo import demo
-from moeprune.cli.eval import eval_command, report_command
-from moeprune.cli.main import main
+# Importing a command module registers it on `main`; this order is --help's.
+# isort: off
+from moeprune.cli import inspect  # noqa: F401
+from moeprune.cli import score  # noqa: F401
+from moeprune.cli import prune  # noqa: F401
+from moeprune.cli import eval  # noqa: F401
+from moeprune.cli import demo  # noqa: F401
 
-for _command in (eval_command, report_command, demo):
-    main.add_command(_command)
+# isort: on
+from moeprune.cli.main import main
 
 __all__ = ["main"]

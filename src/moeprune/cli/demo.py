@@ -5,8 +5,11 @@ from __future__ import annotations
 import click
 import torch
 
+from moeprune.cli.main import main
+from moeprune.demo.run import run_demo
 
-@click.command("demo")
+
+@main.command("demo")
 @click.option(
     "--output",
     type=click.Path(),
@@ -27,14 +30,13 @@ import torch
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def demo(output: str, quick: bool, overwrite: bool, rebuild: bool, threads: int, quiet: bool) -> None:
     """Train (or reuse) a small MoE on local text, prune it many ways, print the comparison."""
-    from moeprune.demo.run import run_demo
-
     torch.set_num_threads(threads)
-    results = run_demo(output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads)
+    results = run_demo(
+        output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads
+    )
     click.echo(results["table"])
     click.echo(
         f"\nNLL: held-out answer tokens per domain (lower is better); ESAP: expected speculative "
         f"acceptance vs the full model (higher is better).\nWrote {output}/ in "
         f"{results['timing_s']['total']:.0f}s (model ready in {results['timing_s']['model']:.0f}s)."
     )
-

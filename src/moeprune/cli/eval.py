@@ -1,4 +1,4 @@
-"""`moeprune eval` and `moeprune report`: thin commands over moeprune.evaluate and plots_eval."""
+"""`moeprune eval` and `moeprune report`: thin commands over moeprune.evaluate and moeprune.report."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ from pathlib import Path
 
 import click
 
-from moeprune.cli.main import data_from_options, data_options
+from moeprune.cli.main import main
+from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
+from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
+from moeprune.report.eval_plots import draw_directory, plot_acceptance
+from moeprune.report.eval_report import to_markdown, write_report
 
 _SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}
 
@@ -19,8 +23,6 @@ def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None
         if include or limit is not None:
             raise MoePruneError("--lm-eval-include and --limit need --lm-eval-tasks")
         return None
-    from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
-
     if include and not Path(include).is_dir():
         raise MoePruneError(f"--lm-eval-include {include!r} is not a folder")
     if limit is not None and limit <= 0:
@@ -38,11 +40,13 @@ def _check_output(output: str | None, overwrite: bool) -> None:
         raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
 
 
-@click.command("eval")
+@main.command("eval")
 @click.argument("models", nargs=-1, required=True, metavar="MODEL...")
 @click.option("--reference", "-r", required=True, type=click.Path(), help="The model MODEL was pruned from.")
 @click.option("--compare", is_flag=True, help="Several MODELs side by side: eval --compare A B C -r REF.")
-@click.option("--metrics", default="all", show_default=True, help=f"Comma list of: {', '.join(METRICS)}.")
+@click.option(
+    "--metrics", default="all", show_default=True, help=registry_help(METRICS, "Comma list of, or all:")
+)
 @click.option(
     "--output", type=click.Path(), default=None, help="Report JSON (Markdown beside it); else print Markdown."
 )
@@ -85,30 +89,21 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
     )  # fmt: skip
     doc = evaluate_models(list(models), reference, options)
     if not output:
-        from moeprune.report.eval_report import to_markdown
-
         click.echo(to_markdown(doc))
         return
     _write(doc, Path(output), plots)
 
 
 def _write(doc: dict, output: Path, plots: bool) -> None:
-    from moeprune.report.eval_report import write_report
-
     json_path, md_path = write_report(doc, output)
     click.echo(f"wrote {json_path} and {md_path}")
     if plots and any(d.get("accept") for m in doc["models"] for d in m["per_data"].values()):
-        from moeprune.report.eval_plots import plot_acceptance
-
         click.echo(f"wrote {plot_acceptance(output.with_name(f'{output.stem}_acceptance.png'), doc)}")
 
 
-@click.command("report")
+@main.command("report")
 @click.argument("folder", type=click.Path())
 def report_command(folder: str) -> None:
     """(Re)draw plots and Markdown summaries from the JSON files in FOLDER (eval, plan, scores, search)."""
-    from moeprune.report.eval_plots import draw_directory
-
     for path in draw_directory(folder):
         click.echo(f"wrote {path}")
-

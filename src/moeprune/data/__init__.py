@@ -1,5 +1,6 @@
 """Calibration and search data: local files -> token batches with attention and answer masks.
 
-- loading.py    JSONL / text / parquet / arrow / save_to_disk, mixing, packing, fingerprints
+- files.py      JSONL / text / parquet / arrow / save_to_disk files read into records
+- loading.py    records tokenized (answer masks), mixed by weight, packed, fingerprinted
 - tokenizer.py  a byte-level tokenizer and BPE training (the demo trains its own)
 """

@@ -18,23 +18,23 @@ import torch
 from tqdm.auto import tqdm
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.candidates import run_evo_search
-from moeprune.allocate.search.evo import EvoConfig
 from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
-from moeprune.api import build_plan
+from moeprune.allocate.search.population import EvoConfig
+from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
 from moeprune.models import MoEModel
-from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 from moeprune.report.plots import plot_search_curve
+from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
+from moeprune.surgery.planning import build_plan
 from moeprune.surgery.plans import virtual_plan
 
-CRITERIA = ("frequency", "reap", "aimer", "mone", "seer", "ean", "tenp", "random")
+DEMO_CRITERIA = ("frequency", "reap", "aimer", "mone", "seer", "ean", "tenp", "random")
 QUICK_CRITERIA = ("frequency", "reap", "aimer", "mone")
 ALLOCATIONS = ("uniform", "global")
 SPARSITIES = (0.25, 0.5)
@@ -92,7 +92,7 @@ SEARCHED = (("frequency", "drop"), ("reap", "drop"))
 def configurations(quick: bool) -> Iterator[tuple[str, str, str, float]]:
     """(criterion, allocation, method, sparsity) rows of the comparison, cheapest first."""
     for sparsity in SPARSITIES:
-        for criterion in QUICK_CRITERIA if quick else CRITERIA:
+        for criterion in QUICK_CRITERIA if quick else DEMO_CRITERIA:
             for allocation in ALLOCATIONS:
                 yield criterion, allocation, "drop", sparsity
         for criterion, allocation, method in EXTRA:
@@ -149,7 +149,9 @@ def run_demo(
     settings = DemoSettings.for_mode(quick)
     start = time.perf_counter()
     threads = threads or torch.get_num_threads()
-    model_dir = get_demo_model(FIXTURE if quick else DEMO, rebuild=rebuild, progress=progress, threads=threads)
+    model_dir = get_demo_model(
+        FIXTURE if quick else DEMO, rebuild=rebuild, progress=progress, threads=threads
+    )
     trained_s = time.perf_counter() - start
     corpus = model_dir / CORPUS_SUBDIR
     model, tokenizer = load_model(model_dir)
@@ -283,7 +285,11 @@ def notice(row: dict, rows: list[dict]) -> str:
         return f"{standing} at {row['sparsity']:.0%}; keeping mean outputs {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over dropping the same experts."
     if row["method"] in ("neurons", "tenp"):
         return f"{standing} at {row['sparsity']:.0%}; removes {row['sparsity']:.0%} of routed parameters by narrowing experts, not dropping them."
-    return f"{standing} of {len(peers)} at {row['sparsity']:.0%}." if rank in (1, len(peers)) else f"{standing} at {row['sparsity']:.0%}."
+    return (
+        f"{standing} of {len(peers)} at {row['sparsity']:.0%}."
+        if rank in (1, len(peers))
+        else f"{standing} at {row['sparsity']:.0%}."
+    )
 
 
 def _ordinal(n: int) -> str:

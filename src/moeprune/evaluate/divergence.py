@@ -17,17 +17,12 @@ from torch import nn
 from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError
-from moeprune.models.adapter import input_device
+from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import check_finite_logits
 
 DIVERGENCE_METRICS = ("esap", "kl", "nll", "ppl")
 _SCORED = ("esap", "kl", "nll")  # computed by fitness.py; ppl follows from nll
 _LABELS = ("the model", "the reference")
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where inputs go (the embedding's device)."""
-    return input_device(model)
 
 
 def batch_logits(model: nn.Module, batch: Batch, label: str | None = None) -> torch.Tensor:
@@ -36,7 +31,7 @@ def batch_logits(model: nn.Module, batch: Batch, label: str | None = None) -> to
     With a `label` ("the reference ref/"), NaN or infinite logits at a non-padding position raise
     NonFiniteError naming that model, the sample and the first layer whose output went non-finite.
     """
-    batch = batch.to(model_device(model))
+    batch = batch.to(input_device(model))
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     if label is not None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
-from moeprune.evaluate.divergence import model_device
+from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind
 
 F64 = torch.float64
@@ -20,7 +20,7 @@ F64 = torch.float64
 
 def _hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple:
     """Decoder layer outputs (embeddings left out)."""
-    device = model_device(model)
+    device = input_device(model)
     with torch.no_grad():
         out = model(
             input_ids=input_ids.to(device),

@@ -42,8 +42,9 @@ def require_lm_eval() -> Any:
         from lm_eval.models.huggingface import HFLM  # noqa: F401  (its own imports: accelerate, ...)
     except ImportError as exc:
         raise MoePruneError(
-            f"--lm-eval-tasks needs lm-evaluation-harness, which is not installed ({exc.name or exc}); "
-            f"install the extra: pip install '{EXTRA}'"
+            f"lm-eval tasks need lm-evaluation-harness, which is not installed ({exc.name or exc}); "
+            f"install the extra: pip install '{EXTRA}'",
+            options=("lm_eval_tasks",),
         ) from None
     return lm_eval
 
@@ -51,7 +52,7 @@ def require_lm_eval() -> Any:
 @functools.lru_cache(maxsize=8)
 def _manager(include: str | None, defaults: bool) -> Any:
     """Indexing the harness's own task folders takes tens of seconds: once per process, and only
-    when the --lm-eval-include folder does not hold every requested task."""
+    when the lm-eval include folder does not hold every requested task."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=include, include_defaults=defaults)
@@ -72,9 +73,10 @@ def task_manager(options: LmEvalOptions) -> Any:
         where = (
             f" (also looked in {options.include})"
             if options.include
-            else " (add --lm-eval-include DIR for local tasks)"
+            else "; for local tasks, give the folder that holds them"
         )
-        raise MoePruneError(f"unknown lm-eval task(s) {', '.join(missing)}{where}")
+        raise MoePruneError(f"unknown lm-eval task(s) {', '.join(missing)}{where}",
+                            options=("lm_eval_tasks", "lm_eval_include"))  # fmt: skip
     return manager
 
 
@@ -100,7 +102,7 @@ def run_tasks(model: Any, tokenizer: Any, options: LmEvalOptions) -> dict[str, d
     from lm_eval.models.huggingface import HFLM
 
     if tokenizer is None:
-        raise MoePruneError("lm-eval needs a tokenizer: pass --tokenizer PATH")
+        raise MoePruneError("lm-eval needs a tokenizer: give its path", options=("tokenizer",))
     manager = task_manager(options)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
     result = simple_evaluate(

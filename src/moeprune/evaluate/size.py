@@ -20,8 +20,11 @@ from typing import TypeVar
 
 import torch
 
+from moeprune.checkpoint import load_model
+from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
-from moeprune.models.parameters import routed_parameters
+from moeprune.models.factory import TINY_OVERRIDES, save_tiny_model
+from moeprune.surgery.parameters import routed_parameters
 
 T = TypeVar("T")
 _STATUS = Path("/proc/self/status")
@@ -101,10 +104,6 @@ def _host_peak(load: Callable[[], T]) -> tuple[T, dict[str, object]]:
 def warm_up_loading(model_type: str) -> None:
     """Load a tiny model of the family once, with a tokenizer, so that one-time library setup
     (lazy imports, allocator arenas) is not charged to the first real model measured."""
-    from moeprune.checkpoint import load_model
-    from moeprune.data.tokenizer import byte_tokenizer
-    from moeprune.models.factory import TINY_OVERRIDES, save_tiny_model
-
     if model_type not in TINY_OVERRIDES:
         return
     with tempfile.TemporaryDirectory() as folder:

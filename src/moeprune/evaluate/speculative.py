@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from moeprune.errors import MoePruneError
-from moeprune.models.adapter import input_device
+from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 
 MODES = ("greedy", "sampled")

@@ -8,7 +8,6 @@ from moeprune.models.adapter import (
     check_config,
     decoder_layers,
     family_spec,
-    input_device,
 )
 from moeprune.models.spec import FAMILIES, FamilySpec, supported_families
 
@@ -20,6 +19,5 @@ __all__ = [
     "check_config",
     "decoder_layers",
     "family_spec",
-    "input_device",
     "supported_families",
 ]

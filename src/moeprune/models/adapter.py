@@ -40,6 +40,17 @@ def set_path(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
     setattr(module, leaf, value)
 
 
+@dataclass(frozen=True)
+class ExpertCost:
+    """Parameters of one routed expert of width K: per_neuron * K + per_expert."""
+
+    per_neuron: int
+    per_expert: int
+
+    def params(self, width: int) -> int:
+        return self.per_neuron * width + self.per_expert
+
+
 @dataclass
 class MoELayer:
     """One MoE block: its router, its routed experts and how they are stored."""
@@ -212,14 +223,6 @@ class MoEModel:
     def is_uniform(self) -> bool:
         """Whether every MoE layer has the same expert count and intermediate size."""
         return len({(m.num_experts, m.intermediate_size) for m in self.layers}) == 1
-
-
-def input_device(model: nn.Module) -> torch.device:
-    """Where input ids go: the embedding's device (the first GPU when accelerate splits a model
-    over several; each decoder layer's hook then moves its inputs to its own GPU)."""
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    weight = getattr(embeddings, "weight", None)
-    return weight.device if weight is not None else next(model.parameters()).device
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

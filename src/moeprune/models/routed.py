@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
 
 
@@ -149,16 +150,16 @@ def override_routed(moe: MoEModel, options: RoutedOptions) -> Iterator[None]:
 @contextmanager
 def _override_packed(layer: MoELayer, options: RoutedOptions) -> Iterator[None]:
     """A packed layer (moeprune format) keeps its own novices and widths; recording and extra
-    masks are added on top. Neuron statistics need one width for all experts: refused."""
-    from moeprune.errors import MoePruneError
-    from moeprune.surgery.packed import packed_view
+    masks are added on top. Neuron statistics need one width for all experts: refused.
 
+    Packed experts describe themselves (`routed_view`, surgery/packed.py), so this module needs
+    no knowledge of how they are stored."""
     if options.need_intermediate:
         raise MoePruneError(
             f"decoder layer {layer.index} is packed (novices or per-expert widths): its neurons cannot be "
             "observed again; start from the original checkpoint"
         )
-    view = packed_view(layer.experts, block=layer.block)
+    view = layer.experts.routed_view(layer.block)
     merged = RoutedOptions(
         on_layer=options.on_layer,
         novices={

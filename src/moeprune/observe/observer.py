@@ -13,9 +13,10 @@ import torch
 from tqdm.auto import tqdm
 
 from moeprune.data.loading import CalibrationData
-from moeprune.models import MoELayer, MoEModel, input_device
+from moeprune.models import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
 from moeprune.observe.stats import F64, ExpertStats, LayerStats
+from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 
 

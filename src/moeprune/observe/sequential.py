@@ -50,6 +50,7 @@ from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, decoder_layers
 from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.observe.distributed import data_parallel
 from moeprune.observe.observer import _Accumulator
 from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
@@ -404,3 +405,10 @@ def _observe_layers(model, moe, layers, shards, store, neurons, device, dtype, p
     for stats in acc.stats.values():
         stats.to("cpu")
     return [acc.stats[m.index] for m in moe.layers]
+
+
+def observe_sequential_distributed(
+    checkpoint_path: str | Path, data: CalibrationData, *, batch_size: int = 8, **observe_kwargs
+) -> ExpertStats:
+    """`observe_sequential` (one layer in memory per rank) split over torchrun ranks, reduced exactly."""
+    return data_parallel(observe_sequential, checkpoint_path, data, batch_size, observe_kwargs)

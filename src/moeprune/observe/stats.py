@@ -7,9 +7,12 @@ ranks, or domains) is exact rather than approximate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from moeprune.errors import MoePruneError
 
 F64 = torch.float64
 SUM_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum")  # plain fp64 sums, [E]
@@ -175,3 +178,30 @@ class ExpertStats:
         raw = torch.load(path, weights_only=True)
         raw["layers"] = [LayerStats.from_dict(d) for d in raw["layers"]]
         return cls(**raw)
+
+
+def as_domains(stats: ExpertStats | Sequence[ExpertStats]) -> list[ExpertStats]:
+    """Statistics of one or several calibration domains, checked to describe the same model."""
+    domains = [stats] if isinstance(stats, ExpertStats) else list(stats)
+    if not domains:
+        raise MoePruneError("no calibration statistics were given (an empty list of domains)")
+    ref = [(s.layer, s.num_experts) for s in domains[0].layers]
+    for d in domains[1:]:
+        got = [(s.layer, s.num_experts) for s in d.layers]
+        if got != ref:
+            raise MoePruneError(
+                f"calibration domains disagree on MoE layers / expert counts: {ref} vs {got} "
+                "(were they observed on different models?)"
+            )
+    return domains
+
+
+def merged_layer(domains: Sequence[ExpertStats], layer: int) -> LayerStats:
+    """One layer's statistics summed over domains (Chan merge for moments); inputs stay untouched."""
+    first = domains[0].layer(layer)
+    out = LayerStats(
+        **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in first.__dict__.items()}
+    )
+    for d in domains[1:]:
+        out.merge(d.layer(layer))
+    return out

@@ -49,7 +49,9 @@ def size_table(report: dict) -> list[str]:
             ("active parameters per token", "active_per_token")]  # fmt: skip
     lines = ["| | before | after | saving |", "|---|---|---|---|"]
     for label, key in rows:
-        lines.append(f"| {label} | {_n(before.get(key))} | {_n(after.get(key))} | {_saving(before.get(key), after.get(key))} |")
+        lines.append(
+            f"| {label} | {_n(before.get(key))} | {_n(after.get(key))} | {_saving(before.get(key), after.get(key))} |"
+        )
     disk = report.get("disk_bytes", {})
     if disk:
         lines.append(f"| weights on disk | {_mib(disk.get('before'))} | {_mib(disk.get('after'))} | "
@@ -74,7 +76,9 @@ def measured(report: dict) -> list[str]:
         lines.append(f"- Criterion chosen automatically by {auto['fitness']} of its uniform plan: {shown}.")
     for note in report.get("unseen_experts", []):
         lines.append(f"- {note}")
-    return lines or ["- Nothing beyond the sizes above (run `moeprune eval` to measure divergence and acceptance)."]
+    return lines or [
+        "- Nothing beyond the sizes above (run `moeprune eval` to measure divergence and acceptance)."
+    ]
 
 
 def how_to_load(report: dict, name: str) -> list[str]:
@@ -122,7 +126,11 @@ def model_card(report: dict, name: str = ".") -> str:
         f"- Base model: `{report.get('model')}` ({report.get('model_type')})",
         f"- Criterion: {report.get('criterion')}; allocation: {report.get('allocation')}; method: {report.get('method')}",
         f"- Sparsity: {report.get('sparsity')} {unit}"
-        + (f"; every layer keeps a multiple of {report['expert_multiple']} experts" if report.get("expert_multiple", 1) > 1 else ""),
+        + (
+            f"; every layer keeps a multiple of {report['expert_multiple']} experts"
+            if report.get("expert_multiple", 1) > 1
+            else ""
+        ),
         f"- Saved as: {report.get('format')} format, {report.get('save_dtype')}",
         "",
         "## Size",

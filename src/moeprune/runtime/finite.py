@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from moeprune.errors import MoePruneError
+from moeprune.models import decoder_layers
+from moeprune.runtime.device import input_device
 
 _CHUNK = 1 << 22  # elements reduced per step when scanning weights: a 4M-element view, no copy
 
@@ -131,8 +133,6 @@ def check_finite_weights(model: nn.Module, what: str = "the model", *, prefix: s
 
 def decoder_layer_of(model: nn.Module, module_name: str) -> int | None:
     """The decoder layer index a (sub)module or parameter name lives in, if any."""
-    from moeprune.models import decoder_layers
-
     try:
         layers = decoder_layers(model)
     except MoePruneError:  # not a decoder-only transformers model: no layer to name
@@ -211,7 +211,6 @@ def locate_nonfinite(
     cannot raise a false alarm), and returns "" when no module output is non-finite on its own.
     Meant to run only after a failure was detected: it costs one forward per sample.
     """
-    from moeprune.models import input_device
 
     device = input_device(model)
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]

@@ -1,5 +1,9 @@
 """What lets other engines load a moeprune result: the vLLM plugin and the self-contained
-modeling file that stock transformers loads with trust_remote_code.
+modeling files that stock transformers loads with trust_remote_code.
+
+- modeling_moeprune.py, moeprune_layers.py, moeprune_loading.py: copied into every moeprune-format
+  folder; they import torch, transformers and safetensors only, never moeprune
+- vllm_plugin.py, vllm/: the vLLM plugin (entry point `moeprune`)
 
 Importing this package must stay cheap: vLLM imports moeprune.serve.vllm_plugin at start-up, and
 nothing here may pull in moeprune's pipeline (observation, search, evaluation).

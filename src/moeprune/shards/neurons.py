@@ -34,19 +34,15 @@ import torch
 from torch.nn import functional as F
 
 from moeprune.checkpoint import atomic_write_dir, write_json
+from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.plan import Plan
-from moeprune.shards.layout import (
-    INDEX,
+from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
+from moeprune.shards.reader import SafetensorsExperts, ShardReader
+from moeprune.shards.rewrite import (
     PLAN,
-    CheckpointLayout,
-    ExpertParam,
-    LayerLayout,
     OutTensor,
-    SafetensorsExperts,
-    ShardReader,
-    StoredTensor,
     check_plan_matches,
     copy_other_files,
     index_json,
@@ -70,7 +66,8 @@ def check_stock_shrink(moe: MoEModel) -> None:
             f"{moe.model_type} derives its shared expert's width from the routed experts' config field "
             f"{moe.spec.intermediate_field!r} with no multiplier, so a uniform neuron shrink is saved in "
             "moeprune's packed format, not as a stock checkpoint; rewriting checkpoint files cannot write it: "
-            "prune it in memory (drop --no-load)"
+            "prune it with the model loaded",
+            options=("no_load",),
         )
 
 

@@ -1,7 +1,28 @@
-"""What happens to chosen experts: drop (virtual and physical), and later novices and neurons."""
+"""What happens to the chosen experts: drop, novices (MoNE), neurons (ENP) and TENP, each in a
+virtual form (reversible masks, for the search and evaluation) and a physical one (surgery).
+
+- registry.py  the Method spec, METHODS, and what a plan builder is given
+- drop.py      router slicing and expert removal
+- novice.py    experts replaced by their mean output
+- neurons.py   experts narrowed to their most important neurons
+- tenp.py      TENP's whole experts plus neuron-pruned ones
+- packed.py    the storage of layers whose experts differ (novices, per-expert widths)
+- plans.py     any plan applied virtually or physically, from one resolution
+- planning.py  scores and a budget to a plan, for any method
+- parameters.py  parameters kept, per layer and in total, and what serving pads to
+"""
 
 from __future__ import annotations
 
-from moeprune.surgery.drop import drop_experts, kept_experts, mask_experts
+# Importing registers the methods; this order is the table's.
+# isort: off
+from moeprune.surgery import drop  # noqa: F401
+from moeprune.surgery import novice  # noqa: F401
+from moeprune.surgery import neurons  # noqa: F401
+from moeprune.surgery import tenp  # noqa: F401
 
-__all__ = ["drop_experts", "kept_experts", "mask_experts"]
+# isort: on
+from moeprune.surgery.drop import drop_experts, kept_experts, mask_experts
+from moeprune.surgery.registry import METHODS
+
+__all__ = ["METHODS", "drop_experts", "kept_experts", "mask_experts"]

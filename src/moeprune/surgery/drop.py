@@ -14,8 +14,11 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
+from moeprune.allocate.basic import plan_removals
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
+from moeprune.plan import Plan
+from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
 
 def check_not_packed(moe: MoEModel | Sequence[MoELayer]) -> None:
@@ -165,3 +168,30 @@ def sync_config_counts(moe: MoEModel) -> None:
     counts = {layer.num_experts for layer in moe.layers}
     if len(counts) == 1:
         setattr(moe.config, moe.spec.count_field, counts.pop())
+
+
+@METHODS.register(Method("drop", "expert weights and router row removed; top-k picks among the survivors", EXPERTS,
+                         ("uniform", "global", "evo")))  # fmt: skip
+def drop_plan(request: PlanRequest) -> Plan:
+    """Drop the first r_l experts of each layer's pruning order (group-balanced where needed)."""
+    moe, criterion, removed = request.moe, request.criterion, request.removals()
+    layers = moe.layers
+    positions = plan_removals([s.order for s in request.scores], removed, [m.n_group for m in layers])
+    ids = [[m.expert_ids[p] for p in sorted(pos)] for m, pos in zip(layers, positions)]
+    plan = Plan.from_removals(
+        model_type=moe.model_type,
+        num_experts=[m.num_experts for m in layers],
+        top_k=[m.top_k for m in layers],
+        layer_indices=[m.index for m in layers],
+        removals=ids,
+        criterion=criterion.name,
+        allocation=request.allocation,
+        method="drop",
+        sparsity=request.sparsity,
+        data_fingerprint=request.data_fingerprint,
+    )
+    plan.extra["budget"] = sum(removed)
+    if request.allocation == "global":
+        normal = "none (raw scores)" if criterion.comparable_across_layers else "per-layer sum of |score|"
+        plan.extra["global_normalisation"] = normal
+    return plan

@@ -33,9 +33,10 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from moeprune.allocate.basic import check_ratio
+from moeprune.config import NEURON_STATS
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, set_path
-from moeprune.models.parameters import plan_routed_parameters, routed_parameters
 from moeprune.observe.stats import F64, LayerStats
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
@@ -47,6 +48,8 @@ from moeprune.surgery.packed import (
     layer_cost,
     slice_neurons,
 )
+from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
+from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 
 IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
 SHARED_MULTIPLIERS = ("n_shared_experts", "moe_num_shared_experts")  # shared width = I * this
@@ -236,12 +239,6 @@ def uniform_keep(cost: ExpertCost, width: int, ratio: float, multiple_of: int = 
     return k
 
 
-def check_ratio(ratio: float, what: str) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
-        raise MoePruneError(f"{what} must be in (0, 1], got {ratio!r}")
-    return float(ratio)
-
-
 def check_neuron_stats(moe: MoEModel, stats: StatsInput | None, kind: str) -> None:
     """Early bad-input check: statistics exist, match the model, and carry neuron sums."""
     domains = require_stats(stats, "neuron surgery (neuron importance comes from calibration data)")
@@ -308,3 +305,10 @@ def neuron_plan(
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
     plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
     return plan
+
+
+@METHODS.register(Method("neurons", "every expert keeps its top-K intermediate neurons (ENP; K the same everywhere)",
+                         PARAMETERS, ("uniform",), needs=(NEURON_STATS,), neurons=True))  # fmt: skip
+def plan_neurons(request: PlanRequest) -> Plan:
+    return neuron_plan(request.moe, request.domains, request.sparsity, importance=request.neuron_importance,
+                       criterion=request.criterion.name, data_fingerprint=request.data_fingerprint)  # fmt: skip

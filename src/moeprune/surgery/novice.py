@@ -18,23 +18,28 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moeprune.allocate.basic import budget_from_sparsity, global_allocation, plan_removals, uniform_allocation
-from moeprune.criteria import Criterion, LayerScores, merged_layer
+from moeprune.allocate.basic import budget_from_sparsity, plan_removals
+from moeprune.allocate.limits import expert_allocation, layer_limits
+from moeprune.config import CALIBRATION
+from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
-from moeprune.observe.stats import ExpertStats, LayerStats
+from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 from moeprune.plan import Plan
 from moeprune.surgery.packed import pack_layer
+from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
 StatsInput = ExpertStats | Sequence[ExpertStats]
-NOVICE_ALLOCATIONS = ("uniform", "global")
 
 
 def require_stats(stats: StatsInput | None, what: str) -> list[ExpertStats]:
     """The calibration statistics as a list of domains; a clear error when there are none."""
     domains = [stats] if isinstance(stats, ExpertStats) else list(stats or [])
     if not domains:
-        raise MoePruneError(f"{what} needs calibration statistics: give calibration data files", options=("data",))
+        raise MoePruneError(
+            f"{what} needs calibration statistics: give calibration data files", options=("data",)
+        )
     return domains
 
 
@@ -91,7 +96,8 @@ def novice_plan(
     num_experts, top_k = [m.num_experts for m in layers], [m.top_k for m in layers]
     budget = budget_from_sparsity(sparsity, num_experts, top_k)
     if removed is None:
-        removed = _allocate(allocation, criterion, scores, budget, num_experts, top_k)
+        limits = layer_limits(moe, routing_changes=False)
+        removed = expert_allocation(moe, criterion, scores, sparsity, allocation, limits)
     positions = plan_removals([s.order for s in scores], removed)
     plan = Plan.from_removals(
         model_type=moe.model_type,
@@ -109,22 +115,26 @@ def novice_plan(
     return plan
 
 
-def _allocate(
-    allocation: str,
-    criterion: Criterion,
-    scores: Sequence[LayerScores],
-    budget: int,
-    num_experts: list[int],
-    top_k: list[int],
-) -> list[int]:
-    if allocation == "uniform":
-        return uniform_allocation(budget, num_experts, top_k)
-    if allocation == "global":
-        normalize = not criterion.comparable_across_layers
-        return global_allocation(
-            [s.scores for s in scores], criterion.prune_first, budget, num_experts, top_k, normalize
-        )
-    raise MoePruneError(
-        f"allocation {allocation!r} for novices: use one of {', '.join(NOVICE_ALLOCATIONS)}, "
-        "or pass the per-layer counts (removed=...) from a search"
+@METHODS.register(Method("novice", "expert replaced by its mean output mu_i; routing unchanged, the block adds g_i(t) mu_i",
+                         EXPERTS, ("uniform", "global", "evo"), needs=(CALIBRATION,), keeps_routing=True))  # fmt: skip
+def plan_novices(request: PlanRequest) -> Plan:
+    removed = request.removals()
+    plan = novice_plan(request.moe, request.domains, request.scores, request.sparsity, criterion=request.criterion,
+                       allocation=request.allocation, removed=removed, data_fingerprint=request.data_fingerprint)  # fmt: skip
+    plan.extra["budget"] = sum(removed)
+    return plan
+
+
+def novice_context(moe: MoEModel, stats: StatsInput):
+    """The virtual form for a search: `context(removed)` makes the removed positions novices
+    (they add g_i(t) mu_i instead of running), for the duration of a `with`."""
+    domains = require_stats(
+        stats, "novice candidates (experts are replaced by their mean calibration output)"
     )
+
+    def context(removed: dict[int, list[int]]):
+        novices = {index: mean_outputs(moe.layer(index), layer_stats(domains, moe.layer(index)), positions)
+                   for index, positions in removed.items()}  # fmt: skip
+        return override_routed(moe, RoutedOptions(novices=novices))
+
+    return context

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moeprune.errors import MoePruneError
-from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer
+from moeprune.models.adapter import EXPERT_IDS_ATTR, ExpertCost, MoELayer
 from moeprune.models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
 from moeprune.models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
 
@@ -69,17 +69,6 @@ def expert_tensor_names(layer: MoELayer) -> list[str]:
     return [n for n in NEURON_AXES[layer.spec.layout] if hasattr(layer.experts, n)]
 
 
-@dataclass(frozen=True)
-class ExpertCost:
-    """Parameters of one routed expert of width K: per_neuron * K + per_expert."""
-
-    per_neuron: int
-    per_expert: int
-
-    def params(self, width: int) -> int:
-        return self.per_neuron * width + self.per_expert
-
-
 def _unit_shapes(layer: MoELayer) -> dict[str, tuple[list[int], int | None]]:
     """name -> (one expert's shape at width 1, neuron axis) of a native (unpacked) layer."""
     width = layer.intermediate_size
@@ -113,6 +102,10 @@ class PackedExperts:
     """Mixin placed before a family's experts class; see the module docstring."""
 
     moeprune_packed = True
+
+    def routed_view(self, block: nn.Module | None = None) -> PackedView:
+        """What moeprune's routed computation needs of this layer (models/routed.py asks)."""
+        return packed_view(self, block)
 
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None, **_: object):
         view = packed_view(self)

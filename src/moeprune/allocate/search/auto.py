@@ -19,27 +19,29 @@ from moeprune.allocate.search.fitness import (
     answer_positions,
     check_fitness,
     higher_is_better,
-    teacher_home,
 )
-from moeprune.criteria import CRITERIA, compute_scores, get_criterion
+from moeprune.criteria import AUTO, CRITERIA, compute_scores, get_criterion  # noqa: F401  (AUTO: its name)
 from moeprune.data.loading import CalibrationData
-from moeprune.models import MoEModel, input_device
+from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.device import Placement, input_device
 from moeprune.runtime.distributed import rank_and_world, split_map
-
-AUTO = "auto"
+from moeprune.surgery.planning import build_plan
+from moeprune.surgery.plans import virtual_plan
+from moeprune.surgery.registry import default_allocation
 
 
 def candidate_criteria(has_data: bool) -> list[str]:
     """Every deterministic criterion the available inputs allow (random is a baseline, not a choice)."""
-    return [c.name for c in CRITERIA.values() if c.name != "random" and (has_data or not c.needs_data)]
+    return [c.name for c in CRITERIA if c.name != "random" and (has_data or not c.needs_data)]
 
 
 def _teacher(moe: MoEModel, search: CalibrationData, batch_size: int, pad: int) -> tuple[TeacherCache, list]:
     device = input_device(moe.model)
     batches = [b.to(device) for b in search.batches(batch_size, pad)]
     positions = sum(int(answer_positions(b.answer_mask, b.attention_mask).sum()) for b in batches)
-    teacher = TeacherCache(device=teacher_home(device, positions, int(moe.config.vocab_size)))
+    nbytes = positions * int(moe.config.vocab_size) * 4
+    teacher = TeacherCache(device=Placement.of(moe.model).cache_device(nbytes, what="the teacher cache"))
     with torch.no_grad():
         for b in batches:
             logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
@@ -61,9 +63,6 @@ def choose_criterion(
     progress: bool = True,
 ) -> tuple[str, list[dict]]:
     """The best criterion for a uniform plan at `sparsity`, and every criterion's fitness."""
-    from moeprune.api import build_plan, default_allocation
-    from moeprune.surgery.plans import virtual_plan
-
     check_fitness(fitness)
     teacher, batches = _teacher(moe, search, batch_size, pad_token_id)
     domains = list(stats)

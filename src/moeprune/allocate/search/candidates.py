@@ -1,4 +1,4 @@
-"""EvoESAP on a real model: candidate fitness through reversible masks, and the search driver.
+"""EvoESAP on a real model: a candidate's fitness through reversible masks, fast.
 
 A candidate allocation r (experts removed per MoE layer) is evaluated without copying the model:
 :func:`~moeprune.surgery.drop.mask_experts` removes the first r_l experts of each layer's pruning
@@ -24,75 +24,44 @@ Speed (the search evaluates hundreds of candidates):
   of everything evaluated (the population keeps the previous elites), so such a candidate can
   never be an elite nor the result: the search's trajectory and selection are unchanged. Its
   recorded fitness is the mean over the samples it was scored on (always below that threshold).
-
-Data-parallel search (under ``torchrun``, world size W > 1): every rank holds the whole model and
-the search set and does its own teacher pass. Each generation's new allocations (not cached,
-deduplicated, in population order) are split round-robin over the ranks (rank r takes positions
-r, r+W, ...), each rank evaluates its share, and the results (fitness, raced or not) are merged
-with ``all_gather_object`` into every rank's fitness cache, in population order: every rank
-holds the same cache, population and RNG state. A candidate's fitness does not depend on what
-its rank evaluated before (prefix reuse is bitwise exact), and racing uses the elite threshold of
-the cache at the start of the generation (one process raises it as the generation goes), so
-elites, the per-generation best and the result are identical to one process for a fixed seed.
-Raced candidates' partial fitnesses, and so a generation's mean, may differ. Rank 0 alone writes
-the search state and the race log (every rank reads them to resume); the state is saved at
-generation boundaries.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from moeprune.allocate.basic import plan_removals, uniform_allocation
-from moeprune.allocate.limits import LayerLimits, layer_limits
-from moeprune.allocate.search.evo import Allocation, EvoConfig, EvoResult, EvoSearch
+from moeprune.allocate.basic import plan_removals
+from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.search.fitness import (
+    FITNESSES,
     FitnessAccumulator,
     TeacherCache,
     answer_positions,
     check_fitness,
     higher_is_better,
-    teacher_home,
 )
-from moeprune.checkpoint import write_json
+from moeprune.allocate.search.population import Allocation
+from moeprune.allocate.search.prefix import PrefixCache, default_prefix_cache_bytes
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError, MoePruneError
-from moeprune.models.adapter import MoEModel, decoder_layers, input_device
-from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
+from moeprune.models.adapter import MoEModel, decoder_layers
+from moeprune.runtime.device import Placement, input_device
 from moeprune.surgery.drop import mask_experts
-
-__all__ = [
-    "DEFAULT_PREFIX_CACHE_BYTES",
-    "TEXT_ONLY_NOTE",
-    "CandidateEvaluator",
-    "LayerLimits",
-    "PrefixCache",
-    "layer_limits",
-    "run_evo_search",
-]
 
 _LOG = logging.getLogger(__name__)
 
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # at most 1 GiB of cached hidden states
-# The cache needs, per batch, the states of the elites' prefixes at every MoE layer: a few times
-# one layer's states for the whole search set. More only ever holds one-off candidates.
-PREFIX_CACHE_COPIES = 6
 TEXT_ONLY_NOTE = "search data has no prompt/answer split: every token counts as answer"
-# Upper bound of one sample's score in the search's direction (esap, sap <= 1; -kl, -nll <= 0),
-# padded for rounding (sum_v min(p, q) can exceed 1 by a few ulps): racing stays conservative.
-_BEST_SAMPLE_SCORE = {"esap": 1.0, "sap": 1.0, "kl": 0.0, "nll": 0.0}
+# A sample's best score (the fitness's own bound) is padded for rounding (sum_v min(p, q) can
+# exceed 1 by a few ulps): racing stays conservative.
 _RACE_MARGIN = 1e-4
 # Manual layer loop vs model(...) on the first batch: max |diff| allowed, times (1 + max |logit|).
 _SELF_CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
@@ -101,52 +70,6 @@ _SELF_CHECK_TOL_LOW_PRECISION = 3e-2
 
 # ---------------------------------------------------------------------------------------------
 # Per-layer limits shared by the allocations
-
-
-# ---------------------------------------------------------------------------------------------
-# Prefix cache
-
-
-class PrefixCache:
-    """LRU of hidden states, keyed by (batch, allocation prefix), bounded in bytes.
-
-    A tensor larger than the whole budget is not stored. Hits refresh an entry, so the prefixes
-    of elites (shared by their offspring) stay while one-off candidates age out.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        if max_bytes < 0:
-            raise MoePruneError(f"prefix cache budget must be >= 0 bytes, got {max_bytes}")
-        self.max_bytes = int(max_bytes)
-        self.nbytes = 0
-        self.peak_bytes = 0
-        self.evictions = 0
-        self._entries: OrderedDict[tuple[int, Allocation], torch.Tensor] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: tuple[int, Allocation]) -> torch.Tensor | None:
-        tensor = self._entries.get(key)
-        if tensor is not None:
-            self._entries.move_to_end(key)
-        return tensor
-
-    def put(self, key: tuple[int, Allocation], tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if size > self.max_bytes or key in self._entries:
-            return
-        while self.nbytes + size > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.numel() * old.element_size()
-            self.evictions += 1
-        self._entries[key] = tensor
-        self.nbytes += size
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,7 +174,9 @@ class CandidateEvaluator:
         self.notes += list(search_data.notes)
         self.device = input_device(moe.model)
         self.prefix_cache = PrefixCache(
-            prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes(moe, search_data)
+            prefix_cache_bytes
+            if prefix_cache_bytes is not None
+            else default_prefix_cache_bytes(moe, search_data)
         )
         self.raw_values: dict[Allocation, float] = {}
         self.raced: dict[Allocation, int] = {}  # allocation -> samples scored before it stopped
@@ -282,7 +207,9 @@ class CandidateEvaluator:
     # -- setup --------------------------------------------------------------------------------
     def _teacher_home(self) -> torch.device:
         positions = sum(r.stop - r.start for b in self._batches for r in b.rows)
-        return teacher_home(self.device, positions, int(self.moe.config.vocab_size))
+        return Placement.of(self.moe.model).cache_device(
+            positions * int(self.moe.config.vocab_size) * 4, what="the teacher cache"
+        )
 
     @property
     def fast(self) -> bool:
@@ -487,7 +414,7 @@ class CandidateEvaluator:
         n, k = self.num_samples, len(accumulator.per_sample)
         if k >= n:
             return False
-        best = _BEST_SAMPLE_SCORE[self.fitness] + _RACE_MARGIN
+        best = FITNESSES.get(self.fitness).best_sample + _RACE_MARGIN
         bound = (self.sign * math.fsum(accumulator.per_sample.values()) + (n - k) * best) / n
         return bound < threshold
 
@@ -530,256 +457,3 @@ def _final_norm(model: nn.Module) -> nn.Module:
     if norm is None:
         raise MoePruneError(f"{type(model).__name__} has no final norm at model.norm")
     return norm
-
-
-# ---------------------------------------------------------------------------------------------
-# The search driver
-
-
-def _elite_threshold(cache: Mapping[Allocation, float], elites: int) -> float | None:
-    """The m-th best fitness evaluated so far (elites are always the top m of everything seen)."""
-    if len(cache) < elites:
-        return None
-    return sorted(cache.values(), reverse=True)[elites - 1]
-
-
-def _raced_path(state_path: Path | None) -> Path | None:
-    return None if state_path is None else state_path.with_name(state_path.name + ".raced.json")
-
-
-class _RaceLog:
-    """Which evaluations were raced, in which generation; persisted beside the search state.
-
-    A fresh search removes an old log; an allocation raced again after a crash is logged once.
-    With ``write=False`` (every torchrun rank but 0) the log is read for a resume, never written.
-    """
-
-    def __init__(self, path: Path | None, resume: bool, write: bool = True) -> None:
-        self.path = path
-        self.write = write
-        self.entries: dict[Allocation, dict[str, Any]] = {}
-        if path is not None and not resume:
-            if write:
-                path.unlink(missing_ok=True)
-        elif path is not None and path.is_file():
-            self.entries = {tuple(e["allocation"]): e for e in json.loads(path.read_text())["raced"]}
-
-    def add(self, allocation: Allocation, generation: int, samples: int) -> None:
-        entry = {"allocation": list(allocation), "generation": generation, "samples_scored": samples}
-        self.entries[allocation] = entry
-        if self.path is not None and self.write:
-            write_json(self.path, {"raced": self.listed()})
-
-    def listed(self) -> list[dict[str, Any]]:
-        return list(self.entries.values())
-
-    def per_generation(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for entry in self.entries.values():
-            counts[entry["generation"]] = counts.get(entry["generation"], 0) + 1
-        return counts
-
-
-def run_evo_search(
-    moe: MoEModel,
-    search_data: CalibrationData,
-    orders: Sequence[Sequence[int]],
-    budget: int,
-    *,
-    fitness: str = "esap",
-    config: EvoConfig,
-    state_path: str | Path | None = None,
-    resume: bool = False,
-    fingerprint: Mapping[str, Any],
-    batch_size: int = 8,
-    progress: bool = True,
-    pad_token_id: int | None = None,
-    fast: bool = True,
-    race: bool = True,
-    prefix_cache_bytes: int | None = None,
-    candidate_context: CandidateContext | None = None,
-    expert_multiple: int = 1,
-) -> tuple[list[int], dict[str, Any]]:
-    """EvoESAP over ``moe``: the best allocation (experts removed per MoE layer) and ``search.json``.
-
-    Bad input fails before the teacher pass: an unknown fitness, population < elites, or a
-    budget no feasible allocation meets. ``fingerprint`` (model, data, criterion, ...) and the
-    fitness name must match the saved state for ``resume``. ``fast``/``race`` only change speed.
-    Under torchrun (a joined process group, world > 1) every rank calls this with the same
-    arguments: candidates are split over the ranks (module docstring), every rank returns the
-    same allocation, and rank 0 alone writes ``state_path`` and its race log.
-    """
-    check_fitness(fitness)
-    limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
-    uniform = uniform_allocation(
-        budget, limits.num_experts, limits.top_k, multiple_of=limits.multiples, max_removed=limits.caps
-    )  # raises InfeasibleBudgetError with the reason
-    path = Path(state_path) if state_path is not None else None
-    if resume and (path is None or not path.is_file()):
-        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
-    rank, world = rank_and_world()  # under torchrun: candidates split over ranks, rank 0 writes
-    race_log = _RaceLog(_raced_path(path), resume, write=rank == 0)
-    evaluator: CandidateEvaluator | None = None  # built below, after the cheap checks
-    parallel = _DataParallel(lambda: evaluator, lambda: search, race_log, race) if world > 1 else None
-    search = EvoSearch(  # validates the config (population >= elites) before any model runs
-        lambda allocation: _evaluate(evaluator, search, race_log, allocation, race),
-        budget,
-        limits.caps,
-        uniform,
-        config,
-        limits.multiples,
-        state_path=path,
-        fingerprint={**fingerprint, "fitness": fitness, "search_data": search_data.fingerprint},
-        progress=progress and rank == 0,
-        evaluate_many=parallel,
-        write_state=rank == 0,
-    )
-    if search_data.text_only:
-        _LOG.warning(TEXT_ONLY_NOTE)
-    start = time.perf_counter()
-    evaluator = CandidateEvaluator(
-        moe, search_data, orders, fitness=fitness, batch_size=batch_size, seed=config.seed,
-        pad_token_id=pad_token_id, fast=fast, prefix_cache_bytes=prefix_cache_bytes,
-        candidate_context=candidate_context,
-    )  # fmt: skip
-    result = search.run(resume=resume)
-    seconds = time.perf_counter() - start
-    counters, distributed = dict(evaluator.counters), None
-    if parallel is not None:  # every rank reaches this collective once, after the last generation
-        per_rank = all_gather_objects(evaluator.counters)
-        counters = {k: sum(c[k] for c in per_rank) for k in counters}
-        distributed = {
-            "world_size": world,
-            "backend": torch.distributed.get_backend(),
-            "evaluations_per_rank": [c["candidates"] for c in per_rank],
-            "racing_threshold": "elite threshold at the start of each generation",
-            "note": "candidates evaluated in parallel over ranks; elites and result equal one process,"
-            " raced candidates' partial fitnesses (and generation means) may differ",
-        }
-    document = _search_document(
-        evaluator, search, result, race_log, limits, tuple(uniform), seconds, race, counters, distributed
-    )
-    evaluator.release()  # the search and its closures form cycles: free the caches now, not at the next gc
-    return list(result.best), document
-
-
-def default_prefix_cache_bytes(moe: MoEModel, search_data: CalibrationData) -> int:
-    """PREFIX_CACHE_COPIES x the MoE layers x one layer's states over the search set, at most 1 GiB."""
-    tokens = sum(len(s.input_ids) for s in search_data.samples)
-    element = next(moe.model.parameters()).element_size()
-    one_layer = tokens * int(moe.config.hidden_size) * max(element, 4)
-    return min(DEFAULT_PREFIX_CACHE_BYTES, PREFIX_CACHE_COPIES * len(moe.layers) * one_layer)
-
-
-class _DataParallel:
-    """``EvoSearch.evaluate_many`` under torchrun: one generation's new allocations, split over ranks.
-
-    Rank r evaluates positions r, r+W, ... of ``allocations`` (``distributed.split_map``) against
-    the elite threshold of the cache at the start of the generation, so its results do not depend
-    on which candidates the other ranks got; every rank gets all (fitness, samples scored if
-    raced) pairs in the given order.
-    """
-
-    def __init__(
-        self, evaluator: Callable[[], CandidateEvaluator], search: Callable[[], EvoSearch], race_log: _RaceLog,
-        race: bool,
-    ) -> None:  # fmt: skip
-        self.evaluator, self.search = evaluator, search
-        self.race_log, self.race = race_log, race
-
-    def __call__(self, generation: int, allocations: list[Allocation]) -> list[float]:
-        search, evaluator = self.search(), self.evaluator()
-        threshold = _elite_threshold(search.cache, search.config.elites) if self.race else None
-
-        def one(allocation: Allocation) -> tuple[float, int | None]:
-            return float(evaluator.evaluate(allocation, threshold)), evaluator.raced.get(allocation)
-
-        results = split_map(one, allocations, "evaluating search candidates")
-        for allocation, (_, samples) in zip(allocations, results):
-            if samples is not None:
-                self.race_log.add(allocation, generation, samples)
-        return [value for value, _ in results]
-
-
-def _evaluate(
-    evaluator: CandidateEvaluator, search: EvoSearch, race_log: _RaceLog, allocation: Allocation, race: bool
-) -> float:
-    threshold = _elite_threshold(search.cache, search.config.elites) if race else None
-    value = evaluator.evaluate(allocation, threshold)
-    if allocation in evaluator.raced:
-        race_log.add(allocation, len(search.history), evaluator.raced[allocation])
-    return value
-
-
-def _search_document(
-    evaluator: CandidateEvaluator,
-    search: EvoSearch,
-    result: EvoResult,
-    race_log: _RaceLog,
-    limits: LayerLimits,
-    uniform: Allocation,
-    seconds: float,
-    race: bool,
-    counters: Mapping[str, int] | None = None,
-    distributed: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``search.json``: per generation best / mean / population fitness (in the fitness's own
-    units: KL and NLL are not negated), the final and uniform allocations, cache size, timings.
-    ``counters``: the speedup counters (summed over ranks under torchrun; default this evaluator's)."""
-    sign = evaluator.sign
-    counters = dict(evaluator.counters if counters is None else counters)
-    raced = race_log.per_generation()
-    generations = [
-        {
-            "generation": h.generation,
-            "best": sign * h.best,
-            "mean": sign * h.mean,
-            "fitnesses": [sign * f for f in h.fitnesses],
-            "new_evaluations": h.new_evaluations,
-            "raced": raced.get(h.generation, 0),
-            "best_allocation": h.best_allocation,
-        }
-        for h in result.history
-    ]
-    evaluations_here = counters["candidates"]
-    document = {
-        "fitness": evaluator.fitness,
-        "higher_is_better": sign > 0,
-        "config": asdict(search.config),
-        "budget": search.feas.budget,
-        "layers": limits.layers,
-        "num_experts": limits.num_experts,
-        "top_k": limits.top_k,
-        "caps": limits.caps,
-        "multiples": limits.multiples,
-        "allocation": list(result.best),
-        "fitness_value": sign * result.best_fitness,
-        "uniform": {"allocation": list(uniform), "fitness_value": sign * search.cache[uniform]},
-        "evaluations": result.evaluations,
-        "stopped": result.stopped,
-        "generations": generations,
-        "search_samples": evaluator.num_samples,
-        "teacher_cache": {
-            "bytes": evaluator.cache_nbytes,
-            "answer_positions": evaluator.teacher.num_positions,
-            "vocab_size": evaluator.teacher.vocab_size,
-        },
-        "notes": evaluator.notes,
-        "timings_s": {
-            "teacher_pass": round(evaluator.teacher_seconds, 3),
-            "total": round(seconds, 3),
-            "per_evaluation": round((seconds - evaluator.teacher_seconds) / max(1, evaluations_here), 4),
-        },
-        "speedups": {
-            "resume_mode": evaluator.mode,
-            "racing": race,
-            "prefix_cache_budget_bytes": evaluator.prefix_cache.max_bytes,
-            "prefix_cache_peak_bytes": evaluator.prefix_cache.peak_bytes,
-            "prefix_cache_evictions": evaluator.prefix_cache.evictions,
-            **counters,
-        },
-        "raced_evaluations": race_log.listed(),
-    }
-    if distributed is not None:
-        document["distributed"] = distributed
-    return document

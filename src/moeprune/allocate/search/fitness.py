@@ -16,34 +16,77 @@ answer positions, and the fitness is the mean over samples (every sample weighs 
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from moeprune.config import SEARCH_DATA, Registry
 from moeprune.errors import DataError, MoePruneError
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind
-
-FITNESSES = ("esap", "sap", "kl", "nll")
-_HIGHER_IS_BETTER = {"esap": True, "sap": True, "kl": False, "nll": False}
 
 F32 = torch.float32
 F64 = torch.float64
 
 
+@dataclass(frozen=True)
+class Fitness:
+    """One way to score a candidate against the full model at an answer position."""
+
+    name: str
+    help: str
+    higher_is_better: bool
+    best_sample: float  # the best one sample can score, in the search's direction (racing's bound)
+    needs: tuple[str, ...] = (SEARCH_DATA,)
+    fn: Callable | None = (
+        None  # (teacher log p [n, V], candidate log q [n, V], targets [n], generator) -> [n] fp64
+    )
+
+
+FITNESSES: Registry[Fitness] = Registry("fitness", "fitness")
+
+
 def check_fitness(fitness: str) -> str:
     """Validate a fitness name early, so a typo fails before any model runs."""
-    if fitness not in _HIGHER_IS_BETTER:
-        raise MoePruneError(f"unknown fitness {fitness!r}; choose one of {', '.join(FITNESSES)}")
-    return fitness
+    return FITNESSES.get(fitness).name
 
 
 def higher_is_better(fitness: str) -> bool:
     """Direction of a fitness: a search maximises esap/sap and minimises kl/nll."""
-    return _HIGHER_IS_BETTER[check_fitness(fitness)]
+    return FITNESSES.get(fitness).higher_is_better
+
+
+@FITNESSES.register(Fitness("esap", "sum_v min(p, q) = 1 - TV(p, q): the expected speculative-decoding acceptance of "
+                                    "the candidate drafting for the full model", True, 1.0))  # fmt: skip
+def esap(logp: torch.Tensor, logq: torch.Tensor, targets: torch.Tensor, generator) -> torch.Tensor:
+    return torch.minimum(logp.exp(), logq.exp()).sum(-1, dtype=F64)
+
+
+@FITNESSES.register(Fitness("sap", "min(1, p(y) / q(y)) with y drawn from q (seeded)", True, 1.0))
+def sap(logp: torch.Tensor, logq: torch.Tensor, targets: torch.Tensor, generator) -> torch.Tensor:
+    """y ~ q by inverse CDF with one uniform per position from `generator` (CPU): every candidate
+    sees the same uniforms (common random numbers), so comparisons are less noisy."""
+    if generator is None:
+        raise MoePruneError("the sap fitness needs a seeded generator")
+    cdf = torch.cumsum(logq.exp().to(F64), dim=-1)
+    u = torch.rand(logq.shape[0], generator=generator, dtype=F64).to(cdf.device) * cdf[:, -1]
+    y = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=logq.shape[-1] - 1)
+    log_ratio = logp.gather(-1, y) - logq.gather(-1, y)
+    return log_ratio.squeeze(-1).to(F64).clamp(max=0.0).exp()
+
+
+@FITNESSES.register(Fitness("kl", "sum_v p log(p / q), the full model to the candidate", False, 0.0))
+def kl(logp: torch.Tensor, logq: torch.Tensor, targets: torch.Tensor, generator) -> torch.Tensor:
+    p = logp.exp()
+    terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    return terms.sum(-1, dtype=F64)
+
+
+@FITNESSES.register(Fitness("nll", "-log q(answer token)", False, 0.0))
+def nll(logp: torch.Tensor, logq: torch.Tensor, targets: torch.Tensor, generator) -> torch.Tensor:
+    return -logq.gather(-1, targets.to(logq.device).long()[:, None]).squeeze(-1).to(F64)
 
 
 def answer_positions(answer_mask: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,29 +125,12 @@ def position_scores(
 ) -> torch.Tensor:
     """Per-position fitness in fp64 for rows of teacher log-probs [n, V] and candidate logits [n, V].
 
-    SAP draws y ~ q by inverse CDF with one uniform per position from ``generator`` (CPU): every
-    candidate sees the same uniforms (common random numbers), which makes comparisons between
-    candidates less noisy than independent draws.
+    Each fitness's own function (registered above) scores the rows.
     """
+    spec = FITNESSES.get(fitness)
     logp = teacher_log_probs.to(F32)
     logq = torch.log_softmax(candidate_logits.to(F32), dim=-1)
-    if fitness == "nll":
-        return -logq.gather(-1, targets.to(logq.device).long()[:, None]).squeeze(-1).to(F64)
-    if fitness == "sap":
-        if generator is None:
-            raise MoePruneError("the sap fitness needs a seeded generator")
-        cdf = torch.cumsum(logq.exp().to(F64), dim=-1)
-        u = torch.rand(logq.shape[0], generator=generator, dtype=F64).to(cdf.device) * cdf[:, -1]
-        y = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=logq.shape[-1] - 1)
-        log_ratio = logp.gather(-1, y) - logq.gather(-1, y)
-        return log_ratio.squeeze(-1).to(F64).clamp(max=0.0).exp()
-    p = logp.exp()
-    if fitness == "esap":
-        return torch.minimum(p, logq.exp()).sum(-1, dtype=F64)
-    if fitness == "kl":
-        terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
-        return terms.sum(-1, dtype=F64)
-    raise MoePruneError(f"unknown fitness {fitness!r}; choose one of {', '.join(FITNESSES)}")
+    return spec.fn(logp, logq, targets, generator)
 
 
 def _ids(sample_ids: Sequence[Hashable] | torch.Tensor) -> list[Hashable]:
@@ -129,23 +155,6 @@ class TeacherSample:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.positions, self.targets, self.log_probs))
-
-
-def teacher_home(device: torch.device, positions: int, vocab_size: int, share: float = 0.25) -> torch.device:
-    """Where a teacher cache of `positions` x `vocab_size` fp32 log-probs should live: the model's
-    GPU when it fits in `share` of the free memory there, else the CPU (rows then cross to the
-    GPU once per scored sample). Without a GPU, the model's device."""
-    if device.type != "cuda":
-        return device
-    nbytes = positions * vocab_size * 4
-    free, _ = torch.cuda.mem_get_info(device)
-    if nbytes <= share * free:
-        return device
-    logging.getLogger(__name__).warning(
-        "the teacher cache needs %.1f GiB, more than %d%% of the free GPU memory: keeping it on the CPU",
-        nbytes / 2**30, int(share * 100),
-    )  # fmt: skip
-    return torch.device("cpu")
 
 
 @dataclass

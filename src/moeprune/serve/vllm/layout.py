@@ -93,7 +93,9 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
     if section is None:
         return {}
     if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise LayoutError(f"{where}: the 'moeprune' section is not {FORMAT!r}; re-create the checkpoint with moeprune")
+        raise LayoutError(
+            f"{where}: the 'moeprune' section is not {FORMAT!r}; re-create the checkpoint with moeprune"
+        )
     version = section.get("format_version")
     if version != FORMAT_VERSION:
         newer = isinstance(version, int) and version > FORMAT_VERSION
@@ -106,8 +108,12 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
     for entry in section.get("layers") or []:
         index, widths = entry.get("layer"), entry.get("widths")
         if not isinstance(index, int) or not isinstance(widths, list) or index in layers:
-            raise LayoutError(f"{where}: malformed moeprune layer entry {entry!r}; re-create the checkpoint with moeprune")
-        if len(widths) != entry.get("num_experts") or not all(w is None or (isinstance(w, int) and w > 0) for w in widths):
+            raise LayoutError(
+                f"{where}: malformed moeprune layer entry {entry!r}; re-create the checkpoint with moeprune"
+            )
+        if len(widths) != entry.get("num_experts") or not all(
+            w is None or (isinstance(w, int) and w > 0) for w in widths
+        ):
             raise LayoutError(f"{where}: layer {index} has widths {widths} for {entry.get('num_experts')} experts; "
                               "re-create the checkpoint with moeprune")  # fmt: skip
         if all(w is None for w in widths):
@@ -115,7 +121,9 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
                               "load it with moeprune.load_pretrained(path)")  # fmt: skip
         layers[index] = LayerLayout(index, tuple(widths))
     if not layers:
-        raise LayoutError(f"{where}: the moeprune section lists no MoE layer; re-create the checkpoint with moeprune")
+        raise LayoutError(
+            f"{where}: the moeprune section lists no MoE layer; re-create the checkpoint with moeprune"
+        )
     return layers
 
 

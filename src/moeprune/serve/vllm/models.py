@@ -61,7 +61,9 @@ class _MoePruneForCausalLM:
             loaded.add(names[id(table.mean_output)])
         return loaded
 
-    def _fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _fused_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Router positions -> fused expert indices, narrow experts zero-padded, novices taken out."""
         for name, tensor in weights:
             match = _EXPERT.search(name)
@@ -71,7 +73,9 @@ class _MoePruneForCausalLM:
                 continue
             position, rest = int(match.group(2)), match.group(3)
             if position >= layer.num_experts:
-                raise LayoutError(f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged")
+                raise LayoutError(
+                    f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged"
+                )
             if rest == MEAN_OUTPUT:
                 _load_novice(self._moeprune_novices, layer, position, name, tensor)
                 continue
@@ -101,9 +105,13 @@ def _route_like_transformers(family: str, config) -> None:
             config.n_group, config.topk_group = 1, 1
 
 
-def _load_novice(tables: dict[int, NoviceTable], layer: LayerLayout, position: int, name: str, tensor) -> None:
+def _load_novice(
+    tables: dict[int, NoviceTable], layer: LayerLayout, position: int, name: str, tensor
+) -> None:
     if position not in layer.novices:
-        raise LayoutError(f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged")
+        raise LayoutError(
+            f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged"
+        )
     table = tables.get(layer.layer)
     if table is not None:  # None: the layer lives on another pipeline stage
         table.load(position, tensor)

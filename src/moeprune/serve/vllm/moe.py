@@ -61,7 +61,9 @@ class NoviceTable(nn.Module):
         self.register_buffer("slot", slot, persistent=False)
         self.register_buffer("fused", fused, persistent=False)
         self.register_buffer("is_novice", novice, persistent=False)
-        self.mean_output = nn.Parameter(torch.empty(len(layer.novices), hidden_size, dtype=dtype), requires_grad=False)
+        self.mean_output = nn.Parameter(
+            torch.empty(len(layer.novices), hidden_size, dtype=dtype), requires_grad=False
+        )
         self.loaded: set[int] = set()
 
     def load(self, position: int, value: torch.Tensor) -> None:
@@ -116,7 +118,9 @@ class NoviceMoERunner(MoERunner):
     def __init__(self, *args, novices: NoviceTable, **kwargs):
         super().__init__(*args, **kwargs)
         self.novices = novices
-        if self.moe_config.skip_final_all_reduce:  # pragma: no cover - none of the served families asks for it
+        if (
+            self.moe_config.skip_final_all_reduce
+        ):  # pragma: no cover - none of the served families asks for it
             raise LayoutError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
@@ -169,9 +173,17 @@ def _sized_factory(
         bound.apply_defaults()
         a = bound.arguments
         layer = layer_of(a["prefix"], layout, family)
-        for name in ("router", "runner_cls", "custom_routing_function", "hash_indices_table", "zero_expert_type"):
+        for name in (
+            "router",
+            "runner_cls",
+            "custom_routing_function",
+            "hash_indices_table",
+            "zero_expert_type",
+        ):
             if a.get(name) is not None:  # pragma: no cover - none of the served families passes these
-                raise LayoutError(f"{a['prefix']}: vLLM's {family} block passes {name}, which moeprune's plugin does not handle")
+                raise LayoutError(
+                    f"{a['prefix']}: vLLM's {family} block passes {name}, which moeprune's plugin does not handle"
+                )
         if a["enable_eplb"] or a["fuse_shared_experts"]:
             raise LayoutError(
                 f"{family} models in moeprune's format have different expert counts per layer; serve them "

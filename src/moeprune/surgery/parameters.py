@@ -62,7 +62,9 @@ def _plan_params(moe: MoEModel, plan: Plan) -> list[tuple[int, list[int]]]:
         layer = moe.layer(lp.layer)
         cost, width, hidden = layer_cost(layer), layer.intermediate_size, layer.hidden_size
         novice = set(lp.novice)
-        per_layer.append((lp.top_k, [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept]))
+        per_layer.append(
+            (lp.top_k, [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept])
+        )
     return per_layer
 
 
@@ -97,7 +99,11 @@ def padded_parameters(moe: MoEModel) -> dict[str, int]:
 def kept_per_layer(moe: MoEModel) -> list[dict]:
     """Per MoE layer: weight-holding experts and routed-expert parameters (novices count their vector)."""
     return [
-        {"layer": m.index, "experts": sum(w is not None for w in layer_widths(m)), "routed_params": sum(expert_params(m))}
+        {
+            "layer": m.index,
+            "experts": sum(w is not None for w in layer_widths(m)),
+            "routed_params": sum(expert_params(m)),
+        }
         for m in moe.layers
     ]
 

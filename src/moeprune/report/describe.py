@@ -6,22 +6,19 @@ from pathlib import Path
 
 from torch import nn
 
-from moeprune.checkpoint import check_model_path, load_config
+from moeprune.checkpoint import build_skeleton, check_model_path, load_config
 from moeprune.models import MoEModel
+from moeprune.surgery.parameters import describe_layers, expert_params, routed_parameters
 
 
 def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> dict:
     """Build the model on the meta device (no weights read) and describe it."""
-    from moeprune.checkpoint import build_skeleton
-
     folder = check_model_path(path)  # a local folder or a cached model id
     load_config(folder, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
     return describe_model(build_skeleton(folder, meta=True), source=str(path))
 
 
 def describe_model(model: nn.Module, source: str = "") -> dict:
-    from moeprune.models.parameters import describe_layers, expert_params, routed_parameters
-
     moe = MoEModel(model)
     config = model.config
     layers = []

@@ -1,0 +1,345 @@
+"""EvoESAP on a real model: the search driver (checkpointed, resumable, split over torchrun ranks)
+and search.json.
+
+Data-parallel search (under ``torchrun``, world size W > 1): every rank holds the whole model and
+the search set and does its own teacher pass. Each generation's new allocations (not cached,
+deduplicated, in population order) are split round-robin over the ranks (rank r takes positions
+r, r+W, ...), each rank evaluates its share, and the results (fitness, raced or not) are merged
+with ``all_gather_object`` into every rank's fitness cache, in population order: every rank
+holds the same cache, population and RNG state. A candidate's fitness does not depend on what
+its rank evaluated before (prefix reuse is bitwise exact), and racing uses the elite threshold of
+the cache at the start of the generation (one process raises it as the generation goes), so
+elites, the per-generation best and the result are identical to one process for a fixed seed.
+Raced candidates' partial fitnesses, and so a generation's mean, may differ. Rank 0 alone writes
+the search state and the race log (every rank reads them to resume); the state is saved at
+generation boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.limits import LayerLimits, layer_limits
+from moeprune.allocate.search.candidates import TEXT_ONLY_NOTE, CandidateContext, CandidateEvaluator
+from moeprune.allocate.search.evo import Allocation, EvoConfig, EvoResult, EvoSearch
+from moeprune.allocate.search.fitness import check_fitness
+from moeprune.checkpoint.atomic import write_json
+from moeprune.config import SearchConfig
+from moeprune.criteria import Criterion, LayerScores
+from moeprune.data.loading import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
+
+_LOG = logging.getLogger(__name__)
+SEARCH_STATE = "search_state.json"
+
+
+def _elite_threshold(cache: Mapping[Allocation, float], elites: int) -> float | None:
+    """The m-th best fitness evaluated so far (elites are always the top m of everything seen)."""
+    if len(cache) < elites:
+        return None
+    return sorted(cache.values(), reverse=True)[elites - 1]
+
+
+def _raced_path(state_path: Path | None) -> Path | None:
+    return None if state_path is None else state_path.with_name(state_path.name + ".raced.json")
+
+
+class _RaceLog:
+    """Which evaluations were raced, in which generation; persisted beside the search state.
+
+    A fresh search removes an old log; an allocation raced again after a crash is logged once.
+    With ``write=False`` (every torchrun rank but 0) the log is read for a resume, never written.
+    """
+
+    def __init__(self, path: Path | None, resume: bool, write: bool = True) -> None:
+        self.path = path
+        self.write = write
+        self.entries: dict[Allocation, dict[str, Any]] = {}
+        if path is not None and not resume:
+            if write:
+                path.unlink(missing_ok=True)
+        elif path is not None and path.is_file():
+            self.entries = {tuple(e["allocation"]): e for e in json.loads(path.read_text())["raced"]}
+
+    def add(self, allocation: Allocation, generation: int, samples: int) -> None:
+        entry = {"allocation": list(allocation), "generation": generation, "samples_scored": samples}
+        self.entries[allocation] = entry
+        if self.path is not None and self.write:
+            write_json(self.path, {"raced": self.listed()})
+
+    def listed(self) -> list[dict[str, Any]]:
+        return list(self.entries.values())
+
+    def per_generation(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for entry in self.entries.values():
+            counts[entry["generation"]] = counts.get(entry["generation"], 0) + 1
+        return counts
+
+
+def run_evo_search(
+    moe: MoEModel,
+    search_data: CalibrationData,
+    orders: Sequence[Sequence[int]],
+    budget: int,
+    *,
+    fitness: str = "esap",
+    config: EvoConfig,
+    state_path: str | Path | None = None,
+    resume: bool = False,
+    fingerprint: Mapping[str, Any],
+    batch_size: int = 8,
+    progress: bool = True,
+    pad_token_id: int | None = None,
+    fast: bool = True,
+    race: bool = True,
+    prefix_cache_bytes: int | None = None,
+    candidate_context: CandidateContext | None = None,
+    expert_multiple: int = 1,
+) -> tuple[list[int], dict[str, Any]]:
+    """EvoESAP over ``moe``: the best allocation (experts removed per MoE layer) and ``search.json``.
+
+    Bad input fails before the teacher pass: an unknown fitness, population < elites, or a
+    budget no feasible allocation meets. ``fingerprint`` (model, data, criterion, ...) and the
+    fitness name must match the saved state for ``resume``. ``fast``/``race`` only change speed.
+    Under torchrun (a joined process group, world > 1) every rank calls this with the same
+    arguments: candidates are split over the ranks (module docstring), every rank returns the
+    same allocation, and rank 0 alone writes ``state_path`` and its race log.
+    """
+    check_fitness(fitness)
+    limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
+    uniform = uniform_allocation(
+        budget, limits.num_experts, limits.top_k, multiple_of=limits.multiples, max_removed=limits.caps
+    )  # raises InfeasibleBudgetError with the reason
+    path = Path(state_path) if state_path is not None else None
+    if resume and (path is None or not path.is_file()):
+        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
+    rank, world = rank_and_world()  # under torchrun: candidates split over ranks, rank 0 writes
+    race_log = _RaceLog(_raced_path(path), resume, write=rank == 0)
+    evaluator: CandidateEvaluator | None = None  # built below, after the cheap checks
+    parallel = _DataParallel(lambda: evaluator, lambda: search, race_log, race) if world > 1 else None
+    search = EvoSearch(  # validates the config (population >= elites) before any model runs
+        lambda allocation: _evaluate(evaluator, search, race_log, allocation, race),
+        budget,
+        limits.caps,
+        uniform,
+        config,
+        limits.multiples,
+        state_path=path,
+        fingerprint={**fingerprint, "fitness": fitness, "search_data": search_data.fingerprint},
+        progress=progress and rank == 0,
+        evaluate_many=parallel,
+        write_state=rank == 0,
+    )
+    if search_data.text_only:
+        _LOG.warning(TEXT_ONLY_NOTE)
+    start = time.perf_counter()
+    evaluator = CandidateEvaluator(
+        moe, search_data, orders, fitness=fitness, batch_size=batch_size, seed=config.seed,
+        pad_token_id=pad_token_id, fast=fast, prefix_cache_bytes=prefix_cache_bytes,
+        candidate_context=candidate_context,
+    )  # fmt: skip
+    result = search.run(resume=resume)
+    seconds = time.perf_counter() - start
+    counters, distributed = dict(evaluator.counters), None
+    if parallel is not None:  # every rank reaches this collective once, after the last generation
+        per_rank = all_gather_objects(evaluator.counters)
+        counters = {k: sum(c[k] for c in per_rank) for k in counters}
+        distributed = {
+            "world_size": world,
+            "backend": torch.distributed.get_backend(),
+            "evaluations_per_rank": [c["candidates"] for c in per_rank],
+            "racing_threshold": "elite threshold at the start of each generation",
+            "note": "candidates evaluated in parallel over ranks; elites and result equal one process,"
+            " raced candidates' partial fitnesses (and generation means) may differ",
+        }
+    document = _search_document(
+        evaluator, search, result, race_log, limits, tuple(uniform), seconds, race, counters, distributed
+    )
+    evaluator.release()  # the search and its closures form cycles: free the caches now, not at the next gc
+    return list(result.best), document
+
+
+class _DataParallel:
+    """``EvoSearch.evaluate_many`` under torchrun: one generation's new allocations, split over ranks.
+
+    Rank r evaluates positions r, r+W, ... of ``allocations`` (``distributed.split_map``) against
+    the elite threshold of the cache at the start of the generation, so its results do not depend
+    on which candidates the other ranks got; every rank gets all (fitness, samples scored if
+    raced) pairs in the given order.
+    """
+
+    def __init__(
+        self, evaluator: Callable[[], CandidateEvaluator], search: Callable[[], EvoSearch], race_log: _RaceLog,
+        race: bool,
+    ) -> None:  # fmt: skip
+        self.evaluator, self.search = evaluator, search
+        self.race_log, self.race = race_log, race
+
+    def __call__(self, generation: int, allocations: list[Allocation]) -> list[float]:
+        search, evaluator = self.search(), self.evaluator()
+        threshold = _elite_threshold(search.cache, search.config.elites) if self.race else None
+
+        def one(allocation: Allocation) -> tuple[float, int | None]:
+            return float(evaluator.evaluate(allocation, threshold)), evaluator.raced.get(allocation)
+
+        results = split_map(one, allocations, "evaluating search candidates")
+        for allocation, (_, samples) in zip(allocations, results):
+            if samples is not None:
+                self.race_log.add(allocation, generation, samples)
+        return [value for value, _ in results]
+
+
+def _evaluate(
+    evaluator: CandidateEvaluator, search: EvoSearch, race_log: _RaceLog, allocation: Allocation, race: bool
+) -> float:
+    threshold = _elite_threshold(search.cache, search.config.elites) if race else None
+    value = evaluator.evaluate(allocation, threshold)
+    if allocation in evaluator.raced:
+        race_log.add(allocation, len(search.history), evaluator.raced[allocation])
+    return value
+
+
+def _search_document(
+    evaluator: CandidateEvaluator,
+    search: EvoSearch,
+    result: EvoResult,
+    race_log: _RaceLog,
+    limits: LayerLimits,
+    uniform: Allocation,
+    seconds: float,
+    race: bool,
+    counters: Mapping[str, int] | None = None,
+    distributed: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``search.json``: per generation best / mean / population fitness (in the fitness's own
+    units: KL and NLL are not negated), the final and uniform allocations, cache size, timings.
+    ``counters``: the speedup counters (summed over ranks under torchrun; default this evaluator's)."""
+    sign = evaluator.sign
+    counters = dict(evaluator.counters if counters is None else counters)
+    raced = race_log.per_generation()
+    generations = [
+        {
+            "generation": h.generation,
+            "best": sign * h.best,
+            "mean": sign * h.mean,
+            "fitnesses": [sign * f for f in h.fitnesses],
+            "new_evaluations": h.new_evaluations,
+            "raced": raced.get(h.generation, 0),
+            "best_allocation": h.best_allocation,
+        }
+        for h in result.history
+    ]
+    evaluations_here = counters["candidates"]
+    document = {
+        "fitness": evaluator.fitness,
+        "higher_is_better": sign > 0,
+        "config": asdict(search.config),
+        "budget": search.feas.budget,
+        "layers": limits.layers,
+        "num_experts": limits.num_experts,
+        "top_k": limits.top_k,
+        "caps": limits.caps,
+        "multiples": limits.multiples,
+        "allocation": list(result.best),
+        "fitness_value": sign * result.best_fitness,
+        "uniform": {"allocation": list(uniform), "fitness_value": sign * search.cache[uniform]},
+        "evaluations": result.evaluations,
+        "stopped": result.stopped,
+        "generations": generations,
+        "search_samples": evaluator.num_samples,
+        "teacher_cache": {
+            "bytes": evaluator.cache_nbytes,
+            "answer_positions": evaluator.teacher.num_positions,
+            "vocab_size": evaluator.teacher.vocab_size,
+        },
+        "notes": evaluator.notes,
+        "timings_s": {
+            "teacher_pass": round(evaluator.teacher_seconds, 3),
+            "total": round(seconds, 3),
+            "per_evaluation": round((seconds - evaluator.teacher_seconds) / max(1, evaluations_here), 4),
+        },
+        "speedups": {
+            "resume_mode": evaluator.mode,
+            "racing": race,
+            "prefix_cache_budget_bytes": evaluator.prefix_cache.max_bytes,
+            "prefix_cache_peak_bytes": evaluator.prefix_cache.peak_bytes,
+            "prefix_cache_evictions": evaluator.prefix_cache.evictions,
+            **counters,
+        },
+        "raced_evaluations": race_log.listed(),
+    }
+    if distributed is not None:
+        document["distributed"] = distributed
+    return document
+
+
+def search_state_path(output: Path) -> Path:
+    """The search checkpoints beside the output folder (the output itself only appears at the end)."""
+    return output.parent / f".{output.name}.{SEARCH_STATE}"
+
+
+def evo_config(search: SearchConfig) -> EvoConfig:
+    """The search core's settings; `validate` refuses impossible ones before any model runs."""
+    config = EvoConfig(population=search.population, elites=search.elites, generations=search.generations,
+                       delta_max=search.delta_max, tau_max=search.tau_max, seed=search.seed, patience=search.patience)  # fmt: skip
+    config.validate()
+    check_fitness(search.fitness)
+    return config
+
+
+def model_fingerprint(moe: MoEModel) -> str:
+    """Identifies the model a search ran on: its config and a checksum of its router weights."""
+    digest = hashlib.sha256(json.dumps(moe.config.to_dict(), sort_keys=True, default=str).encode())
+    for layer in moe.layers:
+        digest.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+    return f"{moe.model_type}:{digest.hexdigest()[:16]}"
+
+
+def search_allocation(
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    stats: Sequence[ExpertStats],
+    search_set: CalibrationData,
+    *,
+    sparsity: float,
+    method: str,
+    search: SearchConfig,
+    state_path: Path | None = None,
+    resume: bool = False,
+    batch_size: int = 8,
+    pad_token_id: int | None = None,
+    progress: bool = True,
+    expert_multiple: int = 1,
+    candidate_context: CandidateContext | None = None,
+) -> tuple[list[int], dict]:
+    """EvoESAP: experts removed per MoE layer, searched on teacher-forced answer tokens.
+
+    Candidates run in the method's virtual form (drop: router slicing; novice: constant
+    substitution, `candidate_context`), never by copying the model. With `state_path`, the state is
+    checkpointed every generation; `resume` continues it and refuses other data or settings.
+    """
+    budget = budget_from_sparsity(
+        sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
+    )
+    fingerprint = {"model": model_fingerprint(moe), "criterion": criterion.name, "method": method,
+                   "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
+    return run_evo_search(
+        moe, search_set, [s.order for s in scores], budget, fitness=search.fitness, config=evo_config(search),
+        state_path=state_path, resume=resume, fingerprint=fingerprint, batch_size=batch_size, progress=progress,
+        pad_token_id=pad_token_id, candidate_context=candidate_context, expert_multiple=expert_multiple,
+    )  # fmt: skip

@@ -1,0 +1,70 @@
+"""Options several commands share, with choices and help read from the registries."""
+
+from __future__ import annotations
+
+import click
+import torch
+
+from moeprune.config import DataOptions
+from moeprune.errors import MoePruneError
+from moeprune.runtime.device import DTYPES
+
+
+def data_options(func):
+    """Options of every command that reads calibration or evaluation data and loads a model."""
+    options = [
+        click.option("--data", "data", multiple=True, metavar="FILE[:WEIGHT]",
+                     help="Data file (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat for several."),
+        click.option("--samples", type=click.IntRange(min=0), default=128, show_default=True,
+                     help="Samples to draw (0 = all)."),
+        click.option("--max-length", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Truncate samples to L tokens."),
+        click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
+        click.option("--packing/--no-packing", default=False, show_default=True, help="Pack samples into full rows."),
+        click.option("--tokenizer", "tokenizer_path", type=click.Path(), default=None,
+                     help="Tokenizer folder, if the checkpoint has none."),
+        click.option("--seed", type=int, default=0, show_default=True,
+                     help="Seed of the data sampling and of the random criterion."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+                     help="Model dtype [default: bf16 on GPU, fp32 on CPU]."),
+        click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch CPU threads (default: torch's choice)."),
+        click.option("--trust-remote-code", is_flag=True,
+                     help="Allow a checkpoint's own Python code (tokenizer or config); never run otherwise."),
+        click.option("--device", default=None,
+                     help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any]."),
+        click.option("--sequential", is_flag=True,
+                     help="Observe one decoder layer at a time without loading the whole model (score, prune --no-load)."),
+        click.option("--activations-dir", type=click.Path(file_okay=False), default=None,
+                     help="--sequential: keep the cached activations in a temporary folder here (on disk) instead "
+                          "of in memory; removed afterwards."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def data_from_options(kwargs: dict) -> DataOptions:
+    if kwargs.get("threads"):
+        torch.set_num_threads(kwargs["threads"])
+    if kwargs.get("activations_dir") and not kwargs.get("sequential"):
+        raise MoePruneError(
+            "--activations-dir is for --sequential (layer-by-layer) observation; add --sequential"
+        )
+    return DataOptions(
+        sources=kwargs["data"],
+        samples=kwargs["samples"] or None,
+        max_length=kwargs["max_length"],
+        batch_size=kwargs["batch_size"],
+        seed=kwargs["seed"],
+        packing=kwargs["packing"],
+        device=kwargs.get("device"),
+        sequential=kwargs.get("sequential", False),
+        activations_dir=kwargs.get("activations_dir"),
+    )
+
+
+def registry_help(registry, lead: str) -> str:
+    """`lead` and every entry's help, for --help."""
+    return f"{lead} " + "; ".join(f"{spec.name}: {spec.help}" for spec in registry) + "."

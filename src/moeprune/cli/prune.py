@@ -1,0 +1,276 @@
+"""`moeprune prune`: the options of a PruneConfig (choices and help read from the registries),
+`--config recipe.json` to repeat an earlier run, and the dry-run's plan of work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from moeprune.allocate import ALLOCATIONS
+from moeprune.allocate.search.fitness import FITNESSES
+from moeprune.api import prune_checkpoint
+from moeprune.cli.main import command_line, main, refuse_given
+from moeprune.cli.options import data_from_options, data_options, registry_help
+from moeprune.config import PruneConfig, SaveOptions, SearchConfig
+from moeprune.criteria import AUTO, CRITERIA
+from moeprune.errors import MoePruneError
+from moeprune.runtime.distributed import init_distributed
+from moeprune.shards.prune import prune_without_loading
+from moeprune.surgery import METHODS
+from moeprune.surgery.neurons import IMPORTANCE
+
+SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value -> torch name
+SEARCH_OPTIONS = ["search_data", "search_samples", "fitness", "population", "elites", "generations", "delta_max",
+                  "tau_max", "search_seed", "patience"]  # fmt: skip
+
+
+def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
+    """--config: an earlier run's recipe.json (or a bare PruneConfig) becomes this run's defaults;
+    options typed on the command line still win."""
+    if path is None:
+        return None
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise MoePruneError(f"cannot read the config {path}: {exc}; give a recipe.json written beside a result",
+                            options=("config",)) from None  # fmt: skip
+    if not isinstance(doc, dict):
+        raise MoePruneError(
+            f"the config {path} is not a JSON object; give a recipe.json written beside a result"
+        )
+    config = PruneConfig.from_dict(doc.get("config", doc))  # unknown or mistyped keys: an error naming them
+    defaults = {k: v for k, v in config.to_dict().items() if k != "search"}
+    search: SearchConfig = config.search
+    defaults.update(fitness=search.fitness, search_samples=search.samples, population=search.population,
+                    elites=search.elites, generations=search.generations, patience=search.patience,
+                    delta_max=search.delta_max, tau_max=search.tau_max, search_seed=search.seed)  # fmt: skip
+    data, save = doc.get("data", {}), doc.get("save", {})
+    for key, name in (("calibration", "data"), ("search", "search_data")):
+        if data.get(key):
+            defaults[name] = tuple(data[key])
+    for key in ("max_length", "batch_size", "seed", "packing"):
+        if key in data:
+            defaults[key] = data[key]
+    if "samples" in data:
+        defaults["samples"] = data["samples"] or 0
+    by_torch_name = {v: k for k, v in SAVE_DTYPES.items()}
+    if save.get("dtype") in by_torch_name:
+        defaults["save_dtype"] = by_torch_name[save["dtype"]]
+    if save.get("max_shard_size") is not None:
+        defaults["max_shard_size"] = str(save["max_shard_size"])
+    ctx.default_map = {k: v for k, v in defaults.items() if v is not None}
+    return path
+
+
+@main.command()
+@click.argument("model")
+@click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
+@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_recipe_defaults,
+              help="Repeat an earlier run: its recipe.json (written beside every result) sets the defaults of every "
+                   "option below; options you type still win.")  # fmt: skip
+@click.option("--criterion", required=True, type=click.Choice([*CRITERIA.names(), AUTO]),
+              help=registry_help(CRITERIA, "How experts are ranked:") + " auto: the best uniform plan on --search-data.")  # fmt: skip
+@click.option("--sparsity", required=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.")  # fmt: skip
+@click.option("--allocation", type=click.Choice(ALLOCATIONS.names()), default=None,
+              help=registry_help(ALLOCATIONS, "How many experts each layer loses [default: the method's first]:"))  # fmt: skip
+@click.option("--method", type=click.Choice(METHODS.names()), default="drop", show_default=True,
+              help=registry_help(METHODS, "What happens to the chosen experts:"))  # fmt: skip
+@click.option("--neuron-importance", type=click.Choice(list(IMPORTANCE)), default="projection", show_default=True,
+              help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.")  # fmt: skip
+@click.option("--important-fraction", type=float, default=None,
+              help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].")  # fmt: skip
+@click.option("--slope", type=float, default=0.5, show_default=True,
+              help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).")  # fmt: skip
+@click.option(
+    "--search-data",
+    multiple=True,
+    metavar="FILE[:WEIGHT]",
+    help="evo/auto: search data (prompt/answer JSONL...).",
+)
+@click.option(
+    "--search-samples",
+    type=click.IntRange(min=0),
+    default=64,
+    show_default=True,
+    help="evo: search samples (0 = all); time grows linearly with them.",
+)
+@click.option("--fitness", type=click.Choice(FITNESSES.names()), default="esap", show_default=True,
+              help=registry_help(FITNESSES, "evo: what a candidate is scored by against the full model:"))  # fmt: skip
+@click.option(
+    "--population",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="evo: candidates per generation; time grows linearly (cached candidates cost nothing).",
+)
+@click.option(
+    "--elites",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="evo: best candidates kept as parents each generation (at most the population).",
+)
+@click.option(
+    "--generations",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="evo: generations at most; time grows linearly.",
+)
+@click.option("--patience", type=click.IntRange(min=1), default=None,
+              help="evo: stop once the best fitness has not improved for G generations [default: never; the "
+                   "result then stays that of the full run]; saves the remaining generations' time.")  # fmt: skip
+@click.option(
+    "--delta-max",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="evo: most experts one mutation step moves between two layers.",
+)
+@click.option(
+    "--tau-max",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="evo: most mutation steps composed into one offspring.",
+)
+@click.option(
+    "--search-seed",
+    type=int,
+    default=42,
+    show_default=True,
+    help="evo: seed of the search (same seed and data: same result).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
+)
+@click.option("--expert-multiple", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible by the "
+                   "EP size; kernels like multiples of 8).")  # fmt: skip
+@click.option(
+    "--save-dtype",
+    type=click.Choice(list(SAVE_DTYPES)),
+    default=None,
+    help="dtype of the saved weights [default: the input checkpoint's].",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="Largest weight file (e.g. 5GB, 500MB); bigger results are sharded with an index, like save_pretrained.",
+)
+@click.option("--dry-run", is_flag=True,
+              help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
+                   "no weight is loaded, nothing is written.")  # fmt: skip
+@click.option("--no-load", is_flag=True,
+              help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
+                   "then rewrite the shards one by one; --method drop or neurons, uniform allocation.")  # fmt: skip
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an existing output folder (atomically, once the new one is complete).",
+)
+@data_options
+def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
+          neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
+          search_samples: int, fitness: str, population: int, elites: int, generations: int, patience: int | None,
+          delta_max: int, tau_max: int, search_seed: int, resume: bool, expert_multiple: int, save_dtype: str | None,
+          max_shard_size: str, dry_run: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+    """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
+    README.md (model card), density.png (and search.json, search_curve.png for evo)."""
+    search = SearchConfig(fitness=fitness, samples=search_samples, population=population, elites=elites,
+                          generations=generations, patience=patience, delta_max=delta_max, tau_max=tau_max,
+                          seed=search_seed)  # fmt: skip
+    config = PruneConfig(criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
+                         expert_multiple=expert_multiple, neuron_importance=neuron_importance,
+                         important_fraction=important_fraction, slope=slope, seed=kwargs["seed"], search=search)  # fmt: skip
+    rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
+    progress = not kwargs["quiet"] and rank == 0
+    ctx = click.get_current_context()
+    data = data_from_options(kwargs)
+    if no_load:
+        if criterion == AUTO:
+            raise MoePruneError("pruning without loading needs a named criterion (auto searches on the loaded "
+                                "model); name one or drop --no-load")  # fmt: skip
+        refuse_given(ctx, ["resume", "dry_run", "save_dtype", "max_shard_size", "expert_multiple", *SEARCH_OPTIONS,
+                           "important_fraction", "slope"],
+                     "with --no-load (it copies the input's shards and dtype)")  # fmt: skip
+        report = prune_without_loading(model, output, config, data=data, tokenizer_path=kwargs["tokenizer_path"],
+                                       dtype=kwargs["dtype"], overwrite=overwrite, progress=progress)  # fmt: skip
+        if rank == 0:
+            click.echo(_no_load_line(report, output))
+        return
+    if allocation != "evo" and criterion != AUTO:
+        refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
+    if method != "tenp":
+        refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
+    if not METHODS.get(method).neurons:
+        refuse_given(ctx, ["neuron_importance"], f"with --method {method} (it keeps every neuron)")
+    refuse_given(
+        ctx,
+        ["activations_dir"],
+        "without --sequential (it is where sequential observation caches activations)",
+    )
+    report = prune_checkpoint(
+        model, output, config, data=data, search_data=search_data, tokenizer_path=kwargs["tokenizer_path"],
+        dtype=kwargs["dtype"], save=SaveOptions(dtype=SAVE_DTYPES.get(save_dtype), max_shard_size=max_shard_size),
+        overwrite=overwrite, resume=resume, dry_run=dry_run, trust_remote_code=kwargs["trust_remote_code"],
+        progress=progress, command_line=command_line(),
+    )  # fmt: skip
+    if rank != 0:
+        return
+    if dry_run:
+        click.echo(format_plan_of_work(report))
+        return
+    before, after = report["parameters_before"], report["parameters_after"]
+    click.echo(
+        f"pruned with {method} ({report['criterion']}, {report['allocation']}); parameters {before['total']:,} -> "
+        f"{after['total']:,}, routed experts {before['routed_experts']:,} -> {after['routed_experts']:,}; "
+        f"saved ({report['format']} format, {report['save_dtype']}) to {output}"
+    )
+
+
+def _no_load_line(report: dict, output: str) -> str:
+    if report["method"] == "neurons":
+        width = report["surgery"].get("intermediate_size")
+        done = f"shrank every routed expert to {width} neurons" if width else "kept every neuron"
+    else:
+        done = f"pruned {report['budget_experts_removed']} experts"
+    return f"{done} without loading the model; saved to {output}"
+
+
+def format_plan_of_work(plan: dict) -> str:
+    """The --dry-run report: what prune would do, one fact per line."""
+    lines = [
+        f"model     {plan['model']} ({plan['family']}; MoE layers {plan['moe_layers']}, experts {plan['experts_per_layer']}, "
+        f"top-k {plan['top_k']})",
+        f"prune     criterion {plan['criterion']}, allocation {plan['allocation']}, method {plan['method']}, "
+        f"sparsity {plan['sparsity']} of {plan['sparsity_unit']}",
+    ]
+    for key, label in (("budget_experts_removed", "budget    experts removed in total"),
+                       ("removed_per_layer", "per layer experts removed"),
+                       ("neurons_per_expert", "per layer neurons kept per expert"),
+                       ("whole_experts_per_layer", "per layer whole experts kept"),
+                       ("neuron_keep_ratio", "neurons   kept ratio of the other experts")):  # fmt: skip
+        if key in plan:
+            lines.append(f"{label}: {plan[key]}")
+    if plan["allocation"] == "evo":
+        lines.append("per layer searched (EvoESAP)")
+    for data in plan["calibration"]:
+        lines.append(f"data      {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
+                     + (f" ({data['truncated']} truncated)" if data["truncated"] else ""))  # fmt: skip
+    if plan["search_data"]:
+        data = plan["search_data"]
+        lines.append(
+            f"search    {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
+        )
+    lines.append(
+        f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}"
+    )
+    lines.append("dry run: nothing was loaded or written")
+    return "\n".join(lines)

@@ -1,0 +1,377 @@
+"""moeprune's checkpoint structure and expert modules, for stock transformers (part of
+modeling_moeprune.py; moeprune copies the three files into every moeprune-format folder).
+
+The table of families (how each lays out its MoE blocks in memory and on disk), the `moeprune`
+section of config.json read and checked, and the modules that replace a layer's stock experts
+when their widths differ or some are novices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+FORMAT = "moeprune-checkpoint"
+FORMAT_VERSION = 3  # the newest structure this file reads
+MEAN_OUTPUT = "mean_output"  # a novice's stored vector
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+FUSED = "fused"  # gate_up_proj [E, 2I, d] (gate rows, then up rows); down_proj [E, d, I]
+TRANSPOSED = "transposed"  # Llama-4: gate_up_proj [E, d, 2I] (gate columns, then up); down_proj [E, I, d]
+INTERLEAVED = "interleaved"  # gpt_oss: [E, d, 2I] with gate/up columns alternating, plus biases
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers MoE family lays out its MoE blocks, in memory and on disk."""
+
+    config_class: str  # the stock config class in transformers
+    causal_lm_class: str  # the stock causal-LM class in transformers
+    block_attr: str  # decoder-layer attribute holding the MoE block
+    router_attr: str  # block attribute holding the router
+    count_field: str  # config field with the number of routed experts (the largest layer's here)
+    intermediate_field: str  # config field with the routed experts' full width
+    layout: str  # FUSED, TRANSPOSED or INTERLEAVED
+    # Per-expert router tensors: (dotted path below the router, expert dimension).
+    router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
+    # Attributes holding the expert count on the block, the router and the experts module.
+    count_attrs: tuple[str, ...] = ("num_experts",)
+    # Fragments of in-memory names that stock checkpoints spell differently: (in memory, on disk).
+    disk_renames: tuple[tuple[str, str], ...] = ()
+    # Per-expert tensor names on disk (gate, up, down: "<B>.experts.<p>.<name>.weight"), or None
+    # where checkpoints keep the fused tensors (gpt_oss, Llama-4).
+    disk_expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    weight_on_input: bool = False  # Llama-4 multiplies the routing weight into the expert input
+
+
+_BIASED = (("weight", 0), ("e_score_correction_bias", 0))  # DeepSeek-V3, GLM-4-MoE selection bias
+
+FAMILIES: dict[str, Family] = {
+    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", "mlp", "gate", "num_experts", "intermediate_size", FUSED),
+    "qwen2_moe": Family(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "mlp", "gate", "num_experts", "moe_intermediate_size", FUSED
+    ),
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp", "gate", "num_local_experts", "moe_intermediate_size", FUSED
+    ),
+    "qwen3_next": Family(
+        "Qwen3NextConfig", "Qwen3NextForCausalLM", "mlp", "gate", "num_experts", "moe_intermediate_size", FUSED
+    ),
+    "mixtral": Family(
+        "MixtralConfig", "MixtralForCausalLM", "mlp", "gate", "num_local_experts", "intermediate_size", FUSED,
+        disk_renames=((".mlp.", ".block_sparse_moe."),), disk_expert_names=("w1", "w3", "w2"),
+    ),
+    "deepseek_v2": Family(
+        "DeepseekV2Config", "DeepseekV2ForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED
+    ),
+    "deepseek_v3": Family(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED,
+        router_tensors=_BIASED,
+    ),
+    "glm4_moe": Family(
+        "Glm4MoeConfig", "Glm4MoeForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED,
+        router_tensors=_BIASED,
+    ),
+    "ernie4_5_moe": Family(
+        "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "mlp", "gate", "moe_num_experts", "moe_intermediate_size",
+        FUSED, router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
+        disk_renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
+    ),
+    "gpt_oss": Family(
+        "GptOssConfig", "GptOssForCausalLM", "mlp", "router", "num_local_experts", "intermediate_size", INTERLEAVED,
+        router_tensors=(("weight", 0), ("bias", 0)), disk_expert_names=None,
+    ),
+    "llama4_text": Family(
+        "Llama4TextConfig", "Llama4ForCausalLM", "feed_forward", "router", "num_local_experts", "intermediate_size",
+        TRANSPOSED, count_attrs=("num_experts", "out_features"), disk_expert_names=None, weight_on_input=True,
+    ),
+}  # fmt: skip
+
+
+def fail(message: str) -> ValueError:
+    return ValueError(f"modeling_moeprune: {message}")
+
+
+# ----------------------------------------------------------------------------- the structure
+@dataclass(frozen=True)
+class LayerStructure:
+    """One MoE layer of config.json's `moeprune` section."""
+
+    layer: int  # decoder layer index
+    expert_ids: tuple[int, ...]  # original expert id of each router position
+    widths: tuple[int | None, ...]  # neurons of each router position; None for a novice
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_ids)
+
+    def is_stock(self, full_width: int) -> bool:
+        """Whether the stock experts module holds this layer: no novice, every expert at full width."""
+        return all(w == full_width for w in self.widths)
+
+
+def read_structure(config) -> list[LayerStructure]:
+    """The `moeprune` section of the config, checked: a damaged or hand-edited section is one clear
+    error here, never a model of the wrong shape."""
+    section = getattr(config, "moeprune", None)
+    where = "config.json's 'moeprune' section"
+    if not isinstance(section, dict) or section.get("format") != FORMAT:
+        raise fail(f"{where} is missing or is not a {FORMAT!r}; this folder was not written by moeprune")
+    version = section.get("format_version")
+    if not isinstance(version, int) or not 3 <= version <= FORMAT_VERSION:
+        raise fail(
+            f"{where} is format version {version!r} but this file reads version {FORMAT_VERSION}; "
+            "use the modeling_moeprune.py saved with the checkpoint"
+        )
+    base = section.get("base_model_type")
+    if base != base_model_type(config):
+        raise fail(f"{where} is for a {base!r} model but config.json's model type is {config.model_type!r}")
+    entries = section.get("layers")
+    if not isinstance(entries, list) or not entries:
+        raise fail(f"{where} has no 'layers'")
+    layers = []
+    for entry in entries:
+        ok = isinstance(entry, dict) and all(
+            isinstance(entry.get(key), t)
+            for key, t in (("layer", int), ("expert_ids", list), ("widths", list))
+        )
+        if not ok:
+            raise fail(
+                f"{where}: layer entry {entry!r} lacks an integer 'layer' or the lists 'expert_ids' and 'widths'"
+            )
+        ids, widths, at = entry["expert_ids"], entry["widths"], f"{where}, layer {entry['layer']}"
+        if entry.get("num_experts") != len(ids) or len(widths) != len(ids) or not ids:
+            raise fail(f"{at}: num_experts, expert_ids and widths disagree on the number of experts")
+        if not all(w is None or (isinstance(w, int) and w > 0) for w in widths):
+            raise fail(f"{at}: widths must be positive neuron counts or null, got {widths}")
+        if sorted(entry.get("novice", [])) != [p for p, w in enumerate(widths) if w is None]:
+            raise fail(f"{at}: 'novice' disagrees with the null widths")
+        layers.append(LayerStructure(entry["layer"], tuple(ids), tuple(widths)))
+    indices = [entry.layer for entry in layers]
+    if indices != sorted(set(indices)):
+        raise fail(f"{where}: layers {indices} are not unique and ascending")
+    return layers
+
+
+def base_model_type(config) -> str:
+    return str(config.model_type).removeprefix("moeprune_")
+
+
+# ----------------------------------------------------------------------------- routed experts
+class MoePruneGatedExpert(nn.Module):
+    """One expert of width K: gate and up rows fused in gate_up_proj [2K, d] (gate first), down_proj
+    [d, K]; y = down(act(gate x) * up x), computed like transformers' fused experts, one matmul for
+    gate and up. Checkpoints store gate, up and down as three tensors per expert, under the
+    family's names (`gate_proj`, `up_proj`, `down_proj`; Mixtral: `w1`, `w3`, `w2`)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up)
+        self.down_proj = nn.Parameter(down)
+        self.act_fn = act_fn
+
+    def extra_repr(self) -> str:
+        return f"width={self.down_proj.shape[1]}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj)
+
+
+class MoePruneTransposedExpert(nn.Module):
+    """One Llama-4 expert of width K: gate_up_proj [d, 2K] (gate columns, then up), down_proj [K, d]."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up)
+        self.down_proj = nn.Parameter(down)
+        self.act_fn = act_fn
+
+    def extra_repr(self) -> str:
+        return f"width={self.down_proj.shape[0]}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        return (self.act_fn(gate) * up) @ self.down_proj
+
+
+class MoePruneClampedExpert(nn.Module):
+    """One gpt_oss expert of width K: gate_up_proj [d, 2K] with gate and up columns alternating,
+    its bias [2K], down_proj [K, d] and its bias [d]; the activation is gpt_oss's clamped SwiGLU
+    (gate * sigmoid(alpha * gate) * (up + 1), gate clamped above and up on both sides at `limit`)."""
+
+    def __init__(self, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up)
+        self.gate_up_proj_bias = nn.Parameter(gate_up_bias)
+        self.down_proj = nn.Parameter(down)
+        self.down_proj_bias = nn.Parameter(down_bias)
+        self.alpha, self.limit = alpha, limit
+
+    def extra_repr(self) -> str:
+        return f"width={self.down_proj.shape[0]}, alpha={self.alpha}, limit={self.limit}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up_proj + self.gate_up_proj_bias
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj + self.down_proj_bias
+
+
+class MoePruneNovice(nn.Module):
+    """A novice (MoNE): an expert replaced by its mean output over calibration tokens."""
+
+    def __init__(self, mean_output: torch.Tensor):
+        super().__init__()
+        self.mean_output = nn.Parameter(mean_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mean_output.to(x.dtype).expand(x.shape[0], -1)
+
+
+class MoePruneExperts(nn.ModuleList):
+    """The routed experts of one layer, one module per router position (expert or novice).
+
+    Called like the stock experts module, `experts(hidden [T, d], index [T, k], weights [T, k])`,
+    it returns sum_j g_j * E_{i_j}(h) (Llama-4: sum_j E_{i_j}(g_j * h)), running each expert only
+    on the tokens routed to it and summing in fp32, as moeprune and transformers' kernels do.
+    """
+
+    def __init__(self, experts: list[nn.Module], weight_on_input: bool):
+        super().__init__(experts)
+        self.num_experts = len(experts)
+        self.weight_on_input = weight_on_input
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        top_k = top_k_index.shape[1]
+        out = torch.zeros_like(hidden_states, dtype=torch.float32)
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        flat_weights = top_k_weights.reshape(-1)
+        start = 0
+        for expert, n in zip(self, counts):
+            if n == 0:
+                continue
+            picked = order[start : start + n]
+            start += n
+            rows = picked // top_k
+            x = hidden_states[rows]
+            g = flat_weights[picked].unsqueeze(1)
+            if self.weight_on_input:
+                contribution = expert(x * g.to(x.dtype))
+            else:
+                y = expert(x)
+                contribution = y * g.to(y.dtype)
+            out.index_add_(0, rows, contribution.to(out.dtype))
+        return out.to(hidden_states.dtype)
+
+
+class MoePruneInputWeightedMoe(nn.Module):
+    """Llama-4's MoE block for layers with novices or per-expert widths.
+
+    The stock block runs every expert on every token (scores of unselected experts are zero);
+    this one asks the stock router for its scores, picks the top-k as the router does, and runs
+    only the selected experts, each on its input scaled by the routing weight.
+    """
+
+    def __init__(self, stock_block: nn.Module, experts: MoePruneExperts):
+        super().__init__()
+        self.top_k = stock_block.top_k
+        self.hidden_dim = stock_block.hidden_dim
+        self.num_experts = experts.num_experts
+        self.router = stock_block.router
+        self.shared_expert = stock_block.shared_expert
+        self.experts = experts
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(hidden)
+        index = torch.topk(logits, self.top_k, dim=1).indices
+        weights = scores.gather(1, index)
+        out = self.shared_expert(hidden) + self.experts(hidden, index, weights)
+        return out, logits
+
+
+def slice_expert(family: Family, stock: nn.Module, p: int, width: int):
+    """Router position p's expert of `width` neurons, holding the first `width` neurons of stock
+    expert p (random values when the model is built from a config; replaced when loading)."""
+    gate_up, down = stock.gate_up_proj[p], stock.down_proj[p]
+    full = down.shape[1] if family.layout == FUSED else down.shape[0]
+    if family.layout == FUSED:  # gate_up [2I, d], down [d, I]
+        both = torch.cat((gate_up[:width], gate_up[full : full + width]))
+        return MoePruneGatedExpert(both, down[:, :width].clone(), stock.act_fn)
+    if family.layout == TRANSPOSED:  # gate_up [d, 2I], down [I, d]
+        both = torch.cat((gate_up[:, :width], gate_up[:, full : full + width]), dim=1)
+        return MoePruneTransposedExpert(both, down[:width].clone(), stock.act_fn)
+    return MoePruneClampedExpert(  # INTERLEAVED: neuron j is columns 2j (gate) and 2j + 1 (up)
+        gate_up[:, : 2 * width].clone(), stock.gate_up_proj_bias[p, : 2 * width].clone(),
+        down[:width].clone(), stock.down_proj_bias[p].clone(), float(stock.alpha), float(stock.limit),
+    )  # fmt: skip
+
+
+def replace_tensor(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    """Set parameter or buffer `dotted` (below `module`) to `value`, keeping its kind."""
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        module = getattr(module, part)
+    if leaf in module._parameters:
+        setattr(module, leaf, nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad))
+    else:
+        module._buffers[leaf] = value
+
+
+def get_tensor(module: nn.Module, dotted: str) -> torch.Tensor:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def set_counts(family: Family, modules, count: int) -> None:
+    for module in modules:
+        for attr in family.count_attrs:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, count)
+
+
+def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """One layer's routed experts under their on-disk names (prefix: "<block on disk>.experts.").
+
+    Families whose checkpoints store one tensor per expert (all but gpt_oss and Llama-4) get
+    views of the fused gate/up rows; novices store `mean_output`; gpt_oss and Llama-4 store the
+    stock fused tensors for a stock layer and one expert's slice per position otherwise.
+    """
+    names = family.disk_expert_names
+    if not isinstance(experts, MoePruneExperts):  # the stock module, narrowed
+        if names is None:
+            return {f"{prefix}{name}": tensor for name, tensor in experts.named_parameters()}
+        per_expert = list(zip(experts.gate_up_proj, experts.down_proj))
+    else:
+        per_expert = list(experts)
+    out = {}
+    for p, expert in enumerate(per_expert):
+        if isinstance(expert, MoePruneNovice):
+            out[f"{prefix}{p}.{MEAN_OUTPUT}"] = expert.mean_output
+        elif names is None:
+            out.update({f"{prefix}{p}.{name}": tensor for name, tensor in expert.named_parameters()})
+        else:
+            gate_up, down = (
+                (expert.gate_up_proj, expert.down_proj) if isinstance(expert, nn.Module) else expert
+            )
+            width = down.shape[1]
+            out[f"{prefix}{p}.{names[0]}.weight"] = gate_up[:width]
+            out[f"{prefix}{p}.{names[1]}.weight"] = gate_up[width:]
+            out[f"{prefix}{p}.{names[2]}.weight"] = down
+    return out
+
+
+def to_disk(family: Family, name: str) -> str:
+    for memory, disk in family.disk_renames:
+        name = name.replace(memory, disk)
+    return name

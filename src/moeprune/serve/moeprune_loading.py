@@ -1,0 +1,179 @@
+"""Loading helpers of modeling_moeprune.py: Hub arguments, the one device, the dtype, and the
+strict copy of every stored tensor into the model (part of modeling_moeprune.py; moeprune copies
+the three files into every moeprune-format folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .moeprune_layers import INDEX_FILE, SINGLE_FILE, fail
+
+HUB_ARGUMENTS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "revision",
+    "subfolder",
+    "token",
+)
+# Passed by transformers' Auto classes or harmless here (this loader never initialises, always
+# reads safetensors and maps nothing): ignored.
+_IGNORED = ("_from_auto", "_commit_hash", "trust_remote_code", "code_revision", "adapter_kwargs", "low_cpu_mem_usage",
+            "use_safetensors", "weights_only", "disable_mmap", "mirror", "_fast_init", "offload_state_dict",
+            "ignore_mismatched_sizes", "adapter_name")  # fmt: skip
+
+
+def refuse_unsupported(kwargs: dict, what: str = "from_pretrained") -> None:
+    unsupported = sorted(
+        k for k, v in kwargs.items() if k not in _IGNORED and v is not None and v is not False and v != {}
+    )
+    if kwargs.get("use_safetensors") is False:
+        unsupported.append("use_safetensors=False")
+    if unsupported:
+        raise fail(
+            f"{what} does not support {', '.join(unsupported)} for moeprune checkpoints; "
+            "use dtype and a single device, then adapt the model"
+        )
+
+
+def resolve_folder(name: str, hub: dict) -> str:
+    """The local folder holding the checkpoint: `name` itself, or its snapshot from the Hub."""
+    subfolder = hub.pop("subfolder", None) or ""
+    if os.path.isdir(name):
+        folder = os.path.join(name, subfolder)
+    else:
+        from huggingface_hub import snapshot_download
+
+        patterns = [f"{subfolder}/*" if subfolder else "*"]
+        hub.pop("proxies", None)
+        folder = os.path.join(snapshot_download(name, allow_patterns=patterns, **hub), subfolder)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise OSError(f"modeling_moeprune: {folder} has no config.json; pass the folder moeprune saved")
+    return folder
+
+
+def plain_device(device_map) -> torch.device:
+    """The one device a `device_map` names; placements over several devices are refused."""
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            raise fail("a device_map placing modules on several devices is not supported; name one device")
+        device_map = device_map[""]
+    if device_map is None:
+        return torch.device("cpu")
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        raise fail(f"device_map={device_map!r} is not supported; name one device (for example 'cuda:0')")
+    return torch.device(device_map)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def resolve_dtype(dtype, config, folder: str) -> torch.dtype:
+    """A torch dtype from `dtype`: a dtype or its name; "auto" or None (the default, as in stock
+    transformers 5) uses config.json's dtype, else the stored weights' dtype."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is None:
+            return stored_dtype(folder)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise fail(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
+    return dtype
+
+
+def stored_dtype(folder: str) -> torch.dtype:
+    for shard in shard_files(folder):
+        with safe_open(os.path.join(folder, shard), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                stored = _STORED_DTYPES.get(handle.get_slice(key).get_dtype())
+                if stored is not None:
+                    return stored
+    return torch.float32
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def shard_files(folder: str) -> list[str]:
+    """The safetensors files of the folder: those the index names, or the single file."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            try:
+                weight_map = json.load(handle)["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise fail(f"{index} is damaged ({exc}); copy the checkpoint again") from exc
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise OSError(
+                f"modeling_moeprune: {index} names shards that are not in the folder: {', '.join(missing)}"
+            )
+        return shards
+    if os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        return [SINGLE_FILE]
+    raise OSError(f"modeling_moeprune: {folder} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def listed(names, limit: int = 5) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_weights(model: nn.Module, folder: str) -> None:
+    """Copy every stored tensor into the model by its on-disk name; strict both ways."""
+    targets, aliases = model.moeprune_disk_tensors()
+    shards = shard_files(folder)
+    stored: dict[str, str] = {}
+    for shard in shards:
+        with safe_open(os.path.join(folder, shard), framework="pt") as handle:
+            stored.update(dict.fromkeys(handle.keys(), shard))
+    filled = {aliases.get(name, name) for name in stored}
+    missing = set(targets) - filled
+    unexpected = set(stored) - set(targets) - set(aliases)
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing tensors {listed(missing)}")
+        if unexpected:
+            problems.append(f"unexpected tensors {listed(unexpected)}")
+        raise fail(
+            f"{folder} does not match its config.json: {'; '.join(problems)}; the checkpoint is incomplete or damaged"
+        )
+    with torch.no_grad():
+        for shard in shards:
+            with safe_open(os.path.join(folder, shard), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    target = targets[aliases.get(name, name)]
+                    value = handle.get_tensor(name)
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise fail(
+                            f"{folder}: tensor {name} has shape {tuple(value.shape)} but config.json's structure "
+                            f"gives {tuple(target.shape)}; the checkpoint is damaged"
+                        )
+                    target.copy_(value)

@@ -1,0 +1,149 @@
+"""Expert weights read straight from the shards, one expert's byte ranges at a time (plain
+positioned reads into a reused buffer), so weight-only scoring and neuron rewriting never hold
+more than a few experts in memory."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+
+from moeprune.checkpoint.files import StoredTensor
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoELayer
+from moeprune.shards.layout import CheckpointLayout, LayerLayout
+
+SUMMED = ("gate_up_proj", "down_proj")  # the expert parameters gate, up and down come from
+
+
+def _read_at(fd: int, out: memoryview, offset: int, lock: threading.Lock) -> int:
+    """One positioned read into `out`; where os.preadv is missing (Windows), a locked seek + read."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [out], offset)
+    with lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, len(out))
+    out[: len(data)] = data
+    return len(data)
+
+
+class ShardReader:
+    """Memory-mapped shard handles (safe_open), opened on first use (by any worker thread)."""
+
+    def __init__(self, root: Path, tensors: dict[str, StoredTensor]):
+        self.root, self.tensors = root, tensors
+        self._open: dict[str, object] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _handle(self, key: str):
+        file = self.tensors[key].file
+        with self._lock:
+            if file not in self._open:
+                self._open[file] = safe_open(str(self.root / file), framework="pt")
+            return self._open[file]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def row(self, key: str, index: int) -> torch.Tensor:
+        """`tensor(key)[index]`, reading only that row."""
+        return self._handle(key).get_slice(key)[index]
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = os.open(self.root / file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            return self._fds[file]
+
+    def prefetch(self, key: str, start: int, length: int) -> None:
+        """Ask the kernel to read these bytes of `key`'s shard in the background (a hint)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(self.tensors[key].file), start, length, os.POSIX_FADV_WILLNEED)
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of `key`'s shard from absolute `offset` (plain reads: no page
+        faults on a fresh mapping, which cost more than the copy itself)."""
+        fd, done = self._fd(self.tensors[key].file), 0
+        while done < len(out):
+            got = _read_at(fd, out[done:], offset + done, self._lock)
+            if got == 0:
+                raise MoePruneError(
+                    f"{self.root / self.tensors[key].file} ended early: truncated safetensors file"
+                )
+            done += got
+
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:  # os may be gone at exit
+        for fd in getattr(self, "_fds", {}).values():
+            _close(fd)
+
+
+class SafetensorsExperts:
+    """ExpertWeightSource over one MoE layer of a checkpoint on disk: each call reads one expert.
+
+    Only the requested expert's bytes are read (its own tensors, or its row of a fused tensor),
+    so memory stays at one expert whatever the model size.
+    """
+
+    def __init__(self, layout: LayerLayout, shards: ShardReader):
+        self.layout = layout
+        self.layer = layout.index
+        self.num_experts = layout.num_experts
+        self._shards = shards
+
+    def stored_parts(self, name: str, expert: int) -> list[torch.Tensor]:
+        """The stored pieces of `experts.<name>[expert]`: its row of a fused tensor, or its own
+        tensors (gate, up) in order; memory-mapped, nothing is copied."""
+        param = self.layout.experts[name]
+        if param.fused is not None:
+            return [self._shards.row(param.fused, expert)]
+        return [self._shards.tensor(k) for k in param.keys(expert)]
+
+    def stored_ranges(self, name: str, expert: int) -> list[tuple[str, int, int]]:
+        """(checkpoint key, absolute byte offset, byte length) of the pieces `stored_parts` maps."""
+        param = self.layout.experts[name]
+        if param.fused is not None:
+            stored = self._shards.tensors[param.fused]
+            row = (stored.end - stored.start) // self.num_experts
+            return [(param.fused, stored.start + expert * row, row)]
+        return [(k, self._shards.tensors[k].start, self._shards.tensors[k].end - self._shards.tensors[k].start)
+                for k in param.keys(expert)]  # fmt: skip
+
+    def prefetch(self, expert: int) -> None:
+        """Start reading one expert's bytes from disk (no-op past the last expert)."""
+        if expert >= self.num_experts:
+            return
+        for name in SUMMED:
+            for key, start, length in self.stored_ranges(name, expert):
+                self._shards.prefetch(key, start, length)
+
+    def stored_tensor(self, key: str) -> StoredTensor:
+        return self._shards.tensors[key]
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> None:
+        self._shards.read_into(key, offset, out)
+
+    def expert_tensor(self, name: str, expert: int) -> torch.Tensor:
+        """`experts.<name>[expert]` exactly as the loaded model would hold it."""
+        parts = self.stored_parts(name, expert)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.layout.experts[name].cat_dim)
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I,d], up [I,d], down [d,I]), decoded by the adapter's own layout rules."""
+        one = SimpleNamespace(
+            gate_up_proj=self.expert_tensor("gate_up_proj", expert)[None],
+            down_proj=self.expert_tensor("down_proj", expert)[None],
+        )  # a one-expert stand-in for the experts module
+        return MoELayer(self.layer, SimpleNamespace(experts=one), self.layout.spec).expert_weights(0)
+
+
+def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:
+    """One lazy expert-weight source per MoE layer of a checkpoint folder (weights stay on disk)."""
+    layout = CheckpointLayout(path)
+    shards = ShardReader(layout.path, layout.tensors)
+    return [SafetensorsExperts(lay, shards) for lay in layout.layers]

@@ -1,0 +1,249 @@
+"""A uniform drop written as a new checkpoint without loading the model: the pruned shards are
+written tensor by tensor as byte-range copies of the source (kept experts renumbered, router rows
+cut), with the index, the config's expert count and the other files beside them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import struct
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from transformers import PretrainedConfig
+
+from moeprune.checkpoint import (
+    LEGACY_FILE,
+    atomic_write_dir,
+    write_json,
+)
+from moeprune.checkpoint.files import INDEX, StoredTensor
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.plan import Plan
+from moeprune.shards.layout import CheckpointLayout
+from moeprune.surgery.drop import kept_experts
+
+PLAN = "plan.json"
+# Top-level files a rewrite does not copy: rewritten ones, stale weights, the source's own evidence.
+_NOT_COPIED = ("config.json", INDEX, PLAN, "report.json", LEGACY_FILE)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
+    **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
+}
+_COPY = 1 << 24  # bytes read at a time when copying tensor data
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of a rewritten shard: its header entry and the source byte ranges it is made of,
+    or (`chunks`) a function giving its data as tensors in the stored dtype, made in memory
+    piece by piece while the shard is written (an expert's sliced tensor, a padded one)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...] = ()  # (absolute offset in the source shard, length)
+    chunks: Callable[[], Iterable[torch.Tensor]] | None = None  # row-major pieces, in order
+
+    @property
+    def nbytes(self) -> int:
+        if self.chunks is not None:
+            return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return sum(length for _, length in self.ranges)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for start, length in ranges:
+        if out and sum(out[-1]) == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return tuple(out)
+
+
+def whole_tensor(key: str, stored: StoredTensor) -> OutTensor:
+    return OutTensor(key, stored.dtype, stored.shape, ((stored.start, stored.end - stored.start),))
+
+
+def _sliced(key: str, stored: StoredTensor, dim: int, kept: Sequence[int]) -> OutTensor:
+    """`stored.index_select(dim, kept)` as byte ranges of the row-major source."""
+    if stored.dtype not in _ITEMSIZE:
+        raise MoePruneError(f"cannot slice {key!r}: unsupported safetensors dtype {stored.dtype}")
+    inner = math.prod(stored.shape[dim + 1 :]) * _ITEMSIZE[stored.dtype]
+    step = stored.shape[dim] * inner
+    ranges = [
+        (stored.start + o * step + k * inner, inner)
+        for o in range(math.prod(stored.shape[:dim]))
+        for k in kept
+    ]
+    shape = (*stored.shape[:dim], len(kept), *stored.shape[dim + 1 :])
+    return OutTensor(key, stored.dtype, shape, _merge(ranges))
+
+
+def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str, list[OutTensor]]:
+    """Per shard file, the tensors of the pruned checkpoint (dropped experts gone, kept renumbered)."""
+    out: dict[str, list[OutTensor]] = defaultdict(list)
+    for key, stored in layout.tensors.items():
+        addr = layout.addresses[key]
+        layer, dim = layout.roles.get(addr.internal, (None, 0))
+        if layer not in kept:
+            out[stored.file].append(whole_tensor(key, stored))
+        elif addr.expert is None:
+            out[stored.file].append(_sliced(key, stored, dim, kept[layer]))
+        elif addr.expert in kept[layer]:
+            new_key = layout.naming.renumber(key, kept[layer].index(addr.expert))
+            out[stored.file].append(whole_tensor(new_key, stored))
+    return out
+
+
+def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, length: int) -> None:
+    src.seek(start)
+    while length > 0:
+        chunk = src.read(min(_COPY, length))
+        if not chunk:
+            raise MoePruneError(f"{src.name} ended early: truncated safetensors file")
+        dst.write(chunk)
+        length -= len(chunk)
+
+
+def write_shard(src: Path, dst: Path, tensors: Sequence[OutTensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor (memory: one copy block, never one shard)."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for t in tensors:
+        header[t.key] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        fout.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors:
+            if t.chunks is not None:
+                _write_chunks(fout, t)
+            for start, length in t.ranges:
+                _copy_range(fin, fout, start, length)
+
+
+def _write_chunks(dst: BinaryIO, tensor: OutTensor) -> None:
+    """A tensor made in memory: each piece's raw bytes, checked against the header's size."""
+    written = 0
+    for piece in tensor.chunks():
+        data = piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        dst.write(data)
+        written += data.nbytes
+    if written != tensor.nbytes:
+        raise MoePruneError(
+            f"rewriting {tensor.key!r}: made {written} bytes, its header says {tensor.nbytes} "
+            f"({tensor.dtype} {list(tensor.shape)})"
+        )
+
+
+def index_json(original: dict, shards: dict[str, list[OutTensor]]) -> dict:
+    tensors = [t for ts in shards.values() for t in ts]
+    metadata = {**(original.get("metadata") or {}), "total_size": sum(t.nbytes for t in tensors)}
+    if "total_parameters" in metadata:
+        metadata["total_parameters"] = sum(math.prod(t.shape) for t in tensors)
+    weight_map = {t.key: file for file, ts in shards.items() for t in ts}
+    return {**original, "metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
+    """The plan was made for this checkpoint's family and MoE layers."""
+    if plan.model_type != moe.model_type:
+        raise MoePruneError(f"the plan is for a {plan.model_type} model, the checkpoint is {moe.model_type}")
+    if [lp.layer for lp in plan.layers] != [m.index for m in moe.layers]:
+        raise MoePruneError(
+            f"the plan covers layers {[lp.layer for lp in plan.layers]}, the checkpoint's MoE layers are "
+            f"{[m.index for m in moe.layers]}"
+        )
+
+
+def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
+    """The kept experts per MoE layer of a uniform drop plan, checked like in-memory surgery."""
+    if plan.method != "drop":
+        raise MoePruneError(
+            f"rewriting checkpoint files supports 'drop' plans, not {plan.method!r}: use the in-memory "
+            "`moeprune prune` (it loads the model)"
+        )
+    if not plan.is_uniform():
+        raise MoePruneError(
+            "this plan keeps different expert counts per layer, which a stock config cannot express; "
+            "rewriting checkpoint files supports uniform drop plans only: use the in-memory `moeprune prune`"
+        )
+    check_plan_matches(plan, moe)
+    kept = {}
+    for lp, layer in zip(plan.layers, moe.layers):
+        if lp.num_experts != layer.num_experts:
+            raise MoePruneError(
+                f"plan layer {lp.layer} is for {lp.num_experts} experts, the checkpoint has {layer.num_experts}"
+            )
+        kept[lp.layer] = kept_experts(layer, lp.dropped)  # range, top-k and routing-group checks
+    return kept
+
+
+def copy_other_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation config, README...: top-level files that are not weights (no subfolders)."""
+    for item in sorted(src.iterdir()):
+        if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(item, dst / item.name)
+
+
+def _write_config(config: PretrainedConfig, dst: Path, field_name: str, count: int) -> None:
+    """The config as in-memory surgery saves it: the count set through the config object, so its
+    aliases (Qwen3-MoE's hub `num_experts` for `num_local_experts`) cannot disagree."""
+    config = copy.deepcopy(config)
+    setattr(config, field_name, count)
+    config.save_pretrained(dst)
+
+
+def rewrite_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    plan: Plan,
+    overwrite: bool = False,
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write the checkpoint `plan` prunes, shard by shard, without loading the model.
+
+    Dropped experts' tensors (or rows of fused tensors), router rows and per-expert biases are
+    cut; per-expert keys of kept experts are renumbered 0..n-1; the index and the config's count
+    field are updated, other files copied and `plan.json` written. The result equals in-memory
+    `drop_experts` then `save_pretrained`. Only uniform drop plans (what a stock config can
+    express). `extra(tmp_dir)` may add files (a report) before the folder is renamed into place.
+    """
+    layout = CheckpointLayout(src)
+    if Path(dst).resolve() == layout.path.resolve():
+        raise MoePruneError(
+            "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
+        )
+    kept = uniform_kept(plan, layout.moe)
+    shards = {f: ts for f, ts in _rewritten(layout, kept).items() if ts}
+    count = len(next(iter(kept.values())))
+
+    def write(tmp: Path) -> None:
+        for file, tensors in shards.items():
+            write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
+        if layout.index is not None:
+            write_json(tmp / INDEX, index_json(layout.index, shards))
+        _write_config(layout.config, tmp, layout.moe.spec.count_field, count)
+        copy_other_files(layout.path, tmp)
+        plan.save(tmp / PLAN)
+        if extra is not None:
+            extra(tmp)
+
+    return atomic_write_dir(dst, write, overwrite=overwrite)

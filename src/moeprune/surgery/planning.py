@@ -1,0 +1,145 @@
+"""From scores and a budget to a Plan, for any surgery method, and applying it; and every check a
+config can get before anything runs (names, numbers, combinations, the budget's feasibility).
+
+Each method registers (METHODS, surgery/registry.py) the function that turns a `PlanRequest`
+into its plan: drop and novice allocate expert counts (uniform or global, or the searched counts
+passed in), neurons and TENP allocate neurons. Nothing here runs the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.limits import layer_limits
+from moeprune.allocate.search.run import evo_config
+from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+from moeprune.config import PruneConfig
+from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.observe.stats import ExpertStats
+from moeprune.plan import Plan
+from moeprune.surgery.neurons import check_importance, check_neuron_prunable, uniform_widths
+from moeprune.surgery.packed import layer_cost
+from moeprune.surgery.plans import apply_plan_physical
+from moeprune.surgery.registry import (
+    EXPERTS,
+    METHODS,
+    PlanRequest,
+    check_method,
+    default_allocation,
+    method_limits,
+)
+
+
+def build_plan(
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    *,
+    sparsity: float,
+    allocation: str | None = None,
+    method: str = "drop",
+    stats: Sequence[ExpertStats] = (),
+    removed: Sequence[int] | None = None,
+    data_fingerprint: str = "",
+    expert_multiple: int = 1,
+    neuron_importance: str = "projection",
+    important_fraction: float | None = None,
+    slope: float = 0.5,
+) -> Plan:
+    """Turn scores and a global budget into a per-layer plan, for any registered method.
+
+    `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
+    `expert_multiple`: every layer keeps a multiple of this many experts (drop and novice).
+    The keyword arguments are those of `PruneConfig` (`plan_for` takes one).
+    """
+    allocation = allocation or default_allocation(method)
+    check_method(method, allocation)
+    request = PlanRequest(
+        moe, criterion, scores, sparsity, allocation, method, stats=stats, removed=removed,
+        data_fingerprint=data_fingerprint, expert_multiple=expert_multiple, neuron_importance=neuron_importance,
+        important_fraction=important_fraction, slope=slope,
+    )  # fmt: skip
+    return METHODS.get(method).fn(request)
+
+
+def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
+    """The plan's dropped original ids as positions in the model's current storage."""
+    out = {}
+    for layer_plan in plan.layers:
+        layer = moe.layer(layer_plan.layer)
+        where = {orig: pos for pos, orig in enumerate(layer.expert_ids)}
+        missing = [e for e in layer_plan.dropped if e not in where]
+        if missing:
+            raise MoePruneError(
+                f"layer {layer_plan.layer}: plan drops experts {missing} this model no longer has"
+            )
+        out[layer_plan.layer] = [where[e] for e in layer_plan.dropped]
+    return out
+
+
+def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> dict:
+    """Physical surgery of any plan (drops, novices, neuron counts); returns what was done."""
+    return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
+
+
+def check_config(config: PruneConfig) -> PruneConfig:
+    """Every name and number of a config checked (before anything runs); returns it with the
+    allocation resolved to the method's default when it was left unset."""
+    if config.criterion != AUTO:
+        get_criterion(config.criterion)
+    check_sparsity(config.sparsity)
+    allocation = config.allocation or default_allocation(config.method)
+    check_method(config.method, allocation)
+    if (
+        isinstance(config.expert_multiple, bool)
+        or not isinstance(config.expert_multiple, int)
+        or config.expert_multiple < 1
+    ):
+        raise MoePruneError(f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
+                            options=("expert_multiple",))  # fmt: skip
+    check_importance(config.neuron_importance)
+    if not 0 <= config.slope <= 1:
+        raise MoePruneError(
+            f"the trapezoid slope must be in [0, 1], got {config.slope!r}", options=("slope",)
+        )
+    if config.important_fraction is not None and not 0 <= config.important_fraction < 1:
+        raise MoePruneError(f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
+                            options=("important_fraction",))  # fmt: skip
+    if allocation == "evo" or config.criterion == AUTO:
+        evo_config(config.search)
+    return replace(config, allocation=allocation)
+
+
+def check_sparsity(sparsity: float) -> None:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0 < sparsity < 1:
+        raise MoePruneError(f"sparsity must be a number strictly between 0 and 1, got {sparsity!r}",
+                            options=("sparsity",))  # fmt: skip
+
+
+def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+    """Refuse a budget no plan can meet, from the model's structure alone (a meta-device model
+    does); returns what is already known per layer (for a dry run)."""
+    method = METHODS.get(config.method)
+    layers = [m.index for m in moe.layers]
+    if method.sparsity_unit == EXPERTS:
+        limits = method_limits(moe, config.method, config.expert_multiple)
+        budget = budget_from_sparsity(config.sparsity, limits.num_experts, limits.top_k)
+        uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+        known: dict = {"budget_experts_removed": budget}
+        if config.allocation == "uniform":
+            known["removed_per_layer"] = dict(zip(layers, uniform))
+        return known
+    layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
+    check_neuron_prunable(moe)
+    if config.method == "neurons":
+        return {"neurons_per_expert": dict(zip(layers, uniform_widths(moe, config.sparsity)))}
+    trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(trapezoid, 1 - config.sparsity, config.important_fraction, config.slope)
+    return {
+        "whole_experts_per_layer": dict(zip(layers, alloc.important)),
+        "neuron_keep_ratio": alloc.neuron_ratio,
+    }

@@ -1,0 +1,94 @@
+"""What a surgery method is, and what its plan builder is given.
+
+A method says what happens to the chosen experts, what its sparsity is a fraction of, which
+allocations can decide for it (the first is its default) and what it needs; its `fn` turns a
+`PlanRequest` into a Plan (surgery/planning.py dispatches to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moeprune.allocate.limits import LayerLimits, expert_allocation, layer_limits
+from moeprune.allocate.registry import ALLOCATIONS
+from moeprune.config import Registry
+from moeprune.criteria import Criterion, LayerScores
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.observe.stats import ExpertStats
+
+EXPERTS, PARAMETERS = "experts", "routed-expert parameters"  # what a method's sparsity is a fraction of
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    help: str
+    sparsity_unit: str  # EXPERTS or PARAMETERS
+    allocations: tuple[str, ...]  # the allocations that can decide for it; the first is its default
+    needs: tuple[str, ...] = ()
+    neurons: bool = False  # observation must record each neuron's share of the expert output
+    keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
+    fn: Callable | None = None  # PlanRequest -> Plan
+
+
+METHODS: Registry[Method] = Registry("method", "method")
+
+
+def default_allocation(method: str) -> str:
+    return METHODS.get(method).allocations[0]
+
+
+def expert_methods() -> tuple[str, ...]:
+    """Methods whose sparsity is a fraction of experts (they remove whole experts)."""
+    return tuple(m.name for m in METHODS if m.sparsity_unit == EXPERTS)
+
+
+def check_method(method: str, allocation: str) -> None:
+    """Reject combinations that have no meaning, before any work is done."""
+    spec = METHODS.get(method)
+    ALLOCATIONS.get(allocation)
+    if allocation not in spec.allocations:
+        raise MoePruneError(
+            f"the {method} method goes with the {' or '.join(spec.allocations)} allocation, not {allocation}",
+            options=("method", "allocation"),
+        )
+
+
+def method_limits(moe: MoEModel, method: str, expert_multiple: int = 1) -> LayerLimits:
+    """Drops change routing (group balance applies); novices stay routed (it does not)."""
+    return layer_limits(moe, expert_multiple, routing_changes=not METHODS.get(method).keeps_routing)
+
+
+@dataclass
+class PlanRequest:
+    """Everything a method's plan builder may read."""
+
+    moe: MoEModel
+    criterion: Criterion
+    scores: Sequence[LayerScores]
+    sparsity: float
+    allocation: str
+    method: str
+    stats: Sequence[ExpertStats] = ()
+    removed: Sequence[int] | None = None  # experts removed per MoE layer, from a search
+    data_fingerprint: str = ""
+    expert_multiple: int = 1
+    neuron_importance: str = "projection"
+    important_fraction: float | None = None
+    slope: float = 0.5
+
+    @property
+    def domains(self) -> ExpertStats | list[ExpertStats] | None:
+        """The statistics as plan builders take them: one set, several domains, or none."""
+        return list(self.stats) if len(self.stats) > 1 else (self.stats[0] if self.stats else None)
+
+    def removals(self) -> list[int]:
+        """Experts each MoE layer loses: the searched counts, else the allocation's."""
+        if self.removed is not None:
+            return list(self.removed)
+        limits = method_limits(self.moe, self.method, self.expert_multiple)
+        return expert_allocation(
+            self.moe, self.criterion, self.scores, self.sparsity, self.allocation, limits
+        )

@@ -1,0 +1,94 @@
+"""TENP (Trapezoidal Expert Neuron Pruning): per layer the highest-scored experts stay whole, their
+number growing with depth (allocate/trapezoid.py does that arithmetic), and the others keep one
+global share of their neurons, ranked by neuron importance, so the routed-parameter budget is met
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from moeprune.allocate.trapezoid import DEFAULT_SLOPE, TrapezoidLayer, trapezoid_allocation
+from moeprune.config import NEURON_STATS
+from moeprune.criteria import LayerScores, importance_scores
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats
+from moeprune.surgery.novice import StatsInput
+from moeprune.surgery.packed import layer_cost
+from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+
+
+def tenp_plan(
+    moe: MoEModel,
+    stats: StatsInput | None,
+    scores: Sequence[LayerScores],
+    sparsity: float,
+    *,
+    important_fraction: float | None = None,
+    slope: float = DEFAULT_SLOPE,
+    importance: str = "projection",
+    criterion: str = "tenp",
+    data_fingerprint: str = "",
+) -> Plan:
+    """TENP: per layer the highest-scored experts stay whole, the others are neuron-pruned.
+
+    `sparsity` is the fraction of routed-expert parameters removed; `scores` rank experts within
+    each layer (the tenp criterion; several calibration domains use its per-domain normalisation).
+    """
+    check_neuron_prunable(moe)
+    check_neuron_stats(moe, stats, check_importance(importance))
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
+        raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(layers, 1 - sparsity, important_fraction, slope)
+    by_layer = {s.layer: s for s in scores}
+    plans = []
+    for m, count, widths in zip(moe.layers, alloc.important, alloc.widths):
+        if m.index not in by_layer or len(by_layer[m.index].scores) != m.num_experts:
+            raise MoePruneError(f"no {criterion} scores for the {m.num_experts} experts of layer {m.index}")
+        rank = np.argsort(-np.asarray(by_layer[m.index].scores, dtype=np.float64), kind="stable").tolist()
+        ids = m.expert_ids
+        neurons = dict(sorted((ids[p], w) for p, w in zip(rank[count:], widths) if w < m.intermediate_size))
+        plans.append(
+            LayerPlan(
+                layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ids), neurons=neurons
+            )
+        )
+    plan = Plan.create(
+        model_type=moe.model_type,
+        layers=plans,
+        criterion=criterion,
+        allocation="trapezoid",
+        method="tenp",
+        sparsity=sparsity,
+        data_fingerprint=data_fingerprint,
+        extra={
+            "neuron_importance": importance,
+            "important_per_layer": alloc.important,
+            "neuron_keep_ratio": alloc.neuron_ratio,
+            "important_fraction_target": (1 - sparsity) / 2
+            if important_fraction is None
+            else important_fraction,
+            "important_fraction": alloc.important_fraction,
+            "slope": slope,
+            "routed_parameters_target": alloc.target_params,
+            "routed_parameters_kept": alloc.kept_params,
+            "routed_parameters_total": alloc.total_params,
+        },
+    )
+    plan.validate({m.index: m.intermediate_size for m in moe.layers})
+    return plan
+
+
+@METHODS.register(Method("tenp", "per layer the highest-scored experts stay whole, more with depth; the rest keep one global "
+                         "share of their neurons so the routed-parameter budget is met exactly", PARAMETERS, ("trapezoid",),
+                         needs=(NEURON_STATS,), neurons=True))  # fmt: skip
+def plan_tenp(request: PlanRequest) -> Plan:
+    return tenp_plan(request.moe, request.domains, importance_scores(request.criterion, request.scores), request.sparsity,
+                     important_fraction=request.important_fraction, slope=request.slope,
+                     importance=request.neuron_importance, criterion=request.criterion.name,
+                     data_fingerprint=request.data_fingerprint)  # fmt: skip
