@@ -41,3 +41,27 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     assert (out / "results.md").read_text().startswith("| criterion |")
     assert (out / "density_50.png").is_file() and list(out.glob("search_*.png"))
     assert "ESAP" in result.output
+    assert (out / "moeprune.log").is_file() and "demo --quick" in (out / "moeprune.log").read_text()
+    # the summary's output line lists what is in the folder
+    assert all(p.name in result.output for p in out.iterdir())
+
+    # density plots tell the truth for every method: narrowed experts keep a fraction of their
+    # parameters (not "1.0 of the experts"), novices keep one vector per replaced expert
+    plotted = demo_run._plots(tmp_path, rows)
+    for sparsity, series in plotted.items():
+        labels = list(series)
+        assert labels[0].startswith("uniform drop")  # the reference first
+        for label, data in series.items():
+            row = next(r for r in rows if r["sparsity"] == sparsity
+                       and label.startswith(f"{r['allocation']} {r['method']} ({r['criterion']})"))  # fmt: skip
+            kept = [r["routed_params_after"] / r["routed_params_before"] for r in row["kept_rows"]]
+            assert data["params"] == pytest.approx(kept)
+            total_before = sum(r["routed_params_before"] for r in row["kept_rows"])
+            total_after = sum(r["routed_params_after"] for r in row["kept_rows"])
+            if row["method"] in ("neurons", "tenp"):  # a parameter budget, met over the whole model
+                assert total_after / total_before == pytest.approx(1 - sparsity, abs=0.03)
+                assert data["experts"] == [r["experts_before"] for r in row["kept_rows"]]
+            elif row["method"] == "drop":
+                assert data["params"] == pytest.approx(
+                    [r["experts_after"] / r["experts_before"] for r in row["kept_rows"]]
+                )

@@ -46,6 +46,7 @@ from moeprune.criteria import (
     get_criterion,
     score_experts,
     scores_document,
+    unseen_experts,
     unseen_note,
 )
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
@@ -55,9 +56,11 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.report.model_card import model_card
 from moeprune.report.plots import plot_search_curve
-from moeprune.report.prune_report import data_summary, draw_kept, weight_bytes
+from moeprune.report.prune_report import data_summary, draw_kept, report_markdown, weight_bytes
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.distributed import barrier, rank_and_world
+from moeprune.runtime.progress import stage, transformers_bars_off
+from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
@@ -209,7 +212,8 @@ def prune(
         "parameters_after": routed_parameters(moe),
         "kept_per_layer": kept_rows(kept_before, kept_per_layer(moe)),
         "data": data_summary(sets, stats),
-        "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]) if stats else [],
+        "unseen_experts": unseen_note(stats) if stats else [],
+        "unseen": unseen_experts(stats) if stats else {},
         "scores": scores_document(crit, scores, stats),
     }
     if surgery.get("form") == "packed" or not moe.is_uniform():
@@ -377,8 +381,14 @@ def prune_checkpoint(
 
 def run(job: PruneJob, progress: bool = True) -> dict:
     """The expensive part of `prune_checkpoint`, on a checked job."""
+    with RunLog.join(job.command_line) as log:
+        return _run(job, log, progress)
+
+
+def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
-    model, _ = load_placed(job.model_path, job.placement, job.trust_remote_code)
+    with stage(f"loading {job.model_path}", progress), transformers_bars_off():
+        model, _ = load_placed(job.model_path, job.placement, job.trust_remote_code)
     timer.lap("load")
     data = job.data
     result = prune(model, job.config, data=job.calibration or None, tokenizer=job.tokenizer, search_data=job.search_set,
@@ -396,8 +406,9 @@ def run(job: PruneJob, progress: bool = True) -> dict:
               "save": {"dtype": report["save_dtype"], "max_shard_size": job.max_shard_size}}  # fmt: skip
 
     def write(tmp: Path) -> None:
-        report["format"] = write_checkpoint(model, tmp, job.tokenizer, dtype=job.save_dtype,
-                                            max_shard_size=job.max_shard_size)  # fmt: skip
+        with stage(f"saving to {job.output}", progress), transformers_bars_off():
+            report["format"] = write_checkpoint(model, tmp, job.tokenizer, dtype=job.save_dtype,
+                                                max_shard_size=job.max_shard_size)  # fmt: skip
         report["disk_bytes"] = {"before": weight_bytes(job.model_path), "after": weight_bytes(tmp)}
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
@@ -412,6 +423,8 @@ def run(job: PruneJob, progress: bool = True) -> dict:
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
         (tmp / "README.md").write_text(model_card(report, str(job.output)))
+        log.write(tmp)  # before report.md, so that its file list names the log
+        (tmp / "report.md").write_text(report_markdown(report, tmp))
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
         return report
@@ -455,8 +468,9 @@ def prepare_score(
 def score_loaded(model_path: Path, criterion: str, sets: list[CalibrationData], data: DataOptions, *, tokenizer=None,
                  dtype: str | None = None, seed: int = 0, progress: bool = True, trust_remote_code: bool = False) -> dict:  # fmt: skip
     """`moeprune score` on the loaded model: the scores document."""
-    model, _ = load_placed(model_path, Placement.choose(data.device, dtype), trust_remote_code)
+    with stage(f"loading {model_path}", progress), transformers_bars_off():
+        model, _ = load_placed(model_path, Placement.choose(data.device, dtype), trust_remote_code)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     crit, scores, stats = score_experts(MoEModel(model), criterion, sets, batch_size=data.batch_size, pad_token_id=pad,
                                         seed=seed, progress=progress)  # fmt: skip
-    return scores_document(crit, scores, stats)
+    return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}

@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 import torch
 
-from moeprune.cli.main import main
+from moeprune.cli.main import command_line, main
 from moeprune.demo.run import run_demo
+from moeprune.report.summary import demo_lines
+from moeprune.runtime.runlog import RunLog
 
 
 @main.command("demo")
@@ -31,12 +33,13 @@ from moeprune.demo.run import run_demo
 def demo(output: str, quick: bool, overwrite: bool, rebuild: bool, threads: int, quiet: bool) -> None:
     """Train (or reuse) a small MoE on local text, prune it many ways, print the comparison."""
     torch.set_num_threads(threads)
-    results = run_demo(
-        output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads
-    )
+    with RunLog(command_line()):  # the demo's moeprune.log names this command
+        results = run_demo(
+            output, quick=quick, overwrite=overwrite, progress=not quiet, rebuild=rebuild, threads=threads
+        )
     click.echo(results["table"])
     click.echo(
-        f"\nNLL: held-out answer tokens per domain (lower is better); ESAP: expected speculative "
-        f"acceptance vs the full model (higher is better).\nWrote {output}/ in "
-        f"{results['timing_s']['total']:.0f}s (model ready in {results['timing_s']['model']:.0f}s)."
+        "\nNLL: held-out answer tokens per domain (lower is better); ESAP: expected speculative "
+        "acceptance vs the full model (higher is better).\n"
     )
+    click.echo("\n".join(demo_lines(results, output)))

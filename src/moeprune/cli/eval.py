@@ -6,13 +6,15 @@ from pathlib import Path
 
 import click
 
-from moeprune.cli.main import main
+from moeprune.cli.main import command_line, main
 from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
 from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
 from moeprune.report.eval_plots import draw_directory, plot_acceptance
 from moeprune.report.eval_report import to_markdown, write_report
+from moeprune.report.summary import eval_lines
+from moeprune.runtime.runlog import RunLog
 
 _SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}
 
@@ -86,19 +88,24 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
         spec_prompts=spec_prompts, spec_tokens=spec_tokens, temperature=temperature,
         lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
+        progress=not kwargs["quiet"],
     )  # fmt: skip
-    doc = evaluate_models(list(models), reference, options)
-    if not output:
-        click.echo(to_markdown(doc))
-        return
-    _write(doc, Path(output), plots)
+    with RunLog(command_line()) as log:
+        doc = evaluate_models(list(models), reference, options)
+        if not output:
+            click.echo(to_markdown(doc))  # the whole table is the summary here
+            return
+        files = _write(doc, Path(output), plots)
+        log_path = Path(output).with_suffix(".log")
+        log_path.write_text(log.text())
+    click.echo("\n".join(eval_lines(doc, [*files, log_path])))
 
 
-def _write(doc: dict, output: Path, plots: bool) -> None:
-    json_path, md_path = write_report(doc, output)
-    click.echo(f"wrote {json_path} and {md_path}")
+def _write(doc: dict, output: Path, plots: bool) -> list[Path]:
+    files = list(write_report(doc, output))
     if plots and any(d.get("accept") for m in doc["models"] for d in m["per_data"].values()):
-        click.echo(f"wrote {plot_acceptance(output.with_name(f'{output.stem}_acceptance.png'), doc)}")
+        files.append(plot_acceptance(output.with_name(f"{output.stem}_acceptance.png"), doc))
+    return files
 
 
 @main.command("report")

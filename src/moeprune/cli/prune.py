@@ -16,6 +16,7 @@ from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.config import PruneConfig, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
+from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.shards.prune import prune_without_loading
 from moeprune.surgery import METHODS
@@ -201,9 +202,10 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
                            "important_fraction", "slope"],
                      "with --no-load (it copies the input's shards and dtype)")  # fmt: skip
         report = prune_without_loading(model, output, config, data=data, tokenizer_path=kwargs["tokenizer_path"],
-                                       dtype=kwargs["dtype"], overwrite=overwrite, progress=progress)  # fmt: skip
+                                       dtype=kwargs["dtype"], overwrite=overwrite, progress=progress,
+                                       command_line=command_line())  # fmt: skip
         if rank == 0:
-            click.echo(_no_load_line(report, output))
+            click.echo("\n".join(format_lines(prune_facts(report, output))))
         return
     if allocation != "evo" and criterion != AUTO:
         refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
@@ -227,21 +229,7 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
     if dry_run:
         click.echo(format_plan_of_work(report))
         return
-    before, after = report["parameters_before"], report["parameters_after"]
-    click.echo(
-        f"pruned with {method} ({report['criterion']}, {report['allocation']}); parameters {before['total']:,} -> "
-        f"{after['total']:,}, routed experts {before['routed_experts']:,} -> {after['routed_experts']:,}; "
-        f"saved ({report['format']} format, {report['save_dtype']}) to {output}"
-    )
-
-
-def _no_load_line(report: dict, output: str) -> str:
-    if report["method"] == "neurons":
-        width = report["surgery"].get("intermediate_size")
-        done = f"shrank every routed expert to {width} neurons" if width else "kept every neuron"
-    else:
-        done = f"pruned {report['budget_experts_removed']} experts"
-    return f"{done} without loading the model; saved to {output}"
+    click.echo("\n".join(format_lines(prune_facts(report, output))))
 
 
 def format_plan_of_work(plan: dict) -> str:

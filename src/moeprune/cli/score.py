@@ -8,8 +8,9 @@ from moeprune.api import prepare_score, score_loaded
 from moeprune.checkpoint import write_json
 from moeprune.cli.main import main, refuse_given
 from moeprune.cli.options import data_from_options, data_options, registry_help
-from moeprune.criteria import CRITERIA, get_criterion, scores_document
+from moeprune.criteria import CRITERIA, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
+from moeprune.report.summary import score_lines
 from moeprune.runtime.distributed import init_distributed
 from moeprune.shards.prune import score_without_loading
 
@@ -49,12 +50,11 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
             model_path, criterion, data=data, tokenizer_path=kwargs["tokenizer_path"], seed=kwargs["seed"],
             dtype=kwargs["dtype"], progress=progress,
         )  # fmt: skip
-        document = scores_document(crit, scores, stats)
+        document = {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
     else:
         document = score_loaded(model_path, criterion, sets, data, tokenizer=tokenizer, dtype=kwargs["dtype"],
                                 seed=kwargs["seed"], progress=progress, trust_remote_code=kwargs["trust_remote_code"])  # fmt: skip
     if rank != 0:  # torchrun: every rank holds the reduced statistics; one writes
         return
     write_json(output, document)
-    click.echo(f"wrote {output} ({len(document['layers'])} MoE layers, criterion {document['criterion']}, "
-               f"pruned first: {document['prune_first']})")  # fmt: skip
+    click.echo("\n".join(score_lines(document, output)))

@@ -34,6 +34,7 @@ from moeprune.criteria.scoring import (
     importance_scores,
     score_experts,
     scores_document,
+    unseen_experts,
     unseen_note,
 )
 
@@ -50,5 +51,6 @@ __all__ = [
     "pruning_order_of",
     "score_experts",
     "scores_document",
+    "unseen_experts",
     "unseen_note",
 ]

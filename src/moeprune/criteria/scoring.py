@@ -125,19 +125,27 @@ def importance_scores(criterion: Criterion, scores: Sequence[LayerScores]) -> li
     return [LayerScores(layer=s.layer, scores=-s.scores, order=s.order) for s in scores]
 
 
-def unseen_note(stats: ExpertStats | Sequence[ExpertStats]) -> list[str]:
-    """Report sentences naming, per layer, the experts no calibration token reached (all domains)."""
+def unseen_experts(stats: ExpertStats | Sequence[ExpertStats]) -> dict[str, list[int]]:
+    """Per decoder layer (as a string key, like report.json), the experts no calibration token
+    reached in any domain; layers where every expert was reached are left out."""
     domains = as_domains(stats)
-    notes = []
+    unseen = {}
     for s in domains[0].layers:
         count = sum(d.layer(s.layer).count for d in domains)
         ids = torch.nonzero(count == 0).flatten().tolist()
         if ids:
-            notes.append(
-                f"Decoder layer {s.layer}: {len(ids)} of {s.num_experts} experts ({', '.join(map(str, ids))}) "
-                "received no calibration token; data-driven criteria score them 0, so they are pruned first."
-            )
-    return notes
+            unseen[str(s.layer)] = ids
+    return unseen
+
+
+def unseen_note(stats: ExpertStats | Sequence[ExpertStats]) -> list[str]:
+    """Report sentences naming, per layer, the experts no calibration token reached (all domains)."""
+    total = {s.layer: s.num_experts for s in as_domains(stats)[0].layers}
+    return [
+        f"Decoder layer {layer}: {len(ids)} of {total[int(layer)]} experts ({', '.join(map(str, ids))}) "
+        "received no calibration token; data-driven criteria score them 0, so they are pruned first."
+        for layer, ids in unseen_experts(stats).items()
+    ]
 
 
 def scores_document(

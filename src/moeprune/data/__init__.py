@@ -4,3 +4,7 @@
 - loading.py    records tokenized (answer masks), mixed by weight, packed, fingerprinted
 - tokenizer.py  a byte-level tokenizer and BPE training (the demo trains its own)
 """
+
+from moeprune.data.loading import CalibrationData, load_data
+
+__all__ = ["CalibrationData", "load_data"]

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
@@ -29,8 +28,11 @@ from moeprune.demo.train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
+from moeprune.report.kept import plot_kept
 from moeprune.report.plots import plot_search_curve
-from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
+from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
+from moeprune.runtime.runlog import RunLog
+from moeprune.surgery.parameters import plan_kept_rows, plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan
 from moeprune.surgery.plans import virtual_plan
 
@@ -146,6 +148,12 @@ def run_demo(
     `threads`: torch CPU threads for every stage, training included (None: torch's setting).
     """
     check_output_dir(output, overwrite)
+    with RunLog.join() as log:
+        return _run_demo(output, quick, overwrite, progress, rebuild, threads, log)
+
+
+def _run_demo(output, quick: bool, overwrite: bool, progress: bool, rebuild: bool, threads: int | None,
+              log: RunLog) -> dict:  # fmt: skip
     settings = DemoSettings.for_mode(quick)
     start = time.perf_counter()
     threads = threads or torch.get_num_threads()
@@ -154,7 +162,8 @@ def run_demo(
     )
     trained_s = time.perf_counter() - start
     corpus = model_dir / CORPUS_SUBDIR
-    model, tokenizer = load_model(model_dir)
+    with stage(f"loading {model_dir}", progress), transformers_bars_off():
+        model, tokenizer = load_model(model_dir)
     moe = MoEModel(model)
     pad = tokenizer.pad_token_id or 0
 
@@ -177,8 +186,8 @@ def run_demo(
     rows = [_row("full model", "-", "-", 0.0, {d: e.score(nullcontext) for d, e in evals.items()}, before)]
     configs = list(configurations(quick))
     searches = []
-    for criterion, allocation, method, sparsity in tqdm(
-        configs, desc="demo", unit="config", disable=not progress
+    for criterion, allocation, method, sparsity in progress_bar(
+        configs, desc="demo", unit="config", enabled=progress
     ):
         crit = get_criterion(criterion)
         scores = compute_scores(
@@ -204,7 +213,18 @@ def run_demo(
             removed=removed,
         )
         metrics = {d: e.score(lambda plan=plan: virtual_plan(moe, plan, stats)) for d, e in evals.items()}
-        rows.append(_row(criterion, allocation, method, sparsity, metrics, _sizes(moe, plan, before), plan))
+        rows.append(
+            _row(
+                criterion,
+                allocation,
+                method,
+                sparsity,
+                metrics,
+                _sizes(moe, plan, before),
+                plan,
+                plan_kept_rows(moe, plan),
+            )
+        )
     results = {
         "model": str(model_dir),
         "mode": "quick" if quick else "full",
@@ -220,17 +240,27 @@ def run_demo(
     def write(tmp: Path) -> None:
         write_json(tmp / "results.json", results)
         (tmp / "results.md").write_text(table + "\n")
-        _plots(tmp, moe, rows)
+        _plots(tmp, rows)
         for doc in searches:
             name = f"search_{doc['criterion']}_{int(doc['sparsity'] * 100)}.png"
             plot_search_curve(tmp / name, doc["generations"], doc["fitness"])
+        log.write(tmp)
 
     atomic_write_dir(output, write, overwrite=overwrite)
     results["table"] = table
     return results
 
 
-def _row(criterion, allocation, method, sparsity, metrics, sizes, plan: Plan | None = None) -> dict:
+def _row(
+    criterion,
+    allocation,
+    method,
+    sparsity,
+    metrics,
+    sizes,
+    plan: Plan | None = None,
+    kept_rows: list[dict] | None = None,
+) -> dict:
     row = {
         "criterion": criterion,
         "allocation": allocation,
@@ -243,6 +273,7 @@ def _row(criterion, allocation, method, sparsity, metrics, sizes, plan: Plan | N
     }
     if plan is not None:
         row["kept_per_layer"] = [len(lp.kept) - len(lp.novice) for lp in plan.layers]
+        row["kept_rows"] = kept_rows
     return row
 
 
@@ -296,32 +327,22 @@ def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def _plots(folder: Path, moe: MoEModel, rows: list[dict]) -> None:
-    """Per-layer kept-expert density of the global allocations (PNG), when matplotlib is present."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = [m.index for m in moe.layers]
-    total = [m.num_experts for m in moe.layers]
+def _plots(folder: Path, rows: list[dict]) -> dict[float, dict]:
+    """density_<sparsity>.png: per layer, the routed-expert parameters (and experts) each kind of
+    result keeps: uniform drop for reference, then the best criterion of every other allocation
+    and method. Returns the plotted data, by sparsity."""
+    plotted = {}
     for sparsity in SPARSITIES:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        best: dict[tuple[str, str], dict] = {}
         for row in rows:
-            if (
-                row["allocation"] in ("global", "evo")
-                and row["method"] == "drop"
-                and row["sparsity"] == sparsity
-            ):
-                density = [k / n for k, n in zip(row["kept_per_layer"], total)]
-                ax.plot(layers, density, marker="o", label=f"{row['criterion']} ({row['allocation']})")
-        ax.axhline(1 - sparsity, color="gray", linestyle="--", label="uniform")
-        ax.set(
-            xlabel="decoder layer",
-            ylabel="kept experts (fraction)",
-            title=f"global allocation, {sparsity:.0%}",
-        )
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(folder / f"density_{int(sparsity * 100)}.png", dpi=110)
-        plt.close(fig)
+            if row["sparsity"] == sparsity and "kept_rows" in row:
+                key = (row["allocation"], row["method"])
+                if key not in best or row["esap"] > best[key]["esap"]:
+                    best[key] = row
+        if not best:
+            continue
+        order = sorted(best, key=lambda key: key != ("uniform", "drop"))  # the reference first
+        named = {f"{a} {m} ({best[a, m]['criterion']})": best[a, m]["kept_rows"] for a, m in order}
+        plotted[sparsity] = plot_kept(folder / f"density_{int(sparsity * 100)}.png", named, expert_unit=True,
+                                      title=f"kept per layer at sparsity {sparsity:g} (best criterion of each)")  # fmt: skip
+    return plotted

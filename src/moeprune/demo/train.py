@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from moeprune.data.tokenizer import train_bpe_tokenizer
 from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, build_corpus, load_split
+from moeprune.runtime.progress import progress_bar
 
 TRAINER_VERSION = 1
 CORPUS_SUBDIR = "corpus"
@@ -200,7 +200,7 @@ def train_demo_model(
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, spec))
         g = torch.Generator().manual_seed(spec.seed)
         losses: list[dict[str, float]] = []
-        bar = tqdm(range(spec.steps), desc=f"training demo MoE ({spec.family})", disable=not progress)
+        bar = progress_bar(range(spec.steps), desc=f"training demo MoE ({spec.family})", enabled=progress)
         for _ in bar:
             x = _batch(streams, spec.batch, spec.seq_len, g)
             out = model(input_ids=x, labels=x, output_router_logits=True)

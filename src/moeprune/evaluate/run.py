@@ -29,6 +29,7 @@ from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.runtime.device import Placement
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights
+from moeprune.runtime.progress import stage, transformers_bars_off
 
 if TYPE_CHECKING:
     from moeprune.evaluate.lm_eval_bridge import LmEvalOptions
@@ -52,6 +53,7 @@ class EvalOptions:
     temperature: float = 1.0
     lm_eval: LmEvalOptions | None = None
     log: Callable[[str], None] = field(default=lambda _msg: None)
+    progress: bool = False  # a line per model load and per metric (see runtime.progress)
 
     def needs_data(self) -> bool:
         return any(METRICS.get(m).per_file for m in self.metrics)
@@ -77,7 +79,8 @@ class Loaded:
         placed = Placement.choose(options.device, options.dtype)  # as score and prune do
         device, dtype, device_map = placed.device, placed.dtype, placed.device_map
         load = lambda: load_model(path, dtype=dtype, device=device, device_map=device_map)  # noqa: E731
-        (model, tokenizer), info = measure_peak(load)
+        with stage(f"loading {path}", options.progress), transformers_bars_off():
+            (model, tokenizer), info = measure_peak(load)
         return cls(label=_label(path), model=model, tokenizer=tokenizer, path=str(path), load_info=info)
 
     def vocab_size(self) -> int:
@@ -205,7 +208,9 @@ def per_file(model: Loaded, ctx: Context, source: str) -> dict:
         if metric.fn in done:
             continue
         done.append(metric.fn)
-        out.update(metric.fn(model, ctx, source, [m.name for m in wanted if m.fn is metric.fn]))
+        names = [m.name for m in wanted if m.fn is metric.fn]
+        with stage(f"{model.label}: {', '.join(names)} on {Path(source).name}", ctx.options.progress):
+            out.update(metric.fn(model, ctx, source, names))
     return out
 
 
@@ -225,14 +230,15 @@ def evaluate_pair(model: Loaded, ctx: Context) -> dict:
     entry: dict[str, object] = {"label": model.label, "model": model.path, "plan": _plan_summary(model.path)}
     entry["per_data"] = {}
     for source in ctx.datasets:
-        ctx.options.log(f"{model.label}: {source}")
         entry["per_data"][source] = per_file(model, ctx, source)
     for name in ctx.options.metrics:
         metric = METRICS.get(name)
         if not metric.per_file:
-            entry[metric.report_key or name] = metric.fn(model, ctx)
+            with stage(f"{model.label}: {name}", ctx.options.progress):
+                entry[metric.report_key or name] = metric.fn(model, ctx)
     if ctx.options.lm_eval is not None:
-        entry["lm_eval"] = lm_eval_entry(model, ctx)
+        with stage(f"{model.label}: lm-eval {', '.join(ctx.options.lm_eval.tasks)}", ctx.options.progress):
+            entry["lm_eval"] = lm_eval_entry(model, ctx)
     return entry
 
 

@@ -5,3 +5,8 @@ per-expert statistics, the input of every data-driven criterion, novice and neur
 - sequential.py  the same statistics one decoder layer at a time, never holding the whole model
 - stats.py       ExpertStats / LayerStats: fp64 sums and Welford/Chan moments that merge exactly
 """
+
+from moeprune.observe.observer import observe
+from moeprune.observe.stats import ExpertStats
+
+__all__ = ["ExpertStats", "observe"]

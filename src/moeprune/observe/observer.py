@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoELayer, MoEModel
@@ -18,6 +17,7 @@ from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
 from moeprune.observe.stats import F64, ExpertStats, LayerStats
 from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
+from moeprune.runtime.progress import progress_bar
 
 
 class _Accumulator:
@@ -147,7 +147,7 @@ def observe(
     batch = None
     try:
         with torch.no_grad(), override_routed(moe, options):
-            for batch in tqdm(batches, total=total, desc="observe", unit="batch", disable=not progress):
+            for batch in progress_bar(batches, total=total, desc="observe", unit="batch", enabled=progress):
                 mask = batch.attention_mask.to(device)
                 acc.set_valid(mask.reshape(-1).bool())
                 tokens += int(mask.sum())

@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     WeightConverter,
@@ -54,6 +53,7 @@ from moeprune.observe.distributed import data_parallel
 from moeprune.observe.observer import _Accumulator
 from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
+from moeprune.runtime.progress import progress_bar
 
 OUTER = -1  # group id of the weights outside the decoder layers
 
@@ -365,7 +365,7 @@ def _capture_all(model, layers, shards, data, batch_size, pad_token_id, device, 
     tokens = 0
     total = (len(data.samples) + batch_size - 1) // batch_size
     batches = data.batches(batch_size, pad_token_id)
-    for batch in tqdm(batches, total=total, desc="observe (inputs)", unit="batch", disable=not progress):
+    for batch in progress_bar(batches, total=total, desc="observe (inputs)", unit="batch", enabled=progress):
         store.append(_capture(model, layers, batch, device))
         tokens += int(batch.attention_mask.sum())
     for module in outer:
@@ -382,7 +382,9 @@ def _observe_layers(model, moe, layers, shards, store, neurons, device, dtype, p
         stats.to(device)
     options = RoutedOptions(on_layer=acc, need_intermediate=neurons)
     with override_routed(moe, options):
-        for index in tqdm(range(len(layers)), desc="observe (layers)", unit="layer", disable=not progress):
+        for index in progress_bar(
+            range(len(layers)), desc="observe (layers)", unit="layer", enabled=progress
+        ):
             layer = layers[index]
             _materialise_buffers(model, layer, device)
             shards.load(model, index, device, dtype)

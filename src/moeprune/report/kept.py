@@ -2,14 +2,14 @@
 
 Counting kept experts says nothing about neuron pruning (every expert stays) or novices (an
 expert becomes one vector), so the first panel is always the fraction of each layer's
-routed-expert parameters kept; expert methods add a second panel with the experts kept. Where a
-search ran, the uniform allocation is drawn beside the searched one. The numbers come from
+routed-expert parameters kept; expert methods add a second panel with the experts kept. Several
+results can share one figure (a search beside the uniform allocation; the demo's methods). The numbers come from
 report.json (`kept_per_layer`), so `moeprune report OUT` redraws the same picture.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -29,21 +29,26 @@ def kept_series(rows: Sequence[dict], key: str = "after") -> dict[str, list[floa
     }
 
 
-def plot_kept(path: str | Path, rows: Sequence[dict], *, expert_unit: bool, title: str,
-              compare: Sequence[dict] | None = None, label: str = "this result") -> dict:  # fmt: skip
-    """Draw kept parameters (and experts, for expert methods) per layer; returns the plotted data.
+def _style(i: int, count: int) -> dict:
+    """Results often coincide in some layers (uniform drop and uniform neurons keep the same share):
+    each series gets its own marker and dash, and earlier ones are drawn larger, so that a series
+    under another still shows around it."""
+    size = 10 - 5 * i / max(1, count - 1)
+    return {"color": f"C{i}", "marker": "osD^vPX*"[i % 8], "markersize": size, "linewidth": 2.4 - i * 0.25,
+            "linestyle": ("-", "--", "-.", ":")[i % 4], "zorder": 2 + i}  # fmt: skip
 
-    `compare` (the uniform allocation's rows, where a search ran) is drawn as a second series.
-    """
-    series = {label: kept_series(rows)}
-    if compare is not None:
-        series = {"searched": series[label], "uniform": kept_series(compare)}
+
+def plot_kept(path: str | Path, named_rows: Mapping[str, Sequence[dict]], *, expert_unit: bool,
+              title: str) -> dict:  # fmt: skip
+    """Draw kept parameters (and experts, for expert methods) per layer, one series per entry of
+    `named_rows` (label -> `kept_per_layer` rows); returns the plotted data, by label."""
+    series = {label: kept_series(rows) for label, rows in named_rows.items()}
+    first = next(iter(named_rows.values()))
     panels = 2 if expert_unit else 1
     fig, axes = plt.subplots(panels, 1, figsize=(7.5, 2.9 * panels + 0.8), sharex=True, squeeze=False)
-    styles = {"marker": "o", "linewidth": 1.6}
     ax = axes[0][0]
     for i, (name, data) in enumerate(series.items()):
-        ax.plot(data["layers"], data["params"], label=name, color=f"C{i}", **styles)
+        ax.plot(data["layers"], data["params"], label=name, **_style(i, len(series)))
     ax.set_ylabel("routed-expert\nparameters kept")
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_ylim(0, 1.08)
@@ -51,10 +56,10 @@ def plot_kept(path: str | Path, rows: Sequence[dict], *, expert_unit: bool, titl
     ax.set_title(title)
     if expert_unit:
         ax = axes[1][0]
-        before = [r["experts_before"] for r in rows]
+        before = [r["experts_before"] for r in first]
         ax.plot(series[next(iter(series))]["layers"], before, color="0.6", linestyle="--", label="before")
         for i, (name, data) in enumerate(series.items()):
-            ax.plot(data["layers"], data["experts"], label=name, color=f"C{i}", **styles)
+            ax.plot(data["layers"], data["experts"], label=name, **_style(i, len(series)))
         ax.set_ylabel("experts kept\n(with weights)")
         ax.set_ylim(0, max(before) * 1.08)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -67,9 +72,12 @@ def plot_kept(path: str | Path, rows: Sequence[dict], *, expert_unit: bool, titl
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    # below the axes, never over the data
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
-    fig.tight_layout(rect=(0, 0.07 if panels == 1 else 0.05, 1, 1))
+    # below the axes, never over the data; three entries per legend row
+    columns = min(3, len(labels))
+    legend_rows = -(-len(labels) // columns)
+    fig.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
+    bottom = (0.045 * legend_rows + 0.02) * (1.0 if panels == 1 else 0.75)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -14,6 +14,7 @@ from moeprune.checkpoint.files import shard_names
 from moeprune.data.loading import CalibrationData
 from moeprune.observe.stats import ExpertStats
 from moeprune.report.kept import plot_kept
+from moeprune.report.summary import format_lines, prune_facts
 from moeprune.surgery.parameters import uniform_rows
 
 
@@ -66,4 +67,48 @@ def draw_kept(
         uniform = uniform_rows(before, search_doc["uniform"]["allocation"], hidden_sizes,
                                novices=report["method"] == "novice")  # fmt: skip
     what = f"{report['criterion']}, {report['allocation']}, {report['method']}, sparsity {report['sparsity']}"
-    return plot_kept(path, rows, expert_unit=expert_unit, title=f"kept per layer ({what})", compare=uniform)
+    named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}
+    return plot_kept(path, named, expert_unit=expert_unit, title=f"kept per layer ({what})")
+
+
+def report_markdown(report: dict, folder: str | Path) -> str:
+    """report.md: the console summary, then the plots and the per-layer facts behind them."""
+    folder = Path(folder)
+    facts = prune_facts(report, folder)
+    evidence = facts["files"]["evidence"]
+    if "report.md" not in evidence:  # this file, being written
+        evidence.insert(0, "report.md")
+    out = ["# moeprune prune", "", "```text", *format_lines(facts), "```", ""]
+    if (folder / "density.png").is_file():
+        out += ["## What each layer kept", "",
+                "Routed-expert parameters kept per decoder layer (and experts kept, for expert methods); "
+                "where a search ran, the uniform allocation is drawn beside the searched one.", "",
+                "![kept per layer](density.png)", ""]  # fmt: skip
+    rows = report.get("kept_per_layer") or []
+    if rows:
+        out += ["| layer | experts before | experts after | routed parameters before | after | kept |",
+                "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            kept = r["routed_params_after"] / r["routed_params_before"] if r["routed_params_before"] else 0.0
+            out.append(f"| {r['layer']} | {r['experts_before']} | {r.get('experts_after', '-')} | "
+                       f"{r['routed_params_before']:,} | {r['routed_params_after']:,} | {kept:.1%} |")  # fmt: skip
+        out.append("")
+    if (folder / "search_curve.png").is_file():
+        out += ["## EvoESAP search", "", "Best and mean fitness per generation on the search data.", "",
+                "![search curve](search_curve.png)", ""]  # fmt: skip
+    auto = report.get("criterion_auto")
+    if auto:
+        fitness = auto["fitness"]
+        out += ["## Criterion auto", "", f"Uniform plan of each criterion, {fitness} on the search data:", "",
+                f"| criterion | {fitness} |", "|---|---:|"]  # fmt: skip
+        out += [f"| {row['criterion']}{' (picked)' if row['criterion'] == auto['chosen'] else ''} | "
+                f"{row[fitness]:.6g} |" for row in auto["table"]]  # fmt: skip
+        out.append("")
+    notes = list(report.get("unseen_experts") or []) + list((report.get("search") or {}).get("notes") or [])
+    notes += list((report.get("data") or {}).get("notes") or [])
+    if notes:
+        out += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    if report.get("command_line"):
+        out += ["## Reproduce", "", "```bash", report["command_line"], "```", "",
+                "or `moeprune prune MODEL --output OUT --config recipe.json` (recipe.json is in this folder).", ""]  # fmt: skip
+    return "\n".join(out)

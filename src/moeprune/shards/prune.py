@@ -15,6 +15,7 @@ from pathlib import Path
 from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer, write_json
 from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
+from moeprune.checkpoint.files import stored_dtype
 from moeprune.config import DataOptions, PruneConfig
 from moeprune.criteria import (
     Criterion,
@@ -22,6 +23,7 @@ from moeprune.criteria import (
     compute_scores,
     get_criterion,
     scores_document,
+    unseen_experts,
     unseen_note,
 )
 from moeprune.data.loading import CalibrationData, calibration_sets
@@ -29,9 +31,10 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.sequential import observe_sequential_distributed
 from moeprune.observe.stats import ExpertStats
-from moeprune.report.prune_report import data_summary, no_load_report
+from moeprune.report.prune_report import data_summary, no_load_report, report_markdown, weight_bytes
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
+from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.shards.layout import meta_model
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
@@ -91,6 +94,7 @@ def score_without_loading(
 def prune_without_loading(
     model_path: str | Path, output: str | Path, config: PruneConfig, *, data: DataOptions | None = None,
     tokenizer_path: str | Path | None = None, dtype: str | None = None, overwrite: bool = False, progress: bool = True,
+    command_line: str | None = None,
 ) -> dict:  # fmt: skip
     """Score without loading, then rewrite the shards: the whole model is never in memory.
 
@@ -108,7 +112,7 @@ def prune_without_loading(
     check_not_inside(output, [model_path])
     recover(Path(output))
     check_output_dir(output, overwrite)
-    with output_lock(output) if rank_and_world()[0] == 0 else nullcontext():
+    with output_lock(output) if rank_and_world()[0] == 0 else nullcontext(), RunLog.join(command_line):
         timer = Timer()
         moe = meta_model(model_path)
         if config.method == "neurons":
@@ -116,6 +120,17 @@ def prune_without_loading(
                 model_path, output, moe, timer, config, data, tokenizer_path, dtype, overwrite, progress
             )
         return _drop(model_path, output, moe, timer, config, data, tokenizer_path, dtype, overwrite, progress)
+
+
+def _write_evidence(tmp: Path, report: dict, timer: Timer, model_path: Path) -> None:
+    """report.json, the run log and report.md into the folder about to be published."""
+    report["timing_s"] = timer.total()
+    report["disk_bytes"] = {"before": weight_bytes(model_path), "after": weight_bytes(tmp)}
+    stored = stored_dtype(tmp)  # shards are copied as they are: the input's dtype
+    report["save_dtype"] = str(stored).removeprefix("torch.") if stored is not None else None
+    write_json(tmp / "report.json", report)
+    RunLog.join().write(tmp)
+    (tmp / "report.md").write_text(report_markdown(report, tmp))
 
 
 def _drop(model_path: Path, output, moe: MoEModel, timer: Timer, config: PruneConfig, data, tokenizer_path, dtype,
@@ -136,13 +151,13 @@ def _drop(model_path: Path, output, moe: MoEModel, timer: Timer, config: PruneCo
         "budget_experts_removed": plan.extra.get("budget"),
         "removed_per_layer": {str(lp.layer): len(lp.dropped) for lp in plan.layers},
         "data": data_summary(sets, stats),
+        "unseen": unseen_experts(stats) if stats else {},
         "scores": scores_document(crit, scores, stats),
     }
 
     def extra(tmp: Path) -> None:
         timer.lap("rewrite")
-        report["timing_s"] = timer.total()
-        write_json(tmp / "report.json", report)
+        _write_evidence(tmp, report, timer, model_path)
 
     if rank_and_world()[0] == 0:
         rewrite_checkpoint(model_path, output, plan, overwrite=overwrite, extra=extra)
@@ -178,7 +193,8 @@ def _shrink(model_path: Path, output, moe: MoEModel, timer: Timer, config: Prune
         "layers_before": before_layers,
         "parameters_before": before_params,
         "data": data_summary(sets, stats),
-        "unseen_experts": unseen_note(stats if len(stats) > 1 else stats[0]),
+        "unseen_experts": unseen_note(stats),
+        "unseen": unseen_experts(stats),
         "scores": scores_document(crit, scores, stats),
     }
 
@@ -186,8 +202,7 @@ def _shrink(model_path: Path, output, moe: MoEModel, timer: Timer, config: Prune
         after = meta_model(tmp)  # the written config, on the meta device
         report["layers_after"], report["parameters_after"] = describe_layers(after), routed_parameters(after)
         timer.lap("rewrite")
-        report["timing_s"] = timer.total()
-        write_json(tmp / "report.json", report)
+        _write_evidence(tmp, report, timer, model_path)
 
     if rank_and_world()[0] == 0:
         rewrite_neuron_checkpoint(model_path, output, plan, keep, overwrite=overwrite, extra=extra)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from moeprune.allocate.search.fitness import (
     FitnessAccumulator,
@@ -26,6 +25,7 @@ from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.device import Placement, input_device
 from moeprune.runtime.distributed import rank_and_world, split_map
+from moeprune.runtime.progress import progress_bar
 from moeprune.surgery.planning import build_plan
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import default_allocation
@@ -68,7 +68,9 @@ def choose_criterion(
     domains = list(stats)
     names = candidate_criteria(bool(domains))
     rank, world = rank_and_world()
-    bar = tqdm(total=len(names[rank::world]), desc="criterion auto", disable=not progress)
+    bar = progress_bar(
+        total=len(names[rank::world]), desc="criterion auto", unit="criterion", enabled=progress
+    )
 
     def evaluate(name: str) -> float:
         crit = get_criterion(name)

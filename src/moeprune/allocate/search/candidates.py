@@ -55,6 +55,7 @@ from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models.adapter import MoEModel, decoder_layers
 from moeprune.runtime.device import Placement, input_device
+from moeprune.runtime.progress import progress_bar
 from moeprune.surgery.drop import mask_experts
 
 _LOG = logging.getLogger(__name__)
@@ -158,8 +159,10 @@ class CandidateEvaluator:
         prefix_cache_bytes: int | None = None,
         teacher_device: torch.device | str | None = None,
         candidate_context: CandidateContext | None = None,
+        progress: bool = False,
     ) -> None:
         self.moe = moe
+        self.progress = progress
         self.candidate_context = candidate_context or (lambda removed: mask_experts(moe, removed))
         moe.model.eval()  # a fitness under dropout would be noise
         self.fitness = check_fitness(fitness)
@@ -236,7 +239,8 @@ class CandidateEvaluator:
         """
         teacher = TeacherCache(device=teacher_device)
         reference = None
-        for b in self._batches:
+        for b in progress_bar(self._batches, desc="teacher pass (full model, search data)", unit="batch",
+                              enabled=self.progress):  # fmt: skip
             with self._recording(b):
                 logits = self._plain_logits(b.batch)
             batch = b.batch

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
+from moeprune.allocate.search.fitness import FITNESSES
 from moeprune.allocate.search.population import (
     Allocation,
     EvoConfig,
@@ -44,6 +44,7 @@ from moeprune.allocate.search.population import (
 from moeprune.checkpoint.atomic import write_json
 from moeprune.config import SEARCH_DATA
 from moeprune.errors import MoePruneError
+from moeprune.runtime.progress import progress_bar
 
 ALLOCATIONS.add(
     Allocator(
@@ -264,13 +265,19 @@ class EvoSearch:
                 self.feas.budget, self.feas.caps, self.feas.multiples, self.uniform, self.config, rng
             )
             self._save(0, population, rng)
-        bar = tqdm(
+        bar = progress_bar(
             total=self.config.generations,
             initial=min(start, self.config.generations),
             desc="evo search",
             unit="gen",
-            disable=not self.progress,
+            enabled=self.progress,
+            each_step=True,  # a generation takes long: without a terminal, one line each
         )
+        fitness = self.fingerprint.get("fitness", "fitness")
+        known = fitness in FITNESSES.names()
+        sign = (
+            1.0 if not known or FITNESSES.get(fitness).higher_is_better else -1.0
+        )  # stored: higher is better
         self.stopped = {"reason": "generations", "generations_run": len(self.history)}
         try:
             for generation in range(start, self.config.generations):
@@ -280,8 +287,8 @@ class EvoSearch:
                 population = self._breed(population, rng)
                 self._new_in_generation = 0
                 self._save(generation + 1, population, rng)
+                bar.set_postfix_str(f"best {fitness} so far {sign * self.result().best_fitness:.6g}")
                 bar.update(1)
-                bar.set_postfix(best=f"{self.result().best_fitness:.6g}")
         finally:
             bar.close()
         stalled = self.stalled()

@@ -150,7 +150,7 @@ def run_evo_search(
     evaluator = CandidateEvaluator(
         moe, search_data, orders, fitness=fitness, batch_size=batch_size, seed=config.seed,
         pad_token_id=pad_token_id, fast=fast, prefix_cache_bytes=prefix_cache_bytes,
-        candidate_context=candidate_context,
+        candidate_context=candidate_context, progress=progress and rank == 0,
     )  # fmt: skip
     result = search.run(resume=resume)
     seconds = time.perf_counter() - start

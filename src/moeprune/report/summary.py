@@ -1,0 +1,229 @@
+"""The few lines a person reads after a command, and the same lines at the head of report.md.
+
+`prune_facts` picks the key facts out of report.json (what was done, what `--criterion auto`
+picked and the runner-up, experts no calibration token reached, searched versus uniform fitness,
+parameters and bytes before and after, the saved dtype, where each file is); `format_lines`
+words them. Tests check the facts, so the wording can change freely. Nothing here computes a
+number that report.json does not already hold, except percentages of two numbers it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from moeprune.allocate.search.fitness import FITNESSES
+
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json")
+EVIDENCE_FILES = (
+    "report.md",
+    "report.json",
+    "plan.json",
+    "recipe.json",
+    "search.json",
+    "moeprune.log",
+    "README.md",
+)
+
+
+def change(before: float, after: float) -> float:
+    """Relative change in percent (negative: a saving)."""
+    return round(100.0 * (after - before) / before, 2) if before else 0.0
+
+
+def _auto(report: dict) -> dict | None:
+    auto = report.get("criterion_auto")
+    if not auto:
+        return None
+    fitness, table = auto["fitness"], auto["table"]
+    ranked = sorted(table, key=lambda row: row[fitness], reverse=FITNESSES.get(fitness).higher_is_better)
+    runner = next((row for row in ranked if row["criterion"] != auto["chosen"]), None)
+    chosen = next(row for row in table if row["criterion"] == auto["chosen"])
+    return {
+        "fitness": fitness,
+        "chosen": auto["chosen"],
+        "chosen_value": chosen[fitness],
+        "runner_up": runner["criterion"] if runner else None,
+        "runner_up_value": runner[fitness] if runner else None,
+    }
+
+
+def _search(report: dict) -> dict | None:
+    search = report.get("search")
+    if not search or "fitness_value" not in search:
+        return None
+    stopped = search.get("stopped") or {}
+    return {
+        "fitness": search["fitness"],
+        "searched": search["fitness_value"],
+        "uniform": search["uniform"]["fitness_value"],
+        "generations": stopped.get("generations_run"),
+        "stopped": stopped.get("reason"),
+        "evaluations": search.get("evaluations"),
+    }
+
+
+def _files(folder: Path) -> dict[str, list[str]]:
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    weights = [n for n in names if n.endswith(".safetensors") or n in MODEL_FILES]
+    return {
+        "model": weights,
+        "evidence": [n for n in EVIDENCE_FILES if n in names],
+        "plots": [n for n in names if n.endswith(".png")],
+        "tokenizer": [n for n in names if n.startswith(("tokenizer", "special_tokens", "vocab", "merges"))],
+    }
+
+
+def prune_facts(report: dict, folder: str | Path | None = None) -> dict:
+    """The summary's facts, from report.json (and the output folder's listing, when it exists)."""
+    before, after = report.get("parameters_before", {}), report.get("parameters_after", {})
+    disk = report.get("disk_bytes") or {}
+    unseen = report.get("unseen", {})
+    facts = {
+        "command": report.get("command", "prune"),
+        "model": report.get("model"),
+        "output": report.get("output"),
+        "criterion": report["criterion"],
+        "allocation": report["allocation"],
+        "method": report["method"],
+        "sparsity": report["sparsity"],
+        "sparsity_unit": report.get("sparsity_unit", "experts"),
+        "auto": _auto(report),
+        "search": _search(report),
+        "unseen_experts": sum(len(ids) for ids in unseen.values()),
+        "unseen_per_layer": unseen,
+        "parameters": {"before": before.get("total"), "after": after.get("total"),
+                       "change_pct": change(before["total"], after["total"]) if before and after else None},
+        "routed_parameters": {"before": before.get("routed_experts"), "after": after.get("routed_experts"),
+                              "change_pct": change(before["routed_experts"], after["routed_experts"])
+                              if before and after else None},
+        "bytes": {"before": disk.get("before"), "after": disk.get("after"),
+                  "change_pct": change(disk["before"], disk["after"]) if disk else None},
+        "vllm_padded_parameters": report.get("serving", {}).get("vllm_padded_parameters"),
+        "save_dtype": report.get("save_dtype"),
+        "format": report.get("format"),
+    }  # fmt: skip
+    if folder is not None:
+        facts["files"] = _files(Path(folder))
+    return facts
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f" ({value:+.1f}%)"
+
+
+def _unit(facts: dict) -> str:
+    return "routed experts" if facts["sparsity_unit"] == "experts" else "routed-expert parameters"
+
+
+def format_lines(facts: dict) -> list[str]:
+    """The console summary of a prune (the head of its report.md)."""
+    how = " without loading it" if facts["command"] == "prune --no-load" else ""
+    lines = [
+        f"pruned {facts['model']}{how}: criterion {facts['criterion']}, allocation {facts['allocation']}, "
+        f"method {facts['method']}, sparsity {facts['sparsity']:g} of the {_unit(facts)}"
+    ]
+    auto = facts["auto"]
+    if auto:
+        runner = (f"; runner-up {auto['runner_up']} ({auto['fitness']} {auto['runner_up_value']:.6g})"
+                  if auto["runner_up"] else "")  # fmt: skip
+        lines.append(
+            f"  criterion auto  picked {auto['chosen']} ({auto['fitness']} {auto['chosen_value']:.6g}){runner}"
+        )
+    search = facts["search"]
+    if search:
+        gain = search["searched"] - search["uniform"]
+        lines.append(
+            f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
+            f"uniform ({gain:+.4g}); {search['generations']} generations, {search['evaluations']} evaluations, "
+            f"stopped by {search['stopped']}"
+        )
+    if facts["unseen_experts"]:
+        where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}"
+                          for layer, ids in facts["unseen_per_layer"].items())  # fmt: skip
+        lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
+    p, r = facts["parameters"], facts["routed_parameters"]
+    if p["before"] is not None:
+        lines.append(f"  parameters      {p['before']:,} -> {p['after']:,}{_pct(p['change_pct'])}; routed experts "
+                     f"{r['before']:,} -> {r['after']:,}{_pct(r['change_pct'])}")  # fmt: skip
+    b = facts["bytes"]
+    if b["before"] is not None:
+        lines.append(f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
+                     f"saved as {facts['save_dtype']} ({facts['format']} format)")  # fmt: skip
+    if facts["vllm_padded_parameters"]:
+        lines.append(f"  in vLLM         {facts['vllm_padded_parameters']:,} parameters "
+                     "(each layer's experts padded to its widest)")  # fmt: skip
+    lines.append(f"  output          {facts['output']}")
+    for kind, names in (facts.get("files") or {}).items():
+        if names:
+            lines.append(f"    {kind:<14}{', '.join(names)}")
+    return lines
+
+
+def score_lines(document: dict, output: str | Path) -> list[str]:
+    """The console summary of `moeprune score`."""
+    layers = document["layers"]
+    experts = sum(len(layer["scores"]) for layer in layers)
+    lines = [f"scored {experts} routed experts in {len(layers)} MoE layers with {document['criterion']} "
+             f"(pruned first: {document['prune_first']} scores)"]  # fmt: skip
+    if document.get("tokens"):
+        lines.append(f"  calibration     {document['tokens']:,} tokens")
+    unseen = document.get("unseen") or {}
+    if unseen:
+        count = sum(len(ids) for ids in unseen.values())
+        where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in unseen.items())
+        lines.append(f"  unseen experts  {count} got no calibration token ({where})")
+    lines.append(f"  output          {output}")
+    return lines
+
+
+def eval_lines(doc: dict, files: Sequence[str | Path] = ()) -> list[str]:
+    """The console summary of `moeprune eval`: per model, per data file, the headline metrics."""
+    lines = [f"evaluated {len(doc['models'])} model(s) against {doc['reference']}"]
+    ref_size = (doc.get("reference_size") or {}).get("parameters", {}).get("total")
+    for entry in doc["models"]:
+        size = (entry.get("size") or {}).get("parameters", {}).get("total")
+        grown = f", parameters {size:,}{_pct(change(ref_size, size))}" if size and ref_size else ""
+        lines.append(f"  {entry['label']}{grown}")
+        for source, per in entry["per_data"].items():
+            parts = [
+                f"{key} {per[key]:.4g}"
+                for key in ("esap", "kl", "nll", "ppl")
+                if isinstance(per.get(key), float)
+            ]
+            for mode, acc in (per.get("accept") or {}).items():
+                parts.append(f"{mode} acceptance {acc['accept_rate']:.3f}")
+            lines.append(f"    {Path(source).name:<22}{', '.join(parts) or 'no per-file metric'}")
+    for path in files:
+        lines.append(f"  wrote           {path}")
+    return lines
+
+
+def demo_lines(results: dict, output: str | Path) -> list[str]:
+    """The console summary of `moeprune demo`, under its comparison table."""
+    rows = results["rows"]
+    lines = [f"demo: {len(rows) - 1} pruned variants of {results['model']} ({results['mode']} mode) "
+             f"compared on {', '.join(results['domains'])} in {results['timing_s']['total']:.0f} s"]  # fmt: skip
+    for sparsity in sorted({r["sparsity"] for r in rows if r["sparsity"]}):
+        peers = [r for r in rows if r["sparsity"] == sparsity]
+        best = max(peers, key=lambda r: r["esap"])
+        uniform = max((r for r in peers if (r["allocation"], r["method"]) == ("uniform", "drop")),
+                      key=lambda r: r["esap"], default=None)  # fmt: skip
+        than = f"; best uniform drop {uniform['esap']:.4f} ({uniform['criterion']})" if uniform else ""
+        lines.append(f"  at {sparsity:.0%}  best ESAP {best['esap']:.4f}: {best['criterion']}, {best['allocation']}, "
+                     f"{best['method']}{than}")  # fmt: skip
+    for search in results.get("searches", []):
+        lines.append(f"  search    {search['criterion']} at {search['sparsity']:.0%}: {search['fitness']} "
+                     f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
+                     "on the search data")  # fmt: skip
+    folder = Path(output)
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    lines.append(f"  output    {folder}: {', '.join(names)}")
+    return lines

@@ -1,0 +1,69 @@
+"""The README's tables of criteria, allocations, methods, fitnesses and metrics, from the registries.
+
+The README holds each table between `<!-- registry: NAME -->` and `<!-- /registry -->`;
+`scripts/readme_tables.py` rewrites them and a test fails when they drift from the registries,
+so the help a user reads in the README is the help `--help` prints. Rendering only: nothing here
+decides what an entry does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from moeprune.allocate import ALLOCATIONS
+from moeprune.allocate.search.fitness import FITNESSES
+from moeprune.config import Registry
+from moeprune.criteria import CRITERIA
+from moeprune.evaluate import METRICS
+from moeprune.surgery import METHODS
+
+_BLOCK = re.compile(r"(<!-- registry: (\w+) -->\n)(.*?)(<!-- /registry -->)", re.S)
+
+
+def _needs(entry) -> str:
+    return ", ".join(entry.needs) or "nothing"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rows(registry: Registry, *columns) -> list[list[str]]:
+    return [[f"`{e.name}`", *[column(e) for column in columns]] for e in registry]
+
+
+def registry_tables() -> dict[str, str]:
+    """Markdown table per registry, in registration order."""
+    return {
+        "criteria": _table(["criterion", "score", "pruned first", "needs"],
+                           _rows(CRITERIA, lambda c: c.help, lambda c: c.prune_first, _needs)),
+        "allocations": _table(["allocation", "what it decides", "needs"], _rows(ALLOCATIONS, lambda a: a.help, _needs)),
+        "methods": _table(["method", "what happens", "`--sparsity` counts", "allocations", "needs"],
+                          _rows(METHODS, lambda m: m.help, lambda m: m.sparsity_unit,
+                                lambda m: ", ".join(m.allocations), _needs)),
+        "fitnesses": _table(["fitness", "per answer position", "better", "needs"],
+                            _rows(FITNESSES, lambda f: f.help, lambda f: "higher" if f.higher_is_better else "lower",
+                                  _needs)),
+        "metrics": _table(["metric", "what it measures", "per data file", "needs"],
+                          _rows(METRICS, lambda m: m.help, lambda m: "yes" if m.per_file else "no", _needs)),
+    }  # fmt: skip
+
+
+def fill_tables(text: str) -> str:
+    """`text` (the README) with every registry block replaced by the current table."""
+    tables = registry_tables()
+
+    def replace(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in tables:
+            raise KeyError(f"README names an unknown registry table {name!r}; known: {', '.join(tables)}")
+        return match.group(1) + tables[name] + match.group(4)
+
+    return _BLOCK.sub(replace, text)
+
+
+def blocks(text: str) -> dict[str, str]:
+    """The registry blocks a README holds now, by name."""
+    return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}

@@ -1,0 +1,105 @@
+"""The one-verb API, the recipe round trip and the README's registry tables.
+
+The CLI and `moeprune.prune` run the same code on the same arguments, so their pruned models
+must give bit-identical logits (same kernels, same order of operations: no tolerance needed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import moeprune
+from moeprune.checkpoint import load_model
+from moeprune.cli.main import main
+from moeprune.config import PruneConfig, SearchConfig
+from moeprune.errors import MoePruneError
+from moeprune.report.tables import blocks, fill_tables, registry_tables
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+CASES = {
+    "reap-uniform-drop": (PruneConfig(criterion="reap", sparsity=0.5),
+                          ["--criterion", "reap", "--sparsity", "0.5"]),
+    "mone-global-novice": (PruneConfig(criterion="mone", sparsity=0.25, allocation="global", method="novice"),
+                           ["--criterion", "mone", "--sparsity", "0.25", "--allocation", "global",
+                            "--method", "novice"]),
+    "frequency-evo": (PruneConfig(criterion="frequency", sparsity=0.5, allocation="evo",
+                                  search=SearchConfig(samples=8, population=4, elites=2, generations=2)),
+                      ["--criterion", "frequency", "--sparsity", "0.5", "--allocation", "evo", "--search-samples",
+                       "8", "--population", "4", "--elites", "2", "--generations", "2"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_api_on_a_loaded_model_equals_the_cli(tiny_checkpoint, data, tmp_path, case):
+    config, flags = CASES[case]
+    search = ["--search-data", data] if config.allocation == "evo" else []
+    out = tmp_path / "cli"
+    run("prune", tiny_checkpoint, "--output", out, *flags, "--data", data, "--samples", "12", "--max-length", "64",
+        *search, "--quiet")  # fmt: skip
+    model, tokenizer = load_model(tiny_checkpoint)
+    result = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, samples=12, max_length=64,
+                            search_data=str(data) if search else None, progress=False)  # fmt: skip
+    assert result.model is model  # in place
+    saved = json.loads((out / "plan.json").read_text())
+    assert [lp["kept"] for lp in saved["layers"]] == [lp.kept for lp in result.plan.layers]
+    reloaded = moeprune.load_pretrained(out)
+    ids = torch.tensor([list(b"def add(a, b): return a + b"), list(b"Question 3: what is 3 plus 3?")[:27]])
+    assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
+    assert result.report["criterion"] == config.criterion and result.report["method"] == config.method
+
+
+def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, data, tmp_path):
+    config = PruneConfig(criterion="tenp", sparsity=0.5, method="tenp", slope=0.25,
+                         search=SearchConfig(fitness="kl", patience=3))  # fmt: skip
+    assert PruneConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(MoePruneError, match="sparsity"):
+        PruneConfig.from_dict({"criterion": "reap"})
+    first = tmp_path / "first"
+    run("prune", tiny_checkpoint, "--output", first, "--criterion", "reap", "--sparsity", "0.5", "--method",
+        "neurons", "--data", data, "--samples", "12", "--quiet")  # fmt: skip
+    recipe = json.loads((first / "recipe.json").read_text())
+    assert PruneConfig.from_dict(recipe["config"]).method == "neurons"
+    again = tmp_path / "again"
+    run("prune", tiny_checkpoint, "--output", again, "--config", first / "recipe.json", "--data", data,
+        "--samples", "12", "--quiet")  # fmt: skip
+    assert (
+        json.loads((again / "plan.json").read_text())["layers"]
+        == json.loads((first / "plan.json").read_text())["layers"]
+    )
+    override = tmp_path / "override"  # an option given on the command line wins over the recipe
+    run("prune", tiny_checkpoint, "--output", override, "--config", first / "recipe.json", "--sparsity", "0.25",
+        "--data", data, "--samples", "12", "--quiet")  # fmt: skip
+    report = json.loads((override / "report.json").read_text())
+    assert report["sparsity"] == 0.25 and report["method"] == "neurons"
+
+
+def test_readme_tables_are_the_registries():
+    text = README.read_text()
+    assert set(blocks(text)) == set(registry_tables()), "every registry has its README table"
+    assert fill_tables(text) == text, "README tables are stale: run python scripts/readme_tables.py"
+
+
+def test_old_module_names_still_import():
+    from moeprune.io import load_model as old_load
+    from moeprune.pipeline import apply_plan, build_plan, plan_positions  # noqa: F401
+
+    assert old_load is load_model
