@@ -99,7 +99,8 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="evo: search samples (0 = all); time grows linearly with them.",
 )
 @click.option("--fitness", type=click.Choice(FITNESSES.names()), default="esap", show_default=True,
-              help=registry_help(FITNESSES, "evo: what a candidate is scored by against the full model:"))  # fmt: skip
+              help=registry_help(FITNESSES, "evo: what a candidate is scored by against the full model (all cost "
+                                           "the same):"))  # fmt: skip
 @click.option(
     "--population",
     type=click.IntRange(min=1),
@@ -112,7 +113,8 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=click.IntRange(min=1),
     default=4,
     show_default=True,
-    help="evo: best candidates kept as parents each generation (at most the population).",
+    help="evo: best candidates kept as parents each generation (at most the population); elites are "
+    "not re-evaluated, so more elites mean fewer evaluations per generation.",
 )
 @click.option(
     "--generations",
@@ -129,21 +131,22 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=click.IntRange(min=1),
     default=4,
     show_default=True,
-    help="evo: most experts one mutation step moves between two layers.",
+    help="evo: most experts one mutation step moves between two layers; larger steps explore faster, at "
+    "the same cost per generation.",
 )
 @click.option(
     "--tau-max",
     type=click.IntRange(min=1),
     default=3,
     show_default=True,
-    help="evo: most mutation steps composed into one offspring.",
+    help="evo: most mutation steps composed into one offspring; no effect on time per generation.",
 )
 @click.option(
     "--search-seed",
     type=int,
     default=42,
     show_default=True,
-    help="evo: seed of the search (same seed and data: same result).",
+    help="evo: seed of the search (same seed and data: same result); no effect on time.",
 )
 @click.option(
     "--resume",

@@ -82,16 +82,18 @@ def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fi
     if not rows:
         raise ValueError("empty search history: nothing to plot")
     gens = [r["generation"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.0))
     for r in rows:
         values = r.get("fitnesses") or []
         ax.scatter([r["generation"]] * len(values), values, s=6, color="0.7", zorder=1)
     ax.plot(gens, [r["mean"] for r in rows], marker=".", label="population mean", zorder=2)
     ax.plot(gens, [r["best"] for r in rows], marker="o", label="generation best", zorder=3)
+    ax.scatter([], [], s=6, color="0.7", label="population members")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("generation")
-    ax.set_ylabel(fitness)
+    ax.set_ylabel(f"{fitness} on the search data")
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("EvoESAP search")
+    ax.set_title("EvoESAP search: fitness per generation")
+    # below the axes: population dots fill the whole plot area, a legend inside would cover some
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     return save_figure(fig, path)

@@ -99,6 +99,7 @@ def prune_facts(report: dict, folder: str | Path | None = None) -> dict:
                               if before and after else None},
         "bytes": {"before": disk.get("before"), "after": disk.get("after"),
                   "change_pct": change(disk["before"], disk["after"]) if disk else None},
+        "neurons_per_expert": (report.get("surgery") or {}).get("intermediate_size"),
         "vllm_padded_parameters": report.get("serving", {}).get("vllm_padded_parameters"),
         "save_dtype": report.get("save_dtype"),
         "format": report.get("format"),
@@ -149,6 +150,10 @@ def format_lines(facts: dict) -> list[str]:
         where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}"
                           for layer, ids in facts["unseen_per_layer"].items())  # fmt: skip
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
+    if facts["neurons_per_expert"]:
+        lines.append(
+            f"  experts         every routed expert narrowed to {facts['neurons_per_expert']} neurons"
+        )
     p, r = facts["parameters"], facts["routed_parameters"]
     if p["before"] is not None:
         lines.append(f"  parameters      {p['before']:,} -> {p['after']:,}{_pct(p['change_pct'])}; routed experts "
@@ -199,7 +204,8 @@ def eval_lines(doc: dict, files: Sequence[str | Path] = ()) -> list[str]:
                 if isinstance(per.get(key), float)
             ]
             for mode, acc in (per.get("accept") or {}).items():
-                parts.append(f"{mode} acceptance {acc['accept_rate']:.3f}")
+                if acc.get("accept_rate") is not None:  # undefined when nothing was drafted
+                    parts.append(f"{mode} acceptance {acc['accept_rate']:.3f}")
             lines.append(f"    {Path(source).name:<22}{', '.join(parts) or 'no per-file metric'}")
     for path in files:
         lines.append(f"  wrote           {path}")
