@@ -169,7 +169,8 @@ def _checkpoint_keys(path: Path) -> dict[str, list[str]]:
     files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise MoePruneError(
-            f"{path} has no safetensors weights; --sequential reads safetensors checkpoints only"
+            f"{path} has no safetensors weights; layer-by-layer observation reads safetensors checkpoints only",
+            options=("sequential",),
         )
     out = {}
     for file in files:

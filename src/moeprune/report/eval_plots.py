@@ -190,7 +190,7 @@ def draw_directory(folder: str | Path) -> list[Path]:
     written += _draw_scores(folder, docs) + _draw_searches(docs)
     if not written:
         raise MoePruneError(
-            f"nothing to draw in {folder}: expected an eval report (moeprune eval --output), plan.json, "
+            f"nothing to draw in {folder}: expected an eval report (what moeprune eval writes), plan.json, "
             "scores JSON (moeprune score) or search.json"
         )
     return written

@@ -207,5 +207,5 @@ def load_report(path: str | Path) -> dict:
     except (OSError, json.JSONDecodeError) as exc:
         raise MoePruneError(f"cannot read eval report {path}: {exc}") from None
     if not is_eval_report(doc):
-        raise MoePruneError(f"{path} is not a moeprune eval report (written by `moeprune eval --output`)")
+        raise MoePruneError(f"{path} is not a moeprune eval report (the JSON moeprune eval writes)")
     return doc

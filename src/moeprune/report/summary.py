@@ -163,8 +163,11 @@ def format_lines(facts: dict) -> list[str]:
         lines.append(f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
                      f"saved as {facts['save_dtype']} ({facts['format']} format)")  # fmt: skip
     if facts["vllm_padded_parameters"]:
-        lines.append(f"  in vLLM         {facts['vllm_padded_parameters']:,} parameters "
-                     "(each layer's experts padded to its widest)")  # fmt: skip
+        padded, before = facts["vllm_padded_parameters"], facts["parameters"]["before"]
+        versus = f"{change(before, padded):+.1f}% vs before; " if before else ""
+        lines.append(
+            f"  in vLLM         {padded:,} parameters ({versus}each layer's experts padded to its widest)"
+        )
     lines.append(f"  output          {facts['output']}")
     for kind, names in (facts.get("files") or {}).items():
         if names:
