@@ -103,3 +103,29 @@ def test_old_module_names_still_import():
     from moeprune.pipeline import apply_plan, build_plan, plan_positions  # noqa: F401
 
     assert old_load is load_model
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read the config"),
+        ("{bad", "cannot read the config"),
+        ("[1, 2]", "is not a JSON object"),
+        ('{"config": {"criterion": "reap", "sparsity": 0.5, "colour": 1}}', "unknown keys ['colour']"),
+        (
+            '{"config": {"criterion": "reap", "sparsity": 0.5, "search": {"gens": 3}}}',
+            "unknown keys ['gens']",
+        ),
+    ],
+)
+def test_bad_recipe_is_one_line_before_any_work(tiny_checkpoint, data, tmp_path, content, message):
+    recipe = tmp_path / "recipe.json"
+    if content is not None:
+        recipe.write_text(content)
+    out = tmp_path / "out"
+    result = run(
+        "prune", tiny_checkpoint, "--output", out, "--config", recipe, "--data", data, "--quiet", ok=False
+    )
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("moeprune: error:")
+    assert not out.exists()

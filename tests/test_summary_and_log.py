@@ -198,3 +198,21 @@ def test_progress_without_a_terminal_prints_plain_lines_and_times_stages(capsys,
     assert len(err) == 9  # no carriage-return bar redraws, nothing from the disabled stage
     assert [name for name, _, _ in log.stages] == ["evo search", "observe", "saving", "quiet stage"]
     assert log.stages[1][2] == 5
+
+
+def test_eval_prints_its_summary_and_writes_its_log(tiny_checkpoint, evo_auto, data, tmp_path):
+    out, _ = evo_auto
+    report = tmp_path / "eval" / "r.json"
+    result = run("eval", out, "--reference", tiny_checkpoint, "--data", data, "--metrics", "esap,size",
+                 "--samples", "4", "--output", report, "--quiet")  # fmt: skip
+    doc = json.loads(report.read_text())
+    esap = doc["models"][0]["per_data"][str(data)]["esap"]
+    assert f"esap {esap:.4g}" in result.output  # the summary's figure is the report's
+    log = report.with_suffix(".log")
+    assert log.is_file() and "eval" in log.read_text() and str(log) in result.output
+    # an existing run log is not replaced silently: the whole report set needs --overwrite
+    report.unlink()
+    report.with_suffix(".md").unlink()
+    again = run("eval", out, "--reference", tiny_checkpoint, "--data", data, "--metrics", "esap", "--output", report,
+                "--quiet", ok=False)  # fmt: skip
+    assert again.exit_code == 2 and "r.log" in again.output and "--overwrite" in again.output

@@ -162,7 +162,9 @@ def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     known = {f.name: f for f in fields(cls) if f.name != "search"}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise MoePruneError(f"{where} has unknown keys {unknown}; known: {', '.join(known)}")
+        also = ", search" if cls is PruneConfig else ""  # read separately, as a SearchConfig
+        raise MoePruneError(f"{where} has unknown keys {unknown}; remove them or use the known ones: "
+                            f"{', '.join(known)}{also}", options=("config",))  # fmt: skip
     missing = [
         n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data
     ]

@@ -182,6 +182,13 @@ def write_json(path: str | Path, data: object) -> None:
         text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     except ValueError as exc:
         raise MoePruneError(f"refusing to write {path}: it would hold a non-finite number ({exc})") from exc
+    write_text(path, text)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Atomic text file: the old file or the new one is there, never a half-written one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
         with tmp.open("w") as handle:

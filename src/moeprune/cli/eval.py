@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from moeprune.checkpoint.atomic import write_text
 from moeprune.cli.main import command_line, main
 from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.errors import MoePruneError
@@ -38,8 +39,12 @@ def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None
 
 
 def _check_output(output: str | None, overwrite: bool) -> None:
-    if output and Path(output).exists() and not overwrite:
-        raise MoePruneError(f"{output!r} already exists; choose another path or pass --overwrite")
+    """The report, its Markdown and its run log are replaced only with --overwrite."""
+    if not output or overwrite:
+        return
+    for path in (Path(output), Path(output).with_suffix(".md"), Path(output).with_suffix(".log")):
+        if path.exists():
+            raise MoePruneError(f"{str(path)!r} already exists; choose another --output or pass --overwrite")
 
 
 @main.command("eval")
@@ -50,7 +55,10 @@ def _check_output(output: str | None, overwrite: bool) -> None:
     "--metrics", default="all", show_default=True, help=registry_help(METRICS, "Comma list of, or all:")
 )
 @click.option(
-    "--output", type=click.Path(), default=None, help="Report JSON (Markdown beside it); else print Markdown."
+    "--output",
+    type=click.Path(),
+    default=None,
+    help="Report JSON (R.md, R.log and R_acceptance.png beside it); else print Markdown.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing report.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Draw PNGs beside --output.")
@@ -97,7 +105,7 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
             return
         files = _write(doc, Path(output), plots)
         log_path = Path(output).with_suffix(".log")
-        log_path.write_text(log.text())
+        write_text(log_path, log.text())
     click.echo("\n".join(eval_lines(doc, [*files, log_path])))
 
 

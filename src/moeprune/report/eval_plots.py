@@ -100,8 +100,17 @@ def plot_acceptance(path: PathLike, doc: dict) -> Path:
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return save_figure(fig, path)
+    # one legend below the panels: acceptance near 1 fills the top of each panel, where a legend
+    # inside would cover points
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    columns = min(3, len(labels))
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // columns) + 0.02, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------ moeprune report DIR

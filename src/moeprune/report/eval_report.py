@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.checkpoint import write_json
+from moeprune.checkpoint.atomic import write_text
 from moeprune.errors import MoePruneError
 
 Getter = Callable[[dict], Any]
@@ -192,7 +193,7 @@ def write_report(doc: dict, json_path: str | Path) -> tuple[Path, Path]:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     write_json(json_path, doc)
     md = markdown_path(json_path)
-    md.write_text(to_markdown(doc))
+    write_text(md, to_markdown(doc))
     return json_path, md
 
 
