@@ -1,8 +1,13 @@
-"""Adapters, routing capture, virtual masks and physical removal on every supported family."""
+"""Adapters, routing capture, virtual masks and physical removal on every MoE family.
+
+The families are those of the installed transformers, enumerated at collection time (no list of
+names here): each one whose tiny model builds and whose structure discovery accepts it runs the
+whole matrix; a refused family must be refused in one line (test_every_family_...)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +17,13 @@ import moeprune
 from helpers import assert_logits_close
 from moeprune.checkpoint import load_config, load_model
 from moeprune.errors import MoePruneError, UnsupportedModelError
-from moeprune.models import MoEModel, supported_families
-from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.models import MoEModel
+from moeprune.models.factory import moe_families, reference_families, save_tiny_model, tiny_model
+from moeprune.models.families import NO_TINY, REFUSED, WORKS, family_status, family_table
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.surgery import drop_experts, mask_experts
 
-FAMILIES = supported_families()
+FAMILIES = [pytest.param(f, marks=pytest.mark.family) for f in moe_families()]
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -38,22 +44,38 @@ def logits(model, tokens=TOKENS, attention_mask=None) -> torch.Tensor:
         return model(input_ids=tokens, attention_mask=attention_mask).logits
 
 
-def test_all_eleven_families_are_supported():
-    assert set(FAMILIES) == {
-        "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2", "deepseek_v3",
-        "glm4_moe", "ernie4_5_moe", "gpt_oss", "llama4_text",
-    }  # fmt: skip
+def working_model(family: str):
+    """The family's tiny model, or a skip naming why the family does not run here."""
+    status = family_status(family)
+    if status.status != WORKS:
+        pytest.skip(f"{family}: {status.status}: {status.detail}")
+    return tiny_model(family)
+
+
+def test_every_family_is_found_or_refused_in_one_line():
+    table = family_table()
+    assert len(table) == len(moe_families()) >= len(reference_families())
+    for status in table:
+        assert status.status in (WORKS, REFUSED, NO_TINY)
+        assert "\n" not in status.detail and status.detail
+        if status.status == WORKS:
+            assert status.moe_layers, status
+    works = {s.model_type for s in table if s.status == WORKS}
+    assert set(reference_families()) <= works
+    # families the issue names by hand must not be refused at the door when transformers has them
+    named = {"qwen3_5_moe_text", "minimax_m2", "hunyuan_v1_moe", "phimoe", "granitemoe", "glm4_moe_lite"}
+    assert named & set(moe_families()) <= works
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_finds_moe_layers_and_expert_weights(family):
-    model = tiny_model(family)
+    model = working_model(family)
     moe = MoEModel(model)
     config = model.config
     assert moe.layers, "no MoE layer found"
     for layer in moe.layers:
         assert layer.num_experts == 8 and layer.hidden_size == 32
-        assert layer.top_k == config.num_experts_per_tok
+        assert 1 <= layer.top_k < layer.num_experts  # the recorded-output test checks k selections per token
         gate, up, down = layer.expert_weights(3)
         inter = layer.intermediate_size
         assert gate.shape == (inter, 32) and up.shape == (inter, 32) and down.shape == (32, inter)
@@ -74,14 +96,14 @@ def test_adapter_finds_moe_layers_and_expert_weights(family):
         "ernie4_5_moe",
         "llama4_text",
     }
-    if family in dense_capable:
+    if family in dense_capable or len(family_status(family).moe_layers) < config.num_hidden_layers:
         assert len(moe.layers) < config.num_hidden_layers
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recorded_expert_outputs_sum_to_the_routed_output(family):
     """Each selected expert's unweighted output, weighted by the router's own g and summed, is the block's routed output."""
-    model = tiny_model(family)
+    model = working_model(family)
     moe = MoEModel(model)
     reference: dict[int, torch.Tensor] = {}
     handles = []
@@ -122,7 +144,7 @@ def test_recorded_expert_outputs_sum_to_the_routed_output(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_virtual_mask_equals_physical_removal(family):
-    model = tiny_model(family)
+    model = working_model(family)
     moe = MoEModel(model)
     full = logits(model)
     for uniform in (True, False):
@@ -142,20 +164,28 @@ def test_virtual_mask_equals_physical_removal(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_uniform_drop_reloads_with_stock_transformers(family, tmp_path):
-    model = tiny_model(family)
+    model = working_model(family)
     moe = MoEModel(model)
     drop_experts(moe, removal_for(moe, uniform=True))
     before = logits(model)
     assert moeprune.save_pretrained(model, tmp_path / "pruned") == "stock"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
     assert MoEModel(reloaded).layers[0].num_experts == 6
-    assert (logits(reloaded) - before).abs().max() <= 1e-6
+    # from_pretrained maps weights from the file, at other alignments than the pruned model's own
+    # allocations, which can change BLAS code paths (up to 1e-4 on Gemma-4's logits); in fresh
+    # memory the same tensors run the same code, so the logits must be bit-identical
+    with torch.no_grad():
+        for param in reloaded.parameters():
+            param.data = param.data.clone()
+    assert torch.equal(logits(reloaded), before)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_non_uniform_drop_works_in_memory_and_stock_loading_refuses_it(family, tmp_path):
-    model = tiny_model(family)
+    model = working_model(family)
     moe = MoEModel(model)
+    if len(moe.layers) < 2:
+        pytest.skip(f"{family}'s tiny model has one MoE layer: no per-layer counts to differ")
     removed = removal_for(moe, uniform=False)
     if len({len(v) for v in removed.values()}) == 1:  # group-limited: vary by whole groups instead
         first = moe.layers[0]
@@ -196,10 +226,17 @@ def test_dense_and_unsupported_models_get_clear_errors(tmp_path):
     dense.save_pretrained(tmp_path / "dense")
     with pytest.raises(UnsupportedModelError, match="no MoE layers"):
         load_config(tmp_path / "dense")
-    other = AutoConfig.for_model("phimoe", hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
-    other.save_pretrained(tmp_path / "phimoe")
-    with pytest.raises(UnsupportedModelError, match="not a supported MoE family; supported: deepseek_v2"):
-        load_config(tmp_path / "phimoe")
+    other = AutoConfig.for_model(
+        "nemotron_h",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        layers_block_type=["mamba", "moe"],
+    )
+    other.save_pretrained(tmp_path / "unusual")
+    with pytest.raises(UnsupportedModelError, match="not gated") as refused:  # names the unusual part
+        load_config(tmp_path / "unusual")
+    assert "\n" not in str(refused.value)
     with pytest.raises(MoePruneError, match="does not exist"):
         load_config(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
@@ -212,3 +249,34 @@ def test_load_model_from_local_folder(tmp_path):
     model, tokenizer = load_model(path)
     assert tokenizer is None
     assert_logits_close(logits(model), logits(tiny_model("qwen3_moe")))
+
+
+def test_readme_family_table_is_the_enumeration():
+    """The README's family table is what this transformers' enumeration finds (regenerate with
+    python scripts/readme_tables.py); checked on the transformers it was generated with."""
+    import transformers
+
+    from moeprune.report.tables import family_table_version, fill_family_table
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    version = family_table_version(text)
+    if version != transformers.__version__:
+        pytest.skip(f"the README's table was generated with transformers {version}")
+    assert fill_family_table(text) == text, (
+        "README family table is stale: run python scripts/readme_tables.py"
+    )
+
+
+@pytest.mark.parametrize("family", ["minimax_m2", "granitemoe", "hunyuan_v1_moe"])
+def test_inspect_tiny_works_for_families_beyond_the_eleven(family):
+    from click.testing import CliRunner
+
+    from moeprune.cli.main import main
+
+    if family not in moe_families():
+        pytest.skip(f"{family} is not in this transformers")
+    result = CliRunner().invoke(main, ["inspect", "--tiny", family, "--json"])
+    assert result.exit_code == 0, result.output
+    assert f'"{family}"' in result.output
+    refused = CliRunner().invoke(main, ["inspect", "--tiny", "llama"])  # dense: not an MoE family
+    assert refused.exit_code == 2 and "not an MoE family" in refused.output

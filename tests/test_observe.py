@@ -29,22 +29,28 @@ def calibration(lengths=(9, 6, 4)) -> CalibrationData:
 
 
 def capture_routing(moe: MoEModel, data: CalibrationData):
-    """Run the stock model and capture each MoE layer's block input, selected experts and applied weights."""
+    """Run the stock model and capture, per MoE layer, what its experts receive: their input
+    (Gemma-4 normalises it apart from the router's), the selected experts and applied weights."""
     captured = {m.index: [] for m in moe.layers}
     handles = []
     for layer in moe.layers:
+        if layer.spec.weight_on_input:  # Llama-4: the block weights the input itself
 
-        def hook(mod, args, out, layer=layer):
-            h = args[0].reshape(-1, args[0].shape[-1]).detach()
-            if layer.spec.weight_on_input:
+            def hook(mod, args, out, layer=layer):
+                h = args[0].reshape(-1, args[0].shape[-1]).detach()
                 scores, logits = out
                 idx = torch.topk(logits, layer.top_k, dim=1).indices
-                w = scores.gather(1, idx)
-            else:
-                _, w, idx = out
-            captured[layer.index].append((h, idx, w))
+                captured[layer.index].append((h, idx, scores.gather(1, idx)))
 
-        handles.append(layer.router.register_forward_hook(hook))
+            handles.append(layer.router.register_forward_hook(hook))
+            continue
+
+        def experts_hook(mod, args, kwargs, layer=layer):
+            values = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+            h, idx, w = values[:3]
+            captured[layer.index].append((h.reshape(-1, h.shape[-1]).detach(), idx, w))
+
+        handles.append(layer.experts.register_forward_pre_hook(experts_hook, with_kwargs=True))
     valid = []
     with torch.no_grad():
         for batch in data.batches(2, 0):
@@ -101,7 +107,9 @@ def test_observer_matches_brute_force(family):
             m = torch.stack([r[3] for r in rows])
             norms = y.norm(dim=1)
             cos = torch.nn.functional.cosine_similarity(h, y, dim=1)
-            close = dict(rtol=1e-5, atol=1e-6)
+            # fp32 kernels against fp64 sums: the absolute error grows with the reduction length
+            # (the expert width; the hand-made fixtures have 16 neurons, other families up to 48)
+            close = dict(rtol=1e-5, atol=1e-6 * max(1, layer.intermediate_size / 16))
             torch.testing.assert_close(s.weight_sum[e], g.sum(), **close)
             torch.testing.assert_close(s.norm_sum[e], norms.sum(), **close)
             torch.testing.assert_close(s.weighted_norm_sum[e], (g * norms).sum(), **close)

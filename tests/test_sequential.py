@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moeprune.checkpoint import load_model, load_pretrained, save_pretrained
+from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.observe.observer import observe
@@ -43,7 +44,11 @@ def test_sequential_equals_in_memory(family, tmp_path):
     save_tiny_model(family, tmp_path)
     data = calibration(LENGTHS)
     expected = observe(MoEModel(load_pretrained(tmp_path)), data, batch_size=2, neurons=True, progress=False)
-    actual = observe_sequential(tmp_path, data, batch_size=2, neurons=True, progress=False)
+    try:
+        actual = observe_sequential(tmp_path, data, batch_size=2, neurons=True, progress=False)
+    except MoePruneError as exc:  # layers that hand state to the next one are refused, in one line
+        assert "cannot be run one at a time" in str(exc) and "\n" not in str(exc)
+        pytest.skip(f"{family}: --sequential refused: {exc}")
     assert_close_stats(expected, actual)
 
 

@@ -38,7 +38,8 @@ import moeprune
 from helpers import REORDER_RTOL, assert_logits_close
 from moeprune.checkpoint.save import moeprune_config
 from moeprune.criteria import compute_scores
-from moeprune.models import MoEModel, supported_families
+from moeprune.models import MoEModel
+from moeprune.models.factory import reference_families as supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.models.spec import FAMILIES as SPECS
 from moeprune.observe.observer import observe

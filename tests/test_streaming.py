@@ -88,12 +88,22 @@ def assert_same_scores(path: Path, model, criteria=("aimer", "magnitude")) -> No
             assert a.order == b.order
 
 
+def streamed_layers_or_skip(path: Path, family: str):
+    """The checkpoint's layers read by streaming, or a skip when streaming refuses the family's
+    stored layout in its one line (transformers converts those tensors when loading)."""
+    try:
+        with weights_never_loaded():
+            return checkpoint_layers(path)
+    except MoePruneError as exc:
+        assert "load the model instead" in str(exc) and "\n" not in str(exc)
+        pytest.skip(f"{family}: streaming refused: {exc}")
+
+
 @pytest.mark.parametrize("family", supported_families())
 def test_streamed_experts_and_scores_equal_in_memory(family, checkpoints):
     path = checkpoints(family)
     model = tiny_model(family)  # the very weights that were saved
-    with weights_never_loaded():
-        sources = checkpoint_layers(path)
+    sources = streamed_layers_or_skip(path, family)
     layers = MoEModel(model).layers
     assert [(s.layer, s.num_experts) for s in sources] == [(m.index, m.num_experts) for m in layers]
     for source, layer in zip(sources, layers):
@@ -214,6 +224,7 @@ def assert_same_model(a, b) -> None:
 @pytest.mark.parametrize("family", supported_families())
 def test_rewrite_equals_in_memory_drop(family, checkpoints, tmp_path):
     src = checkpoints(family, sharded=family in SHARDED)
+    streamed_layers_or_skip(src, family)
     moe = meta_model(src)
     removals = uniform_removals(moe)
     plan = drop_plan(moe, removals)

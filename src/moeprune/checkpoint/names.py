@@ -37,6 +37,8 @@ def decoder_prefix(moe: MoEModel) -> str:
 
 def to_disk(moe: MoEModel, internal: str) -> str:
     """The on-disk name of an internal (transformers) tensor name outside the routed experts."""
+    if not moe.spec.disk_names_known:
+        return internal
     for old, new in moe.spec.disk_renames:
         internal = internal.replace(old, new)
     return internal
@@ -44,7 +46,13 @@ def to_disk(moe: MoEModel, internal: str) -> str:
 
 def block_prefix(moe: MoEModel, layer: MoELayer) -> str:
     """On-disk prefix of a MoE block, e.g. "model.layers.3.mlp" (Mixtral: "...block_sparse_moe")."""
-    return to_disk(moe, f"{decoder_prefix(moe)}.{layer.index}.{layer.spec.block_attr}.").rstrip(".")
+    return to_disk(moe, f"{internal_block(moe, layer)}.").rstrip(".")
+
+
+def internal_block(moe: MoEModel, layer: MoELayer) -> str:
+    """transformers' qualified name of a MoE block ("model.layers.3.mlp"; the layer itself
+    when it holds the experts, as in Gemma-4)."""
+    return ".".join(p for p in (decoder_prefix(moe), str(layer.index), layer.spec.block_attr) if p)
 
 
 def native_expert(layer: MoELayer, position: int) -> dict[str, torch.Tensor]:
@@ -84,11 +92,31 @@ def _expert_tensors(moe: MoEModel, layer: MoELayer) -> Iterator[tuple[str, torch
         yield f"{prefix}.{position}.{down_name}.weight", down
 
 
-def disk_tensors(moe: MoEModel) -> dict[str, torch.Tensor]:
+def _converted_by_transformers(moe: MoEModel) -> dict[str, torch.Tensor]:
+    """A stock checkpoint of a family whose disk layout only transformers' own save-time
+    conversion knows: the same conversion save_pretrained runs (copies where it concatenates)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, tensor in moe.model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in seen:
+            seen.add(key)
+            state[name] = tensor
+    return dict(revert_weight_conversion(moe.model, state))
+
+
+def disk_tensors(moe: MoEModel, stock: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of the model under its on-disk name, in the model's order (views; tied
-    copies appear once, under the first name, as save_pretrained keeps them)."""
-    prefix = decoder_prefix(moe)
-    routed = {f"{prefix}.{m.index}.{m.spec.block_attr}.experts.": m for m in moe.layers}
+    copies appear once, under the first name, as save_pretrained keeps them).
+
+    A stock checkpoint of a family whose disk layout moeprune cannot name (`disk_names_known`
+    false) goes through transformers' own save-time conversion; moeprune's format keeps
+    transformers' internal names for such a family (its loader reads them back the same way)."""
+    if stock and not moe.spec.disk_names_known:
+        return _converted_by_transformers(moe)
+    routed = {f"{internal_block(moe, m)}.experts.": m for m in moe.layers}
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     written: set[int] = set()  # MoE layers whose experts are listed

@@ -73,7 +73,7 @@ def write_checkpoint(
             shutil.copyfile(MODELING_SOURCE / name, folder / name)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
-    files.write_shards(folder, disk_tensors(moe), max_shard_size=max_shard_size, dtype=dtype)
+    files.write_shards(folder, disk_tensors(moe, stock=stock), max_shard_size=max_shard_size, dtype=dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return "stock" if stock else "moeprune"

@@ -8,15 +8,16 @@ import click
 
 from moeprune.cli.main import main
 from moeprune.errors import MoePruneError
-from moeprune.models.factory import tiny_model
-from moeprune.models.spec import supported_families
+from moeprune.models.factory import moe_families, tiny_model
 from moeprune.report.describe import describe_checkpoint, describe_model, format_description
 
 
 @main.command()
 @click.argument("model", required=False)
 @click.option(
-    "--tiny", type=click.Choice(supported_families()), help="Inspect a built-in tiny random model instead."
+    "--tiny",
+    metavar="FAMILY",
+    help="Inspect a built-in tiny random model of any MoE family of the installed transformers (a model type).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option(
@@ -25,7 +26,15 @@ from moeprune.report.describe import describe_checkpoint, describe_model, format
 def inspect(model: str | None, tiny: str | None, as_json: bool, trust_remote_code: bool) -> None:
     """Show a checkpoint's MoE structure and parameter counts (weights are not loaded)."""
     if tiny:
-        info = describe_model(tiny_model(tiny), source=f"built-in tiny {tiny}")
+        if tiny not in moe_families():
+            raise MoePruneError(
+                f"{tiny!r} is not an MoE family of the installed transformers; families: {', '.join(moe_families())}"
+            )
+        try:
+            model = tiny_model(tiny)
+        except ValueError as exc:
+            raise MoePruneError(str(exc)) from exc
+        info = describe_model(model, source=f"built-in tiny {tiny}")
     elif model:
         info = describe_checkpoint(model, trust_remote_code=trust_remote_code)
     else:

@@ -23,7 +23,7 @@ import torch
 from moeprune.checkpoint import load_model
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
-from moeprune.models.factory import TINY_OVERRIDES, save_tiny_model
+from moeprune.models.factory import moe_families, save_tiny_model
 from moeprune.surgery.parameters import routed_parameters
 
 T = TypeVar("T")
@@ -104,7 +104,7 @@ def _host_peak(load: Callable[[], T]) -> tuple[T, dict[str, object]]:
 def warm_up_loading(model_type: str) -> None:
     """Load a tiny model of the family once, with a tokenizer, so that one-time library setup
     (lazy imports, allocator arenas) is not charged to the first real model measured."""
-    if model_type not in TINY_OVERRIDES:
+    if model_type not in moe_families():
         return
     with tempfile.TemporaryDirectory() as folder:
         save_tiny_model(model_type, folder)

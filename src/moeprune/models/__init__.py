@@ -9,10 +9,18 @@ from moeprune.models.adapter import (
     decoder_layers,
     family_spec,
 )
-from moeprune.models.spec import FAMILIES, FamilySpec, supported_families
+from moeprune.models.spec import FamilySpec
+
+
+def supported_families() -> list[str]:
+    """Every MoE family of the installed transformers moeprune works on, found at run time
+    (each family's tiny model built and its structure discovered; see models/families.py)."""
+    from moeprune.models.families import working_families
+
+    return working_families()
+
 
 __all__ = [
-    "FAMILIES",
     "FamilySpec",
     "MoELayer",
     "MoEModel",

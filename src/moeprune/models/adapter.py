@@ -7,6 +7,8 @@ same routing code.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,9 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from moeprune.errors import UnsupportedModelError
-from moeprune.models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec, supported_families
+from moeprune.models.discover import discover_spec, find_decoder_layers, no_moe_message, text_config
+from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
 
 EXPERT_IDS_ATTR = "moeprune_expert_ids"  # original expert ids kept by a block after surgery
+# Config fields holding k, for routers that read it from their config (Gemma-4)
+_TOP_K_FIELDS = ("top_k_experts", "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
 
 
 def get_path(module: nn.Module, dotted: str) -> torch.Tensor:
@@ -79,7 +84,7 @@ class MoELayer:
 
     @property
     def top_k(self) -> int:
-        return int(self.router.top_k)
+        return top_k_of(self.index, self.router, self.block, self.experts)
 
     @property
     def hidden_size(self) -> int:
@@ -115,6 +120,13 @@ class MoELayer:
         ids = getattr(self.block, EXPERT_IDS_ATTR, None)
         return list(ids) if ids is not None else list(range(self.num_experts))
 
+    def routing_tensors(self) -> list[tuple[nn.Module, str, int]]:
+        """(owner, dotted path, expert axis) of every per-expert routing tensor: the router's
+        rows, biases and selection biases, and those the block itself holds."""
+        return [(self.router, p, d) for p, d in self.spec.router_tensors] + [
+            (self.block, p, d) for p, d in self.spec.block_tensors
+        ]
+
     @property
     def shared_modules(self) -> list[nn.Module]:
         return [m for a in self.spec.shared_attrs if (m := getattr(self.block, a, None)) is not None]
@@ -143,6 +155,8 @@ class MoELayer:
         if self.spec.layout == INTERLEAVED:
             interleaved = torch.stack((gate_pre, up_pre), dim=-1).flatten(-2)
             return self.experts._apply_gate(interleaved)
+        if own_gate(self.experts):  # a family's own gating (soft-capped SwiGLU and the like)
+            return self.experts._apply_gate(torch.cat((gate_pre, up_pre), dim=-1))
         return self.experts.act_fn(gate_pre) * up_pre
 
     def expert_forward(
@@ -180,13 +194,46 @@ class MoELayer:
         return self.expert_weights(expert)[2]
 
 
+def top_k_of(index: int, router: nn.Module, block: nn.Module, experts: nn.Module) -> int:
+    """Experts chosen per token: the router's own `top_k` (or the block's, or the experts'), or
+    its config's field for routers that read k from their config (Gemma-4)."""
+    for module in (router, block, experts):
+        k = getattr(module, "top_k", None)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    config = getattr(router, "config", None)
+    for name in _TOP_K_FIELDS:
+        k = getattr(config, name, None)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    raise UnsupportedModelError(f"decoder layer {index}: no top_k on its router, block or experts")
+
+
+def own_gate(experts) -> bool:
+    """Whether the experts class gates with its own `_apply_gate` (a soft-capped SwiGLU, say)
+    rather than transformers' default act(gate) * up (a one-expert view says so itself)."""
+    flag = getattr(experts, "moeprune_own_gate", None)
+    if flag is not None:
+        return bool(flag)
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - older transformers: act_fn is the gate
+        return False
+    method = getattr(type(experts), "_apply_gate", None)
+    return method is not None and method is not _default_apply_gate
+
+
+SPEC_ATTR = "moeprune_spec"  # the FamilySpec discovered once per model instance
+
+
 class MoEModel:
-    """A causal LM of a supported family, with its MoE layers exposed uniformly."""
+    """A causal LM with routed experts, its MoE layers exposed uniformly (any family whose
+    structure `models/discover.py` reads off the model)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.config = model.config
-        self.spec = family_spec(self.config)
+        self.config = text_config(model.config)
+        self.spec = spec_of(model)
         self.layers = self._find_layers()
         if not self.layers:
             raise UnsupportedModelError(
@@ -196,7 +243,7 @@ class MoEModel:
     def _find_layers(self) -> list[MoELayer]:
         found = []
         for i, decoder_layer in enumerate(decoder_layers(self.model)):
-            block = getattr(decoder_layer, self.spec.block_attr, None)
+            block = block_of(decoder_layer, self.spec)
             if block is None or not hasattr(block, "experts") or not hasattr(block, self.spec.router_attr):
                 continue
             found.append(MoELayer(index=i, block=block, spec=self.spec))
@@ -225,42 +272,76 @@ class MoEModel:
         return len({(m.num_experts, m.intermediate_size) for m in self.layers}) == 1
 
 
+def block_of(decoder_layer: nn.Module, spec: FamilySpec) -> nn.Module | None:
+    """The MoE block of one decoder layer (the layer itself when it holds the experts)."""
+    if not spec.block_attr:
+        return decoder_layer
+    try:
+        return decoder_layer.get_submodule(spec.block_attr)
+    except AttributeError:
+        return None
+
+
+def spec_of(model: nn.Module) -> FamilySpec:
+    """The model's FamilySpec: discovered from the instance the first time and kept on it, so
+    the same spec describes it after surgery and packing changed its tensors; a model built
+    packed (moeprune format) is read from a meta-device build of its stock config."""
+    spec = model.__dict__.get(SPEC_ATTR)
+    if spec is None:
+        packed = any(getattr(m, "moeprune_packed", False) for m in model.modules())
+        spec = check_config(model.config, type(model)) if packed else discover_spec(model)
+        model.__dict__[SPEC_ATTR] = spec
+    return spec
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for base in (getattr(model, "model", None), model):
-        layers = getattr(base, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    layers = None
-    if layers is None:
+    found = find_decoder_layers(model)
+    if found is None:
         raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
-    return layers  # pragma: no cover
-
-
-_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    return found[1]
 
 
 def family_spec(config) -> FamilySpec:
-    """The spec of a supported MoE family; a clear error for dense or unsupported models."""
+    """The spec of an MoE model's config; a clear error for dense or unsupported models."""
+    return check_config(config)
+
+
+def check_config(config, model_class: type | None = None) -> FamilySpec:
+    """Fail early (before loading weights) on unsupported or dense configs: the model is built
+    on the meta device (nothing allocated) and its structure discovered."""
+    key = (model_class, type(config), config.to_json_string(use_diff=False))
+    if key not in _SPECS:
+        _SPECS[key] = _spec_from_config(model_class, copy.deepcopy(config))
+    return _SPECS[key]
+
+
+_SPECS: dict[tuple, FamilySpec] = {}
+
+
+def _spec_from_config(model_class: type | None, config) -> FamilySpec:
     model_type = getattr(config, "model_type", None)
-    spec = FAMILIES.get(model_type)
-    if spec is not None:
-        return spec
-    if not any(getattr(config, f, None) for f in _EXPERT_COUNT_FIELDS):
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = (model_class or _auto_class(config))._from_config(config)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal of the config
         raise UnsupportedModelError(
-            f"this model has no MoE layers (model type {model_type!r} is dense); moeprune prunes MoE models: "
-            f"{', '.join(supported_families())}"
-        )
-    raise UnsupportedModelError(
-        f"model type {model_type!r} is not a supported MoE family; supported: {', '.join(supported_families())}"
-    )
+            f"cannot build a {model_type!r} model from this config: {str(exc).strip().splitlines()[0]}"
+        ) from exc
+    if find_decoder_layers(model) is None:
+        raise UnsupportedModelError(no_moe_message(model_type))
+    return discover_spec(model)
 
 
-def check_config(config) -> FamilySpec:
-    """Fail early (before loading weights) on unsupported or dense configs."""
-    spec = family_spec(config)
-    count = getattr(config, spec.count_field, None)
-    if not count:
+def _auto_class(config) -> type:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnsupportedModelError(
-            f"this model has no MoE layers ({spec.model_type} with {spec.count_field}={count})"
+            f"model type {config.model_type!r} has no causal-LM class in this transformers; moeprune prunes "
+            "causal language models with routed experts"
         )
-    return spec
+    return AutoModelForCausalLM._model_mapping[type(config)]

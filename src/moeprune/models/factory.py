@@ -1,18 +1,25 @@
-"""Tiny random models of every supported family, built from config classes (no downloads).
+"""Tiny random models of every MoE family of the installed transformers, built from config
+classes (no downloads).
 
 Used by the tests, by `moeprune inspect --tiny FAMILY`, and as a smoke-test model for users.
-Some layers are dense where the family allows it, so the code paths that skip dense layers run.
+`moe_families()` enumerates the families at run time: every causal-LM model type whose config
+names routed experts, so a family transformers adds is found the day it appears. Its tiny config
+shrinks the config class's own defaults by field name (`_SHRINK`), keeping one decoder layer of
+each kind the default stacks (dense and MoE, linear and full attention), so the code paths of
+interleaved and hybrid stacks run. The eleven reference families keep hand-made fixtures
+(`TINY_OVERRIDES`) that the deeper per-family tests were written against.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-
-from moeprune.models.spec import supported_families
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=96,
@@ -130,12 +137,166 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# Field-name rules that shrink any family's default config (first match wins); expert widths
+# (16), shared-expert widths (24) and dense widths (48) differ so discovery cannot confuse them.
+_SHRINK: tuple[tuple[str, int], ...] = (
+    (r"^vocab_size(_per_layer_input)?$", 96),
+    (r"^hidden_size$", 32),
+    (r"^(num_hidden_layers|num_layers)$", 4),
+    (r"^(num_attention_heads|num_key_value_heads)$", 4),
+    (r"^head_dim$", 8),
+    (r"^max_position_embeddings$", 128),
+    (r"hidden_size_per_layer_input", 4),
+    (r"router_hidden_size", 16),
+    (r"per_tok|per_token|^moe_topk$|^moe_k$|^top_k_experts$", 2),
+    (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts)$", 8),
+    (r"zero_expert_num", 2),
+    (r"shared_experts?$", 1),
+    (r"shared.*(intermediate|dim)|share_expert_dim", 24),
+    (r"(moe|expert).*(intermediate|ffn|dim)|(intermediate|ffn).*(moe|expert)", 16),
+    (r"dense.*intermediate", 40),
+    (r"intermediate_size|ffn_hidden|ffn_dim", 48),
+    (r"first_k_dense|moe_layer_start|num_dense_layers", 1),
+    (r"kv_lora_rank|q_lora_rank", 16),
+    (r"qk_rope_head_dim|qk_nope_head_dim|v_head_dim", 8),
+    (r"^qk_head_dim$", 16),
+    (r"^(n_group|num_expert_group|topk_group)$", 1),
+    (r"^linear_(num_key|num_value)_heads$", 2),
+    (r"^linear_(key|value)_head_dim$", 8),
+    (r"^mamba_n_heads$|^mamba_num_heads$", 4),
+    (r"^mamba_d_head$|^mamba_head_dim$", 16),
+    (r"^mamba_d_state$|^ssm_state_size$", 8),
+    (r"^mamba_chunk_size$", 16),
+    (r"^(mamba_)?n_groups$", 1),
+    (r"^index_topk$", 4),
+    (r"^index_head_dim$", 8),
+    (r"^index_n_heads$", 2),
+    (r"^sliding_window$|attention_chunk_size", 16),
+    (r"^(expert|attn)_layer_period$", 2),
+    (r"^(expert|attn)_layer_offset$", 1),
+    (r"^linear_head_dim$", 8),
+    (r"^linear_num_heads$", 2),
+)
+# What field names cannot say: families whose defaults have no MoE block at all.
+_GENERIC_EXTRA: dict[str, dict[str, Any]] = {
+    "gemma4_text": dict(enable_moe_block=True),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "zaya": dict(num_experts_per_tok=1),  # its config accepts top-1 routing only
+    "dots3_note_text": dict(head_dim=16),  # sliding layers need head_dim = qk_nope + qk_rope
+    "qwen4_exp_text": dict(indexer_budget=8, indexer_compress_ratio=2),
+}
+_MAX_TINY_PARAMETERS = 4_000_000
+_GENERIC_LAYERS = 4  # one of each layer kind the defaults stack, then later (MoE) layers
+_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@cache
+def moe_families() -> tuple[str, ...]:
+    """Every causal-LM model type of the installed transformers whose config names routed
+    experts (a field with "expert" in its name), found at run time, sorted."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
+
+    found = []
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # default configs warn about their own token ids
+    try:
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                defaults = CONFIG_MAPPING[model_type]().to_dict()
+            except Exception:  # noqa: BLE001 - a config class whose defaults do not validate
+                continue
+            if any("expert" in key for key in _flat_keys(defaults)):
+                found.append(model_type)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return tuple(found)
+
+
+def _flat_keys(data: dict) -> Iterator[str]:
+    for key, value in data.items():
+        yield str(key)
+        if isinstance(value, dict):
+            yield from _flat_keys(value)
+
+
+def reference_families() -> list[str]:
+    """The families with hand-made tiny fixtures, run through every test of the suite."""
+    return sorted(TINY_OVERRIDES)
+
+
+def _layer_pick(values: list, layers: int) -> list[int]:
+    """Indices of `layers` decoder layers covering each distinct kind in a per-layer list."""
+    first: dict[str, int] = {}
+    for i, value in enumerate(values):
+        first.setdefault(repr(value), i)
+    keep = sorted(first.values())[:layers]
+    keep += [i for i in reversed(range(len(values))) if i not in keep][: layers - len(keep)]  # later layers are MoE
+    return sorted(keep)
+
+
+def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
+    """The family's default config, shrunk by `_SHRINK`, per-layer lists cut to 4 layers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    kwargs = {
+        k: v for k, v in defaults.items() if k not in ("model_type", "transformers_version", "architectures")
+    }
+    for key, value in defaults.items():
+        if isinstance(value, bool) or not (isinstance(value, int) or value is None):
+            continue
+        rule = next((n for pattern, n in _SHRINK if re.search(pattern, key)), None)
+        if rule is not None:
+            kwargs[key] = rule
+    total = defaults.get("num_hidden_layers") or defaults.get("num_layers") or 0
+    per_layer = {k: v for k, v in defaults.items() if isinstance(v, list) and total and len(v) == total}
+    keep = list(range(_GENERIC_LAYERS))
+    if per_layer:
+        richest = max(per_layer, key=lambda k: len({repr(x) for x in per_layer[k]}))
+        keep = _layer_pick(per_layer[richest], _GENERIC_LAYERS)
+        kwargs.update({k: [v[i] for i in keep] for k, v in per_layer.items()})
+    for key, value in defaults.items():  # lists of layer indices (mlp_only_layers, moe_layers)
+        indices = isinstance(value, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value
+        )
+        if key.endswith("layers") and indices and key not in per_layer:
+            kwargs[key] = [keep.index(x) for x in value if x in keep]
+    per_config = defaults.get("per_layer_config")
+    if isinstance(per_config, dict):  # Gemma-4, dots3: sub-configs keyed by layer index
+        kwargs["per_layer_config"] = {
+            str(keep.index(int(k))): v for k, v in per_config.items() if int(k) in keep
+        }
+    kwargs.update({k: v for k, v in _TOKENS.items() if k in defaults})
+    kwargs["tie_word_embeddings"] = False
+    kwargs["use_cache"] = False  # stacks of linear-attention layers alone have no cache length to report
+    kwargs.update(_GENERIC_EXTRA.get(model_type, {}))
+    return kwargs
+
+
 def tiny_config(model_type: str, **overrides: Any):
     """A small config of `model_type` (3 decoder layers, hidden 32, 8 experts)."""
-    if model_type not in TINY_OVERRIDES:
-        raise ValueError(f"no tiny config for {model_type!r}; known: {', '.join(supported_families())}")
-    kwargs = {**_COMMON, **TINY_OVERRIDES[model_type], **overrides}
-    return AutoConfig.for_model(model_type, **kwargs)
+    if model_type in TINY_OVERRIDES:
+        return AutoConfig.for_model(model_type, **{**_COMMON, **TINY_OVERRIDES[model_type], **overrides})
+    if model_type not in moe_families():
+        raise ValueError(
+            f"no tiny config for {model_type!r}: not an MoE family of this transformers; known: "
+            f"{', '.join(moe_families())}"
+        )
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    wrapped = sorted(
+        k
+        for k, v in CONFIG_MAPPING[model_type]().to_dict().items()
+        if k.endswith("_config") and isinstance(v, dict) and "model_type" in v
+    )
+    if wrapped:
+        raise ValueError(
+            f"{model_type!r} wraps sub-models ({', '.join(wrapped)}); no tiny build of wrappers yet: use its "
+            "language model's own model type (the one ending in _text) for a tiny model"
+        )
+    return CONFIG_MAPPING[model_type](**{**generic_tiny_kwargs(model_type), **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -145,6 +306,10 @@ def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
     every floating tensor gets random values: the tests then exercise real routing.
     """
     config = tiny_config(model_type, **overrides)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > _MAX_TINY_PARAMETERS and not overrides:  # a default left large (a vision tower, say)
+        raise ValueError(f"the tiny {model_type} config still builds {size:,} parameters; shrink its fields")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)

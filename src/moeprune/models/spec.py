@@ -1,8 +1,9 @@
-"""Data-driven descriptions of how each transformers MoE family lays out its blocks.
+"""Data-driven descriptions of how a transformers MoE family lays out its blocks.
 
-One `FamilySpec` per family replaces per-family code: where the block lives, what the router
-is called, how expert weights are stored, which config field holds the expert count, and which
-per-expert tensors must be sliced together when experts are removed.
+A `FamilySpec` replaces per-family code: where the block lives, what the router is called, how
+expert weights are stored, which config field holds the expert count, and which per-expert
+tensors must be sliced together when experts are removed. Specs are discovered from the model
+(`models/discover.py`); `OVERRIDES` holds the little discovery cannot read.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ class FamilySpec:
     routing: str
     # Per-expert tensors on the router, as (dotted path below the router, expert dimension).
     router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
+    # Per-expert tensors held by the block itself (beside router and experts), as (path, expert dim):
+    # selection biases some families keep on the block (MiniMax-M2, Hunyuan-V3, AFMoE).
+    block_tensors: tuple[tuple[str, int], ...] = ()
     selection_bias: str | None = None  # dotted path below the router (DeepSeek-V3, GLM, ERNIE)
     shared_attrs: tuple[str, ...] = ()  # shared expert modules on the block (never touched)
     weight_on_input: bool = False  # Llama-4 multiplies the router weight into the expert input
     group_routing: bool = False  # may use group-limited top-k (n_group > 1)
     # Config fields that other widths derive from the expert intermediate size (neuron pruning).
     shared_width_derived: bool = False
+    # Other modules (dense MLP layers) read the routed width field too (Jamba): a uniform neuron
+    # shrink then cannot be a stock checkpoint.
+    dense_width_derived: bool = False
     # Attributes holding the expert count on block / router / experts modules.
     count_attrs: tuple[str, ...] = ("num_experts",)
     # How a stock checkpoint of the family names its tensors (what save_pretrained writes):
@@ -49,116 +56,32 @@ class FamilySpec:
     # checkpoint stores the experts fused, as transformers holds them (gpt_oss, Llama-4).
     disk_renames: tuple[tuple[str, str], ...] = ()
     disk_expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    # False when the disk layout is one only transformers' save-time conversion knows (fused
+    # tensors under other names, Granite's input_linear): stock saves then go through it.
+    disk_names_known: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-_SOFTMAX_COMMON = dict(block_attr="mlp", router_attr="gate", layout=FUSED, routing=SOFTMAX_TOPK)
-_DEEPSEEK_COMMON = dict(
-    block_attr="mlp",
-    router_attr="gate",
-    count_field="n_routed_experts",
-    intermediate_field="moe_intermediate_size",
-    layout=FUSED,
-    shared_attrs=("shared_experts",),
-    group_routing=True,
-    shared_width_derived=True,
-)
-
-FAMILIES: dict[str, FamilySpec] = {
-    spec.model_type: spec
-    for spec in (
-        FamilySpec(
-            "olmoe", count_field="num_experts", intermediate_field="intermediate_size", **_SOFTMAX_COMMON
+# What discovery (models/discover.py) cannot read off a model: Llama-4 multiplies the routing
+# weight into the expert input; the routing descriptions of the families moeprune has long
+# reported (reports stay word for word); family notes.
+OVERRIDES: dict[str, dict] = {
+    **{
+        m: {"routing": SOFTMAX_TOPK}
+        for m in ("olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2")
+    },
+    **{m: {"routing": SIGMOID_BIAS_GROUP} for m in ("deepseek_v3", "glm4_moe")},
+    "ernie4_5_moe": {"routing": SOFTMAX_BIAS},
+    "gpt_oss": {
+        "routing": TOPK_SOFTMAX,
+        "notes": ("clamped SwiGLU with biases (gate * sigmoid(alpha * gate) * (up + 1))",),
+    },
+    "llama4_text": {
+        "routing": TOPK_SIGMOID_INPUT,
+        "weight_on_input": True,
+        "notes": (
+            "router weight multiplies the expert input; the transformers block runs every expert on every token",
         ),
-        FamilySpec(
-            "qwen2_moe",
-            count_field="num_experts",
-            intermediate_field="moe_intermediate_size",
-            shared_attrs=("shared_expert", "shared_expert_gate"),
-            **_SOFTMAX_COMMON,
-        ),
-        FamilySpec(
-            "qwen3_moe",
-            count_field="num_local_experts",
-            intermediate_field="moe_intermediate_size",
-            **_SOFTMAX_COMMON,
-        ),
-        FamilySpec(
-            "qwen3_next",
-            count_field="num_experts",
-            intermediate_field="moe_intermediate_size",
-            shared_attrs=("shared_expert", "shared_expert_gate"),
-            **_SOFTMAX_COMMON,
-        ),
-        FamilySpec(
-            "mixtral",
-            count_field="num_local_experts",
-            intermediate_field="intermediate_size",
-            disk_renames=((".mlp.", ".block_sparse_moe."),),
-            disk_expert_names=("w1", "w3", "w2"),
-            **_SOFTMAX_COMMON,
-        ),
-        FamilySpec("deepseek_v2", routing=SOFTMAX_TOPK, **_DEEPSEEK_COMMON),
-        FamilySpec(
-            "deepseek_v3",
-            routing=SIGMOID_BIAS_GROUP,
-            router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
-            selection_bias="e_score_correction_bias",
-            **_DEEPSEEK_COMMON,
-        ),
-        FamilySpec(
-            "glm4_moe",
-            routing=SIGMOID_BIAS_GROUP,
-            router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
-            selection_bias="e_score_correction_bias",
-            **_DEEPSEEK_COMMON,
-        ),
-        FamilySpec(
-            "ernie4_5_moe",
-            block_attr="mlp",
-            router_attr="gate",
-            count_field="moe_num_experts",
-            intermediate_field="moe_intermediate_size",
-            layout=FUSED,
-            routing=SOFTMAX_BIAS,
-            router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
-            selection_bias="moe_statics.e_score_correction_bias",
-            shared_attrs=("shared_experts",),
-            shared_width_derived=True,
-            disk_renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
-        ),
-        FamilySpec(
-            "gpt_oss",
-            block_attr="mlp",
-            router_attr="router",
-            count_field="num_local_experts",
-            intermediate_field="intermediate_size",
-            layout=INTERLEAVED,
-            routing=TOPK_SOFTMAX,
-            router_tensors=(("weight", 0), ("bias", 0)),
-            disk_expert_names=None,
-            notes=("clamped SwiGLU with biases (gate * sigmoid(alpha * gate) * (up + 1))",),
-        ),
-        FamilySpec(
-            "llama4_text",
-            block_attr="feed_forward",
-            router_attr="router",
-            count_field="num_local_experts",
-            intermediate_field="intermediate_size",
-            layout=TRANSPOSED,
-            routing=TOPK_SIGMOID_INPUT,
-            shared_attrs=("shared_expert",),
-            weight_on_input=True,
-            shared_width_derived=True,
-            count_attrs=("num_experts", "out_features"),
-            disk_expert_names=None,
-            notes=(
-                "router weight multiplies the expert input; the transformers block runs every expert on every token",
-            ),
-        ),
-    )
+    },
 }
 
-
-def supported_families() -> list[str]:
-    return sorted(FAMILIES)

@@ -289,8 +289,15 @@ def _capture(model: nn.Module, layers: list[nn.Module], batch, device: torch.dev
     calls: list[_Call] = []
     first: list[torch.Tensor] = []
     mask = batch.attention_mask.to(device)
-    with _recording(layers, calls, first), suppress(_Stop):
-        model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+    try:
+        with _recording(layers, calls, first), suppress(_Stop):
+            model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+    except (ValueError, TypeError) as exc:  # the model's loop wanted more back than the hidden states
+        raise MoePruneError(
+            f"{type(model).__name__} passes more than the hidden states from one decoder layer to the next "
+            f"({str(exc).strip().splitlines()[0]}), so its layers cannot be run one at a time: drop "
+            "--sequential and load the model"
+        ) from exc
     if len(calls) != len(layers):
         raise MoePruneError(f"{type(model).__name__} did not call its decoder layers in order")
     return _Captured(first[0], calls, mask.reshape(-1).bool())

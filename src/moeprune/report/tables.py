@@ -67,3 +67,39 @@ def fill_tables(text: str) -> str:
 def blocks(text: str) -> dict[str, str]:
     """The registry blocks a README holds now, by name."""
     return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}
+
+
+# ------------------------------------------------------------------------- MoE families
+_FAMILIES = re.compile(r"(<!-- families: transformers ([\w.]+) -->\n)(.*?)(<!-- /families -->)", re.S)
+
+
+def family_table_markdown() -> str:
+    """The README's family table: every MoE family of the installed transformers, as
+    `models.families` finds it (tiny model built, structure discovered, or why not)."""
+    from moeprune.models.families import family_table
+
+    rows = [[f"`{s.model_type}`", s.status, _layers(s), s.detail] for s in family_table()]
+    return _table(["model type", "status", "MoE layers of the tiny model", "found, or why not"], rows)
+
+
+def _layers(status) -> str:
+    if not status.moe_layers:
+        return ""
+    return f"{', '.join(map(str, status.moe_layers))} of {status.decoder_layers}"
+
+
+def fill_family_table(text: str) -> str:
+    """`text` with its family block regenerated for the installed transformers."""
+    import transformers
+
+    def replace(match: re.Match) -> str:
+        head = f"<!-- families: transformers {transformers.__version__} -->\n"
+        return head + family_table_markdown() + match.group(4)
+
+    return _FAMILIES.sub(replace, text)
+
+
+def family_table_version(text: str) -> str | None:
+    """The transformers version the README's family table was generated with."""
+    match = _FAMILIES.search(text)
+    return match.group(2) if match else None

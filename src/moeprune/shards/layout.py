@@ -56,6 +56,7 @@ class Address:
     expert: int | None = None
     part: int = 0
     cat_dim: int = 0  # dimension of one expert along which its parts are concatenated
+    converted: bool = False  # a whole tensor that transformers reshapes or merges when loading
 
 
 def _cat_dim(converter: WeightConverter) -> int:
@@ -92,6 +93,8 @@ class Naming:
         for converter in self.converters:  # at most one converter applies, as when loading
             internal, pattern = converter.rename_source_key(renamed)
             if pattern is not None:
+                if pattern.count("*") != 1:  # a whole tensor converted, not one expert's piece
+                    return Address(internal, converted=bool(converter.operations))
                 part = converter.source_patterns.index(pattern)
                 return Address(internal, _expert_number(pattern, renamed), part, _cat_dim(converter))
         return Address(renamed)
@@ -197,6 +200,11 @@ class CheckpointLayout:
         for param in params.values():
             for key in self.stored_as.get(param.internal, ()):
                 addr = self.addresses[key]
+                if addr.converted:
+                    raise MoePruneError(
+                        f"checkpoint {self.path} stores {param.internal} as {key}, which transformers converts "
+                        "when loading; streaming reads stored bytes as they are: load the model instead"
+                    )
                 if addr.expert is None:
                     param.fused = key
                 else:
@@ -204,8 +212,9 @@ class CheckpointLayout:
                     param.cat_dim = addr.cat_dim
             self._check_param(param, n)
         router = {}
-        for path, dim in layer.spec.router_tensors:
-            internal = f"{block}.{layer.spec.router_attr}.{path}"
+        routing = [(f"{layer.spec.router_attr}.{p}", d) for p, d in layer.spec.router_tensors]
+        for path, dim in routing + list(layer.spec.block_tensors):
+            internal = f"{block}.{path}"
             keys = self.stored_as.get(internal)
             if not keys:
                 raise MoePruneError(f"checkpoint {self.path} has no tensor for router parameter {internal}")

@@ -70,13 +70,14 @@ def check_group_balance(layer: MoELayer, removed: set[int]) -> None:
         )
 
 
-def _slice_router(layer: MoELayer, kept: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Replace the router's per-expert tensors by their kept rows; returns the originals."""
+def _slice_router(layer: MoELayer, kept: torch.Tensor) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Replace the routing's per-expert tensors (on the router, and any the block holds) by
+    their kept rows; returns the originals."""
     originals = []
-    for path, dim in layer.spec.router_tensors:
-        tensor = get_path(layer.router, path)
-        originals.append((path, tensor))
-        set_path(layer.router, path, tensor.detach().index_select(dim, kept.to(tensor.device)))
+    for owner, path, dim in layer.routing_tensors():
+        tensor = get_path(owner, path)
+        originals.append((owner, path, tensor))
+        set_path(owner, path, tensor.detach().index_select(dim, kept.to(tensor.device)))
     return originals
 
 
@@ -138,8 +139,8 @@ def mask_experts(moe: MoEModel, removed: Mapping[int, Sequence[int]]) -> Iterato
 
 def _restore(layer: MoELayer, originals, counts, handle) -> None:
     handle.remove()
-    for path, tensor in originals:
-        set_path(layer.router, path, tensor)
+    for owner, path, tensor in originals:
+        set_path(owner, path, tensor)
     for module, attr, value in counts:
         setattr(module, attr, value)
 

@@ -52,7 +52,7 @@ from moeprune.surgery.parameters import plan_routed_parameters, routed_parameter
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 
 IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
-SHARED_MULTIPLIERS = ("n_shared_experts", "moe_num_shared_experts")  # shared width = I * this
+SHARED_MULTIPLIERS = ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")  # shared width = I * this
 _WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "expert_dim")  # on experts modules
 STOCK_MULTIPLE = 8  # uniform widths stay a multiple of 8 neurons: 16-byte strides for grouped_mm
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> position -> kept neuron ids
@@ -130,7 +130,12 @@ def neuron_masks(layer: MoELayer, keep: Mapping[int, torch.Tensor]) -> dict[int,
 
 # ----------------------------------------------------------------------------- uniform (stock) form
 def shared_multiplier(moe: MoEModel) -> str | None:
-    return next((f for f in SHARED_MULTIPLIERS if getattr(moe.config, f, None) is not None), None)
+    """The config field the shared experts' width is multiplied by: the config's own field
+    first (config.json holds it under that name), else a name the config maps onto one."""
+    own = vars(moe.config)
+    return next((f for f in SHARED_MULTIPLIERS if own.get(f) is not None), None) or next(
+        (f for f in SHARED_MULTIPLIERS if getattr(moe.config, f, None) is not None), None
+    )
 
 
 def stock_width_expressible(moe: MoEModel, width: int | None = None) -> bool:
@@ -139,7 +144,7 @@ def stock_width_expressible(moe: MoEModel, width: int | None = None) -> bool:
     The config must state it without changing the shared expert, and the width must keep
     grouped_mm's 16-byte strides (a multiple of 8 neurons, unless the original width is not).
     """
-    if moe.spec.shared_width_derived and shared_multiplier(moe) is None:
+    if moe.spec.shared_width_derived and shared_multiplier(moe) is None or moe.spec.dense_width_derived:
         return False
     full = moe.layers[0].intermediate_size
     return width is None or width % STOCK_MULTIPLE == 0 or full % STOCK_MULTIPLE != 0

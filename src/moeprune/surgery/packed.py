@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from moeprune.errors import MoePruneError
-from moeprune.models.adapter import EXPERT_IDS_ATTR, ExpertCost, MoELayer
+from moeprune.models.adapter import EXPERT_IDS_ATTR, ExpertCost, MoELayer, own_gate, top_k_of
 from moeprune.models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
-from moeprune.models.spec import FAMILIES, FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
+from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
 
 # Per-expert native tensors of each layout: name -> (axis of the neurons in one expert's tensor,
 # values per neuron), or None for a tensor without a neuron axis (gpt_oss's down bias).
@@ -144,7 +144,7 @@ class PackedView:
 
     @property
     def top_k(self) -> int:
-        return int(self.block.router.top_k)
+        return top_k_of(self.index, getattr(self.block, self.spec.router_attr), self.block, self.experts)
 
     def options(self) -> RoutedOptions:
         novices = {
@@ -163,13 +163,14 @@ class PackedView:
             **{name: t.unsqueeze(0) for name, t in tensors.items()},
             act_fn=getattr(self.experts, "act_fn", None),
             _apply_gate=getattr(self.experts, "_apply_gate", None),
+            moeprune_own_gate=own_gate(self.experts),
         )
         layer = MoELayer(self.index, SimpleNamespace(experts=one), self.spec)  # type: ignore[arg-type]
         return layer.expert_forward(0, x, return_intermediate=return_intermediate, neuron_mask=neuron_mask)
 
 
 def packed_view(experts: nn.Module, block: nn.Module | None = None) -> PackedView:
-    return PackedView(experts, FAMILIES[experts.moeprune_model_type], experts.moeprune_layer, block)
+    return PackedView(experts, experts.moeprune_spec, experts.moeprune_layer, block)
 
 
 def _offsets(units: Mapping[str, tuple[list[int], int | None]], widths: list[int]) -> dict[str, list[int]]:
@@ -243,6 +244,7 @@ def pack_layer(
     experts.moeprune_offsets = _offsets(units, widths)
     experts.moeprune_slots = slots
     experts.moeprune_model_type = layer.spec.model_type
+    experts.moeprune_spec = layer.spec
     experts.moeprune_layer = layer.index
     experts.__class__ = _subclass(PackedExperts, type(experts))
     if layer.spec.weight_on_input:

@@ -53,7 +53,7 @@ from moeprune.allocate.search.population import Allocation
 from moeprune.allocate.search.prefix import PrefixCache, default_prefix_cache_bytes
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError, MoePruneError
-from moeprune.models.adapter import MoEModel, decoder_layers
+from moeprune.models.adapter import MoEModel, block_of, decoder_layers
 from moeprune.runtime.device import Placement, input_device
 from moeprune.runtime.progress import progress_bar
 from moeprune.surgery.drop import mask_experts
@@ -403,7 +403,7 @@ class CandidateEvaluator:
     def _moe_half(self, decoder_index: int, residual: torch.Tensor) -> torch.Tensor:
         """The second half of a pre-norm decoder layer: residual + block(post_attention_norm(residual))."""
         layer = self._layers[decoder_index]
-        block = getattr(layer, self.moe.spec.block_attr)
+        block = block_of(layer, self.moe.spec)
         out = _hidden_of(block(layer.post_attention_layernorm(residual)))
         return residual + out.view(residual.shape)
 

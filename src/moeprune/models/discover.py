@@ -1,0 +1,491 @@
+"""Find a model's MoE structure from the model itself, not from a list of family names.
+
+transformers 5 builds every routed-experts module the same way: one module `experts` holding
+3-D tensors with the expert on the first axis (`gate_up_proj` [E, 2I, d] and `down_proj`
+[E, d, I], or their transposes), which records its layout on the instance (`has_gate`,
+`has_bias`, `is_transposed`, `is_concatenated`, `has_post_expert_norm`), and a router beside it
+whose forward returns (logits [T, E], weights [T, k], index [T, k]). So the structure is read
+off the instance: the decoder layers, the block holding `experts`, the router (the sibling
+holding an [E, d] matrix), every per-expert tensor on the router or the block, the config
+fields holding the expert count and width (the ones whose values match the tensors), and the
+names `save_pretrained` gives the experts on disk (asked of transformers' own save-time
+conversion). `spec.OVERRIDES` adds only what cannot be inferred (Llama-4 weights the expert
+input). A structure moeprune cannot compute exactly is refused in one line naming the part.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from dataclasses import replace
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from moeprune.errors import UnsupportedModelError
+from moeprune.models.spec import (
+    FUSED,
+    INTERLEAVED,
+    OVERRIDES,
+    TRANSPOSED,
+    FamilySpec,
+)
+
+_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj")
+_COUNT_PREFERENCE = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_NOT_A_COUNT = ("per_tok", "per_token", "shared", "group", "top", "zero", "capacity", "period", "offset")
+_WIDTH_WORDS = ("intermediate", "ffn", "expert_dim", "expert_hidden")
+
+
+def text_config(config):
+    """The language model's config (the config itself for a causal LM, `text_config` for a wrapper)."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if getter is not None else config
+
+
+def routed_experts_module(module: nn.Module) -> bool:
+    """Whether `module` holds routed experts as transformers 5 stores them (3-D, expert axis first)."""
+    down = getattr(module, "down_proj", None)
+    return (
+        isinstance(down, torch.Tensor)
+        and down.dim() == 3
+        and (
+            isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            or isinstance(getattr(module, "up_proj", None), torch.Tensor)
+        )
+    )
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(qualified name, list) of the decoder layers holding routed experts, also inside a
+    multimodal wrapper; the first `layers` list when none holds experts; None without any."""
+    lists = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"
+    ]
+    for name, mod in lists:
+        if any(routed_experts_module(m) for layer in mod for m in layer.modules()):
+            return name, mod
+    return lists[0] if lists else None
+
+
+def moe_blocks(layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:
+    """(decoder layer index, path of the block inside the layer, block) for every layer whose
+    block holds an `experts` module of routed experts ('' when the layer itself holds it)."""
+    found = []
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            experts = getattr(module, "experts", None)
+            if isinstance(experts, nn.Module) and routed_experts_module(experts):
+                found.append((index, name, module))
+                break
+    return found
+
+
+def _expert_count(experts: nn.Module) -> int:
+    counts = {
+        name: int(t.shape[0])
+        for name in _EXPERT_TENSORS
+        if isinstance(t := getattr(experts, name, None), torch.Tensor)
+    }
+    if len(set(counts.values())) != 1:
+        raise UnsupportedModelError(
+            f"{type(experts).__name__} holds tensors of different expert counts ({counts}): zero or identity "
+            "experts beside the weighted ones are not supported yet"
+        )
+    return next(iter(counts.values()))
+
+
+def _layout(experts: nn.Module, hidden: int) -> str:
+    name = type(experts).__name__
+    if getattr(experts, "has_gate", True) is False or not hasattr(experts, "gate_up_proj"):
+        raise UnsupportedModelError(
+            f"{name} experts are not gated (up_proj -> act -> down_proj): neuron and expert surgery need "
+            "gate/up/down experts; not supported yet"
+        )
+    if getattr(experts, "has_post_expert_norm", False):
+        raise UnsupportedModelError(
+            f"{name} normalises each expert's output (post-expert norm): not supported yet"
+        )
+    transposed = getattr(experts, "is_transposed", None)
+    if transposed is None:  # no layout flags (Llama-4): read it from the shapes
+        transposed = (
+            int(experts.gate_up_proj.shape[1]) == hidden and int(experts.down_proj.shape[2]) == hidden
+        )
+    if not getattr(experts, "is_concatenated", True):
+        if not transposed:
+            raise UnsupportedModelError(
+                f"{name} interleaves gate and up rows untransposed: not supported yet"
+            )
+        return INTERLEAVED
+    if getattr(experts, "has_bias", False):
+        raise UnsupportedModelError(
+            f"{name} experts carry biases in a concatenated layout: not supported yet"
+        )
+    return TRANSPOSED if transposed else FUSED
+
+
+def _per_expert(module: nn.Module, count: int, recurse: bool) -> list[tuple[str, int]]:
+    """(dotted path, expert axis) of every parameter and buffer with an axis of length `count`."""
+    found = []
+    tensors = list(module.named_parameters(recurse=recurse)) + list(module.named_buffers(recurse=recurse))
+    for path, tensor in tensors:
+        axes = [d for d, n in enumerate(tensor.shape) if n == count]
+        if axes:
+            found.append((path, axes[0]))
+    return found
+
+
+def _router(block: nn.Module, count: int, hidden: int) -> tuple[str, str]:
+    """(attribute of the router on the block, path of its [E, d] matrix inside the router)."""
+    children = sorted(block.named_children(), key=lambda ac: ("router" not in ac[0], "gate" not in ac[0]))
+    for attr, child in children:  # modules called router or gate first
+        if attr == "experts" or "shared" in attr:
+            continue
+        for path, param in child.named_parameters():
+            if param.dim() == 2 and tuple(param.shape) == (count, hidden):
+                return attr, path
+    for path, param in child_free_params(block):
+        if param.dim() == 2 and tuple(param.shape) == (count, hidden):
+            raise UnsupportedModelError(
+                f"{type(block).__name__}'s router is a bare parameter ({path}), not a module: not supported yet"
+            )
+    wider = [
+        f"{attr}.{path} {list(p.shape)}"
+        for attr, child in block.named_children()
+        if attr != "experts"
+        for path, p in child.named_parameters()
+        if p.dim() == 2 and p.shape[-1] == hidden and p.shape[0] > count and attr not in ("mlp",)
+    ]
+    detail = f" (the nearest is {wider[0]}, wider than the expert count)" if wider else ""
+    raise UnsupportedModelError(
+        f"{type(block).__name__} has no router scoring its {count} routed experts{detail}: not supported yet"
+    )
+
+
+def child_free_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+
+
+def _count_field(config, count: int) -> str:
+    """The config field holding the expert count: one of its own fields whose value is the
+    count (the usual names first), else an alias the config maps onto one."""
+    own = [
+        k
+        for k, v in vars(config).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v == count
+        and "expert" in k
+        and not any(w in k for w in _NOT_A_COUNT)
+    ]
+    own.sort(key=lambda k: _COUNT_PREFERENCE.index(k) if k in _COUNT_PREFERENCE else len(_COUNT_PREFERENCE))
+    if own and (len(own) == 1 or own[0] in _COUNT_PREFERENCE):
+        return own[0]
+    aliased = [k for k in _COUNT_PREFERENCE if getattr(config, k, None) == count]
+    if not own and aliased:
+        return aliased[0]
+    raise UnsupportedModelError(
+        f"cannot tell which field of the {config.model_type} config holds the expert count {count} "
+        f"(candidates: {own or 'none'})"
+    )
+
+
+def _width_field(config, width: int) -> str:
+    fields = [
+        k
+        for k, v in vars(config).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v == width
+        and any(w in k for w in _WIDTH_WORDS)
+        and "shared" not in k
+        and "dense" not in k
+    ]
+    fields.sort(key=lambda k: (not ("moe" in k or "expert" in k), k))
+    if not fields:
+        raise UnsupportedModelError(
+            f"cannot find the field of the {config.model_type} config holding the expert width {width}"
+        )
+    return fields[0]
+
+
+def _count_attrs(modules: list[nn.Module], count: int) -> tuple[str, ...]:
+    names: list[str] = []
+    for module in modules:
+        for attr, value in vars(module).items():
+            if (
+                attr.startswith("_")
+                or isinstance(value, bool)
+                or value != count
+                or not isinstance(value, int)
+            ):
+                continue
+            if (
+                "expert" in attr or (attr == "out_features" and isinstance(module, nn.Linear))
+            ) and attr not in names:
+                names.append(attr)
+    return tuple(names)
+
+
+def _takes_routing(experts: nn.Module) -> bool:
+    params = list(inspect.signature(experts.forward).parameters)
+    return len(params) >= 3
+
+
+def discover_spec(model: nn.Module) -> FamilySpec:
+    """The FamilySpec of a transformers MoE model, read off the instance (meta tensors suffice)."""
+    config = text_config(model.config)
+    model_type = str(getattr(config, "model_type", None) or getattr(model.config, "model_type", ""))
+    found = find_decoder_layers(model)
+    if found is None:
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
+    blocks = moe_blocks(found[1])
+    if not blocks:
+        raise UnsupportedModelError(no_moe_message(model_type))
+    paths = {path for _, path, _ in blocks}
+    if len(paths) != 1:
+        raise UnsupportedModelError(
+            f"{model_type}: MoE blocks sit at different places in its layers ({sorted(paths)})"
+        )
+    _, block_attr, block = blocks[0]
+    experts = block.experts
+    hidden = int(config.hidden_size)
+    count = _expert_count(experts)
+    layout = _layout(experts, hidden)
+    override = OVERRIDES.get(model_type, {})
+    if not _takes_routing(experts) and not override.get("weight_on_input"):
+        raise UnsupportedModelError(
+            f"{type(experts).__name__}.forward takes no routing indices (it runs every expert): not supported yet"
+        )
+    router_attr, weight_path = _router(block, count, hidden)
+    router = getattr(block, router_attr)
+    if "input_ids" in inspect.signature(router.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(router).__name__} routes by token id (hash routing): removing an expert would leave tokens "
+            "hashed to it; not supported"
+        )
+    router_tensors = _per_expert(router, count, recurse=True)
+    router_tensors.sort(key=lambda pd: pd[0] != weight_path)  # the [E, d] matrix first
+    block_tensors = _per_expert(block, count, recurse=False)
+    selection = next(
+        (
+            p
+            for p, _ in router_tensors + block_tensors
+            if p not in (weight_path,) and p.rsplit(".", 1)[-1] != "bias"
+        ),
+        None,
+    )
+    shared = tuple(a for a, _ in block.named_children() if "shared" in a)
+    width = int(experts.down_proj.shape[2] if layout == FUSED else experts.down_proj.shape[1])
+    group = getattr(router, "num_group", None) or getattr(router, "n_group", None)
+    spec = FamilySpec(
+        model_type=model_type,
+        block_attr=block_attr,
+        router_attr=router_attr,
+        count_field=_count_field(config, count),
+        intermediate_field=_width_field(config, width),
+        layout=layout,
+        routing=_describe_routing(selection, group),
+        router_tensors=tuple(router_tensors),
+        block_tensors=tuple(block_tensors),
+        selection_bias=selection,
+        shared_attrs=shared,
+        group_routing=group is not None,
+        count_attrs=_count_attrs([block, router, experts], count),
+    )
+    spec = replace(spec, **_disk_names(model, found[0], blocks, spec))
+    if spec.disk_names_known and not _names_agree(model, found[0], blocks, spec):
+        spec = replace(spec, disk_names_known=False)
+    shared_grows, others_grow = _width_followers(model, spec.intermediate_field, block_attr, blocks[0][0])
+    if "shared_width_derived" not in override:
+        spec = replace(spec, shared_width_derived=bool(shared) and shared_grows)
+    spec = replace(spec, dense_width_derived=others_grow)
+    return replace(spec, **override)
+
+
+def _describe_routing(selection: str | None, group) -> str:
+    text = "router's own top-k"
+    if selection:
+        text += f", per-expert {selection.rsplit('.', 1)[-1]}"
+    if group:
+        text += ", group-limited"
+    return text
+
+
+def no_moe_message(model_type: str) -> str:
+    return (
+        f"this model has no MoE layers (model type {model_type!r} has no routed-experts module in its decoder "
+        "layers); moeprune prunes MoE models"
+    )
+
+
+# ----------------------------------------------------------------------- on-disk names
+_GATE, _UP, _DOWN = 1.0, 2.0, 3.0
+
+
+def _disk_names(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> dict:
+    """What `save_pretrained` calls the experts of the first MoE block: transformers' own
+    save-time conversion run on small marker tensors (gate rows 1, up rows 2, down 3), so the
+    names and which one is gate and which up come from transformers, not from a table."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover - transformers < 5.16 is not supported anyway
+        return {}
+    index, block_attr, _ = blocks[0]
+    block = f"{prefix}.{index}.{block_attr}".rstrip(".")
+    n, k, d = 2, 2, 3
+    if spec.layout == FUSED:
+        gate_up = torch.cat([torch.full((n, k, d), _GATE), torch.full((n, k, d), _UP)], dim=1)
+        down = torch.full((n, d, k), _DOWN)
+    elif spec.layout == TRANSPOSED:
+        gate_up = torch.cat([torch.full((n, d, k), _GATE), torch.full((n, d, k), _UP)], dim=2)
+        down = torch.full((n, k, d), _DOWN)
+    else:
+        return {"disk_expert_names": None}
+    marked = {f"{block}.experts.gate_up_proj": gate_up, f"{block}.experts.down_proj": down}
+    others = [f"{block}.{spec.router_attr}.{p}" for p, _ in spec.router_tensors]
+    others += [f"{block}.{p}" for p, _ in spec.block_tensors]
+    marked.update({name: torch.zeros(1) for name in others})
+    try:
+        reverted = revert_weight_conversion(model, dict(marked))
+    except Exception:  # noqa: BLE001 - a converter that needs the real shapes: ask it at save time
+        return {"disk_expert_names": None, "disk_names_known": False}
+    renames = _renames(f"{prefix}.{index}.", block_attr, reverted, others)
+    names = {}
+    for name, tensor in reverted.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or ".0." not in name:
+            continue
+        value = float(tensor.flatten()[0])
+        if tensor.dim() == 2 and bool((tensor == value).all()) and value in (_GATE, _UP, _DOWN):
+            head, _, tail = name.partition(".experts.0.")
+            if tail.endswith(".weight"):
+                names[value] = tail.removesuffix(".weight")
+    if sorted(names) == [_GATE, _UP, _DOWN]:
+        return {"disk_expert_names": (names[_GATE], names[_UP], names[_DOWN]), "disk_renames": renames}
+    if f"{block}.experts.gate_up_proj" in reverted:
+        return {"disk_expert_names": None, "disk_renames": renames}
+    return {"disk_expert_names": None, "disk_renames": renames, "disk_names_known": False}
+
+
+def _names_agree(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> bool:
+    """Whether moeprune's names (the fragment renames and per-expert names above) are exactly
+    what transformers' save-time conversion writes for the whole model, asked on meta tensors
+    (nothing allocated); when not (other tensors fused or renamed), stock saves go through it."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # pragma: no cover
+        return True
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # tied to a tensor already listed, as save_pretrained drops it
+            continue
+        seen.add(id(tensor))
+        state[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    try:
+        theirs = set(revert_weight_conversion(model, state))
+    except Exception:  # noqa: BLE001 - a converter that cannot run on meta tensors
+        return False
+    experts = {f"{prefix}.{i}.{path}".replace("..", ".").rstrip(".") + ".experts.": b.experts for i, path, b in blocks}
+    ours: set[str] = set()
+    for name in state:
+        start = next((p for p in experts if name.startswith(p)), None)
+        if start is None:
+            for old, new in spec.disk_renames:
+                name = name.replace(old, new)
+            ours.add(name)
+        elif spec.disk_expert_names is None:
+            ours.add(_rename(start, spec) + name.removeprefix(start))
+        else:
+            n = int(experts[start].down_proj.shape[0])
+            ours.update(f"{_rename(start, spec)}{e}.{part}.weight" for e in range(n) for part in spec.disk_expert_names)
+    return ours == theirs
+
+
+def _rename(name: str, spec: FamilySpec) -> str:
+    for old, new in spec.disk_renames:
+        name = name.replace(old, new)
+    return name
+
+
+def _renames(layer: str, block_attr: str, reverted: dict, others: list[str]) -> tuple[tuple[str, str], ...]:
+    """Fragment renames turning internal names into disk names: the block's own name when its
+    experts are stored under another one (Mixtral's `mlp` is `block_sparse_moe` on disk), then
+    any per-expert router tensor that still differs (ERNIE's `gate.moe_statics` sits beside the
+    gate on disk), each fragment written with its full path inside the decoder layer."""
+    renames: list[tuple[str, str]] = []
+    for name in reverted:
+        head, sep, _ = name.partition(".experts.0.")
+        if sep and head.startswith(layer) and head.removeprefix(layer) != block_attr:
+            renames.append((f".{block_attr}.", f".{head.removeprefix(layer)}."))
+            break
+
+    def apply(name: str) -> str:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name
+
+    disk = [n for n in reverted if n.startswith(layer) and ".experts." not in n]
+    for internal in others:
+        if internal in reverted or apply(internal) in reverted:
+            continue
+        leaf = internal.rsplit(".", 1)[-1]
+        match = [n for n in disk if n.endswith("." + leaf)]
+        if len(match) == 1:  # the whole path inside the layer, so no other tensor is renamed
+            renames.append(("." + apply(internal).removeprefix(layer), "." + match[0].removeprefix(layer)))
+    return tuple(renames)
+
+
+def _width_followers(model: nn.Module, field: str, block_attr: str, index: int) -> tuple[bool, bool]:
+    """(shared experts, other modules): whether their shapes follow the routed width field.
+    The model is rebuilt on the meta device with that field doubled and compared: DeepSeek's
+    shared expert is `n_shared_experts` routed widths; Jamba's dense MLP layers read the same
+    field as its experts."""
+    return _probe_widths(type(model), _config_key(model.config), field, block_attr, index)
+
+
+def _config_key(config) -> str:
+    return config.to_json_string(use_diff=False)
+
+
+@lru_cache(maxsize=32)
+def _probe_widths(cls: type, config_json: str, field: str, block_attr: str, index: int) -> tuple[bool, bool]:
+    import json
+
+    config_class = _config_class(cls)
+    if config_class is None:
+        return False, False
+
+    def shapes(cfg) -> tuple[list, list]:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            built = cls._from_config(cfg)
+        layers = find_decoder_layers(built)[1]
+        blocks = moe_blocks(layers)
+        block = layers[index].get_submodule(block_attr) if block_attr else layers[index]
+        shared = [tuple(p.shape) for a, child in block.named_children() if "shared" in a for p in child.parameters()]
+        routed = {id(p) for _, _, b in blocks for p in b.experts.parameters()}
+        routed |= {
+            id(p) for _, _, b in blocks for a, child in b.named_children() if "shared" in a for p in child.parameters()
+        }
+        others = [tuple(p.shape) for p in built.parameters() if id(p) not in routed]
+        return shared, others
+
+    try:
+        config = config_class.from_dict(json.loads(config_json))
+        shared, others = shapes(config)
+        probe = copy.deepcopy(config)
+        target = text_config(probe)
+        setattr(target, field, 2 * getattr(target, field))
+        shared2, others2 = shapes(probe)
+        return shared2 != shared, others2 != others
+    except Exception:  # noqa: BLE001 - a config that rejects the probe: assume independent widths
+        return False, False
+
+
+def _config_class(cls: type):
+    return getattr(cls, "config_class", None)
