@@ -27,8 +27,7 @@ from moeprune.criteria import score_experts
 from moeprune.data.loading import CalibrationData, Sample, calibration_sets, load_data
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel, supported_families
-from moeprune.models.factory import reference_families
-from moeprune.models.factory import tiny_model
+from moeprune.models.factory import reference_families, tiny_model
 from moeprune.report.plots import plot_layer_density, plot_search_curve
 from moeprune.surgery.drop import drop_experts
 

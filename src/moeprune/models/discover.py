@@ -390,7 +390,10 @@ def _names_agree(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> boo
         theirs = set(revert_weight_conversion(model, state))
     except Exception:  # noqa: BLE001 - a converter that cannot run on meta tensors
         return False
-    experts = {f"{prefix}.{i}.{path}".replace("..", ".").rstrip(".") + ".experts.": b.experts for i, path, b in blocks}
+    experts = {
+        f"{prefix}.{i}.{path}".replace("..", ".").rstrip(".") + ".experts.": b.experts
+        for i, path, b in blocks
+    }
     ours: set[str] = set()
     for name in state:
         start = next((p for p in experts if name.startswith(p)), None)
@@ -402,7 +405,11 @@ def _names_agree(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> boo
             ours.add(_rename(start, spec) + name.removeprefix(start))
         else:
             n = int(experts[start].down_proj.shape[0])
-            ours.update(f"{_rename(start, spec)}{e}.{part}.weight" for e in range(n) for part in spec.disk_expert_names)
+            ours.update(
+                f"{_rename(start, spec)}{e}.{part}.weight"
+                for e in range(n)
+                for part in spec.disk_expert_names
+            )
     return ours == theirs
 
 
@@ -467,10 +474,16 @@ def _probe_widths(cls: type, config_json: str, field: str, block_attr: str, inde
         layers = find_decoder_layers(built)[1]
         blocks = moe_blocks(layers)
         block = layers[index].get_submodule(block_attr) if block_attr else layers[index]
-        shared = [tuple(p.shape) for a, child in block.named_children() if "shared" in a for p in child.parameters()]
+        shared = [
+            tuple(p.shape) for a, child in block.named_children() if "shared" in a for p in child.parameters()
+        ]
         routed = {id(p) for _, _, b in blocks for p in b.experts.parameters()}
         routed |= {
-            id(p) for _, _, b in blocks for a, child in b.named_children() if "shared" in a for p in child.parameters()
+            id(p)
+            for _, _, b in blocks
+            for a, child in b.named_children()
+            if "shared" in a
+            for p in child.parameters()
         }
         others = [tuple(p.shape) for p in built.parameters() if id(p) not in routed]
         return shared, others

@@ -232,7 +232,9 @@ def _layer_pick(values: list, layers: int) -> list[int]:
     for i, value in enumerate(values):
         first.setdefault(repr(value), i)
     keep = sorted(first.values())[:layers]
-    keep += [i for i in reversed(range(len(values))) if i not in keep][: layers - len(keep)]  # later layers are MoE
+    keep += [i for i in reversed(range(len(values))) if i not in keep][
+        : layers - len(keep)
+    ]  # later layers are MoE
     return sorted(keep)
 
 

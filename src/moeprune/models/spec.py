@@ -84,4 +84,3 @@ OVERRIDES: dict[str, dict] = {
         ),
     },
 }
-

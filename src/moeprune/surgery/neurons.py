@@ -52,7 +52,11 @@ from moeprune.surgery.parameters import plan_routed_parameters, routed_parameter
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 
 IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
-SHARED_MULTIPLIERS = ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")  # shared width = I * this
+SHARED_MULTIPLIERS = (
+    "n_shared_experts",
+    "moe_num_shared_experts",
+    "num_shared_experts",
+)  # shared width = I * this
 _WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "expert_dim")  # on experts modules
 STOCK_MULTIPLE = 8  # uniform widths stay a multiple of 8 neurons: 16-byte strides for grouped_mm
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> position -> kept neuron ids
