@@ -33,15 +33,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 import moeprune
 from helpers import REORDER_RTOL, assert_logits_close
 from moeprune.checkpoint.save import moeprune_config
+from moeprune.checkpoint.structure import family_record
 from moeprune.criteria import compute_scores
-from moeprune.models import MoEModel
-from moeprune.models.factory import reference_families as supported_families
+from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.models.spec import FAMILIES as SPECS
 from moeprune.observe.observer import observe
 from moeprune.plan import LayerPlan, Plan
 from moeprune.serve.modeling_moeprune import MODELING_FILES as modeling_files
@@ -394,32 +394,49 @@ def _modeling_module():
     return importlib.import_module("modeling_under_test.modeling_moeprune")
 
 
-def test_family_table_agrees_with_family_spec():
-    """The modeling file keeps its own copy of what FamilySpec says (it cannot import moeprune)."""
+def test_legacy_family_table_agrees_with_discovery():
+    """Results saved before config.json carried the family record load through the modeling
+    file's own table; for those families it must say what discovery writes into the record."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    table = _modeling_module().FAMILIES
-    assert set(table) == set(SPECS)
-    for base, spec in SPECS.items():
-        row = table[base]
-        ours = (
-            row.block_attr,
-            row.router_attr,
-            row.count_field,
-            row.intermediate_field,
-            row.layout,
-            row.router_tensors,
-            row.count_attrs,
-            row.disk_renames,
-            row.disk_expert_names,
-            row.weight_on_input,
-        )
-        theirs = (spec.block_attr, spec.router_attr, spec.count_field, spec.intermediate_field, spec.layout,
-                  spec.router_tensors, spec.count_attrs, spec.disk_renames, spec.disk_expert_names,
-                  spec.weight_on_input)  # fmt: skip
+    _modeling_module()
+    table = importlib.import_module("modeling_under_test.moeprune_layers").FAMILIES
+    for base, row in table.items():
+        model = tiny_model(base)
+        record = family_record(MoEModel(model))
+        ours = (row.block_attr, row.router_attr, row.count_field, row.intermediate_field, row.layout,
+                [list(t) for t in row.router_tensors], list(row.count_attrs),
+                list(row.disk_expert_names) if row.disk_expert_names else None, row.weight_on_input)  # fmt: skip
+        theirs = tuple(record[k] for k in ("block_attr", "router_attr", "count_field", "intermediate_field",
+                                           "layout", "router_tensors", "count_attrs", "disk_expert_names",
+                                           "weight_on_input"))  # fmt: skip
         assert ours == theirs, base
-        assert row.config_class == CONFIG_MAPPING[base].__name__
-        assert row.causal_lm_class == _causal_lm(base)
+
+        def renamed(name: str, renames) -> str:
+            for old, new in renames:
+                name = name.replace(old, new)
+            return name
+
+        names = list(model.state_dict())  # the renames may be spelled apart but must agree on every name
+        assert [renamed(n, row.disk_renames) for n in names] == [
+            renamed(n, record["disk_renames"]) for n in names
+        ]
+        assert record["block_tensors"] == []
+        assert record["own_gate"] == (row.layout == "interleaved")  # gpt_oss's clamped SwiGLU is its own
+        assert row.config_class == CONFIG_MAPPING[base].__name__ == record["config_class"]
+        assert row.causal_lm_class == _causal_lm(base) == record["causal_lm_class"]
+
+
+def test_a_result_without_the_family_record_loads_through_the_table(tmp_path):
+    """A folder written before the record existed (the record removed by hand) loads the same."""
+    path = save(make_result("mixtral", "novice", _stats("mixtral")), tmp_path / "old")
+    expected = reference_logits(path)
+    config = json.loads((path / "config.json").read_text())
+    del config["moeprune"]["family"]
+    (path / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_logits_close(model(TOKENS).logits, expected)
 
 
 def test_every_family_defines_the_classes_the_saver_names(tmp_path):

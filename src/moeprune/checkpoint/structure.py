@@ -19,7 +19,8 @@ from typing import Any
 
 from moeprune import __version__
 from moeprune.errors import MoePruneError
-from moeprune.models.adapter import MoEModel
+from moeprune.models.adapter import MoEModel, own_gate
+from moeprune.models.discover import find_decoder_layers
 from moeprune.surgery.packed import layer_widths, router_count
 
 FORMAT = "moeprune-checkpoint"
@@ -82,7 +83,32 @@ def describe(moe: MoEModel) -> dict[str, Any]:
         "moeprune_version": __version__,
         "base_model_type": moe.model_type,
         "base_architecture": type(moe.model).__name__,
+        "family": family_record(moe),
         "layers": layers,
+    }
+
+
+def family_record(moe: MoEModel) -> dict[str, Any]:
+    """How the base family lays out its MoE blocks, in memory and on disk, as discovery found
+    it: the self-contained modeling files read this instead of a table of family names, so a
+    result of any family loads with stock transformers (serve/moeprune_layers.py `Family`)."""
+    spec = moe.spec
+    return {
+        "config_class": type(moe.config).__name__,
+        "causal_lm_class": type(moe.model).__name__,
+        "layers": find_decoder_layers(moe.model)[0],
+        "block_attr": spec.block_attr,
+        "router_attr": spec.router_attr,
+        "count_field": spec.count_field,
+        "intermediate_field": spec.intermediate_field,
+        "layout": spec.layout,
+        "router_tensors": [list(t) for t in spec.router_tensors],
+        "block_tensors": [list(t) for t in spec.block_tensors],
+        "count_attrs": list(spec.count_attrs),
+        "disk_renames": [list(r) for r in spec.disk_renames],
+        "disk_expert_names": list(spec.disk_expert_names) if spec.disk_expert_names else None,
+        "weight_on_input": spec.weight_on_input,
+        "own_gate": own_gate(moe.layers[0].experts),
     }
 
 

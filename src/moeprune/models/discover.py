@@ -300,6 +300,8 @@ def discover_spec(model: nn.Module) -> FamilySpec:
     spec = replace(spec, **_disk_names(model, found[0], blocks, spec))
     if spec.disk_names_known and not _names_agree(model, found[0], blocks, spec):
         spec = replace(spec, disk_names_known=False)
+    if not spec.disk_names_known:  # moeprune's own format keeps transformers' internal names then
+        spec = replace(spec, disk_expert_names=None, disk_renames=())
     shared_grows, others_grow = _width_followers(model, spec.intermediate_field, block_attr, blocks[0][0])
     if "shared_width_derived" not in override:
         spec = replace(spec, shared_width_derived=bool(shared) and shared_grows)

@@ -14,8 +14,10 @@ section, one entry per MoE layer:
 Router output `p` of that layer is original expert `expert_ids[p]`, with `widths[p]` neurons,
 or a novice (`null`). The format is described in moeprune's docs/checkpoint-format.md.
 
-How a model is built: the stock transformers model of the base family (named in the table
-`FAMILIES` below) is built from the config, then each MoE layer is reshaped to its entry:
+How a model is built: the stock transformers model of the base family is built from the config
+(the `family` record of the `moeprune` section says how that family lays out its MoE blocks:
+where block and router sit, the per-expert router tensors, the expert layout, the names on disk;
+moeprune discovered it from the model), then each MoE layer is reshaped to its entry:
 
 - The stock router stays and runs its own code, on per-expert tensors (router rows, router
   bias, selection bias) narrowed to the layer's count. Softmax or sigmoid scoring, selection
@@ -49,14 +51,14 @@ import torch
 import transformers
 
 from .moeprune_layers import (
-    FAMILIES,
-    Family,
     LayerStructure,
     MoePruneExperts,
     MoePruneInputWeightedMoe,
     MoePruneNovice,
+    block_of,
     expert_disk_tensors,
     fail,
+    family_of,
     get_tensor,
     read_structure,
     replace_tensor,
@@ -81,8 +83,6 @@ MODELING_FILES = ("modeling_moeprune.py", "moeprune_layers.py", "moeprune_loadin
 class MoePruneModelMixin:
     """What every `MoePrune<Family>ForCausalLM` adds to the stock causal-LM class."""
 
-    moeprune_family: str = ""  # key of FAMILIES, set on each generated class
-
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self._moeprune_reshape(read_structure(config))
@@ -90,14 +90,13 @@ class MoePruneModelMixin:
     # -- building
     def _moeprune_reshape(self, structure: list[LayerStructure]) -> None:
         """Narrow routers, replace experts: each MoE layer takes its saved shape."""
-        family = FAMILIES[self.moeprune_family]
-        config = self.config
-        decoder_layers = self.model.layers
+        family = family_of(self.config)
+        config = self.config.get_text_config()
+        decoder_layers = self.get_submodule(family.layers)
         blocks = {
             i: block
             for i, layer in enumerate(decoder_layers)
-            if hasattr(block := getattr(layer, family.block_attr, None), "experts")
-            and hasattr(block, family.router_attr)
+            if hasattr(block := block_of(layer, family), "experts") and hasattr(block, family.router_attr)
         }
         if [entry.layer for entry in structure] != sorted(blocks):
             raise fail(
@@ -110,9 +109,10 @@ class MoePruneModelMixin:
             block = blocks[entry.layer]
             router, stock = getattr(block, family.router_attr), block.experts
             n = entry.num_experts
-            if not int(router.top_k) <= n <= most:
+            top_k = int(getattr(router, "top_k", 1))
+            if not top_k <= n <= most:
                 raise fail(
-                    f"layer {entry.layer} has {n} experts, outside {router.top_k}..{most} (top-k..{family.count_field})"
+                    f"layer {entry.layer} has {n} experts, outside {top_k}..{most} (top-k..{family.count_field})"
                 )
             wide = [w for w in entry.widths if w is not None and w > full_width]
             if wide:
@@ -127,6 +127,8 @@ class MoePruneModelMixin:
                 )
             for path, dim in family.router_tensors:
                 replace_tensor(router, path, get_tensor(router, path).narrow(dim, 0, n).clone())
+            for path, dim in family.block_tensors:
+                replace_tensor(block, path, get_tensor(block, path).narrow(dim, 0, n).clone())
             set_counts(family, (block, router), n)
             block.moeprune_expert_ids = list(entry.expert_ids)  # for readers: which original expert is where
             if entry.is_stock(full_width):
@@ -147,7 +149,7 @@ class MoePruneModelMixin:
             if family.weight_on_input:
                 block = MoePruneInputWeightedMoe(block, experts)
                 block.moeprune_expert_ids = list(entry.expert_ids)
-                setattr(decoder_layers[entry.layer], family.block_attr, block)
+                decoder_layers[entry.layer].set_submodule(family.block_attr, block)
             else:
                 block.experts = experts
 
@@ -156,12 +158,13 @@ class MoePruneModelMixin:
         """(tensors, aliases): every tensor to fill, under the name a stock checkpoint of the family
         gives it (views into the model's tensors), and names of tied copies (lm_head.weight when
         tied to the embedding) mapped to the name that fills them."""
-        family = FAMILIES[self.moeprune_family]
+        family = family_of(self.config)
         experts_at = {}  # in-memory prefix of each MoE layer's experts -> the experts module
-        for i, layer in enumerate(self.model.layers):
-            block = getattr(layer, family.block_attr, None)
+        for i, layer in enumerate(self.get_submodule(family.layers)):
+            block = block_of(layer, family)
             if hasattr(block, "experts") and hasattr(block, family.router_attr):
-                experts_at[f"model.layers.{i}.{family.block_attr}.experts."] = block.experts
+                path = ".".join(p for p in (family.layers, str(i), family.block_attr) if p)
+                experts_at[f"{path}.experts."] = block.experts
         tensors: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         first_name: dict[int, str] = {}
@@ -296,6 +299,9 @@ class MoePruneModelMixin:
                 if module._buffers.get(buffer_name) is not None:
                     owners[module_name] = module
         for module_name, module in owners.items():
+            if not hasattr(module, "config"):  # built from arguments: transformers' own init sets them
+                self._init_buffers_only(module_name, module, device)
+                continue
             try:
                 with default_dtype(dtype), torch.device(device):
                     fresh = type(module)(module.config)
@@ -307,47 +313,78 @@ class MoePruneModelMixin:
                 if module._buffers.get(buffer_name) is not None:
                     module._buffers[buffer_name] = fresh._buffers[buffer_name].to(device)
 
+    def _init_buffers_only(self, module_name: str, module: torch.nn.Module, device: torch.device) -> None:
+        """Run the family's `_init_weights` on `module` with its (loaded) parameters set aside, so
+        only its non-persistent buffers (Gemma-4's embedding scale) get their values."""
+        loaded = dict(module._parameters)
+        try:
+            for name, param in loaded.items():
+                if param is not None:
+                    module._parameters[name] = torch.nn.Parameter(
+                        torch.empty_like(param, device="meta"), False
+                    )
+            for buffer_name in module._non_persistent_buffers_set:
+                if module._buffers.get(buffer_name) is not None:
+                    module._buffers[buffer_name] = torch.full_like(
+                        module._buffers[buffer_name], float("nan"), device=device
+                    )
+            self._init_weights(module)
+        finally:
+            module._parameters.update(loaded)
+        for buffer_name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(buffer_name)
+            if buffer is not None and buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+                raise fail(
+                    f"cannot rebuild the buffer {buffer_name} of {module_name} ({type(module).__name__})"
+                )
+
 
 # ----------------------------------------------------------------------------- the classes
-def _make_classes(base: str, family: Family) -> None:
-    """Define MoePrune<Config> and MoePrune<CausalLM> for one family in this module."""
-    try:
-        stock_config = getattr(transformers, family.config_class)
-        stock_model = getattr(transformers, family.causal_lm_class)
-    except AttributeError:
-        raise AttributeError(
-            f"modeling_moeprune: transformers {transformers.__version__} has no {family.causal_lm_class} "
-            f"(the {base} family); upgrade transformers"
-        ) from None
-    config_class = type(
-        f"MoePrune{family.config_class}",
-        (stock_config,),
-        {
-            "model_type": f"moeprune_{base}",
-            "__module__": __name__,
-            "__doc__": f"{family.config_class} of a moeprune result; `moeprune` holds each MoE layer's structure.",
-        },
-    )
-    model_class = type(
-        f"MoePrune{family.causal_lm_class}",
-        (MoePruneModelMixin, stock_model),
-        {
-            "config_class": config_class,
-            "moeprune_family": base,
-            "__module__": __name__,
-            "__doc__": f"{family.causal_lm_class} with each MoE layer shaped as config.moeprune says.",
-        },
-    )
-    globals()[config_class.__name__] = config_class
-    globals()[model_class.__name__] = model_class
+def _config_class(stock_config: type) -> type:
+    """MoePrune<Config>: the stock config class under the model type `moeprune_<base>`."""
+    name = f"MoePrune{stock_config.__name__}"
+    if name not in globals():
+        globals()[name] = type(
+            name,
+            (stock_config,),
+            {
+                "model_type": f"moeprune_{stock_config.model_type}",
+                "__module__": __name__,
+                "__doc__": f"{stock_config.__name__} of a moeprune result; `moeprune` holds each MoE layer's structure.",
+            },
+        )
+    return globals()[name]
+
+
+def _model_class(stock_model: type) -> type:
+    """MoePrune<CausalLM>: the stock causal-LM class with each MoE layer shaped as config.moeprune says."""
+    name = f"MoePrune{stock_model.__name__}"
+    if name not in globals():
+        globals()[name] = type(
+            name,
+            (MoePruneModelMixin, stock_model),
+            {
+                "config_class": _config_class(stock_model.config_class),
+                "__module__": __name__,
+                "__doc__": f"{stock_model.__name__} with each MoE layer shaped as config.moeprune says.",
+            },
+        )
+    return globals()[name]
 
 
 def __getattr__(name: str):
-    """MoePrune<Config> and MoePrune<CausalLM> of a family, built on first use (transformers asks
-    for them by the names in config.json's auto_map), so that loading one family neither imports
-    nor subclasses the other ten."""
-    for base, family in FAMILIES.items():
-        if name in (f"MoePrune{family.config_class}", f"MoePrune{family.causal_lm_class}"):
-            _make_classes(base, family)
-            return globals()[name]
+    """MoePrune<Config> and MoePrune<CausalLM> of any family, built on first use (transformers asks
+    for them by the names in config.json's auto_map) from the stock class of the same name, so
+    loading one family neither imports nor subclasses another."""
+    if name.startswith("MoePrune") and not name.startswith("MoePrune_"):
+        stock_name = name.removeprefix("MoePrune")
+        stock = getattr(transformers, stock_name, None)
+        if isinstance(stock, type) and issubclass(stock, transformers.PretrainedConfig):
+            return _config_class(stock)
+        if isinstance(stock, type) and issubclass(stock, transformers.PreTrainedModel):
+            return _model_class(stock)
+        if stock is None and stock_name.endswith(("Config", "ForCausalLM")):
+            raise AttributeError(
+                f"modeling_moeprune: transformers {transformers.__version__} has no {stock_name}; upgrade transformers"
+            )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,6 +46,10 @@ class Family:
     # where checkpoints keep the fused tensors (gpt_oss, Llama-4).
     disk_expert_names: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     weight_on_input: bool = False  # Llama-4 multiplies the routing weight into the expert input
+    # Per-expert tensors on the block itself (selection biases some families keep there).
+    block_tensors: tuple[tuple[str, int], ...] = ()
+    own_gate: bool = False  # the experts gate with their own _apply_gate (soft-capped SwiGLU, ...)
+    layers: str = "model.layers"  # where the decoder layers are
 
 
 _BIASED = (("weight", 0), ("e_score_correction_bias", 0))  # DeepSeek-V3, GLM-4-MoE selection bias
@@ -94,6 +98,40 @@ FAMILIES: dict[str, Family] = {
 
 def fail(message: str) -> ValueError:
     return ValueError(f"modeling_moeprune: {message}")
+
+
+def family_of(config) -> Family:
+    """The base family's layout: as the `moeprune` section records it (written for every family
+    since the record exists), else from the table above (results written before it)."""
+    section = getattr(config, "moeprune", None) or {}
+    record = section.get("family") if isinstance(section, dict) else None
+    if record is None:
+        base = base_model_type(config)
+        if base not in FAMILIES:
+            raise fail(f"config.json's 'moeprune' section has no 'family' record for the {base!r} model type")
+        return FAMILIES[base]
+    try:
+        tuples = {
+            key: tuple(tuple(x) if isinstance(x, list) else x for x in record[key])
+            for key in ("router_tensors", "block_tensors", "count_attrs", "disk_renames")
+            if key in record
+        }
+        names = record.get("disk_expert_names")
+        return Family(
+            **{**record, **tuples, "disk_expert_names": tuple(names) if names is not None else None}
+        )
+    except (TypeError, KeyError) as exc:
+        raise fail(f"config.json's 'moeprune' family record is damaged ({exc})") from None
+
+
+def block_of(layer: nn.Module, family: Family):
+    """A decoder layer's MoE block ('' when the layer itself holds the experts), or None."""
+    if not family.block_attr:
+        return layer
+    try:
+        return layer.get_submodule(family.block_attr)
+    except AttributeError:
+        return None
 
 
 # ----------------------------------------------------------------------------- the structure
@@ -168,34 +206,42 @@ class MoePruneGatedExpert(nn.Module):
     gate and up. Checkpoints store gate, up and down as three tensors per expert, under the
     family's names (`gate_proj`, `up_proj`, `down_proj`; Mixtral: `w1`, `w3`, `w2`)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn, gate_fn=None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up)
         self.down_proj = nn.Parameter(down)
         self.act_fn = act_fn
+        self.gate_fn = gate_fn  # the family's own gating of [gate; up], where it has one
 
     def extra_repr(self) -> str:
         return f"width={self.down_proj.shape[1]}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = F.linear(x, self.gate_up_proj)
+        if self.gate_fn is not None:
+            return F.linear(self.gate_fn(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return F.linear(self.act_fn(gate) * up, self.down_proj)
 
 
 class MoePruneTransposedExpert(nn.Module):
     """One Llama-4 expert of width K: gate_up_proj [d, 2K] (gate columns, then up), down_proj [K, d]."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act_fn, gate_fn=None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up)
         self.down_proj = nn.Parameter(down)
         self.act_fn = act_fn
+        self.gate_fn = gate_fn
 
     def extra_repr(self) -> str:
         return f"width={self.down_proj.shape[0]}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = x @ self.gate_up_proj
+        if self.gate_fn is not None:
+            return self.gate_fn(gate_up) @ self.down_proj
+        gate, up = gate_up.chunk(2, dim=-1)
         return (self.act_fn(gate) * up) @ self.down_proj
 
 
@@ -304,16 +350,34 @@ def slice_expert(family: Family, stock: nn.Module, p: int, width: int):
     expert p (random values when the model is built from a config; replaced when loading)."""
     gate_up, down = stock.gate_up_proj[p], stock.down_proj[p]
     full = down.shape[1] if family.layout == FUSED else down.shape[0]
+    act_fn, gate_fn = getattr(stock, "act_fn", None), _GateHolder(stock) if family.own_gate else None
     if family.layout == FUSED:  # gate_up [2I, d], down [d, I]
         both = torch.cat((gate_up[:width], gate_up[full : full + width]))
-        return MoePruneGatedExpert(both, down[:, :width].clone(), stock.act_fn)
+        return MoePruneGatedExpert(both, down[:, :width].clone(), act_fn, gate_fn)
     if family.layout == TRANSPOSED:  # gate_up [d, 2I], down [I, d]
         both = torch.cat((gate_up[:, :width], gate_up[:, full : full + width]), dim=1)
-        return MoePruneTransposedExpert(both, down[:width].clone(), stock.act_fn)
+        return MoePruneTransposedExpert(both, down[:width].clone(), act_fn, gate_fn)
     return MoePruneClampedExpert(  # INTERLEAVED: neuron j is columns 2j (gate) and 2j + 1 (up)
         gate_up[:, : 2 * width].clone(), stock.gate_up_proj_bias[p, : 2 * width].clone(),
         down[:width].clone(), stock.down_proj_bias[p].clone(), float(stock.alpha), float(stock.limit),
     )  # fmt: skip
+
+
+class _GateHolder(nn.Module):
+    """A family's own `_apply_gate` with what it reads of its experts module (activation
+    function, limits), without the module's expert tensors."""
+
+    def __init__(self, stock: nn.Module):
+        super().__init__()
+        for key, value in vars(stock).items():
+            if not key.startswith("_") and not isinstance(value, torch.Tensor) and key != "training":
+                setattr(self, key, value)
+        for name, child in stock.named_children():
+            self.add_module(name, child)
+        self._gate = type(stock)._apply_gate
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._gate(self, gate_up)
 
 
 def replace_tensor(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
