@@ -17,6 +17,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.surgery import drop_experts
+from moeprune.surgery.packed import expert_tensor_names
 
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
@@ -110,6 +111,7 @@ def test_disk_names_are_what_save_pretrained_writes(family, tmp_path):
 def test_packed_results_keep_familiar_names_and_reload(family, tmp_path):
     """Novices and per-expert widths: one tensor per router position, under the family's names."""
     model = tiny_model(family)
+    native = expert_tensor_names(MoEModel(model).layers[0])  # fused families store these per position
     _packed(model)
     with torch.no_grad():
         before = model(TOKENS).logits
@@ -118,7 +120,7 @@ def test_packed_results_keep_familiar_names_and_reload(family, tmp_path):
     moe = MoEModel(model)
     block = block_prefix(moe, moe.layers[0])
     assert f"{block}.experts.1.mean_output" in names  # the novice
-    expert = moe.spec.disk_expert_names or ("gate_up_proj",)
+    expert = moe.spec.disk_expert_names or native
     suffix = ".weight" if moe.spec.disk_expert_names else ""
     assert f"{block}.experts.0.{expert[0]}{suffix}" in names
     config = json.loads((tmp_path / "config.json").read_text())

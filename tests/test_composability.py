@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.search.population import EvoConfig
 from moeprune.allocate.search.run import run_evo_search
-from moeprune.criteria import compute_scores, get_criterion
+from moeprune.criteria import CRITERIA, compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, Sample
-from moeprune.models import MoEModel
+from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.surgery.novice import novice_context
@@ -101,3 +102,45 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
         assert after["routed_experts"] < 0.55 * before["routed_experts"]
     else:  # fraction of routed-expert parameters
         assert after["routed_experts"] == pytest.approx((1 - SPARSITY) * before["routed_experts"], rel=0.05)
+
+
+@pytest.mark.parametrize("family", supported_families())
+def test_every_family_scores_searches_and_prunes_exactly(family):
+    """Per family of the installed transformers: every registered criterion scores every expert
+    (finite, one order per layer), a short EvoESAP search finds an allocation no worse than
+    uniform, and each method's virtual form equals its physical surgery."""
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    stats = observe(moe, data(), batch_size=3, neurons=True, progress=False)
+    counts = [m.num_experts for m in moe.layers]
+    for crit in CRITERIA:
+        scores = compute_scores(
+            crit.name, stats=stats if crit.needs_data else None, weights=moe.layers if crit.needs_weights else None,
+            num_experts=counts, layers=[m.index for m in moe.layers],
+        )  # fmt: skip
+        assert [len(s.scores) for s in scores] == counts, crit.name
+        assert all(
+            np.isfinite(s.scores).all() and sorted(s.order) == list(range(n)) for s, n in zip(scores, counts)
+        )
+    crit = get_criterion("frequency")
+    scores = compute_scores(
+        "frequency", stats=stats, num_experts=counts, layers=[m.index for m in moe.layers]
+    )
+    budget = budget_from_sparsity(0.25, counts, [m.top_k for m in moe.layers])
+    removed, document = run_evo_search(
+        moe, data(4, seed=9), [s.order for s in scores], budget, config=EvoConfig(population=4, elites=2,
+        generations=1), fingerprint={}, batch_size=4, progress=False,
+    )  # fmt: skip
+    assert document["fitness_value"] >= document["uniform"]["fitness_value"]
+    for allocation, method, extra in (("evo", "drop", {"removed": removed}), ("global", "novice", {}),
+                                      ("uniform", "neurons", {}), ("trapezoid", "tenp", {})):  # fmt: skip
+        method_scores = compute_scores("tenp", stats=stats) if method == "tenp" else scores
+        plan = build_plan(moe, get_criterion("tenp") if method == "tenp" else crit, method_scores, sparsity=0.25,
+                          allocation=allocation, method=method, stats=[stats], **extra)  # fmt: skip
+        with torch.no_grad():
+            with virtual_plan(moe, plan, stats):
+                virtual = model(TOKENS).logits
+            pruned = copy.deepcopy(model)
+            apply_plan(MoEModel(pruned), plan, [stats])
+            physical = pruned(TOKENS).logits
+        torch.testing.assert_close(physical, virtual, rtol=1e-4, atol=1e-5, msg=f"{family} {method}")

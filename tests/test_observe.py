@@ -91,7 +91,7 @@ def test_observer_matches_brute_force(family):
                         y = stock_expert_output(layer, e, x)[0]
                         gate, up, _ = layer.expert_weights(e)
                         gb, ub, _ = layer.expert_biases(e)
-                        gp, upp = x[0] @ gate.T, x[0] @ up.T
+                        gp, upp = (None if gate is None else x[0] @ gate.T), x[0] @ up.T
                         if gb is not None:
                             gp, upp = gp + gb, upp + ub
                         outputs[e].append((g, h[t].to(F64), y.to(F64), layer.activate(gp, upp).to(F64)))

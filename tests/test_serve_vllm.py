@@ -183,16 +183,26 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return made
 
 
-@pytest.fixture(scope="module")
-def unserved_family(tmp_path_factory) -> Path:
+def _unserved(tmp_path_factory, family: str, architecture: str) -> Path:
     """A moeprune-format config of a family the plugin refuses (no weights needed: refused first)."""
-    folder = tmp_path_factory.mktemp("gpt_oss")
-    config = {"model_type": "moeprune_gpt_oss", "architectures": ["MoePruneGptOssForCausalLM"],
-              "moeprune": {"format": "moeprune-checkpoint", "format_version": 3, "base_model_type": "gpt_oss",
+    folder = tmp_path_factory.mktemp(family)
+    config = {"model_type": f"moeprune_{family}", "architectures": [f"MoePrune{architecture}"],
+              "moeprune": {"format": "moeprune-checkpoint", "format_version": 3, "base_model_type": family,
                            "layers": [{"layer": 0, "num_experts": 2, "expert_ids": [0, 1], "widths": [8, None],
                                        "novice": [1]}]}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def unserved_family(tmp_path_factory) -> Path:
+    return _unserved(tmp_path_factory, "gpt_oss", "GptOssForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def new_family(tmp_path_factory) -> Path:
+    """A family beyond the eleven (found by discovery): refused in the same sentence."""
+    return _unserved(tmp_path_factory, "minimax_m2", "MiniMaxM2ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -208,12 +218,12 @@ def damaged(outputs, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, outputs, unserved_family, damaged, tmp_path_factory) -> dict:
+def served(vllm_python, outputs, unserved_family, new_family, damaged, tmp_path_factory) -> dict:
     """vLLM's results for every output, from one subprocess; also its load times."""
     work = tmp_path_factory.mktemp("vllm")
     spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
             "models": [[str(path), VLLM_OPTIONS.get(family, {})] for (family, _), path in outputs.items()],
-            "refuse": [str(unserved_family), str(damaged)]}  # fmt: skip
+            "refuse": [str(unserved_family), str(new_family), str(damaged)]}  # fmt: skip
     (work / "spec.json").write_text(json.dumps(spec))
     (work / "driver.py").write_text(DRIVER)
     start = time.time()
@@ -313,6 +323,12 @@ def test_plugin_refuses_a_family_it_does_not_serve(served, unserved_family):
     assert message is not None, "vLLM loaded a gpt_oss checkpoint in moeprune's format"
     assert "moeprune's vLLM plugin does not serve gpt_oss models" in message
     assert "trust_remote_code=True" in message and "moeprune.load_pretrained" in message
+
+
+def test_plugin_refuses_families_beyond_the_eleven_in_one_sentence(served, new_family):
+    message = served["refused"][str(new_family)]
+    assert message is not None, "vLLM loaded a minimax_m2 checkpoint in moeprune's format"
+    assert "moeprune's vLLM plugin does not serve minimax_m2 models" in message
 
 
 def test_plugin_refuses_a_damaged_checkpoint(served, damaged):

@@ -109,7 +109,7 @@ def test_streamed_experts_and_scores_equal_in_memory(family, checkpoints):
     for source, layer in zip(sources, layers):
         for e in range(layer.num_experts):
             for streamed, loaded in zip(source.expert_weights(e), layer.expert_weights(e)):
-                assert torch.equal(streamed, loaded)
+                assert streamed is loaded is None or torch.equal(streamed, loaded)  # None: no gate
     assert_same_scores(path, model)
 
 

@@ -42,6 +42,8 @@ def weight_sums(source: ExpertWeightSource, expert: int) -> tuple[float, float, 
     l1 = sq = 0.0
     n = 0
     for t in source.expert_weights(expert):
+        if t is None:  # experts without a gate
+            continue
         for chunk in t.detach().reshape(-1).split(_CHUNK):
             c = chunk.to(F64)
             l1 += float(c.abs().sum())

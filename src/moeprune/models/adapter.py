@@ -17,8 +17,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from moeprune.errors import UnsupportedModelError
-from moeprune.models.discover import discover_spec, find_decoder_layers, no_moe_message, text_config
-from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
+from moeprune.models.discover import (
+    discover_spec,
+    find_decoder_layers,
+    names_experts,
+    no_moe_message,
+    text_config,
+)
+from moeprune.models.spec import DOWN_IS_D_BY_I, FUSED, INTERLEAVED, TRANSPOSED, UNGATED, FamilySpec
 
 EXPERT_IDS_ATTR = "moeprune_expert_ids"  # original expert ids kept by a block after surgery
 # Config fields holding k, for routers that read it from their config (Gemma-4)
@@ -80,7 +86,7 @@ class MoELayer:
     def num_experts(self) -> int:
         """Experts the router chooses among (a packed layer's slots, novices included)."""
         slots = getattr(self.experts, "moeprune_slots", None)  # surgery.packed: per-expert widths
-        return len(slots) if slots is not None else int(self.experts.gate_up_proj.shape[0])
+        return len(slots) if slots is not None else int(self.experts.down_proj.shape[0])
 
     @property
     def top_k(self) -> int:
@@ -91,14 +97,14 @@ class MoELayer:
         if hasattr(self.experts, "moeprune_hidden"):  # packed
             return int(self.experts.moeprune_hidden)
         down = self.experts.down_proj
-        return int(down.shape[1] if self.spec.layout == FUSED else down.shape[2])
+        return int(down.shape[1] if self.spec.layout in DOWN_IS_D_BY_I else down.shape[2])
 
     @property
     def intermediate_size(self) -> int:
         if hasattr(self.experts, "moeprune_widths"):  # packed: the widest kept expert
             return max(self.experts.moeprune_widths, default=0)
         down = self.experts.down_proj
-        return int(down.shape[2] if self.spec.layout == FUSED else down.shape[1])
+        return int(down.shape[2] if self.spec.layout in DOWN_IS_D_BY_I else down.shape[1])
 
     @property
     def n_group(self) -> int:
@@ -132,8 +138,11 @@ class MoELayer:
         return [m for a in self.spec.shared_attrs if (m := getattr(self.block, a, None)) is not None]
 
     # ----------------------------------------------------------------- expert weights
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [I,d], up [I,d], down [d,I]) views of one expert, whatever the storage."""
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(gate [I,d], up [I,d], down [d,I]) views of one expert, whatever the storage (gate None
+        for experts without one)."""
+        if self.spec.layout == UNGATED:
+            return None, self.experts.up_proj[expert], self.experts.down_proj[expert]
         gate_up, down = self.experts.gate_up_proj[expert], self.experts.down_proj[expert]
         inter = self.intermediate_size
         if self.spec.layout == FUSED:
@@ -150,8 +159,11 @@ class MoELayer:
         b = self.experts.gate_up_proj_bias[expert]
         return b[0::2], b[1::2], self.experts.down_proj_bias[expert]
 
-    def activate(self, gate_pre: torch.Tensor, up_pre: torch.Tensor) -> torch.Tensor:
-        """The family's gated activation m = act(gate) * up, using the model's own function."""
+    def activate(self, gate_pre: torch.Tensor | None, up_pre: torch.Tensor) -> torch.Tensor:
+        """The family's gated activation m = act(gate) * up (act(up) without a gate), using the
+        model's own function."""
+        if self.spec.layout == UNGATED:
+            return self.experts.act_fn(up_pre)
         if self.spec.layout == INTERLEAVED:
             interleaved = torch.stack((gate_pre, up_pre), dim=-1).flatten(-2)
             return self.experts._apply_gate(interleaved)
@@ -170,6 +182,12 @@ class MoELayer:
 
         `neuron_mask` [I] zeroes intermediate neurons (virtual neuron pruning).
         """
+        if self.spec.layout == UNGATED:
+            m = self.experts.act_fn(F.linear(x, self.experts.up_proj[expert]))
+            if neuron_mask is not None:
+                m = m * neuron_mask.to(m.dtype)
+            y = F.linear(m, self.experts.down_proj[expert])
+            return (y, m) if return_intermediate else y
         gate_up, down = self.experts.gate_up_proj[expert], self.experts.down_proj[expert]
         if self.spec.layout == FUSED:
             gate_pre, up_pre = F.linear(x, gate_up).chunk(2, dim=-1)
@@ -331,7 +349,7 @@ def _spec_from_config(model_class: type | None, config) -> FamilySpec:
             f"cannot build a {model_type!r} model from this config: {str(exc).strip().splitlines()[0]}"
         ) from exc
     if find_decoder_layers(model) is None:
-        raise UnsupportedModelError(no_moe_message(model_type))
+        raise UnsupportedModelError(no_moe_message(model_type, names_experts(text_config(config))))
     return discover_spec(model)
 
 

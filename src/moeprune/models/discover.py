@@ -26,10 +26,12 @@ from torch import nn
 
 from moeprune.errors import UnsupportedModelError
 from moeprune.models.spec import (
+    DOWN_IS_D_BY_I,
     FUSED,
     INTERLEAVED,
     OVERRIDES,
     TRANSPOSED,
+    UNGATED,
     FamilySpec,
 )
 
@@ -102,10 +104,15 @@ def _expert_count(experts: nn.Module) -> int:
 def _layout(experts: nn.Module, hidden: int) -> str:
     name = type(experts).__name__
     if getattr(experts, "has_gate", True) is False or not hasattr(experts, "gate_up_proj"):
-        raise UnsupportedModelError(
-            f"{name} experts are not gated (up_proj -> act -> down_proj): neuron and expert surgery need "
-            "gate/up/down experts; not supported yet"
-        )
+        if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+            raise UnsupportedModelError(
+                f"{name} experts are not gated and transposed or biased: not supported yet"
+            )
+        if getattr(experts, "has_post_expert_norm", False):
+            raise UnsupportedModelError(
+                f"{name} normalises each expert's output (post-expert norm): not supported yet"
+            )
+        return UNGATED
     if getattr(experts, "has_post_expert_norm", False):
         raise UnsupportedModelError(
             f"{name} normalises each expert's output (post-expert norm): not supported yet"
@@ -163,6 +170,36 @@ def _router(block: nn.Module, count: int, hidden: int) -> tuple[str, str]:
     detail = f" (the nearest is {wider[0]}, wider than the expert count)" if wider else ""
     raise UnsupportedModelError(
         f"{type(block).__name__} has no router scoring its {count} routed experts{detail}: not supported yet"
+    )
+
+
+def _router_index_position(router: nn.Module, weight_path: str, count: int) -> int:
+    """Where the router's output holds the expert indices. The router must return its logits
+    [T, E], the applied weights [T, k] and the expert indices [T, k] (an integer tensor), in any
+    order: moeprune maps the indices back after narrowing the router. Asked of the router itself
+    on two zero rows (on its own device: the meta device costs nothing); a router that needs more
+    than the hidden states (a bias the block passes) is taken to follow transformers' order."""
+    weight = router.get_parameter(weight_path)
+    rows = torch.zeros(2, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    try:
+        with torch.no_grad():
+            out = router(rows)
+    except Exception:  # noqa: BLE001 - needs arguments the block supplies, or data-dependent code
+        return 2
+    tensors = isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
+    integer = [i for i, t in enumerate(out) if not t.is_floating_point()] if tensors else []
+    logits = (
+        [i for i, t in enumerate(out) if tuple(t.shape) == (2, count) and t.is_floating_point()]
+        if tensors
+        else []
+    )
+    if len(integer) == 1 and len(logits) == 1 and len({tuple(t.shape) for t in out}) == 2:
+        return integer[0]
+    got = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) else
+           type(t).__name__ for t in (out if isinstance(out, tuple) else (out,))]  # fmt: skip
+    raise UnsupportedModelError(
+        f"{type(router).__name__} returns {got}, not logits, weights and expert indices as transformers' "
+        "routers do: not supported with this transformers version"
     )
 
 
@@ -245,7 +282,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
     blocks = moe_blocks(found[1])
     if not blocks:
-        raise UnsupportedModelError(no_moe_message(model_type))
+        raise UnsupportedModelError(no_moe_message(model_type, names_experts(config)))
     paths = {path for _, path, _ in blocks}
     if len(paths) != 1:
         raise UnsupportedModelError(
@@ -268,6 +305,9 @@ def discover_spec(model: nn.Module) -> FamilySpec:
             f"{type(router).__name__} routes by token id (hash routing): removing an expert would leave tokens "
             "hashed to it; not supported"
         )
+    index_position = (
+        2 if override.get("weight_on_input") else _router_index_position(router, weight_path, count)
+    )
     router_tensors = _per_expert(router, count, recurse=True)
     router_tensors.sort(key=lambda pd: pd[0] != weight_path)  # the [E, d] matrix first
     block_tensors = _per_expert(block, count, recurse=False)
@@ -280,7 +320,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         None,
     )
     shared = tuple(a for a, _ in block.named_children() if "shared" in a)
-    width = int(experts.down_proj.shape[2] if layout == FUSED else experts.down_proj.shape[1])
+    width = int(experts.down_proj.shape[2] if layout in DOWN_IS_D_BY_I else experts.down_proj.shape[1])
     group = getattr(router, "num_group", None) or getattr(router, "n_group", None)
     spec = FamilySpec(
         model_type=model_type,
@@ -295,6 +335,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         selection_bias=selection,
         shared_attrs=shared,
         group_routing=group is not None,
+        router_index_position=index_position,
         count_attrs=_count_attrs([block, router, experts], count),
     )
     spec = replace(spec, **_disk_names(model, found[0], blocks, spec))
@@ -318,10 +359,23 @@ def _describe_routing(selection: str | None, group) -> str:
     return text
 
 
-def no_moe_message(model_type: str) -> str:
+def no_moe_message(model_type: str, names_experts: bool = False) -> str:
+    if names_experts:  # Doge's retrieval experts, JetMoE's attention experts
+        return (
+            f"model type {model_type!r} has experts, but no decoder layer holds them as a routed-experts module "
+            "(3-D expert tensors beside a router, as transformers builds MoE blocks): not supported"
+        )
     return (
         f"this model has no MoE layers (model type {model_type!r} has no routed-experts module in its decoder "
         "layers); moeprune prunes MoE models"
+    )
+
+
+def names_experts(config) -> bool:
+    """Whether the config sets a positive expert count (the model means to have experts)."""
+    return any(
+        "expert" in k and "per_tok" not in k and isinstance(v, int) and not isinstance(v, bool) and v > 1
+        for k, v in vars(config).items()
     )
 
 
@@ -346,8 +400,8 @@ def _disk_names(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> dict
     elif spec.layout == TRANSPOSED:
         gate_up = torch.cat([torch.full((n, d, k), _GATE), torch.full((n, d, k), _UP)], dim=2)
         down = torch.full((n, k, d), _DOWN)
-    else:
-        return {"disk_expert_names": None}
+    else:  # interleaved (stored fused) or ungated (no gate: transformers' names kept)
+        return {"disk_expert_names": None, "disk_names_known": spec.layout == INTERLEAVED}
     marked = {f"{block}.experts.gate_up_proj": gate_up, f"{block}.experts.down_proj": down}
     others = [f"{block}.{spec.router_attr}.{p}" for p, _ in spec.router_tensors]
     others += [f"{block}.{p}" for p, _ in spec.block_tensors]

@@ -182,8 +182,23 @@ _GENERIC_EXTRA: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(enable_moe_block=True),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),  # its config accepts top-1 routing only
+    "mimo_v2_flash": dict(num_key_value_heads=2),  # sliding layers double the KV heads
+    "nemotron_h": dict(
+        layers_block_type=["linear_attention", "moe", "full_attention", "moe"]
+    ),  # two MoE layers
     "dots3_note_text": dict(head_dim=16),  # sliding layers need head_dim = qk_nope + qk_rope
-    "qwen4_exp_text": dict(indexer_budget=8, indexer_compress_ratio=2),
+    "qwen4_exp_text": dict(
+        indexer_budget=8, indexer_compress_ratio=2, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8
+    ),
+    # dbrx names its sizes its own way
+    "dbrx": dict(
+        d_model=32,
+        n_heads=4,
+        n_layers=4,
+        max_seq_len=128,
+        attn_config=dict(kv_n_heads=2),
+        ffn_config=dict(ffn_hidden_size=16, moe_num_experts=8, moe_top_k=2),
+    ),
 }
 _MAX_TINY_PARAMETERS = 4_000_000
 _GENERIC_LAYERS = 4  # one of each layer kind the defaults stack, then later (MoE) layers
@@ -238,6 +253,22 @@ def _layer_pick(values: list, layers: int) -> list[int]:
     return sorted(keep)
 
 
+def _shrunk(values: dict) -> dict:
+    """`values` with `_SHRINK` applied to its integer (or unset) fields, and into nested plain
+    dicts (dbrx's ffn_config, dots3's per-layer-type sub-configs), not into other models' configs."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and not value.get("model_type"):
+            out[key] = {**value, **_shrunk(value)}
+            continue
+        if isinstance(value, bool) or not (isinstance(value, int) or value is None):
+            continue
+        rule = next((n for pattern, n in _SHRINK if re.search(pattern, str(key))), None)
+        if rule is not None:
+            out[key] = rule
+    return out
+
+
 def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
     """The family's default config, shrunk by `_SHRINK`, per-layer lists cut to 4 layers."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -246,12 +277,7 @@ def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
     kwargs = {
         k: v for k, v in defaults.items() if k not in ("model_type", "transformers_version", "architectures")
     }
-    for key, value in defaults.items():
-        if isinstance(value, bool) or not (isinstance(value, int) or value is None):
-            continue
-        rule = next((n for pattern, n in _SHRINK if re.search(pattern, key)), None)
-        if rule is not None:
-            kwargs[key] = rule
+    kwargs.update(_shrunk(defaults))
     total = defaults.get("num_hidden_layers") or defaults.get("num_layers") or 0
     per_layer = {k: v for k, v in defaults.items() if isinstance(v, list) and total and len(v) == total}
     keep = list(range(_GENERIC_LAYERS))
@@ -265,8 +291,8 @@ def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
         )
         if key.endswith("layers") and indices and key not in per_layer:
             kwargs[key] = [keep.index(x) for x in value if x in keep]
-    per_config = defaults.get("per_layer_config")
-    if isinstance(per_config, dict):  # Gemma-4, dots3: sub-configs keyed by layer index
+    per_config = kwargs.get("per_layer_config")
+    if isinstance(per_config, dict) and all(str(k).isdigit() for k in per_config):  # keyed by layer index
         kwargs["per_layer_config"] = {
             str(keep.index(int(k))): v for k, v in per_config.items() if int(k) in keep
         }
@@ -291,7 +317,7 @@ def tiny_config(model_type: str, **overrides: Any):
     wrapped = sorted(
         k
         for k, v in CONFIG_MAPPING[model_type]().to_dict().items()
-        if k.endswith("_config") and isinstance(v, dict) and "model_type" in v
+        if k.endswith("_config") and isinstance(v, dict) and v.get("model_type")
     )
     if wrapped:
         raise ValueError(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 FUSED = "fused"  # gate_up_proj [E, 2I, d] (gate rows, then up rows); down_proj [E, d, I]
 TRANSPOSED = "transposed"  # gate_up_proj [E, d, 2I] (gate cols, then up cols); down_proj [E, I, d]
 INTERLEAVED = "interleaved"  # gpt_oss: [E, d, 2I] with gate/up interleaved columns, plus biases
+UNGATED = "ungated"  # Nemotron-H: up_proj [E, I, d] and down_proj [E, d, I]; m = act(up x), no gate
+DOWN_IS_D_BY_I = (FUSED, UNGATED)  # layouts whose down_proj is [E, d, I] (the others [E, I, d])
 
 # Routing kinds (what the router does; the adapter never recomputes it, this is for reports).
 SOFTMAX_TOPK = "softmax -> top-k"
@@ -48,6 +50,9 @@ class FamilySpec:
     # Other modules (dense MLP layers) read the routed width field too (Jamba): a uniform neuron
     # shrink then cannot be a stock checkpoint.
     dense_width_derived: bool = False
+    # Where the router's output tuple holds the expert indices (transformers 5.16's Granite routers
+    # return (indices, weights, logits); every other router (logits, weights, indices)).
+    router_index_position: int = 2
     # Attributes holding the expert count on block / router / experts modules.
     count_attrs: tuple[str, ...] = ("num_experts",)
     # How a stock checkpoint of the family names its tensors (what save_pretrained writes):

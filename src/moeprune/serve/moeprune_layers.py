@@ -23,6 +23,7 @@ INDEX_FILE = "model.safetensors.index.json"
 FUSED = "fused"  # gate_up_proj [E, 2I, d] (gate rows, then up rows); down_proj [E, d, I]
 TRANSPOSED = "transposed"  # Llama-4: gate_up_proj [E, d, 2I] (gate columns, then up); down_proj [E, I, d]
 INTERLEAVED = "interleaved"  # gpt_oss: [E, d, 2I] with gate/up columns alternating, plus biases
+UNGATED = "ungated"  # Nemotron-H: up_proj [E, I, d], down_proj [E, d, I]; y = down(act(up x))
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,22 @@ class MoePruneTransposedExpert(nn.Module):
         return (self.act_fn(gate) * up) @ self.down_proj
 
 
+class MoePruneUngatedExpert(nn.Module):
+    """One expert of width K without a gate: up_proj [K, d], down_proj [d, K]; y = down(act(up x))."""
+
+    def __init__(self, up: torch.Tensor, down: torch.Tensor, act_fn):
+        super().__init__()
+        self.up_proj = nn.Parameter(up)
+        self.down_proj = nn.Parameter(down)
+        self.act_fn = act_fn
+
+    def extra_repr(self) -> str:
+        return f"width={self.down_proj.shape[1]}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act_fn(F.linear(x, self.up_proj)), self.down_proj)
+
+
 class MoePruneClampedExpert(nn.Module):
     """One gpt_oss expert of width K: gate_up_proj [d, 2K] with gate and up columns alternating,
     its bias [2K], down_proj [K, d] and its bias [d]; the activation is gpt_oss's clamped SwiGLU
@@ -348,6 +365,9 @@ class MoePruneInputWeightedMoe(nn.Module):
 def slice_expert(family: Family, stock: nn.Module, p: int, width: int):
     """Router position p's expert of `width` neurons, holding the first `width` neurons of stock
     expert p (random values when the model is built from a config; replaced when loading)."""
+    if family.layout == UNGATED:  # up [I, d], down [d, I]
+        up, down = stock.up_proj[p], stock.down_proj[p]
+        return MoePruneUngatedExpert(up[:width].clone(), down[:, :width].clone(), stock.act_fn)
     gate_up, down = stock.gate_up_proj[p], stock.down_proj[p]
     full = down.shape[1] if family.layout == FUSED else down.shape[0]
     act_fn, gate_fn = getattr(stock, "act_fn", None), _GateHolder(stock) if family.own_gate else None

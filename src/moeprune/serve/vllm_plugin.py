@@ -7,8 +7,8 @@ declared in pyproject.toml). It tells vLLM three things:
    "module:Class" strings: nothing is imported until vLLM builds such a model);
 2. the config types `moeprune_<family>` are the family's stock config class under that name
    (the `MoePrune<Config>` classes of modeling_moeprune.py), so vLLM reads them without
-   trust_remote_code; the families the plugin does not serve get a config type that refuses
-   with one sentence naming the alternatives, before anything is loaded;
+   trust_remote_code; every other model type of the installed transformers gets a config type
+   that refuses with one sentence naming the alternatives, before anything is loaded;
 3. vLLM decisions keyed on `model_type` that matter for the served families see through the
    prefix: DeepSeek-V2/V3 attention is MLA (`is_deepseek_mla`, via vLLM's
    MODEL_ARCH_CONFIG_CONVERTORS registry). The other model_type checks in vLLM 0.32 (MTP
@@ -26,9 +26,9 @@ import importlib
 from moeprune.serve.vllm.layout import (
     ARCHITECTURE_PREFIX,
     MODEL_TYPE_PREFIX,
-    REFUSED_FAMILIES,
     SERVED_FAMILIES,
     refusal,
+    refused_families,
 )
 
 MODELS_MODULE = "moeprune.serve.vllm.models"
@@ -81,11 +81,12 @@ def _refusing_config(family: str) -> type:
 
 
 def _register_configs() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
     for family in SERVED_FAMILIES:
         _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = config_class(family)
-    for family in REFUSED_FAMILIES:
+    for family in refused_families(CONFIG_MAPPING_NAMES):
         _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = _refusing_config(family)
 
 

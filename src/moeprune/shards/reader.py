@@ -18,7 +18,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer
 from moeprune.shards.layout import CheckpointLayout, LayerLayout
 
-SUMMED = ("gate_up_proj", "down_proj")  # the expert parameters gate, up and down come from
+SUMMED = ("gate_up_proj", "up_proj", "down_proj")  # the expert parameters gate, up and down come from
 
 
 def _read_at(fd: int, out: memoryview, offset: int, lock: threading.Lock) -> int:
@@ -118,9 +118,14 @@ class SafetensorsExperts:
         """Start reading one expert's bytes from disk (no-op past the last expert)."""
         if expert >= self.num_experts:
             return
-        for name in SUMMED:
+        for name in self.summed_names:
             for key, start, length in self.stored_ranges(name, expert):
                 self._shards.prefetch(key, start, length)
+
+    @property
+    def summed_names(self) -> list[str]:
+        """The expert parameters this layer stores of SUMMED (no gate_up_proj without a gate)."""
+        return [name for name in SUMMED if name in self.layout.experts]
 
     def stored_tensor(self, key: str) -> StoredTensor:
         return self._shards.tensors[key]
@@ -136,8 +141,7 @@ class SafetensorsExperts:
     def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I,d], up [I,d], down [d,I]), decoded by the adapter's own layout rules."""
         one = SimpleNamespace(
-            gate_up_proj=self.expert_tensor("gate_up_proj", expert)[None],
-            down_proj=self.expert_tensor("down_proj", expert)[None],
+            **{name: self.expert_tensor(name, expert)[None] for name in self.summed_names}
         )  # a one-expert stand-in for the experts module
         return MoELayer(self.layer, SimpleNamespace(experts=one), self.layout.spec).expert_weights(0)
 

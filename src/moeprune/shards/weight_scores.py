@@ -20,7 +20,7 @@ from moeprune.criteria import (
     pruning_order_of,
 )
 from moeprune.errors import MoePruneError
-from moeprune.shards.reader import SUMMED, SafetensorsExperts, checkpoint_layers
+from moeprune.shards.reader import SafetensorsExperts, checkpoint_layers
 
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _BLOCK = 1 << 20  # elements per op: few enough ops that worker threads seldom queue for the GIL
@@ -68,7 +68,7 @@ class _Sums:
     def of_stored(self, source: SafetensorsExperts, expert: int) -> tuple[float, float, int]:
         """Every layout only rearranges the elements of gate_up_proj and down_proj into gate, up
         and down, so the sums run over the stored byte ranges as they are (no decoding)."""
-        for name in SUMMED:
+        for name in source.summed_names:
             for key, start, length in source.stored_ranges(name, expert):
                 stored = source.stored_tensor(key)
                 if stored.dtype not in _FLOAT_DTYPES:

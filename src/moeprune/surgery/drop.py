@@ -108,9 +108,11 @@ def _remap_hook(layer: MoELayer, kept: torch.Tensor, total: int):
 
         return expand
 
+    position = layer.spec.router_index_position
+
     def remap(module, args, output):
-        logits, weights, indices = output
-        return logits, weights, kept.to(indices.device)[indices]
+        indices = output[position]
+        return tuple(kept.to(indices.device)[indices] if i == position else t for i, t in enumerate(output))
 
     return remap
 

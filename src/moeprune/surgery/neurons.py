@@ -63,7 +63,8 @@ Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> position -> 
 
 
 def check_neuron_prunable(moe: MoEModel) -> None:
-    """MoePruneError unless every MoE layer has gated (SwiGLU-like) experts in a known layout."""
+    """MoePruneError unless every MoE layer has gated (SwiGLU-like) or ungated experts in a known
+    layout (one activation value per neuron either way)."""
     for layer in moe.layers:
         reason = _not_gated(layer)
         if reason:
@@ -80,7 +81,7 @@ def _not_gated(layer: MoELayer) -> str | None:
         return f"stores its experts as {layer.spec.layout!r}, not a gated gate/up + down layout"
     if not (hasattr(layer.experts, "act_fn") or hasattr(layer.experts, "_apply_gate")):
         return f"has no gated activation on {type(layer.experts).__name__}"
-    if "gate_up_proj" not in expert_tensor_names(layer):
+    if not {"gate_up_proj", "up_proj"} & set(expert_tensor_names(layer)):
         return f"has no fused gate/up projection on {type(layer.experts).__name__}"
     return None
 

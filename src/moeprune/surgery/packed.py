@@ -27,13 +27,14 @@ from torch import nn
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import EXPERT_IDS_ATTR, ExpertCost, MoELayer, own_gate, top_k_of
 from moeprune.models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
-from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
+from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, UNGATED, FamilySpec
 
 # Per-expert native tensors of each layout: name -> (axis of the neurons in one expert's tensor,
 # values per neuron), or None for a tensor without a neuron axis (gpt_oss's down bias).
 NEURON_AXES: dict[str, dict[str, tuple[int, int] | None]] = {
     FUSED: {"gate_up_proj": (0, 2), "down_proj": (1, 1)},
     TRANSPOSED: {"gate_up_proj": (1, 2), "down_proj": (0, 1)},
+    UNGATED: {"up_proj": (0, 1), "down_proj": (1, 1)},
     INTERLEAVED: {
         "gate_up_proj": (1, 2),
         "gate_up_proj_bias": (0, 2),

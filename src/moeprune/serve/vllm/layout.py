@@ -38,9 +38,17 @@ SERVED_FAMILIES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
 }
-# families moeprune prunes that the plugin refuses (fused biases, shared-router or hybrid
-# layers whose vLLM classes this plugin has not been checked against)
-REFUSED_FAMILIES: tuple[str, ...] = ("qwen3_next", "ernie4_5_moe", "gpt_oss", "llama4_text")
+
+
+def refused_families(model_types) -> list[str]:
+    """Of `model_types` (transformers' config types), those the plugin refuses in one sentence:
+    every one it does not serve (qwen3_next, ernie4_5_moe, gpt_oss and llama4_text among the
+    eleven with hand-made fixtures: fused biases, shared-router or hybrid layers whose vLLM
+    classes it has not been checked against; every family found by discovery), so a moeprune
+    result of any family meets the refusal, never vLLM's own 'unknown model type'."""
+    return [m for m in model_types if m not in SERVED_FAMILIES]
+
+
 DOWN_PROJECTIONS = ("down_proj", "w2")  # [hidden, width]; every other expert matrix is [width, hidden]
 
 
