@@ -26,3 +26,13 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, rtol: floa
     scale = max(1.0, float(expected.detach().abs().max()))
     diff = float((actual.detach().float() - expected.detach().float()).abs().max())
     assert diff <= rtol * scale, f"logits differ by {diff:.3g} (allowed {rtol * scale:.3g})"
+
+
+def stock_from_pretrained(path, **kwargs):
+    """Stock transformers' own class for a saved folder (a causal LM, or the multimodal wrapper its
+    config.json names), loaded by transformers alone, as a user of the family would."""
+    from transformers import AutoConfig
+
+    from moeprune.models.classes import model_class
+
+    return model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs).eval()

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import moeprune
-from helpers import assert_logits_close
+from helpers import assert_logits_close, stock_from_pretrained
 from moeprune.checkpoint import load_config, load_model
 from moeprune.errors import MoePruneError, UnsupportedModelError
 from moeprune.models import MoEModel
@@ -71,7 +71,7 @@ def test_every_family_is_found_or_refused_in_one_line():
 def test_adapter_finds_moe_layers_and_expert_weights(family):
     model = working_model(family)
     moe = MoEModel(model)
-    config = model.config
+    config = model.config.get_text_config()  # a wrapper's language model
     assert moe.layers, "no MoE layer found"
     for layer in moe.layers:
         assert layer.num_experts == 8 and layer.hidden_size == 32
@@ -170,7 +170,7 @@ def test_uniform_drop_reloads_with_stock_transformers(family, tmp_path):
     drop_experts(moe, removal_for(moe, uniform=True))
     before = logits(model)
     assert moeprune.save_pretrained(model, tmp_path / "pruned") == "stock"
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
+    reloaded = stock_from_pretrained(tmp_path / "pruned", dtype=torch.float32)
     assert MoEModel(reloaded).layers[0].num_experts == 6
     # from_pretrained maps weights from the file, at other alignments than the pruned model's own
     # allocations, which can change BLAS code paths (up to 1e-4 on Gemma-4's logits); in fresh
@@ -276,3 +276,37 @@ def test_inspect_tiny_works_for_families_beyond_the_eleven(family):
     assert f'"{family}"' in result.output
     refused = CliRunner().invoke(main, ["inspect", "--tiny", "llama"])  # dense: not an MoE family
     assert refused.exit_code == 2 and "not an MoE family" in refused.output
+
+
+def _wrappers() -> list:
+    from moeprune.models.classes import is_wrapper
+    from moeprune.models.families import working_families
+
+    return [
+        pytest.param(f, marks=pytest.mark.family) for f in working_families() if is_wrapper(tiny_config(f))
+    ]
+
+
+@pytest.mark.parametrize("family", _wrappers())
+def test_multimodal_wrapper_keeps_its_towers_and_class(family, tmp_path):
+    """A wrapper's language-model experts are pruned; its vision (and audio) towers are saved bit
+    for bit, and the result reloads in the same wrapper class with stock transformers."""
+    model = working_model(family)
+    moe = MoEModel(model)
+    prefix = moe.spec.layers
+    towers = {
+        n: t.detach().clone()
+        for n, t in model.state_dict().items()
+        if not n.startswith(prefix.rsplit(".", 1)[0])
+    }
+    if getattr(model.config, "vision_config", None) is not None:  # Gemma-4's default config has none
+        assert any("vision" in n or "visual" in n for n in towers), "no tower found beside the language model"
+    drop_experts(moe, removal_for(moe, uniform=True))
+    before = logits(model)
+    assert moeprune.save_pretrained(model, tmp_path / "pruned") == "stock"
+    reloaded = stock_from_pretrained(tmp_path / "pruned", dtype=torch.float32)
+    assert type(reloaded) is type(model)
+    state = reloaded.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in towers.items() if n in state)
+    assert MoEModel(reloaded).layers[0].num_experts == 6
+    assert_logits_close(logits(reloaded), before)

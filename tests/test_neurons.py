@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import moeprune
-from helpers import assert_logits_close
+from helpers import assert_logits_close, stock_from_pretrained
 from moeprune.checkpoint import is_moeprune_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
@@ -105,8 +105,8 @@ def test_uniform_neurons_virtual_physical_and_stock_reload(family, tmp_path):
     fmt = moeprune.save_pretrained(pruned, tmp_path)
     if stock_width_expressible(moe):
         assert fmt == "stock" and not is_moeprune_format(tmp_path)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert getattr(reloaded.config, moe.spec.intermediate_field) == half
+        reloaded = stock_from_pretrained(tmp_path, dtype=torch.float32)
+        assert getattr(reloaded.config.get_text_config(), moe.spec.intermediate_field) == half
     else:  # Llama-4: the shared expert's width is the same config field
         assert fmt == "moeprune"
         reloaded = moeprune.load_pretrained(tmp_path)

@@ -321,9 +321,11 @@ def test_auto_model_loads_every_family_and_kind_like_moeprune(served, family, ki
 
 
 def _causal_lm(family: str) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """The stock class a result of `family` is built on: its causal LM, or its multimodal wrapper."""
+    from moeprune.models.classes import model_class
+    from moeprune.models.factory import tiny_config
 
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+    return model_class(tiny_config(family)).__name__
 
 
 @pytest.mark.parametrize("name", ["llama4_text-uniform8", "qwen3_moe-sharded-tied", "mixtral-hub-cache"])

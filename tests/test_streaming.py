@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import moeprune
 from helpers import assert_logits_close
@@ -56,15 +56,15 @@ def weights_never_loaded() -> Iterator[None]:
     def refuse(*args, **kwargs):
         raise AssertionError("streaming loaded the model")
 
-    real = AutoModelForCausalLM.from_config
+    real = PreTrainedModel._from_config.__func__
 
-    def meta_only(*args, **kwargs):
+    def meta_only(cls, *args, **kwargs):
         assert torch.get_default_device().type == "meta", "model built outside the meta device"
-        return real(*args, **kwargs)
+        return real(cls, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
-        patch.setattr(AutoModelForCausalLM, "from_config", meta_only)
+        patch.setattr(PreTrainedModel, "from_pretrained", classmethod(refuse))
+        patch.setattr(PreTrainedModel, "_from_config", classmethod(meta_only))
         yield
 
 

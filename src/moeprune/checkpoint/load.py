@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
@@ -23,6 +23,7 @@ from moeprune.checkpoint.names import disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
+from moeprune.models.classes import model_class
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
 from moeprune.surgery.drop import drop_experts
@@ -129,12 +130,13 @@ def build_skeleton(path: Path, dtype: torch.dtype = torch.float32, meta: bool = 
     path = Path(path)
     config = load_config(path)
     saved = structure.read(path)
+    cls = model_class(config)
     if meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = cls._from_config(config, dtype=dtype)
     else:
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = cls._from_config(config, dtype=dtype)
         model.tie_weights()  # no_init_weights also skips tying (lm_head must share the embedding)
     if saved is not None:
         shape_like(MoEModel(model), saved, path)
@@ -208,7 +210,7 @@ def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report is a table on the console; we say it in one line
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = model_class(load_config(path)).from_pretrained(
             path, trust_remote_code=False, output_loading_info=True, **kwargs
         )
     except (OSError, ValueError, RuntimeError) as exc:

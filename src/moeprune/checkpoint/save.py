@@ -24,6 +24,7 @@ from moeprune.checkpoint.atomic import atomic_write_dir
 from moeprune.checkpoint.names import disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.classes import is_wrapper, text_config_key
 from moeprune.runtime.device import resolve_dtype
 from moeprune.serve.modeling_moeprune import MODELING_FILES
 from moeprune.surgery.packed import is_packed, router_count
@@ -87,11 +88,15 @@ def moeprune_config(moe: MoEModel, config) -> dict:
     arch = f"{structure.ARCHITECTURE_PREFIX}{type(moe.model).__name__}"
     config_class = f"{structure.ARCHITECTURE_PREFIX}{type(config).__name__}"
     module = structure.MODELING_FILE.removesuffix(".py")
-    data[moe.spec.count_field] = max(router_count(m) for m in moe.layers)
+    key = text_config_key(config)  # a wrapper keeps the language model's fields in a sub-config
+    (data[key] if key else data)[moe.spec.count_field] = max(router_count(m) for m in moe.layers)
+    auto = {"AutoConfig": f"{module}.{config_class}", "AutoModelForCausalLM": f"{module}.{arch}"}
+    if is_wrapper(config):  # loaded as an image-text-to-text model too, like the stock wrapper
+        auto["AutoModelForImageTextToText"] = f"{module}.{arch}"
     data.update(
         model_type=structure.MODEL_TYPE_PREFIX + base,
         architectures=[arch],
-        auto_map={"AutoConfig": f"{module}.{config_class}", "AutoModelForCausalLM": f"{module}.{arch}"},
+        auto_map=auto,
         moeprune=structure.describe(moe),
     )
     return data

@@ -20,7 +20,6 @@ from typing import Any
 from moeprune import __version__
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel, own_gate
-from moeprune.models.discover import find_decoder_layers
 from moeprune.surgery.packed import layer_widths, router_count
 
 FORMAT = "moeprune-checkpoint"
@@ -94,9 +93,9 @@ def family_record(moe: MoEModel) -> dict[str, Any]:
     result of any family loads with stock transformers (serve/moeprune_layers.py `Family`)."""
     spec = moe.spec
     return {
-        "config_class": type(moe.config).__name__,
+        "config_class": type(moe.model.config).__name__,
         "causal_lm_class": type(moe.model).__name__,
-        "layers": find_decoder_layers(moe.model)[0],
+        "layers": spec.layers,
         "block_attr": spec.block_attr,
         "router_attr": spec.router_attr,
         "count_field": spec.count_field,

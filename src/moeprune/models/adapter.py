@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from moeprune.errors import UnsupportedModelError
+from moeprune.models.classes import model_class as class_of
 from moeprune.models.discover import (
     discover_spec,
     find_decoder_layers,
@@ -313,6 +314,11 @@ def spec_of(model: nn.Module) -> FamilySpec:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers holding the MoE blocks: where discovery found them (after surgery and
+    packing too, when the experts no longer look stock), else found now."""
+    spec = model.__dict__.get(SPEC_ATTR)
+    if spec is not None:
+        return model.get_submodule(spec.layers)
     found = find_decoder_layers(model)
     if found is None:
         raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
@@ -341,7 +347,7 @@ def _spec_from_config(model_class: type | None, config) -> FamilySpec:
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = (model_class or _auto_class(config))._from_config(config)
+            model = (model_class or class_of(config))._from_config(config)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal of the config
@@ -351,15 +357,3 @@ def _spec_from_config(model_class: type | None, config) -> FamilySpec:
     if find_decoder_layers(model) is None:
         raise UnsupportedModelError(no_moe_message(model_type, names_experts(text_config(config))))
     return discover_spec(model)
-
-
-def _auto_class(config) -> type:
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UnsupportedModelError(
-            f"model type {config.model_type!r} has no causal-LM class in this transformers; moeprune prunes "
-            "causal language models with routed experts"
-        )
-    return AutoModelForCausalLM._model_mapping[type(config)]

@@ -276,10 +276,21 @@ def _takes_routing(experts: nn.Module) -> bool:
 def discover_spec(model: nn.Module) -> FamilySpec:
     """The FamilySpec of a transformers MoE model, read off the instance (meta tensors suffice)."""
     config = text_config(model.config)
-    model_type = str(getattr(config, "model_type", None) or getattr(model.config, "model_type", ""))
+    # the family is the whole model's type (a multimodal wrapper's, whose language model it prunes)
+    model_type = str(getattr(model.config, "model_type", None) or getattr(config, "model_type", ""))
     found = find_decoder_layers(model)
     if found is None:
         raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
+    stacks = [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and moe_blocks(mod)
+    ]
+    if len(stacks) > 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} holds routed experts in several layer stacks ({', '.join(stacks)}): "
+            "not supported (moeprune prunes one decoder stack)"
+        )
     blocks = moe_blocks(found[1])
     if not blocks:
         raise UnsupportedModelError(no_moe_message(model_type, names_experts(config)))
@@ -293,7 +304,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
     hidden = int(config.hidden_size)
     count = _expert_count(experts)
     layout = _layout(experts, hidden)
-    override = OVERRIDES.get(model_type, {})
+    override = OVERRIDES.get(model_type) or OVERRIDES.get(getattr(config, "model_type", ""), {})
     if not _takes_routing(experts) and not override.get("weight_on_input"):
         raise UnsupportedModelError(
             f"{type(experts).__name__}.forward takes no routing indices (it runs every expert): not supported yet"
@@ -335,6 +346,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         selection_bias=selection,
         shared_attrs=shared,
         group_routing=group is not None,
+        layers=found[0],
         router_index_position=index_position,
         count_attrs=_count_attrs([block, router, experts], count),
     )

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
+
+from moeprune.models.classes import model_class
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=96,
@@ -202,22 +204,35 @@ _GENERIC_EXTRA: dict[str, dict[str, Any]] = {
 }
 _MAX_TINY_PARAMETERS = 4_000_000
 _GENERIC_LAYERS = 4  # one of each layer kind the defaults stack, then later (MoE) layers
+# Vision and audio towers of multimodal wrappers: one small layer, projected to hidden 32.
+_TOWER: dict[str, int] = {
+    "depth": 1, "num_hidden_layers": 1, "num_layers": 1, "hidden_size": 32, "intermediate_size": 48,
+    "num_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "out_hidden_size": 32, "embed_dim": 32,
+    "projection_dim": 32, "head_dim": 8, "vision_output_dim": 32, "projector_hidden_size": 32,
+    "text_hidden_size": 32,
+}  # fmt: skip
 _TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 @cache
 def moe_families() -> tuple[str, ...]:
-    """Every causal-LM model type of the installed transformers whose config names routed
-    experts (a field with "expert" in its name), found at run time, sorted."""
+    """Every causal-LM or image-text-to-text model type of the installed transformers whose
+    config names routed experts (a field with "expert" in its name, sub-configs included),
+    found at run time, sorted."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
     from transformers.utils import logging as hf_logging
 
     found = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # default configs warn about their own token ids
     try:
-        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        for model_type in sorted(
+            {*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+        ):
             try:
                 defaults = CONFIG_MAPPING[model_type]().to_dict()
             except Exception:  # noqa: BLE001 - a config class whose defaults do not validate
@@ -269,6 +284,33 @@ def _shrunk(values: dict) -> dict:
     return out
 
 
+def _wrapper_kwargs(model_type: str, defaults: dict, kwargs: dict) -> dict[str, Any]:
+    """A multimodal wrapper: its language model shrunk as a family of its own, its towers by
+    `_TOWER` (one layer, hidden 32, projected to the language model's 32), the token ids of
+    its images and sounds inside the tiny vocabulary."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for key, value in defaults.items():
+        sub = value.get("model_type") if isinstance(value, dict) else None
+        if not sub:
+            continue
+        if key == "text_config" and sub in CONFIG_MAPPING:
+            kwargs[key] = {**generic_tiny_kwargs(sub), "model_type": sub}
+        else:
+            kwargs[key] = {k: _TOWER.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                           for k, v in value.items()}  # fmt: skip
+    for key, value in defaults.items():
+        if (
+            key.endswith(("token_id", "token_index"))
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+        ):
+            kwargs[key] = _TOKENS.get(key, 90)
+    kwargs["tie_word_embeddings"] = False
+    kwargs.update(_GENERIC_EXTRA.get(model_type, {}))
+    return kwargs
+
+
 def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
     """The family's default config, shrunk by `_SHRINK`, per-layer lists cut to 4 layers."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -277,6 +319,8 @@ def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
     kwargs = {
         k: v for k, v in defaults.items() if k not in ("model_type", "transformers_version", "architectures")
     }
+    if any(isinstance(v, dict) and v.get("model_type") for v in defaults.values()):
+        return _wrapper_kwargs(model_type, defaults, kwargs)
     kwargs.update(_shrunk(defaults))
     total = defaults.get("num_hidden_layers") or defaults.get("num_layers") or 0
     per_layer = {k: v for k, v in defaults.items() if isinstance(v, list) and total and len(v) == total}
@@ -314,16 +358,6 @@ def tiny_config(model_type: str, **overrides: Any):
         )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    wrapped = sorted(
-        k
-        for k, v in CONFIG_MAPPING[model_type]().to_dict().items()
-        if k.endswith("_config") and isinstance(v, dict) and v.get("model_type")
-    )
-    if wrapped:
-        raise ValueError(
-            f"{model_type!r} wraps sub-models ({', '.join(wrapped)}); no tiny build of wrappers yet: use its "
-            "language model's own model type (the one ending in _text) for a tiny model"
-        )
     return CONFIG_MAPPING[model_type](**{**generic_tiny_kwargs(model_type), **overrides})
 
 
@@ -334,12 +368,13 @@ def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedMo
     every floating tensor gets random values: the tests then exercise real routing.
     """
     config = tiny_config(model_type, **overrides)
+    cls = model_class(config)  # the causal LM, or the multimodal wrapper around it
     with torch.device("meta"):
-        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        size = sum(p.numel() for p in cls._from_config(config).parameters())
     if size > _MAX_TINY_PARAMETERS and not overrides:  # a default left large (a vision tower, say)
         raise ValueError(f"the tiny {model_type} config still builds {size:,} parameters; shrink its fields")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = cls._from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

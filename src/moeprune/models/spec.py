@@ -30,7 +30,7 @@ class FamilySpec:
     """How one model family stores its MoE blocks."""
 
     model_type: str
-    block_attr: str  # attribute of the decoder layer holding the MoE block
+    block_attr: str  # path inside the decoder layer to the MoE block ("" when the layer holds the experts)
     router_attr: str  # attribute of the block holding the router
     count_field: str  # config field with the number of routed experts
     intermediate_field: str  # config field with the routed experts' intermediate size
@@ -65,6 +65,7 @@ class FamilySpec:
     # tensors under other names, Granite's input_linear): stock saves then go through it.
     disk_names_known: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
+    layers: str = "model.layers"  # qualified name of the decoder layer list (a wrapper's language model's)
 
 
 # What discovery (models/discover.py) cannot read off a model: Llama-4 multiplies the routing

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -43,6 +43,7 @@ from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, 
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
+from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
 
 
@@ -149,7 +150,7 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     """
     config = config or load_config(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = model_class(config)._from_config(config)
     return MoEModel(model)
 
 
