@@ -205,3 +205,16 @@ def test_earlier_format_versions_still_load(version, tmp_path):
         before = model(TOKENS).logits
     _write_legacy(model, tmp_path, version)
     assert_logits_close(moeprune.load_pretrained(tmp_path)(TOKENS).logits, before)
+
+
+def test_mtp_layers_are_not_claimed_by_the_result(tmp_path, caplog):
+    """transformers does not build DeepSeek's multi-token-prediction layers, so the result has
+    none: its config must say 0 (vLLM would look for their weights), and the run says why."""
+    model = tiny_model("deepseek_v3", num_nextn_predict_layers=1)
+    moe = MoEModel(model)
+    drop_experts(moe, {m.index: [0, 4] for m in moe.layers})  # one from each routing group
+    with caplog.at_level("WARNING", logger="moeprune"):
+        assert moeprune.save_pretrained(model, tmp_path / "out") == "stock"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert any("multi-token-prediction" in r.getMessage() for r in caplog.records)
+    assert model.config.num_nextn_predict_layers == 1  # the caller's model is left as it was

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 import moeprune
-from helpers import assert_logits_close
+from helpers import assert_logits_close, stock_from_pretrained
 from moeprune.checkpoint.files import INDEX
 from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
@@ -203,7 +203,7 @@ def drop_plan(moe: MoEModel, removals: dict[int, list[int]], method: str = "drop
 
 
 def reload(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return stock_from_pretrained(path, dtype=torch.float32)
 
 
 def pruned_in_memory(family: str, removals: dict[int, list[int]], out: Path) -> Path:
@@ -232,7 +232,7 @@ def test_rewrite_equals_in_memory_drop(family, checkpoints, tmp_path):
     expected = reload(pruned_in_memory(family, removals, tmp_path / "in_memory"))
     streamed = reload(out)
     assert_same_model(streamed, expected)
-    assert getattr(streamed.config, moe.spec.count_field) == 6
+    assert getattr(streamed.config.get_text_config(), moe.spec.count_field) == 6
     config = json.loads((out / "config.json").read_text())
     assert config == json.loads((tmp_path / "in_memory" / "config.json").read_text())
     assert Plan.load(out / "plan.json").layers == plan.layers

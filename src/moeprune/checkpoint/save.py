@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,25 @@ def model_dtype(model: PreTrainedModel) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
+MTP_FIELDS = ("num_nextn_predict_layers",)  # DeepSeek-V3, GLM-4.5, MiMo: multi-token-prediction layers
+
+
+def drop_mtp_layers(config) -> None:
+    """Set the count of multi-token-prediction layers to 0, saying so: transformers never builds
+    those layers (it skips their weights when loading), so moeprune has not observed, pruned or
+    kept them, and a config still naming them would send vLLM's MTP drafts looking for weights
+    that are not there, or that no longer match the pruned expert count."""
+    text = config.get_text_config()
+    for field in MTP_FIELDS:
+        count = getattr(text, field, None)
+        if isinstance(count, int) and count > 0:
+            setattr(text, field, 0)
+            logging.getLogger("moeprune").warning(
+                f"the input's {count} multi-token-prediction layer(s) are not in the result (transformers does "
+                f"not load them, so they were not pruned); its config says {field}=0: no MTP drafts"
+            )
+
+
 def write_checkpoint(
     model: PreTrainedModel, folder: str | Path, tokenizer=None, *, dtype: torch.dtype | None = None,
     max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE,
@@ -60,6 +80,7 @@ def write_checkpoint(
     for key in ("moeprune", "auto_map"):  # left over from loading a moeprune-format input
         if hasattr(config, key):
             delattr(config, key)
+    drop_mtp_layers(config)
     if stock:
         config.save_pretrained(folder)
     else:

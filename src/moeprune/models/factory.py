@@ -358,7 +358,13 @@ def tiny_config(model_type: str, **overrides: Any):
         )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[model_type](**{**generic_tiny_kwargs(model_type), **overrides})
+    kwargs = generic_tiny_kwargs(model_type)
+    text = kwargs.get("text_config")
+    if isinstance(text, dict):  # a wrapper: fields it has no own of go to its language model
+        own = CONFIG_MAPPING[model_type]().to_dict()
+        text.update({k: v for k, v in overrides.items() if k not in own})
+        overrides = {k: v for k, v in overrides.items() if k in own}
+    return CONFIG_MAPPING[model_type](**{**kwargs, **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:

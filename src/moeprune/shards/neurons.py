@@ -331,9 +331,10 @@ def rewrite_neuron_checkpoint(
             write_json(tmp / INDEX, index_json(layout.index, shards))
         config = copy.deepcopy(layout.config)
         if width < full:  # set through the config object, as in-memory surgery does
-            setattr(config, moe.spec.intermediate_field, width)
+            text = config.get_text_config()  # a wrapper's language model holds the fields
+            setattr(text, moe.spec.intermediate_field, width)
             if multiplier is not None:
-                setattr(config, *multiplier)
+                setattr(text, *multiplier)
         config.save_pretrained(tmp)
         copy_other_files(layout.path, tmp)
         plan.save(tmp / PLAN)

@@ -207,7 +207,7 @@ def _write_config(config: PretrainedConfig, dst: Path, field_name: str, count: i
     """The config as in-memory surgery saves it: the count set through the config object, so its
     aliases (Qwen3-MoE's hub `num_experts` for `num_local_experts`) cannot disagree."""
     config = copy.deepcopy(config)
-    setattr(config, field_name, count)
+    setattr(config.get_text_config(), field_name, count)  # a wrapper's language model holds it
     config.save_pretrained(dst)
 
 
