@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from moeprune.errors import MoePruneError
 from moeprune.runtime.device import input_device
@@ -169,12 +169,23 @@ class IncrementalLogits:
         full = _logits(self.model, ids, len(ids))
         try:
             head = self._feed(ids[:-1], 0, len(ids) - 1)
+            if not _rolls_back(self.cache):
+                return False
             tail = self._feed(ids, len(ids) - 2, 2)  # crops the cache back by one token first
             return _agree(head, full[:-1]) and _agree(tail, full[-2:])
         except (RuntimeError, ValueError, TypeError, AttributeError):
             return False
         finally:
             self.cache, self.seen, self.fed_since_crop = None, [], 0
+
+
+def _rolls_back(cache: Any) -> bool:
+    """Whether every layer of the cache is of a kind whose `crop` moeprune has checked (full and
+    sliding-window attention). Others are not used even when a short probe agrees: the indexed
+    layers of sparse-attention models (DeepSeek-V3.2, GLM-5, HY-V4) keep index state that `crop`
+    does not roll back, which a one-token probe on a short prompt does not reveal."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 def _return_visible_states_only(layer: DynamicSlidingWindowLayer) -> None:

@@ -11,6 +11,7 @@ import copy
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache, cached_property
 
 import torch
 from torch import nn
@@ -89,7 +90,7 @@ class MoELayer:
         slots = getattr(self.experts, "moeprune_slots", None)  # surgery.packed: per-expert widths
         return len(slots) if slots is not None else int(self.experts.down_proj.shape[0])
 
-    @property
+    @cached_property
     def top_k(self) -> int:
         return top_k_of(self.index, self.router, self.block, self.experts)
 
@@ -234,11 +235,17 @@ def own_gate(experts) -> bool:
     flag = getattr(experts, "moeprune_own_gate", None)
     if flag is not None:
         return bool(flag)
+    return _class_gates(type(experts))
+
+
+@cache
+def _class_gates(cls: type) -> bool:
+    """Per experts class, once: asked for every expert call, so it must cost a dict lookup."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # pragma: no cover - older transformers: act_fn is the gate
         return False
-    method = getattr(type(experts), "_apply_gate", None)
+    method = getattr(cls, "_apply_gate", None)
     return method is not None and method is not _default_apply_gate
 
 
