@@ -129,3 +129,30 @@ def test_bad_recipe_is_one_line_before_any_work(tiny_checkpoint, data, tmp_path,
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("moeprune: error:")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family, served", [("qwen3_moe", True), ("minimax_m2", False)])
+def test_report_says_whether_vllm_serves_a_moeprune_format_result(family, served, data, tmp_path):
+    """Per-layer counts need the vLLM plugin: its padded size where it serves the family, else
+    its one-sentence refusal, in report.json, the console summary and the model card alike."""
+    from moeprune.data.tokenizer import byte_tokenizer
+    from moeprune.models.factory import save_tiny_model
+
+    if family not in moeprune.models.supported_families():
+        pytest.skip(f"{family} does not work with this transformers")
+    tokenizer = byte_tokenizer()
+    source = save_tiny_model(family, tmp_path / "in", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "out"
+    result = run("prune", source, "--output", out, "--criterion", "frequency", "--sparsity", "0.25",
+                 "--allocation", "global", "--method", "novice", "--data", data, "--samples", "8")  # fmt: skip
+    serving = json.loads((out / "report.json").read_text())["serving"]
+    card = (out / "README.md").read_text()
+    if served:
+        assert serving["vllm_padded_parameters"] > 0 and "vllm serve" in card
+        assert "padded to its widest" in result.output
+    else:
+        assert "vllm_padded_parameters" not in serving
+        assert f"does not serve {family}" in serving["vllm_refused"] and serving["vllm_refused"] in card
+        assert "vllm serve" not in card
+        assert f"not served: moeprune's plugin does not serve {family}" in result.output

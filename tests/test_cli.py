@@ -462,3 +462,19 @@ def test_a_model_id_from_the_local_hugging_face_cache(checkpoint, tmp_path, monk
         missing.exit_code == 2
         and "neither a local folder nor a model in the local Hugging Face cache" in missing.output
     )
+
+
+def test_a_tokenizer_from_another_model_is_one_line_before_observation(data, tmp_path):
+    """Token ids past the model's embedding (a byte tokenizer on a 96-token model) would fail
+    inside the first forward: refused in one line, exit 2, nothing written."""
+    from moeprune.data.tokenizer import byte_tokenizer
+    from moeprune.models.factory import save_tiny_model
+
+    source = save_tiny_model("qwen3_moe", tmp_path / "in")  # vocabulary 96
+    byte_tokenizer().save_pretrained(source)  # ids up to ~260
+    result = run("prune", str(source), "--output", str(tmp_path / "out"), "--criterion", "reap",
+                 "--sparsity", "0.25", "--data", str(data), "--samples", "8", ok=False)  # fmt: skip
+    assert result.exit_code == 2
+    line = result.output.strip().splitlines()[-1]
+    assert "vocabulary has 96 tokens" in line and "tokenizer does not belong to this model" in line
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()

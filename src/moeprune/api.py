@@ -62,6 +62,7 @@ from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.novice import novice_context
@@ -216,8 +217,11 @@ def prune(
         "unseen": unseen_experts(stats) if stats else {},
         "scores": scores_document(crit, scores, stats),
     }
-    if surgery.get("form") == "packed" or not moe.is_uniform():
-        report["serving"] = {"vllm_padded_parameters": padded_parameters(moe)["total"]}
+    if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin
+        if moe.model_type in SERVED_FAMILIES:
+            report["serving"] = {"vllm_padded_parameters": padded_parameters(moe)["total"]}
+        else:
+            report["serving"] = {"vllm_refused": refusal(moe.model_type)}
     if auto_table is not None:
         report["criterion_auto"] = {
             "fitness": config.search.fitness,

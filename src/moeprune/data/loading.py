@@ -96,6 +96,19 @@ class CalibrationData:
     def num_tokens(self) -> int:
         return sum(len(s.input_ids) for s in self.samples)
 
+    def check_vocabulary(self, model) -> None:
+        """One clear line, before any forward, when a token id is past the model's embedding (a
+        tokenizer from another model): the embedding lookup would otherwise fail mid-run."""
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        rows = getattr(embedding, "num_embeddings", None)
+        largest = max((max(s.input_ids) for s in self.samples if s.input_ids), default=-1)
+        if rows is not None and largest >= rows:
+            raise DataError(
+                f"the data's token ids reach {largest} but the model's vocabulary has {rows} tokens: the "
+                f"tokenizer does not belong to this model (data: {', '.join(self.sources) or 'given'}); pass the "
+                "model's own tokenizer"
+            )
+
     def batches(self, batch_size: int, pad_token_id: int | None) -> Iterator[Batch]:
         """Batches in sample order, right padded. A ``None`` pad id pads with 0: padding is masked anyway."""
         if batch_size < 1:

@@ -137,6 +137,7 @@ def observe(
 ) -> ExpertStats:
     """Run the model once over `data` and return per-expert statistics of every MoE layer."""
     model = moe.model
+    data.check_vocabulary(model)
     device = input_device(model)
     acc = _Accumulator(moe, neurons)
     options = RoutedOptions(on_layer=acc, need_intermediate=neurons)

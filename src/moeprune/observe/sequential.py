@@ -334,6 +334,7 @@ def observe_sequential(
     device = torch.device(device)
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()
+    data.check_vocabulary(model)
     moe = MoEModel(model)
     layers = list(decoder_layers(model))[: max(m.index for m in moe.layers) + 1]
     shards = _Shards(path, model)

@@ -94,6 +94,7 @@ def how_to_load(report: dict, name: str) -> list[str]:
             f"```bash\nvllm serve {name}\n```",
         ]
     padded = report.get("serving", {}).get("vllm_padded_parameters")
+    refused = report.get("serving", {}).get("vllm_refused")
     lines = [
         "moeprune's format (per-layer expert counts, novices or per-expert widths; "
         "docs/checkpoint-format.md in moeprune): tensors keep the family's usual names.",
@@ -107,9 +108,15 @@ def how_to_load(report: dict, name: str) -> list[str]:
         f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)',
         "```",
         "",
-        "vLLM, with moeprune installed beside it (its plugin builds each layer with its own expert count):",
-        "",
-        f"```bash\nvllm serve {name}\n```",
+        *(
+            [f"vLLM: {refused}."]
+            if refused
+            else [
+                "vLLM, with moeprune installed beside it (its plugin builds each layer with its own expert count):",
+                "",
+                f"```bash\nvllm serve {name}\n```",
+            ]
+        ),
     ]
     if padded:
         lines += ["", f"vLLM pads each layer's experts to the widest one with zero neurons: it holds {_n(padded)} "

@@ -101,6 +101,8 @@ def prune_facts(report: dict, folder: str | Path | None = None) -> dict:
                   "change_pct": change(disk["before"], disk["after"]) if disk else None},
         "neurons_per_expert": (report.get("surgery") or {}).get("intermediate_size"),
         "vllm_padded_parameters": report.get("serving", {}).get("vllm_padded_parameters"),
+        "vllm_refused": report.get("serving", {}).get("vllm_refused"),
+        "model_type": report.get("model_type"),
         "save_dtype": report.get("save_dtype"),
         "format": report.get("format"),
     }  # fmt: skip
@@ -167,6 +169,11 @@ def format_lines(facts: dict) -> list[str]:
         versus = f"{change(before, padded):+.1f}% vs before; " if before else ""
         lines.append(
             f"  in vLLM         {padded:,} parameters ({versus}each layer's experts padded to its widest)"
+        )
+    elif facts.get("vllm_refused"):
+        lines.append(
+            f"  in vLLM         not served: moeprune's plugin does not serve {facts['model_type']} in this format "
+            "(load it with transformers, trust_remote_code=True, or moeprune.load_pretrained)"
         )
     lines.append(f"  output          {facts['output']}")
     for kind, names in (facts.get("files") or {}).items():
