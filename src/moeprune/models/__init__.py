@@ -20,6 +20,15 @@ def supported_families() -> list[str]:
     return working_families()
 
 
+def __getattr__(name: str):
+    """`FAMILIES` (the old table of eleven specs) still imports, with spec's deprecation warning."""
+    if name == "FAMILIES":
+        from moeprune.models import spec
+
+        return spec.FAMILIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FamilySpec",
     "MoELayer",

@@ -40,6 +40,21 @@ SERVED_FAMILIES: dict[str, str] = {
 }
 
 
+def __getattr__(name: str):
+    """`REFUSED_FAMILIES` (four names) still imports, with a warning: every family the plugin does
+    not serve is refused now (`refused_families`)."""
+    if name == "REFUSED_FAMILIES":
+        import warnings
+
+        warnings.warn(
+            "REFUSED_FAMILIES is deprecated: the plugin refuses every family it does not serve (refused_families)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ("qwen3_next", "ernie4_5_moe", "gpt_oss", "llama4_text")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def refused_families(model_types) -> list[str]:
     """Of `model_types` (transformers' config types), those the plugin refuses in one sentence:
     every one it does not serve (qwen3_next, ernie4_5_moe, gpt_oss and llama4_text among the
