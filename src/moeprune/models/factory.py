@@ -209,7 +209,7 @@ _TOWER: dict[str, int] = {
     "depth": 1, "num_hidden_layers": 1, "num_layers": 1, "hidden_size": 32, "intermediate_size": 48,
     "num_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "out_hidden_size": 32, "embed_dim": 32,
     "projection_dim": 32, "head_dim": 8, "vision_output_dim": 32, "projector_hidden_size": 32,
-    "text_hidden_size": 32,
+    "text_hidden_size": 32, "projector_input_dim": 32, "projector_output_dim": 32, "image_size": 56,
 }  # fmt: skip
 _TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
