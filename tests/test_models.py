@@ -315,14 +315,11 @@ def test_multimodal_wrapper_keeps_its_towers_and_class(family, tmp_path):
 def test_old_family_names_still_import_with_a_warning():
     """Scripts written against the family table keep working: the names warn and give what the
     table gave (the eleven specs, now discovered)."""
-    from moeprune.models import spec as spec_module
     from moeprune.serve.vllm import layout
 
     with pytest.warns(DeprecationWarning, match="discovered from the model"):
         from moeprune.models import FAMILIES
     assert sorted(FAMILIES) == reference_families()
     assert FAMILIES["mixtral"].disk_expert_names == ("w1", "w3", "w2")
-    with pytest.warns(DeprecationWarning):
-        assert spec_module.supported_families() == moeprune.models.supported_families()
     with pytest.warns(DeprecationWarning):
         assert "gpt_oss" in layout.REFUSED_FAMILIES

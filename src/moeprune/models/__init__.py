@@ -9,23 +9,23 @@ from moeprune.models.adapter import (
     decoder_layers,
     family_spec,
 )
+from moeprune.models.families import legacy_family_specs, supported_families
 from moeprune.models.spec import FamilySpec
 
 
-def supported_families() -> list[str]:
-    """Every MoE family of the installed transformers moeprune works on, found at run time
-    (each family's tiny model built and its structure discovered; see models/families.py)."""
-    from moeprune.models.families import working_families
-
-    return working_families()
-
-
 def __getattr__(name: str):
-    """`FAMILIES` (the old table of eleven specs) still imports, with spec's deprecation warning."""
+    """`FAMILIES` (the old table of the eleven families' specs) still imports, with a warning:
+    specs are discovered from the model now."""
     if name == "FAMILIES":
-        from moeprune.models import spec
+        import warnings
 
-        return spec.FAMILIES
+        warnings.warn(
+            "moeprune.models.FAMILIES is deprecated: specs are discovered from the model "
+            "(moeprune.models.MoEModel(model).spec, moeprune.models.check_config(config))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return legacy_family_specs()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -16,8 +16,8 @@ from functools import cache
 import torch
 
 from moeprune.errors import UnsupportedModelError
-from moeprune.models.adapter import MoEModel
-from moeprune.models.factory import moe_families, tiny_model
+from moeprune.models.adapter import MoEModel, decoder_layers
+from moeprune.models.factory import moe_families, reference_families, tiny_model
 
 WORKS, REFUSED, NO_TINY = "works", "refused", "no tiny model"
 
@@ -54,14 +54,8 @@ def family_status(model_type: str) -> FamilyStatus:
         WORKS,
         "; ".join(parts),
         tuple(m.index for m in moe.layers),
-        len(list(_decoder_layers(model))),
+        len(decoder_layers(model)),
     )
-
-
-def _decoder_layers(model):
-    from moeprune.models.adapter import decoder_layers
-
-    return decoder_layers(model)
 
 
 def family_table() -> list[FamilyStatus]:
@@ -71,6 +65,17 @@ def family_table() -> list[FamilyStatus]:
 
 def working_families() -> list[str]:
     return [s.model_type for s in family_table() if s.status == WORKS]
+
+
+def supported_families() -> list[str]:
+    """Every MoE family of the installed transformers moeprune works on, found at run time
+    (each family's tiny model built and its structure discovered)."""
+    return working_families()
+
+
+def legacy_family_specs() -> dict:
+    """What the old family table held: the eleven hand-made fixtures' specs, now discovered."""
+    return {family: MoEModel(tiny_model(family)).spec for family in reference_families()}
 
 
 def _one_line(exc: BaseException) -> str:

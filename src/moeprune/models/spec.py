@@ -90,31 +90,3 @@ OVERRIDES: dict[str, dict] = {
         ),
     },
 }
-
-
-def __getattr__(name: str):
-    """`FAMILIES` and `supported_families` lived here while families were a table; scripts that
-    import them keep working, with a warning: the specs are discovered from the models now."""
-    import warnings
-
-    if name == "FAMILIES":
-        warnings.warn(
-            "moeprune.models.spec.FAMILIES is deprecated: specs are discovered from the model "
-            "(moeprune.models.MoEModel(model).spec, moeprune.models.check_config(config))",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from moeprune.models.adapter import MoEModel
-        from moeprune.models.factory import reference_families, tiny_model
-
-        return {family: MoEModel(tiny_model(family)).spec for family in reference_families()}
-    if name == "supported_families":
-        warnings.warn(
-            "moeprune.models.spec.supported_families is deprecated: use moeprune.models.supported_families",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from moeprune.models import supported_families
-
-        return supported_families
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
