@@ -1,10 +1,11 @@
-"""Rewrite the README's registry tables (criteria, allocations, methods, fitnesses, metrics) and
-its MoE family table (generated for the installed transformers).
+"""Rewrite the generated blocks of the documentation (README.md, CONTRIBUTING.md, docs/*.md): the
+registry tables (criteria, allocations, methods, fitnesses, metrics), the MoE family table and
+summary (for the installed transformers), and the command-line reference (docs/cli.md).
 
-    python scripts/readme_tables.py          # rewrite README.md in place
-    python scripts/readme_tables.py --check  # exit 1 when a table differs from the registries
+    python scripts/readme_tables.py          # rewrite the files in place
+    python scripts/readme_tables.py --check  # exit 1 when a block differs from what it is made from
 
-tests/test_readme.py runs the check, so a new registry entry without a README update fails.
+tests/test_docs.py runs the check, so a new registry entry, flag or family without a docs update fails.
 """
 
 from __future__ import annotations
@@ -12,20 +13,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from moeprune.report.tables import fill_family_table, fill_tables
+from moeprune.cli.reference import fill_generated
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documentation() -> list[Path]:
+    """Every documentation file that may hold generated blocks."""
+    return [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def main() -> int:
-    text = README.read_text()
-    filled = fill_family_table(fill_tables(text))
-    if "--check" in sys.argv:
+    stale = []
+    for path in documentation():
+        text = path.read_text()
+        filled = fill_generated(text)
         if filled != text:
-            print("README.md's registry tables are out of date: run python scripts/readme_tables.py")
-            return 1
-        return 0
-    README.write_text(filled)
+            stale.append(path.relative_to(ROOT))
+            if "--check" not in sys.argv:
+                path.write_text(filled)
+    if stale and "--check" in sys.argv:
+        print(f"generated blocks are out of date in {', '.join(map(str, stale))}: run python scripts/readme_tables.py")
+        return 1
     return 0
 
 

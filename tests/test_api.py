@@ -1,4 +1,4 @@
-"""The one-verb API, the recipe round trip and the README's registry tables.
+"""The one-verb API and the recipe round trip.
 
 The CLI and `moeprune.prune` run the same code on the same arguments, so their pruned models
 must give bit-identical logits (same kernels, same order of operations: no tolerance needed).
@@ -7,7 +7,6 @@ must give bit-identical logits (same kernels, same order of operations: no toler
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +17,6 @@ from moeprune.checkpoint import load_model
 from moeprune.cli.main import main
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.report.tables import blocks, fill_tables, registry_tables
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def run(*args, ok: bool = True):
@@ -92,17 +88,17 @@ def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, da
     assert report["sparsity"] == 0.25 and report["method"] == "neurons"
 
 
-def test_readme_tables_are_the_registries():
-    text = README.read_text()
-    assert set(blocks(text)) == set(registry_tables()), "every registry has its README table"
-    assert fill_tables(text) == text, "README tables are stale: run python scripts/readme_tables.py"
+def test_top_level_names_and_error_type():
+    """Everything a user's script builds a run from is a top-level name, and moeprune's refusals
+    are ValueErrors (caught by `except ValueError` around a call)."""
+    import moeprune
+    from moeprune.config import SaveOptions
 
-
-def test_old_module_names_still_import():
-    from moeprune.io import load_model as old_load
-    from moeprune.pipeline import apply_plan, build_plan, plan_positions  # noqa: F401
-
-    assert old_load is load_model
+    assert moeprune.SaveOptions is SaveOptions
+    assert {"PruneConfig", "SearchConfig", "DataOptions", "SaveOptions", "MoePruneError"} <= set(moeprune.__all__)
+    assert issubclass(moeprune.MoePruneError, ValueError)
+    with pytest.raises(ValueError, match="unknown keys"):
+        moeprune.PruneConfig.from_dict({"criterion": "reap", "sparsity": 0.5, "colour": 1})
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ whole matrix; a refused family must be refused in one line (test_every_family_..
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -245,22 +244,6 @@ def test_load_model_from_local_folder(tmp_path):
     model, tokenizer = load_model(path)
     assert tokenizer is None
     assert_logits_close(logits(model), logits(tiny_model("qwen3_moe")))
-
-
-def test_readme_family_table_is_the_enumeration():
-    """The README's family table is what this transformers' enumeration finds (regenerate with
-    python scripts/readme_tables.py); checked on the transformers it was generated with."""
-    import transformers
-
-    from moeprune.report.tables import family_table_version, fill_family_table
-
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    version = family_table_version(text)
-    if version != transformers.__version__:
-        pytest.skip(f"the README's table was generated with transformers {version}")
-    assert fill_family_table(text) == text, (
-        "README family table is stale: run python scripts/readme_tables.py"
-    )
 
 
 @pytest.mark.parametrize("family", ["minimax_m2", "granitemoe", "hunyuan_v1_moe"])

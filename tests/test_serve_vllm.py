@@ -69,6 +69,8 @@ FAMILIES = {
     "glm4_moe": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64, moe_intermediate_size=32,
                      intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.5),
+    # a family found by discovery (no hand-made fixture): its tiny config, with vLLM's CPU head size
+    "exaone_moe": dict(num_attention_heads=2, num_key_value_heads=1, head_dim=64),
 }  # fmt: skip
 TESTED = ("qwen3_moe", "olmoe", "mixtral", "deepseek_v3")  # every kind; the other families: EXTRA_KINDS
 _EVO = SearchConfig(samples=4, population=4, elites=2, generations=2)
@@ -329,6 +331,7 @@ def test_plugin_refuses_families_beyond_the_eleven_in_one_sentence(served, new_f
     message = served["refused"][str(new_family)]
     assert message is not None, "vLLM loaded a minimax_m2 checkpoint in moeprune's format"
     assert "moeprune's vLLM plugin does not serve minimax_m2 models" in message
+    assert "rotary_dim" in message, "the refusal names why vLLM's class cannot take this family's config"
 
 
 def test_plugin_refuses_a_damaged_checkpoint(served, damaged):
@@ -341,7 +344,7 @@ def test_serving_imports_nothing_heavy_from_moeprune(served):
     """vLLM's processes import moeprune's plugin and serving code only (no pipeline, data, ...)."""
     allowed = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
                "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading",
-               "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
+               "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
                "moeprune.serve.vllm.models"}  # fmt: skip
     assert set(served["moeprune_modules"]) <= allowed, sorted(set(served["moeprune_modules"]) - allowed)
 

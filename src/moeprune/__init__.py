@@ -12,9 +12,6 @@ start-up) loads neither torch nor transformers.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 
 __version__ = "0.1.0"
 
@@ -25,30 +22,11 @@ _LAZY = {
     "PruneConfig": "moeprune.config",
     "SearchConfig": "moeprune.config",
     "DataOptions": "moeprune.config",
+    "SaveOptions": "moeprune.config",
     "MoePruneError": "moeprune.errors",
 }
 
 __all__ = ["__version__", "load_pretrained", "save_pretrained", *_LAZY]
-
-# Module names of earlier releases, still importable: `from moeprune.io import load_model` keeps
-# working. Resolved on import only (a finder, not eager imports), so `import moeprune` stays light.
-MOVED_MODULES = {"moeprune.io": "moeprune.checkpoint", "moeprune.pipeline": "moeprune.surgery.planning"}
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):
-        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
-
-    def create_module(self, spec):
-        return importlib.import_module(MOVED_MODULES[spec.name])
-
-    def exec_module(self, module):
-        pass  # the module it points to is already executed
-
-
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
-
 
 def __getattr__(name: str):
     if name in _LAZY:

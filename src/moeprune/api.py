@@ -5,7 +5,8 @@ line runs.
   returns a `PruneResult` (plan, scores, statistics, report), like torchao's `quantize_`.
 - `prune_checkpoint(model_path, output, config, ...)` is `moeprune prune`: every check that needs no
   weights first (`prepare`), then load, `prune`, and save the result with its evidence.
-- `score_checkpoint(...)` is `moeprune score`.
+- `prepare_score(...)` and `score_loaded(...)` are `moeprune score` (weight-only criteria
+  stream from the shards: `moeprune.shards.weight_scores.score_checkpoint`).
 
 The command line calls these same functions, so the API on a loaded model and the CLI on the
 same arguments give the same result (tested).

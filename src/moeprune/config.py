@@ -129,7 +129,7 @@ class SearchConfig:
 
 @dataclass
 class PruneConfig:
-    """What to prune and how; see README, "Python API". Round-trips through JSON."""
+    """What to prune and how; see docs/python-api.md. Round-trips through JSON."""
 
     criterion: str  # a registered criterion, or "auto" (the best uniform plan on the search data)
     sparsity: float  # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters

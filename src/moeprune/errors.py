@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-class MoePruneError(Exception):
-    """Bad input or an impossible request; the message says what is wrong and what to do."""
+class MoePruneError(ValueError):
+    """Bad input or an impossible request; the message says what is wrong and what to do.
+
+    A ValueError, so code that guards a call with `except ValueError` also sees moeprune's refusals."""
 
     def __init__(self, message: str = "", *, options: Sequence[str] = ()):
         super().__init__(message)

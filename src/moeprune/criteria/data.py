@@ -1,4 +1,4 @@
-"""Criteria computed from calibration statistics (formulas: README, "Criteria").
+"""Criteria computed from calibration statistics (formulas: docs/criteria.md).
 
 g is the routing weight the model applied (read from the router, never recomputed), E(h) the
 expert's output, sums run over the tokens routed to the expert; an expert no token reached

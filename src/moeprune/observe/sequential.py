@@ -292,6 +292,8 @@ def _capture(model: nn.Module, layers: list[nn.Module], batch, device: torch.dev
     try:
         with _recording(layers, calls, first), suppress(_Stop):
             model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+    except MoePruneError:
+        raise  # moeprune's own refusal from inside the forward, already one clear line
     except (ValueError, TypeError) as exc:  # the model's loop wanted more back than the hidden states
         raise MoePruneError(
             f"{type(model).__name__} passes more than the hidden states from one decoder layer to the next "

@@ -1,9 +1,10 @@
-"""The README's tables of criteria, allocations, methods, fitnesses and metrics, from the registries.
+"""The documentation's generated tables: criteria, allocations, methods, fitnesses and metrics
+from the registries, and the MoE families of the installed transformers.
 
-The README holds each table between `<!-- registry: NAME -->` and `<!-- /registry -->`;
-`scripts/readme_tables.py` rewrites them and a test fails when they drift from the registries,
-so the help a user reads in the README is the help `--help` prints. Rendering only: nothing here
-decides what an entry does.
+README.md and docs/*.md hold each table between `<!-- registry: NAME -->` and
+`<!-- /registry -->` (families: `<!-- families: transformers VERSION -->`); `scripts/readme_tables.py`
+rewrites them and a test fails when they drift, so the help a user reads in the docs is the help
+`--help` prints. Rendering only: nothing here decides what an entry does.
 """
 
 from __future__ import annotations
@@ -52,34 +53,49 @@ def registry_tables() -> dict[str, str]:
 
 
 def fill_tables(text: str) -> str:
-    """`text` (the README) with every registry block replaced by the current table."""
+    """`text` (a documentation file) with every registry block replaced by the current table."""
     tables = registry_tables()
 
     def replace(match: re.Match) -> str:
         name = match.group(2)
         if name not in tables:
-            raise KeyError(f"README names an unknown registry table {name!r}; known: {', '.join(tables)}")
+            raise KeyError(f"the documentation names an unknown registry table {name!r}; known: {', '.join(tables)}")
         return match.group(1) + tables[name] + match.group(4)
 
     return _BLOCK.sub(replace, text)
 
 
 def blocks(text: str) -> dict[str, str]:
-    """The registry blocks a README holds now, by name."""
+    """The registry blocks a documentation file holds now, by name."""
     return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}
 
 
 # ------------------------------------------------------------------------- MoE families
-_FAMILIES = re.compile(r"(<!-- families: transformers ([\w.]+) -->\n)(.*?)(<!-- /families -->)", re.S)
+# The full table (docs/families.md) and the README's summary, each generated for one transformers.
+_FAMILIES = re.compile(
+    r"(<!-- (families|family-summary): transformers ([\w.]+) -->\n)(.*?)(<!-- /\2 -->)", re.S
+)
 
 
 def family_table_markdown() -> str:
-    """The README's family table: every MoE family of the installed transformers, as
+    """The family table: every MoE family of the installed transformers, as
     `models.families` finds it (tiny model built, structure discovered, or why not)."""
     from moeprune.models.families import family_table
 
     rows = [[f"`{s.model_type}`", s.status, _layers(s), s.detail] for s in family_table()]
     return _table(["model type", "status", "MoE layers of the tiny model", "found, or why not"], rows)
+
+
+def family_summary_markdown() -> str:
+    """One line per status, naming the families in it (the README's short form of the table)."""
+    from moeprune.models.families import family_table
+
+    by_status: dict[str, list[str]] = {}
+    for status in family_table():
+        by_status.setdefault(status.status, []).append(f"`{status.model_type}`")
+    total = sum(map(len, by_status.values()))
+    lines = [f"- **{status}** ({len(names)} of {total}): {', '.join(names)}" for status, names in by_status.items()]
+    return "\n".join(lines) + "\n"
 
 
 def _layers(status) -> str:
@@ -89,17 +105,21 @@ def _layers(status) -> str:
 
 
 def fill_family_table(text: str) -> str:
-    """`text` with its family block regenerated for the installed transformers."""
+    """`text` with its family blocks (table and summary) regenerated for the installed transformers."""
     import transformers
 
+    render = {"families": family_table_markdown, "family-summary": family_summary_markdown}
+
     def replace(match: re.Match) -> str:
-        head = f"<!-- families: transformers {transformers.__version__} -->\n"
-        return head + family_table_markdown() + match.group(4)
+        head = f"<!-- {match.group(2)}: transformers {transformers.__version__} -->\n"
+        return head + render[match.group(2)]() + match.group(5)
 
     return _FAMILIES.sub(replace, text)
 
 
 def family_table_version(text: str) -> str | None:
-    """The transformers version the README's family table was generated with."""
-    match = _FAMILIES.search(text)
-    return match.group(2) if match else None
+    """The transformers version a text's family blocks were generated with (None: it has none)."""
+    versions = {match.group(3) for match in _FAMILIES.finditer(text)}
+    if len(versions) > 1:
+        raise ValueError(f"family blocks generated with different transformers versions: {sorted(versions)}")
+    return versions.pop() if versions else None

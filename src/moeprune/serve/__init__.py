@@ -1,8 +1,10 @@
 """What lets other engines load a moeprune result: the vLLM plugin and the self-contained
 modeling files that stock transformers loads with trust_remote_code.
 
-- modeling_moeprune.py, moeprune_layers.py, moeprune_loading.py: copied into every moeprune-format
-  folder; they import torch, transformers and safetensors only, never moeprune
+- moeprune_format.py: the one reader of the on-disk format (standard library only), shared by
+  moeprune, the modeling files and the vLLM plugin
+- modeling_moeprune.py, moeprune_layers.py, moeprune_loading.py (and moeprune_format.py): copied
+  into every moeprune-format folder; they import torch, transformers and safetensors only, never moeprune
 - vllm_plugin.py, vllm/: the vLLM plugin (entry point `moeprune`)
 
 Importing this package must stay cheap: vLLM imports moeprune.serve.vllm_plugin at start-up, and

@@ -1,9 +1,9 @@
 """Load a moeprune result with stock transformers: `AutoModelForCausalLM.from_pretrained(folder,
 trust_remote_code=True)`. moeprune need not be installed.
 
-moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the two
-it imports (moeprune_layers.py: the family table, the structure and the expert modules;
-moeprune_loading.py: reading the weights) into the folder because the result is something the family's stock config cannot describe: MoE layers
+moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the three
+it imports (moeprune_layers.py: the family table and the expert modules; moeprune_loading.py:
+reading the weights; moeprune_format.py: the structure, read and checked) into the folder because the result is something the family's stock config cannot describe: MoE layers
 with different numbers of experts, experts of different widths (intermediate neurons), or
 "novices" (experts replaced by their mean output). config.json says so in its `moeprune`
 section, one entry per MoE layer:
@@ -76,7 +76,12 @@ from .moeprune_loading import (
     resolve_folder,
 )
 
-MODELING_FILES = ("modeling_moeprune.py", "moeprune_layers.py", "moeprune_loading.py")  # copied together
+MODELING_FILES = (
+    "modeling_moeprune.py",
+    "moeprune_layers.py",
+    "moeprune_loading.py",
+    "moeprune_format.py",
+)  # copied together
 
 
 # ----------------------------------------------------------------------------- the model
@@ -263,7 +268,7 @@ class MoePruneModelMixin:
         if self.can_generate() and getattr(self, "generation_config", None) is not None:
             self.generation_config.save_pretrained(save_directory)
         here = os.path.dirname(os.path.abspath(__file__))
-        for name in MODELING_FILES:  # this file and the two it imports
+        for name in MODELING_FILES:  # this file and the three it imports
             source, target = os.path.join(here, name), os.path.join(save_directory, name)
             if not os.path.exists(target) or not os.path.samefile(source, target):
                 shutil.copyfile(source, target)

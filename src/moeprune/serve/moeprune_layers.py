@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-FORMAT = "moeprune-checkpoint"
-FORMAT_VERSION = 3  # the newest structure this file reads
+from .moeprune_format import FormatError, LayerStructure, parse_section
+
 MEAN_OUTPUT = "mean_output"  # a novice's stored vector
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,8 +97,8 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 
-def fail(message: str) -> ValueError:
-    return ValueError(f"modeling_moeprune: {message}")
+def fail(message: str) -> FormatError:
+    return FormatError(f"modeling_moeprune: {message}")
 
 
 def family_of(config) -> Family:
@@ -136,64 +136,25 @@ def block_of(layer: nn.Module, family: Family):
 
 
 # ----------------------------------------------------------------------------- the structure
-@dataclass(frozen=True)
-class LayerStructure:
-    """One MoE layer of config.json's `moeprune` section."""
-
-    layer: int  # decoder layer index
-    expert_ids: tuple[int, ...]  # original expert id of each router position
-    widths: tuple[int | None, ...]  # neurons of each router position; None for a novice
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.expert_ids)
-
-    def is_stock(self, full_width: int) -> bool:
-        """Whether the stock experts module holds this layer: no novice, every expert at full width."""
-        return all(w == full_width for w in self.widths)
-
-
 def read_structure(config) -> list[LayerStructure]:
-    """The `moeprune` section of the config, checked: a damaged or hand-edited section is one clear
-    error here, never a model of the wrong shape."""
-    section = getattr(config, "moeprune", None)
+    """The `moeprune` section of the config, checked by the format's one reader (moeprune_format.py):
+    a damaged or hand-edited section is one clear error here, never a model of the wrong shape."""
     where = "config.json's 'moeprune' section"
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise fail(f"{where} is missing or is not a {FORMAT!r}; this folder was not written by moeprune")
-    version = section.get("format_version")
-    if not isinstance(version, int) or not 3 <= version <= FORMAT_VERSION:
+    section = getattr(config, "moeprune", None)
+    try:
+        structure = parse_section(section, where, num_hidden_layers=_decoder_layers(config), oldest_version=3)
+    except FormatError as exc:
+        raise fail(str(exc)) from None
+    if structure.base_model_type != base_model_type(config):
         raise fail(
-            f"{where} is format version {version!r} but this file reads version {FORMAT_VERSION}; "
-            "use the modeling_moeprune.py saved with the checkpoint"
+            f"{where} is for a {structure.base_model_type!r} model but config.json's model type is {config.model_type!r}"
         )
-    base = section.get("base_model_type")
-    if base != base_model_type(config):
-        raise fail(f"{where} is for a {base!r} model but config.json's model type is {config.model_type!r}")
-    entries = section.get("layers")
-    if not isinstance(entries, list) or not entries:
-        raise fail(f"{where} has no 'layers'")
-    layers = []
-    for entry in entries:
-        ok = isinstance(entry, dict) and all(
-            isinstance(entry.get(key), t)
-            for key, t in (("layer", int), ("expert_ids", list), ("widths", list))
-        )
-        if not ok:
-            raise fail(
-                f"{where}: layer entry {entry!r} lacks an integer 'layer' or the lists 'expert_ids' and 'widths'"
-            )
-        ids, widths, at = entry["expert_ids"], entry["widths"], f"{where}, layer {entry['layer']}"
-        if entry.get("num_experts") != len(ids) or len(widths) != len(ids) or not ids:
-            raise fail(f"{at}: num_experts, expert_ids and widths disagree on the number of experts")
-        if not all(w is None or (isinstance(w, int) and w > 0) for w in widths):
-            raise fail(f"{at}: widths must be positive neuron counts or null, got {widths}")
-        if sorted(entry.get("novice", [])) != [p for p, w in enumerate(widths) if w is None]:
-            raise fail(f"{at}: 'novice' disagrees with the null widths")
-        layers.append(LayerStructure(entry["layer"], tuple(ids), tuple(widths)))
-    indices = [entry.layer for entry in layers]
-    if indices != sorted(set(indices)):
-        raise fail(f"{where}: layers {indices} are not unique and ascending")
-    return layers
+    return list(structure.layers)
+
+
+def _decoder_layers(config) -> int | None:
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "num_hidden_layers", None)
 
 
 def base_model_type(config) -> str:

@@ -1,4 +1,4 @@
-"""EvoESAP: evolutionary search over per-layer removal counts (README, "EvoESAP").
+"""EvoESAP: evolutionary search over per-layer removal counts (docs/allocation.md, "EvoESAP").
 
 The allocations it moves between, and how, are population.py's. The search is generic in the fitness: ``evaluate(allocation) -> float``, higher is better (the
 caller negates KL/NLL). Every distinct allocation is evaluated once (fitness cache). All

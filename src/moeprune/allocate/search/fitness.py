@@ -1,4 +1,4 @@
-"""Fitness of a pruned candidate on teacher-forced search data (README, "EvoESAP").
+"""Fitness of a pruned candidate on teacher-forced search data (docs/allocation.md, "EvoESAP").
 
 Each sample is a prompt followed by an answer. Position t holds the distribution that predicts
 token t+1, so it counts only when token t+1 is an answer token (shift by one). The full

@@ -19,14 +19,18 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMAT = "moeprune-checkpoint"
-FORMAT_VERSION = 3  # the version this plugin serves
-MODEL_TYPE_PREFIX = "moeprune_"
-ARCHITECTURE_PREFIX = "MoePrune"
+from moeprune.serve.moeprune_format import (  # noqa: F401  (FORMAT: the plugin's names, defined once)
+    ARCHITECTURE_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL_TYPE_PREFIX,
+    FormatError,
+    LayerStructure,
+    parse_section,
+)
 
 # base model type -> vLLM's causal-LM class for it (the plugin serves "MoePrune" + that name)
 SERVED_FAMILIES: dict[str, str] = {
@@ -37,6 +41,26 @@ SERVED_FAMILIES: dict[str, str] = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
+}
+
+# Families vLLM 0.32 implements that the plugin does not serve, and why (measured on the CPU
+# build with tiny transformers-written checkpoints: tests/test_serve_vllm.py's probe, see
+# docs/serving.md). Every other family: vLLM has no class for it, or it was not tried.
+UNSERVED_REASONS: dict[str, str] = {
+    "cohere2_moe": "vLLM's Cohere2MoeForCausalLM does not reproduce transformers' model even unpruned",
+    "ernie4_5_moe": "vLLM's Ernie4_5_MoeForCausalLM does not reproduce transformers' model even unpruned",
+    "afmoe": "vLLM's AfmoeForCausalLM needs config fields transformers' config lacks (score_func)",
+    "minimax_m2": "vLLM's MiniMaxM2ForCausalLM needs config fields transformers' config lacks (rotary_dim)",
+    "mimo_v2_flash": "vLLM's MiMoV2FlashForCausalLM needs config fields transformers' config lacks (hybrid_layer_pattern)",
+    "hy_v3": "vLLM's HYV3ForCausalLM needs config fields transformers' config lacks (first_k_dense_replace)",
+    "laguna": "vLLM's LagunaForCausalLM routes with softmax only, transformers' laguna with sigmoid",
+    "lfm2_moe": "vLLM's Lfm2MoeForCausalLM reads the convolution sizes differently from transformers' config",
+    "llama4_text": "vLLM's Llama4ForCausalLM names its dense layers differently from transformers' checkpoints",
+    "granitemoe": "its experts are stored with gate and up fused per expert, which the plugin does not split",
+    "gpt_oss": "its experts carry biases and vLLM's CPU build has no kernel for them, so it was not checked",
+    "nemotron_h": "its experts are ungated, which vLLM runs on CUDA/ROCm only, so it was not checked",
+    "qwen3_next": "vLLM runs its linear attention in bf16 only on CPU, so it was not checked against fp32",
 }
 
 
@@ -57,10 +81,8 @@ def __getattr__(name: str):
 
 def refused_families(model_types) -> list[str]:
     """Of `model_types` (transformers' config types), those the plugin refuses in one sentence:
-    every one it does not serve (qwen3_next, ernie4_5_moe, gpt_oss and llama4_text among the
-    eleven with hand-made fixtures: fused biases, shared-router or hybrid layers whose vLLM
-    classes it has not been checked against; every family found by discovery), so a moeprune
-    result of any family meets the refusal, never vLLM's own 'unknown model type'."""
+    every one it does not serve (UNSERVED_REASONS says why for those vLLM implements), so a
+    moeprune result of any family meets the refusal, never vLLM's own 'unknown model type'."""
     return [m for m in model_types if m not in SERVED_FAMILIES]
 
 
@@ -69,85 +91,36 @@ DOWN_PROJECTIONS = ("down_proj", "w2")  # [hidden, width]; every other expert ma
 
 def refusal(family: str) -> str:
     """The one sentence a user sees when the plugin does not serve a family."""
+    reason = f" ({UNSERVED_REASONS[family]})" if family in UNSERVED_REASONS else ""
     return (
-        f"moeprune's vLLM plugin does not serve {family} models saved in moeprune's format (it serves "
+        f"moeprune's vLLM plugin does not serve {family} models saved in moeprune's format{reason} (it serves "
         f"{', '.join(SERVED_FAMILIES)}); load this checkpoint with transformers "
         "(AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)) or with moeprune.load_pretrained(path)"
     )
 
 
-class LayoutError(ValueError):
-    """A moeprune section the plugin cannot serve; the message says what to do."""
+LayoutError = FormatError  # the format's one error type, under the name the plugin has always raised
+LayerLayout = LayerStructure  # one MoE layer: router positions, their expert ids and widths
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    """One MoE layer: router positions and their widths (None: a novice)."""
-
-    layer: int
-    widths: tuple[int | None, ...]
-
-    @property
-    def num_experts(self) -> int:
-        """Router outputs, novices included."""
-        return len(self.widths)
-
-    @property
-    def novices(self) -> tuple[int, ...]:
-        return tuple(p for p, w in enumerate(self.widths) if w is None)
-
-    @property
-    def weighted(self) -> tuple[int, ...]:
-        """Positions holding expert weights, in router order (fused expert i is weighted[i])."""
-        return tuple(p for p, w in enumerate(self.widths) if w is not None)
-
-    @property
-    def width(self) -> int:
-        """The fused width of the layer: its widest expert."""
-        return max(w for w in self.widths if w is not None)
-
-    def fused_index(self, position: int) -> int:
-        return self.weighted.index(position)
-
-
-def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int, LayerLayout]:
-    """The served structure of a moeprune-format config (a dict), checked; {} for a stock config."""
+def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int, LayerStructure]:
+    """The served structure of a moeprune-format config (a dict), checked by the format's one
+    reader (serve/moeprune_format.py); {} for a stock config."""
     section = config.get("moeprune")
     if section is None:
         return {}
-    if not isinstance(section, dict) or section.get("format") != FORMAT:
-        raise LayoutError(
-            f"{where}: the 'moeprune' section is not {FORMAT!r}; re-create the checkpoint with moeprune"
-        )
-    version = section.get("format_version")
-    if version != FORMAT_VERSION:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        raise LayoutError(
-            f"{where} is moeprune format version {version!r} and this vLLM plugin serves version {FORMAT_VERSION}; "
-            + ("upgrade moeprune beside vLLM" if newer else
-               "re-save it with moeprune.save_pretrained(moeprune.load_pretrained(path), new_path)")
-        )  # fmt: skip
-    layers: dict[int, LayerLayout] = {}
-    for entry in section.get("layers") or []:
-        index, widths = entry.get("layer"), entry.get("widths")
-        if not isinstance(index, int) or not isinstance(widths, list) or index in layers:
-            raise LayoutError(
-                f"{where}: malformed moeprune layer entry {entry!r}; re-create the checkpoint with moeprune"
-            )
-        if len(widths) != entry.get("num_experts") or not all(
-            w is None or (isinstance(w, int) and w > 0) for w in widths
-        ):
-            raise LayoutError(f"{where}: layer {index} has widths {widths} for {entry.get('num_experts')} experts; "
-                              "re-create the checkpoint with moeprune")  # fmt: skip
-        if all(w is None for w in widths):
-            raise LayoutError(f"{where}: layer {index} has only novices, which vLLM's fused MoE cannot run; "
+    structure = parse_section(section, f"{where} ('moeprune' section)", num_hidden_layers=_decoder_layers(config),
+                              oldest_version=FORMAT_VERSION)  # fmt: skip
+    for layer in structure.layers:
+        if not layer.weighted:
+            raise FormatError(f"{where}: layer {layer.layer} has only novices, which vLLM's fused MoE cannot run; "
                               "load it with moeprune.load_pretrained(path)")  # fmt: skip
-        layers[index] = LayerLayout(index, tuple(widths))
-    if not layers:
-        raise LayoutError(
-            f"{where}: the moeprune section lists no MoE layer; re-create the checkpoint with moeprune"
-        )
-    return layers
+    return {layer.layer: layer for layer in structure.layers}
+
+
+def _decoder_layers(config: dict[str, Any]) -> int | None:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text.get("num_hidden_layers")
 
 
 _EXPERT_TENSOR = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")

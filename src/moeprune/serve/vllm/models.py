@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from types import ModuleType
 
 import torch
-from vllm.model_executor.models import deepseek_v2, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from vllm import ModelRegistry
 
-from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, LayerLayout, LayoutError, read_layout
+from moeprune.serve.moeprune_format import ARCHITECTURE_PREFIX, FormatError, LayerStructure
+from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, SERVED_FAMILIES, read_layout
 from moeprune.serve.vllm.moe import NoviceTable, per_layer_moe
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
@@ -30,22 +30,21 @@ class _MoePruneForCausalLM:
     """Mixin placed before vLLM's class: per-layer shapes at construction, remapped loading."""
 
     family: str
-    family_module: ModuleType
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         config = vllm_config.model_config.hf_config
         where = f"{getattr(config, 'name_or_path', '') or 'the checkpoint'}/config.json"
         layout = read_layout({"moeprune": getattr(config, "moeprune", None)}, where)
         if not layout:
-            raise LayoutError(f"{where} names a MoePrune architecture but has no moeprune section; "
+            raise FormatError(f"{where} names a MoePrune architecture but has no moeprune section; "
                               "re-create the checkpoint with moeprune")  # fmt: skip
         _route_like_transformers(self.family, config)
-        with per_layer_moe(self.family_module, layout, self.family) as built:
+        with per_layer_moe(layout, self.family) as built:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.model
         expected = {i for i in layout if model.start_layer <= i < model.end_layer}  # this pipeline stage
         if set(built) != expected:
-            raise LayoutError(
+            raise FormatError(
                 f"vLLM built MoE layers {sorted(built)} for this {self.family} checkpoint, whose moeprune section "
                 f"lists {sorted(expected)}; the checkpoint is damaged, or this vLLM builds MoE layers in a way "
                 "moeprune's plugin does not know (it was written for vLLM 0.32)"
@@ -73,14 +72,14 @@ class _MoePruneForCausalLM:
                 continue
             position, rest = int(match.group(2)), match.group(3)
             if position >= layer.num_experts:
-                raise LayoutError(
+                raise FormatError(
                     f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged"
                 )
             if rest == MEAN_OUTPUT:
                 _load_novice(self._moeprune_novices, layer, position, name, tensor)
                 continue
             if layer.widths[position] is None:
-                raise LayoutError(f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
+                raise FormatError(f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
                                   "expert weights; the checkpoint is damaged, re-create it with moeprune")  # fmt: skip
             fused = name[: match.start(2)] + str(layer.fused_index(position)) + name[match.end(2) :]
             yield fused, _padded(tensor, layer, position, rest, name)
@@ -106,10 +105,10 @@ def _route_like_transformers(family: str, config) -> None:
 
 
 def _load_novice(
-    tables: dict[int, NoviceTable], layer: LayerLayout, position: int, name: str, tensor
+    tables: dict[int, NoviceTable], layer: LayerStructure, position: int, name: str, tensor
 ) -> None:
     if position not in layer.novices:
-        raise LayoutError(
+        raise FormatError(
             f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged"
         )
     table = tables.get(layer.layer)
@@ -117,12 +116,12 @@ def _load_novice(
         table.load(position, tensor)
 
 
-def _padded(tensor: torch.Tensor, layer: LayerLayout, position: int, rest: str, name: str) -> torch.Tensor:
+def _padded(tensor: torch.Tensor, layer: LayerStructure, position: int, rest: str, name: str) -> torch.Tensor:
     """An expert matrix widened to the layer's width with zero neurons (exact for gated MLPs)."""
     dim = 1 if rest.split(".")[0] in DOWN_PROJECTIONS else 0
     width = layer.widths[position]
     if tensor.dim() != 2 or tensor.shape[dim] != width:
-        raise LayoutError(f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
+        raise FormatError(f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
                           f"layer {layer.layer} {width} neurons; the checkpoint is damaged")  # fmt: skip
     if width == layer.width:
         return tensor
@@ -133,17 +132,21 @@ def _padded(tensor: torch.Tensor, layer: LayerLayout, position: int, rest: str, 
     return padded
 
 
-def _served(stock: type, module: ModuleType, family: str) -> type:
-    name = f"MoePrune{stock.__name__}"
-    attrs = {"family": family, "family_module": module, "__module__": __name__, "__qualname__": name,
+def served_class(family: str) -> type:
+    """`MoePrune<Stock>` for a served family: vLLM's own class for it (found in vLLM's registry,
+    so a family is added by naming it in SERVED_FAMILIES), with the mixin in front."""
+    stock = ModelRegistry.models[SERVED_FAMILIES[family]].load_model_cls()
+    name = ARCHITECTURE_PREFIX + stock.__name__
+    attrs = {"family": family, "__module__": __name__, "__qualname__": name,
              "__doc__": f"vLLM's {stock.__name__} with moeprune's per-layer experts, widths and novices."}  # fmt: skip
     return type(name, (_MoePruneForCausalLM, stock), attrs)
 
 
-MoePruneQwen3MoeForCausalLM = _served(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe, "qwen3_moe")
-MoePruneOlmoeForCausalLM = _served(olmoe.OlmoeForCausalLM, olmoe, "olmoe")
-MoePruneMixtralForCausalLM = _served(mixtral.MixtralForCausalLM, mixtral, "mixtral")
-MoePruneDeepseekV3ForCausalLM = _served(deepseek_v2.DeepseekV3ForCausalLM, deepseek_v2, "deepseek_v3")
-MoePruneDeepseekV2ForCausalLM = _served(deepseek_v2.DeepseekV2ForCausalLM, deepseek_v2, "deepseek_v2")
-MoePruneQwen2MoeForCausalLM = _served(qwen2_moe.Qwen2MoeForCausalLM, qwen2_moe, "qwen2_moe")
-MoePruneGlm4MoeForCausalLM = _served(glm4_moe.Glm4MoeForCausalLM, glm4_moe, "glm4_moe")
+def __getattr__(name: str) -> type:
+    """vLLM asks this module for `MoePrune<Arch>` (the plugin registers "module:Class" strings);
+    each class is built on first use and kept."""
+    for family, arch in SERVED_FAMILIES.items():
+        if name == ARCHITECTURE_PREFIX + arch:
+            globals()[name] = served = served_class(family)
+            return served
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -38,7 +39,7 @@ from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-from moeprune.serve.vllm.layout import LayerLayout, LayoutError
+from moeprune.serve.moeprune_format import FormatError, LayerStructure
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -46,7 +47,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class NoviceTable(nn.Module):
     """A layer's novice vectors and the maps from router position to fused expert / novice row."""
 
-    def __init__(self, layer: LayerLayout, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, layer: LayerStructure, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.layer = layer.layer
         self.positions = layer.novices
@@ -68,7 +69,7 @@ class NoviceTable(nn.Module):
 
     def load(self, position: int, value: torch.Tensor) -> None:
         if tuple(value.shape) != (self.mean_output.shape[1],):
-            raise LayoutError(
+            raise FormatError(
                 f"layer {self.layer}: novice {position}'s mean_output has shape {tuple(value.shape)}, expected "
                 f"({self.mean_output.shape[1]},); the checkpoint is damaged, re-create it with moeprune"
             )
@@ -78,7 +79,7 @@ class NoviceTable(nn.Module):
     def check_loaded(self) -> None:
         missing = sorted(set(self.positions) - self.loaded)
         if missing:
-            raise LayoutError(f"layer {self.layer}: the checkpoint has no mean_output for novices {missing}; "
+            raise FormatError(f"layer {self.layer}: the checkpoint has no mean_output for novices {missing}; "
                               "it is incomplete, re-create it with moeprune")  # fmt: skip
 
     def forward(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +122,7 @@ class NoviceMoERunner(MoERunner):
         if (
             self.moe_config.skip_final_all_reduce
         ):  # pragma: no cover - none of the served families asks for it
-            raise LayoutError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
+            raise FormatError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
         out = super().forward(hidden_states, router_logits, input_ids=input_ids,
@@ -140,18 +141,18 @@ class NoviceMoERunner(MoERunner):
         return out + extra.to(out.dtype)
 
 
-def layer_of(prefix: str, layout: dict[int, LayerLayout], family: str) -> LayerLayout:
+def layer_of(prefix: str, layout: dict[int, LayerStructure], family: str) -> LayerStructure:
     match = _LAYER.search(prefix)
     index = int(match.group(1)) if match else None
     if index not in layout:
-        raise LayoutError(
+        raise FormatError(
             f"vLLM's {family} model has a MoE block at {prefix!r} but the checkpoint's moeprune section lists "
             f"layers {sorted(layout)}; the checkpoint is damaged or was edited, re-create it with moeprune"
         )
     return layout[index]
 
 
-def _sized_gate(original: Callable, layout: dict[int, LayerLayout], family: str) -> Callable:
+def _sized_gate(original: Callable, layout: dict[int, LayerStructure], family: str) -> Callable:
     signature = inspect.signature(original)
 
     def gate(*args, **kwargs):
@@ -164,7 +165,7 @@ def _sized_gate(original: Callable, layout: dict[int, LayerLayout], family: str)
 
 
 def _sized_factory(
-    original: Callable, layout: dict[int, LayerLayout], family: str, built: dict[int, NoviceTable | None]
+    original: Callable, layout: dict[int, LayerStructure], family: str, built: dict[int, NoviceTable | None]
 ) -> Callable:
     signature = inspect.signature(original)
 
@@ -181,11 +182,11 @@ def _sized_factory(
             "zero_expert_type",
         ):
             if a.get(name) is not None:  # pragma: no cover - none of the served families passes these
-                raise LayoutError(
+                raise FormatError(
                     f"{a['prefix']}: vLLM's {family} block passes {name}, which moeprune's plugin does not handle"
                 )
         if a["enable_eplb"] or a["fuse_shared_experts"]:
-            raise LayoutError(
+            raise FormatError(
                 f"{family} models in moeprune's format have different expert counts per layer; serve them "
                 "without expert-parallel load balancing (EPLB) and without fused shared experts"
             )
@@ -221,18 +222,27 @@ def _tp_size() -> int:
     return get_tensor_model_parallel_world_size()
 
 
+def _model_modules(names: tuple[str, ...]) -> list[ModuleType]:
+    """vLLM's model modules (loaded so far) that hold one of `names`: a family's MoE block may
+    live beside its causal-LM class or in a module it imports (Qwen3-Next builds Qwen2-MoE's)."""
+    prefixes = ("vllm.model_executor.models.", "vllm.models.")
+    return [module for module_name, module in list(sys.modules.items())
+            if module_name.startswith(prefixes) and module is not None and set(names) & vars(module).keys()]  # fmt: skip
+
+
 @contextmanager
-def per_layer_moe(
-    module: ModuleType, layout: dict[int, LayerLayout], family: str
-) -> Iterator[dict[int, NoviceTable | None]]:
-    """While active, `module`'s MoE blocks are built with the checkpoint's per-layer shapes;
+def per_layer_moe(layout: dict[int, LayerStructure], family: str) -> Iterator[dict[int, NoviceTable | None]]:
+    """While active, vLLM's MoE blocks are built with the checkpoint's per-layer shapes;
     yields {layer: its NoviceTable or None} for every MoE layer built."""
     built: dict[int, NoviceTable | None] = {}
-    saved = {name: getattr(module, name) for name in ("FusedMoEFactory", "GateLinear")}
-    module.FusedMoEFactory = _sized_factory(saved["FusedMoEFactory"], layout, family, built)
-    module.GateLinear = _sized_gate(saved["GateLinear"], layout, family)
+    wrappers = {"FusedMoEFactory": lambda original: _sized_factory(original, layout, family, built),
+                "GateLinear": lambda original: _sized_gate(original, layout, family)}  # fmt: skip
+    saved = [(module, name, vars(module)[name]) for module in _model_modules(tuple(wrappers))
+             for name in wrappers if name in vars(module)]  # fmt: skip
+    for module, name, original in saved:
+        setattr(module, name, wrappers[name](original))
     try:
         yield built
     finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+        for module, name, original in saved:
+            setattr(module, name, original)

@@ -1,0 +1,49 @@
+"""The command-line reference (docs/cli.md), rendered from the commands themselves.
+
+docs/cli.md holds it between `<!-- cli -->` and `<!-- /cli -->`; `scripts/readme_tables.py`
+rewrites it and a test fails when a flag, default or help text changes without the docs, so the
+reference is always what `moeprune COMMAND --help` prints.
+"""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+_BLOCK = re.compile(r"(<!-- cli -->\n)(.*?)(<!-- /cli -->)", re.S)
+WIDTH = 100  # the help's line width in the docs (a terminal's varies; the docs' must not)
+
+
+def _help(command: click.Command, path: str, parent: click.Context | None = None) -> str:
+    context = click.Context(
+        command, info_name=path, parent=parent, max_content_width=WIDTH, terminal_width=WIDTH
+    )
+    return command.get_help(context)
+
+
+def cli_reference_markdown() -> str:
+    """`moeprune --help`, then every command's `--help`, in the group's order."""
+    from moeprune.cli import main
+
+    root = click.Context(main, info_name="moeprune", max_content_width=WIDTH, terminal_width=WIDTH,
+                         **main.context_settings)  # fmt: skip
+    parts = ["```text\n$ moeprune --help\n" + main.get_help(root) + "\n```\n"]
+    for name in main.list_commands(root):
+        command = main.get_command(root, name)
+        text = _help(command, name, parent=root)
+        parts.append(f"## moeprune {name}\n\n```text\n$ moeprune {name} --help\n{text}\n```\n")
+    return "\n".join(parts)
+
+
+def fill_cli_reference(text: str) -> str:
+    """`text` with its cli block regenerated from the installed commands."""
+    return _BLOCK.sub(lambda m: m.group(1) + cli_reference_markdown() + m.group(3), text)
+
+
+def fill_generated(text: str) -> str:
+    """`text` (README.md or a page of docs/) with every generated block rewritten: the registry
+    tables, the family table and summary, the command-line reference."""
+    from moeprune.report.tables import fill_family_table, fill_tables
+
+    return fill_cli_reference(fill_family_table(fill_tables(text)))

@@ -1,0 +1,223 @@
+"""The one reader of moeprune's on-disk format (docs/checkpoint-format.md): standard library only.
+
+Three readers need the per-layer structure of a moeprune-format result: moeprune itself
+(checkpoint/structure.py), the self-contained modeling files copied into every result (stock
+transformers, no moeprune installed: this file is copied beside them) and the vLLM plugin
+(which imports neither torch nor transformers before vLLM builds a model). All three call
+`parse_section` and get the same checks and the same `FormatError`, so a damaged or hand-edited
+folder is refused with the same sentence wherever it is opened, never built into a model of the
+wrong shape.
+
+Version 3 keeps the structure in config.json's `moeprune` section; versions 1 and 2 kept it in
+`moeprune.json` with a `packed` entry per layer (width 0 there meaning "the config's width").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+FORMAT = "moeprune-checkpoint"
+FORMAT_VERSION = 3  # the newest version this reader reads (and moeprune writes)
+CONFIG = "config.json"
+LEGACY_FILE = "moeprune.json"  # versions 1 and 2 kept the structure here
+MODEL_TYPE_PREFIX = "moeprune_"
+ARCHITECTURE_PREFIX = "MoePrune"
+REMAKE = "re-create it with moeprune prune"
+
+
+class FormatError(ValueError):
+    """A moeprune section (or config.json) that cannot be read; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LayerStructure:
+    """One MoE layer as saved: router positions, their original expert ids and neuron widths."""
+
+    layer: int  # decoder layer index
+    expert_ids: tuple[int, ...]  # original expert id of each router position
+    widths: tuple[int | None, ...]  # neurons of each router position; None for a novice
+
+    @property
+    def num_experts(self) -> int:
+        """Router outputs, novices included."""
+        return len(self.expert_ids)
+
+    @property
+    def novices(self) -> list[int]:
+        return [p for p, w in enumerate(self.widths) if w is None]
+
+    @property
+    def weighted(self) -> tuple[int, ...]:
+        """Positions holding expert weights, in router order (fused expert i is weighted[i])."""
+        return tuple(p for p, w in enumerate(self.widths) if w is not None)
+
+    @property
+    def width(self) -> int:
+        """The widest expert of the layer (what one fused block of the layer must hold)."""
+        return max(w for w in self.widths if w is not None)
+
+    def fused_index(self, position: int) -> int:
+        return self.weighted.index(position)
+
+    def is_stock(self, full_width: int) -> bool:
+        """Whether the stock experts module holds this layer: no novice, every expert at full width."""
+        return all(w == full_width for w in self.widths)
+
+    def packed(self, full_width: int) -> bool:
+        """Whether moeprune holds this layer packed (novices, or experts narrower than the config)."""
+        return not self.is_stock(full_width)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "num_experts": self.num_experts,
+            "expert_ids": list(self.expert_ids),
+            "widths": list(self.widths),
+            "novice": self.novices,
+        }
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a moeprune-format checkpoint says about its MoE layers."""
+
+    version: int
+    base_model_type: str
+    layers: tuple[LayerStructure, ...]
+    family: dict[str, Any] | None = None  # how the base family lays out its blocks (version 3)
+
+    def layer(self, index: int) -> LayerStructure:
+        for entry in self.layers:
+            if entry.layer == index:
+                return entry
+        raise KeyError(index)
+
+
+def damaged(where: str, what: str) -> FormatError:
+    return FormatError(f"{where}: {what}; the checkpoint is damaged or was edited by hand, {REMAKE}")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def parse_section(
+    data: Any, where: str, *, num_hidden_layers: int | None = None, oldest_version: int = 1
+) -> Structure:
+    """The structure a `moeprune` section (or a version 1-2 `moeprune.json`) describes, checked
+    field by field. `oldest_version` lets a reader that cannot build older layouts refuse them."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise damaged(where, f"'format' is not {FORMAT!r}")
+    version = data.get("format_version")
+    if not _int(version) or version < 1:
+        raise damaged(where, f"'format_version' {version!r} is not a version number")
+    if version > FORMAT_VERSION:
+        raise FormatError(
+            f"{where} is format version {version}, newer than this reader of moeprune's format reads "
+            f"({FORMAT_VERSION}); upgrade moeprune (or use the modeling files saved with the checkpoint)"
+        )
+    if version < oldest_version:
+        raise FormatError(
+            f"{where} is format version {version}, older than this reader builds ({oldest_version}); "
+            "re-save it with moeprune.save_pretrained(moeprune.load_pretrained(path), new_path)"
+        )
+    base = data.get("base_model_type", data.get("model_type"))
+    if not isinstance(base, str):
+        raise damaged(where, "the base model type is missing")
+    entries = data.get("layers")
+    if not isinstance(entries, list) or not entries:
+        raise damaged(where, "'layers' is missing or empty")
+    layers = tuple(_parse_layer(entry, where, version) for entry in entries)
+    indices = [entry.layer for entry in layers]
+    if indices != sorted(set(indices)):
+        raise damaged(where, f"MoE layers {indices} are not unique and ascending")
+    if _int(num_hidden_layers) and indices[-1] >= num_hidden_layers:
+        raise damaged(
+            where, f"layer {indices[-1]} does not exist (the model has {num_hidden_layers} decoder layers)"
+        )
+    family = data.get("family")
+    if family is not None and not isinstance(family, dict):
+        raise damaged(where, "'family' is not a record")
+    return Structure(version=version, base_model_type=base, layers=layers, family=family)
+
+
+def _parse_layer(entry: Any, where: str, version: int) -> LayerStructure:
+    if not isinstance(entry, dict) or not _int(entry.get("layer")):
+        raise damaged(where, f"layer entry {entry!r} has no integer 'layer'")
+    at = f"layer {entry['layer']}"
+    ids = entry.get("expert_ids")
+    if not isinstance(ids, list) or not ids or not all(_int(e) and e >= 0 for e in ids):
+        raise damaged(where, f"{at}: 'expert_ids' must be a non-empty list of expert ids")
+    if len(set(ids)) != len(ids):
+        raise damaged(
+            where, f"{at}: expert ids {sorted(e for e in set(ids) if ids.count(e) > 1)} appear twice"
+        )
+    count = entry.get("num_experts")
+    if count != len(ids):
+        raise damaged(where, f"{at}: num_experts {count!r} disagrees with {len(ids)} expert ids")
+    if version >= 3:
+        widths = entry.get("widths")
+        if not isinstance(widths, list) or len(widths) != len(ids):
+            raise damaged(where, f"{at}: 'widths' must list one width (or null for a novice) per expert")
+        if not all(w is None or (_int(w) and w > 0) for w in widths):
+            raise damaged(where, f"{at}: widths must be positive neuron counts or null, got {widths}")
+        novice = entry.get("novice", [])
+        if not isinstance(novice, list) or sorted(novice) != [p for p, w in enumerate(widths) if w is None]:
+            raise damaged(where, f"{at}: 'novice' {novice!r} disagrees with the null widths")
+    else:
+        widths = _legacy_widths(entry, where, at, len(ids))
+    return LayerStructure(entry["layer"], tuple(ids), tuple(widths))
+
+
+def _legacy_widths(entry: dict, where: str, at: str, count: int) -> list[int | None]:
+    """Versions 1-2: {"packed": {"novice": [...], "widths": {position: width}}}; 0 = full width."""
+    packed = entry.get("packed") or {"novice": [], "widths": {}}
+    try:
+        novice = {int(p) for p in packed["novice"]}
+        given = {int(p): w for p, w in packed["widths"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise damaged(where, f"{at}: malformed 'packed' entry ({exc})") from exc
+    if entry.get("packed") and (novice | set(given)) != set(range(count)):
+        raise damaged(where, f"{at}: 'packed' does not cover every position")
+    widths = [None if p in novice else given.get(p, 0) for p in range(count)]
+    if not all(w is None or (_int(w) and w >= 0) for w in widths):
+        raise damaged(where, f"{at}: widths must be neuron counts, got {widths}")
+    return widths
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """config.json as a dict, with one clear error when it is missing or damaged."""
+    folder = Path(folder)
+    path = folder / CONFIG
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FormatError(f"{folder} has no {CONFIG}; pass a transformers checkpoint folder") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{path} is damaged ({exc}); restore it from the original checkpoint") from exc
+    if not isinstance(data, dict):
+        raise FormatError(f"{path} is damaged (not a JSON object); restore it from the original checkpoint")
+    return data
+
+
+def read_structure(folder: str | Path, config: dict[str, Any] | None = None) -> Structure | None:
+    """The structure of the checkpoint in `folder` (any version), checked; None for a stock one."""
+    folder = Path(folder)
+    config = read_config(folder) if config is None else config
+    limit = config.get("num_hidden_layers")
+    if "moeprune" in config:
+        return parse_section(
+            config["moeprune"], f"{folder / CONFIG} ('moeprune' section)", num_hidden_layers=limit
+        )
+    legacy = folder / LEGACY_FILE
+    if legacy.is_file():
+        try:
+            data = json.loads(legacy.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise FormatError(f"{legacy} is damaged ({exc}); {REMAKE}") from exc
+        return parse_section(data, str(legacy), num_hidden_layers=limit)
+    return None
