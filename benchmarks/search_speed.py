@@ -26,10 +26,9 @@ import torch
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.search.candidates import CandidateEvaluator
-from moeprune.allocate.search.population import EvoConfig
 from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import load_model
-from moeprune.config import DataOptions
+from moeprune.config import DataOptions, SearchConfig
 from moeprune.criteria import score_experts
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data
 from moeprune.models import MoEModel
@@ -131,10 +130,11 @@ def main() -> None:
         f"teacher cache: {evaluator.cache_nbytes / 2**20:.1f} MiB ({evaluator.teacher.num_positions} positions)"
     )
 
-    config = EvoConfig(population=args.population, elites=args.elites, generations=args.generations)
+    config = SearchConfig(fitness=args.fitness, population=args.population, elites=args.elites,
+                          generations=args.generations)
     start = time.perf_counter()
     best, doc = run_evo_search(
-        moe, data, orders, budget, fitness=args.fitness, config=config, fingerprint={},
+        moe, data, orders, budget, config=config, fingerprint={},
         batch_size=args.batch_size, progress=False, pad_token_id=pad,
     )  # fmt: skip
     whole = time.perf_counter() - start
@@ -153,7 +153,7 @@ def main() -> None:
     if args.compare:
         start = time.perf_counter()
         plain_best, plain = run_evo_search(
-            moe, data, orders, budget, fitness=args.fitness, config=config, fingerprint={},
+            moe, data, orders, budget, config=config, fingerprint={},
             batch_size=args.batch_size, progress=False, pad_token_id=pad, fast=False, race=False,
         )  # fmt: skip
         slow = time.perf_counter() - start

@@ -23,14 +23,15 @@ from moeprune import api as pipeline
 from moeprune.allocate.search import auto, evo
 from moeprune.allocate.search import run as search_run
 from moeprune.allocate.search.candidates import CandidateEvaluator
-from moeprune.allocate.search.evo import EvoConfig, EvoSearch, _rank_key
+from moeprune.allocate.search.evo import EvoSearch, _rank_key
 from moeprune.allocate.search.run import run_evo_search
+from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
 from test_search import _data, _moe, _orders
 
-CONFIG = EvoConfig(population=8, elites=2, generations=4, seed=11)
+CONFIG = SearchConfig(population=8, elites=2, generations=4, seed=11)
 BUDGET = 12
 STRAIGHT = dict(fitness="esap", batch_size=3)  # racing and prefix reuse both do work here
 RESUMED = dict(fitness="kl", batch_size=2)  # lower is better: negated for the search
@@ -49,7 +50,9 @@ def auto_choice(moe, data) -> tuple[str, list[dict]]:
     return auto.choose_criterion(moe, [stats], data, sparsity=0.25, batch_size=3, progress=False)
 
 
-def search_once(moe, data, config: EvoConfig = CONFIG, **kwargs) -> tuple[list[int], dict]:
+def search_once(moe, data, config: SearchConfig = CONFIG, fitness=None, **kwargs) -> tuple[list[int], dict]:
+    if fitness is not None:
+        config = replace(config, fitness=fitness)
     kwargs.setdefault("fingerprint", {"model": "tiny"})
     return run_evo_search(moe, data, _orders(moe), BUDGET, config=config, progress=False, **kwargs)
 

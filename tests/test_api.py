@@ -152,3 +152,25 @@ def test_report_says_whether_vllm_serves_a_moeprune_format_result(family, served
         assert f"does not serve {family}" in serving["vllm_refused"] and serving["vllm_refused"] in card
         assert "vllm serve" not in card
         assert f"not served: moeprune's plugin does not serve {family}" in result.output
+
+
+def test_search_settings_are_declared_once():
+    """SearchConfig is the one declaration of the search settings: every field is a `moeprune prune`
+    flag with the field's default and help, impossible values are refused when the config is made,
+    and the search core's old settings class is the same class under a deprecated name."""
+    from dataclasses import fields
+
+    from moeprune.cli.options import option_name
+    from moeprune.cli.prune import prune as prune_command
+    from moeprune.config import SearchConfig
+
+    params = {p.name: p for p in prune_command.params}
+    for setting in fields(SearchConfig):
+        param = params[option_name(setting)]
+        assert param.default == setting.default, setting.name
+        assert setting.metadata["help"] in param.help, setting.name
+    with pytest.raises(moeprune.MoePruneError, match=r"population \(2\) must be >= elites \(4\)"):
+        SearchConfig(population=2, elites=4)
+    with pytest.warns(DeprecationWarning, match="SearchConfig"):
+        from moeprune.allocate.search.population import EvoConfig
+    assert EvoConfig is SearchConfig

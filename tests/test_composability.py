@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.population import EvoConfig
 from moeprune.allocate.search.run import run_evo_search
+from moeprune.config import SearchConfig
 from moeprune.criteria import CRITERIA, compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel, supported_families
@@ -71,7 +71,7 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
         )
         context = novice_context(moe, [stats]) if method == "novice" else None
         removed, document = run_evo_search(
-            moe, data(4, seed=9), [s.order for s in scores], budget, config=EvoConfig(population=6, elites=2,
+            moe, data(4, seed=9), [s.order for s in scores], budget, config=SearchConfig(population=6, elites=2,
             generations=2), fingerprint={}, batch_size=4, progress=False, candidate_context=context,
         )  # fmt: skip
         assert document["fitness_value"] >= document["uniform"]["fitness_value"]
@@ -128,7 +128,7 @@ def test_every_family_scores_searches_and_prunes_exactly(family):
     )
     budget = budget_from_sparsity(0.25, counts, [m.top_k for m in moe.layers])
     removed, document = run_evo_search(
-        moe, data(4, seed=9), [s.order for s in scores], budget, config=EvoConfig(population=4, elites=2,
+        moe, data(4, seed=9), [s.order for s in scores], budget, config=SearchConfig(population=4, elites=2,
         generations=1), fingerprint={}, batch_size=4, progress=False,
     )  # fmt: skip
     assert document["fitness_value"] >= document["uniform"]["fitness_value"]

@@ -9,10 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moeprune.allocate.search.evo import EvoConfig, EvoSearch, Feasibility, initial_population, mutate
+from moeprune.allocate.search.evo import EvoSearch, Feasibility, initial_population, mutate
+from moeprune.config import SearchConfig
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
-SMALL = EvoConfig(population=8, elites=2, generations=6, seed=3)
+SMALL = SearchConfig(population=8, elites=2, generations=6, seed=3)
 
 
 def _uniform(budget: int, caps: list[int], multiples: list[int] | None = None) -> tuple[int, ...]:
@@ -75,7 +76,7 @@ def test_every_generated_candidate_is_feasible_over_random_problems():
             continue
         budget, caps, multiples, feas = problem
         uniform = _uniform(budget, caps, multiples)
-        config = EvoConfig(
+        config = SearchConfig(
             population=int(rng.integers(2, 10)),
             elites=1,
             generations=4,
@@ -110,13 +111,13 @@ def test_infeasible_budgets_and_bad_configs_are_refused():
     with pytest.raises(InfeasibleBudgetError, match="multiples"):
         Feasibility(3, [4, 4], [2, 2])
     with pytest.raises(MoePruneError, match="population"):
-        EvoSearch(lambda a: 0.0, 4, [4, 4], (2, 2), EvoConfig(population=2, elites=4))
+        EvoSearch(lambda a: 0.0, 4, [4, 4], (2, 2), SearchConfig(population=2, elites=4))
     with pytest.raises(MoePruneError, match="not feasible"):
         EvoSearch(lambda a: 0.0, 4, [4, 4], (3, 2), SMALL)
 
 
 def test_mutation_keeps_the_parent_when_no_step_is_feasible():
-    config = EvoConfig(delta_max=2)
+    config = SearchConfig(delta_max=2)
     rng = np.random.default_rng(0)
     assert mutate((3,), [5], None, config, rng) == (3,)
     # Every layer is at 0 or at its cap with caps of 0: nothing can move.
@@ -140,7 +141,7 @@ def test_best_is_at_least_uniform_and_much_better_on_a_separable_fitness():
     weights = [8.0, 4.0, 2.0, 1.0, 1.0, 2.0, 4.0, 8.0]
     fit = _separable(weights)
     uniform = _uniform(budget, caps)
-    config = EvoConfig(population=16, elites=4, generations=25, seed=0)
+    config = SearchConfig(population=16, elites=4, generations=25, seed=0)
     result = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
     assert result.history[0].fitnesses[0] == fit(uniform)  # uniform is evaluated first
     assert result.best_fitness >= fit(uniform)
@@ -220,7 +221,7 @@ def test_patience_stops_a_stalled_search_and_says_why():
     flat = _separable(
         [0.0, 0.0, 0.0, 0.0]
     )  # every allocation ties: the best never improves after generation 0
-    config = EvoConfig(population=6, elites=2, generations=30, seed=1, patience=3)
+    config = SearchConfig(population=6, elites=2, generations=30, seed=1, patience=3)
     result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, progress=False).run()
     assert len(result.history) == 4  # generation 0, then 3 without improvement
     assert result.stopped == {"reason": "patience", "generations_run": 4, "patience": 3}
@@ -234,7 +235,7 @@ def test_patience_only_shortens_the_same_trajectory():
     """Early stop is the full run cut short: same generations up to the stop, same best among them."""
     caps, budget = [10] * 6, 24
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
-    config = EvoConfig(population=8, elites=2, generations=40, seed=5)
+    config = SearchConfig(population=8, elites=2, generations=40, seed=5)
     full = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
     early = EvoSearch(fit, budget, caps, uniform, replace(config, patience=4), progress=False).run()
     ran = len(early.history)

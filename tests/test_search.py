@@ -19,10 +19,10 @@ from moeprune.allocate.search.candidates import (
     layer_limits,
 )
 from moeprune.allocate.search.fitness import FitnessAccumulator
-from moeprune.allocate.search.population import EvoConfig, Feasibility
+from moeprune.allocate.search.population import Feasibility
 from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import load_model
-from moeprune.config import DataOptions
+from moeprune.config import DataOptions, SearchConfig
 from moeprune.criteria import score_experts
 from moeprune.data.loading import CalibrationData, Sample, calibration_sets, load_data
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
@@ -32,7 +32,7 @@ from moeprune.report.plots import plot_layer_density, plot_search_curve
 from moeprune.surgery.drop import drop_experts
 
 VOCAB = 96  # the tiny models' vocabulary
-SMALL = EvoConfig(population=6, elites=2, generations=4, seed=5)
+SMALL = SearchConfig(population=6, elites=2, generations=4, seed=5)
 
 
 def _data(n: int = 10, text_only: bool = False, seed: int = 0) -> CalibrationData:
@@ -154,7 +154,9 @@ def test_prefix_reuse_is_bitwise_exact_and_bounded():
 # The search
 
 
-def _search(moe, data, budget, config=SMALL, **kwargs):
+def _search(moe, data, budget, config=SMALL, fitness=None, **kwargs):
+    if fitness is not None:
+        config = replace(config, fitness=fitness)
     kwargs.setdefault("fingerprint", {"model": "tiny"})
     kwargs.setdefault("batch_size", 4)
     return run_evo_search(moe, data, _orders(moe), budget, config=config, progress=False, **kwargs)
@@ -167,7 +169,7 @@ def _selection(doc: dict) -> list:
 def test_speedups_do_not_change_the_selected_result(fitness="esap"):
     """Prefix reuse, the fast loop and racing vs the plain path: same trajectory and result."""
     moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=12)
-    config = EvoConfig(population=8, elites=2, generations=4, seed=11)
+    config = SearchConfig(population=8, elites=2, generations=4, seed=11)
     best, doc = _search(moe, data, 12, config, fitness=fitness, batch_size=3)
     plain_best, plain = _search(moe, data, 12, config, fitness=fitness, batch_size=3, fast=False, race=False)
     assert doc["speedups"]["raced"] > 0 and doc["speedups"]["prefix_hits"] > 0  # they did work
@@ -198,7 +200,7 @@ def test_every_candidate_is_feasible_and_meets_the_budget(monkeypatch):
         return original(self, allocation, threshold)
 
     monkeypatch.setattr(CandidateEvaluator, "evaluate", checked)
-    best, doc = _search(moe, _data(), budget, EvoConfig(population=8, elites=2, generations=5, seed=1))
+    best, doc = _search(moe, _data(), budget, SearchConfig(population=8, elites=2, generations=5, seed=1))
     assert len(seen) == doc["evaluations"] == len(set(seen)) > 8
     assert feas.is_feasible(best) and doc["uniform"]["allocation"] == [2, 2, 2, 2]
 
@@ -206,7 +208,7 @@ def test_every_candidate_is_feasible_and_meets_the_budget(monkeypatch):
 def test_same_seed_same_result_and_resume_is_identical(tmp_path):
     """KL (lower is better, negated for the search) with racing active; resume extends a run."""
     moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=8)
-    config = EvoConfig(population=8, elites=2, generations=4, seed=11)
+    config = SearchConfig(population=8, elites=2, generations=4, seed=11)
     run = dict(fitness="kl", batch_size=2)
     straight_best, straight = _search(moe, data, 12, config, **run)
     again_best, again = _search(moe, data, 12, config, **run)
@@ -247,9 +249,9 @@ def test_search_document_and_plots(tmp_path):
 def test_text_only_search_data_is_noted(caplog):
     moe = _moe("qwen3_moe")
     with caplog.at_level(logging.WARNING, logger="moeprune.allocate.search.candidates"):
-        _, doc = _search(moe, _data(text_only=True), 4, EvoConfig(population=4, elites=2, generations=2))
+        _, doc = _search(moe, _data(text_only=True), 4, SearchConfig(population=4, elites=2, generations=2))
     assert TEXT_ONLY_NOTE in doc["notes"] and TEXT_ONLY_NOTE in caplog.text
-    _, doc = _search(moe, _data(), 4, EvoConfig(population=4, elites=2, generations=2))
+    _, doc = _search(moe, _data(), 4, SearchConfig(population=4, elites=2, generations=2))
     assert TEXT_ONLY_NOTE not in doc["notes"]
 
 
@@ -258,7 +260,7 @@ def test_bad_input_fails_early_with_a_reason(tmp_path):
     with pytest.raises(MoePruneError, match="cannot resume"):
         _search(moe, data, 4, state_path=tmp_path / "missing.json", resume=True)
     with pytest.raises(MoePruneError, match="population .* must be >= elites"):
-        _search(moe, data, 4, EvoConfig(population=2, elites=4))
+        _search(moe, data, 4, SearchConfig(population=2, elites=4))
     with pytest.raises(InfeasibleBudgetError):
         _search(moe, data, 3)  # group-limited layers remove multiples of 2
     with pytest.raises(InfeasibleBudgetError):
@@ -294,7 +296,7 @@ def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, crite
     limits = layer_limits(moe)
     budget = budget_from_sparsity(0.5, limits.num_experts, limits.top_k)
     best, doc = run_evo_search(
-        moe, search, [s.order for s in scores], budget, config=EvoConfig(population=8, elites=4, generations=2),
+        moe, search, [s.order for s in scores], budget, config=SearchConfig(population=8, elites=4, generations=2),
         fingerprint={"criterion": criterion}, progress=False, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     assert doc["uniform"]["allocation"] != best

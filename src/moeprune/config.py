@@ -112,19 +112,53 @@ def _check_type(value: Any, kind: type, where: str) -> None:
 _TYPES: dict[str, tuple[type, bool]] = {}  # field name -> (type, optional), filled below
 
 
+def setting(default: Any, help: str, *, flag: str | None = None, minimum: int | None = None) -> Any:
+    """A config field that carries its command-line help, flag and lower bound, so the CLI's
+    options, their --help and the docs' CLI reference are made from the field (cli/options.py)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "min": minimum})
+
+
 @dataclass
 class SearchConfig:
-    """EvoESAP's settings (defaults: the paper's, P=32, m=4, T=50, Delta=4, tau=3)."""
+    """EvoESAP's settings (defaults: the paper's, P=32, m=4, T=50, Delta=4, tau=3). The one place
+    they are declared and checked: the search core, the CLI flags and recipe.json all read it."""
 
-    fitness: str = "esap"
-    samples: int = 64  # search samples drawn from the search data (0 = all)
-    population: int = 32
-    elites: int = 4
-    generations: int = 50
-    patience: int | None = None  # stop after this many generations without improvement
-    delta_max: int = 4
-    tau_max: int = 3
-    seed: int = 42
+    fitness: str = setting("esap", "evo: what a candidate is scored by against the full model (all cost the same):")
+    samples: int = setting(64, "evo: search samples (0 = all); time grows linearly with them.",
+                           flag="--search-samples", minimum=0)  # fmt: skip
+    population: int = setting(32, "evo: candidates per generation; time grows linearly (cached candidates cost "
+                                  "nothing).", minimum=1)  # fmt: skip
+    elites: int = setting(4, "evo: best candidates kept as parents each generation (at most the population); elites "
+                             "are not re-evaluated, so more elites mean fewer evaluations per generation.", minimum=1)  # fmt: skip
+    generations: int = setting(50, "evo: generations at most; time grows linearly.", minimum=1)
+    patience: int | None = setting(None, "evo: stop once the best fitness has not improved for G generations "
+                                         "[default: never; the result then stays that of the full run]; saves the "
+                                         "remaining generations' time.", minimum=1)  # fmt: skip
+    delta_max: int = setting(4, "evo: most experts one mutation step moves between two layers; larger steps explore "
+                                "faster, at the same cost per generation.", minimum=1)  # fmt: skip
+    tau_max: int = setting(3, "evo: most mutation steps composed into one offspring; no effect on time per "
+                              "generation.", minimum=1)  # fmt: skip
+    seed: int = setting(42, "evo: seed of the search (same seed and data: same result); no effect on time.",
+                        flag="--search-seed")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Impossible settings are one line naming the parameter, before any model runs."""
+        for name in ("population", "elites", "generations", "delta_max", "tau_max"):
+            if getattr(self, name) < 1:
+                raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}", options=(name,))
+        if self.patience is not None and self.patience < 1:
+            raise MoePruneError(
+                f"evo patience must be >= 1 generation, got {self.patience}", options=("patience",)
+            )
+        if self.population < self.elites:
+            raise MoePruneError(f"evo population ({self.population}) must be >= elites ({self.elites})")
+        if self.seed < 0:
+            raise MoePruneError(f"evo seed must be >= 0, got {self.seed}")
+        if self.samples < 0:
+            raise MoePruneError(f"evo samples must be >= 0 (0: every sample), got {self.samples}", options=("samples",))
 
 
 @dataclass

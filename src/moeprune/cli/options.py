@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import Field, fields
+from typing import Any
+
 import click
 import torch
 
@@ -68,3 +72,56 @@ def data_from_options(kwargs: dict) -> DataOptions:
 def registry_help(registry, lead: str) -> str:
     """`lead` and every entry's help, for --help."""
     return f"{lead} " + "; ".join(f"{spec.name}: {spec.help}" for spec in registry) + "."
+
+
+# ----------------------------------------------------------------------------- options from config fields
+def option_name(setting: Field) -> str:
+    """The CLI parameter a config field becomes: its flag without dashes (`--search-seed` ->
+    search_seed), or the field's own name."""
+    flag = setting.metadata.get("flag")
+    return flag.lstrip("-").replace("-", "_") if flag else setting.name
+
+
+def config_options(cls: type, *, choices: dict[str, list[str]] | None = None,
+                   helps: dict[str, str] | None = None) -> Callable:  # fmt: skip
+    """Decorator: one click option per `setting` field of the config class `cls`, with the field's
+    default, lower bound and help (`choices` and `helps` add what the config module cannot import,
+    e.g. a registry's names), so a setting is declared once and the flag follows it."""
+    choices, helps = choices or {}, helps or {}
+
+    def decorate(func: Callable) -> Callable:
+        for setting in reversed([f for f in fields(cls) if "help" in f.metadata]):
+            meta = setting.metadata
+            if setting.name in choices:
+                kind: Any = click.Choice(choices[setting.name])
+            elif meta.get("min") is not None:
+                kind = click.IntRange(min=meta["min"])
+            else:
+                kind = type(setting.default) if setting.default is not None else str
+            flag = meta.get("flag") or "--" + setting.name.replace("_", "-")
+            func = click.option(flag, option_name(setting), type=kind, default=setting.default,
+                                show_default=setting.default is not None,
+                                help=helps.get(setting.name, meta["help"]))(func)  # fmt: skip
+        return func
+
+    return decorate
+
+
+def config_from_options(cls: type, options: dict[str, Any]) -> Any:
+    """The config the command line's options describe; its fields' options are taken out of `options`."""
+    return cls(**{f.name: options.pop(option_name(f)) for f in fields(cls) if "help" in f.metadata})
+
+
+def options_of(config: Any) -> dict[str, Any]:
+    """{CLI parameter: value} of a config's settings (recipe.json's values as the command's defaults)."""
+    return {option_name(f): getattr(config, f.name) for f in fields(config) if "help" in f.metadata}
+
+
+def setting_options(cls: type) -> list[str]:
+    """The CLI parameters the settings of `cls` become."""
+    return [option_name(f) for f in fields(cls) if "help" in f.metadata]
+
+
+def setting_help(cls: type, name: str) -> str:
+    """The help a config field carries."""
+    return next(f for f in fields(cls) if f.name == name).metadata["help"]

@@ -12,7 +12,16 @@ from moeprune.allocate import ALLOCATIONS
 from moeprune.allocate.search.fitness import FITNESSES
 from moeprune.api import prune_checkpoint
 from moeprune.cli.main import command_line, main, refuse_given
-from moeprune.cli.options import data_from_options, data_options, registry_help
+from moeprune.cli.options import (
+    config_from_options,
+    config_options,
+    data_from_options,
+    data_options,
+    options_of,
+    registry_help,
+    setting_help,
+    setting_options,
+)
 from moeprune.config import PruneConfig, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
@@ -23,8 +32,7 @@ from moeprune.surgery import METHODS
 from moeprune.surgery.neurons import IMPORTANCE
 
 SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value -> torch name
-SEARCH_OPTIONS = ["search_data", "search_samples", "fitness", "population", "elites", "generations", "delta_max",
-                  "tau_max", "search_seed", "patience"]  # fmt: skip
+SEARCH_OPTIONS = ["search_data", *setting_options(SearchConfig)]  # every option that only a search reads
 
 
 def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
@@ -43,10 +51,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
         )
     config = PruneConfig.from_dict(doc.get("config", doc))  # unknown or mistyped keys: an error naming them
     defaults = {k: v for k, v in config.to_dict().items() if k != "search"}
-    search: SearchConfig = config.search
-    defaults.update(fitness=search.fitness, search_samples=search.samples, population=search.population,
-                    elites=search.elites, generations=search.generations, patience=search.patience,
-                    delta_max=search.delta_max, tau_max=search.tau_max, search_seed=search.seed)  # fmt: skip
+    defaults.update(options_of(config.search))
     data, save = doc.get("data", {}), doc.get("save", {})
     for key, name in (("calibration", "data"), ("search", "search_data")):
         if data.get(key):
@@ -91,62 +96,10 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     metavar="FILE[:WEIGHT]",
     help="evo/auto: search data (prompt/answer JSONL...).",
 )
-@click.option(
-    "--search-samples",
-    type=click.IntRange(min=0),
-    default=64,
-    show_default=True,
-    help="evo: search samples (0 = all); time grows linearly with them.",
-)
-@click.option("--fitness", type=click.Choice(FITNESSES.names()), default="esap", show_default=True,
-              help=registry_help(FITNESSES, "evo: what a candidate is scored by against the full model (all cost "
-                                           "the same):"))  # fmt: skip
-@click.option(
-    "--population",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="evo: candidates per generation; time grows linearly (cached candidates cost nothing).",
-)
-@click.option(
-    "--elites",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="evo: best candidates kept as parents each generation (at most the population); elites are "
-    "not re-evaluated, so more elites mean fewer evaluations per generation.",
-)
-@click.option(
-    "--generations",
-    type=click.IntRange(min=1),
-    default=50,
-    show_default=True,
-    help="evo: generations at most; time grows linearly.",
-)
-@click.option("--patience", type=click.IntRange(min=1), default=None,
-              help="evo: stop once the best fitness has not improved for G generations [default: never; the "
-                   "result then stays that of the full run]; saves the remaining generations' time.")  # fmt: skip
-@click.option(
-    "--delta-max",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="evo: most experts one mutation step moves between two layers; larger steps explore faster, at "
-    "the same cost per generation.",
-)
-@click.option(
-    "--tau-max",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="evo: most mutation steps composed into one offspring; no effect on time per generation.",
-)
-@click.option(
-    "--search-seed",
-    type=int,
-    default=42,
-    show_default=True,
-    help="evo: seed of the search (same seed and data: same result); no effect on time.",
+@config_options(
+    SearchConfig,
+    choices={"fitness": FITNESSES.names()},
+    helps={"fitness": registry_help(FITNESSES, setting_help(SearchConfig, "fitness"))},
 )
 @click.option(
     "--resume",
@@ -182,14 +135,11 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @data_options
 def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
           neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
-          search_samples: int, fitness: str, population: int, elites: int, generations: int, patience: int | None,
-          delta_max: int, tau_max: int, search_seed: int, resume: bool, expert_multiple: int, save_dtype: str | None,
-          max_shard_size: str, dry_run: bool, no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+          resume: bool, expert_multiple: int, save_dtype: str | None, max_shard_size: str, dry_run: bool,
+          no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
-    search = SearchConfig(fitness=fitness, samples=search_samples, population=population, elites=elites,
-                          generations=generations, patience=patience, delta_max=delta_max, tau_max=tau_max,
-                          seed=search_seed)  # fmt: skip
+    search = config_from_options(SearchConfig, kwargs)
     config = PruneConfig(criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
                          expert_multiple=expert_multiple, neuron_importance=neuron_importance,
                          important_fraction=important_fraction, slope=slope, seed=kwargs["seed"], search=search)  # fmt: skip

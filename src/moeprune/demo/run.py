@@ -18,9 +18,9 @@ import torch
 
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
-from moeprune.allocate.search.population import EvoConfig
 from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
+from moeprune.config import SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
@@ -127,7 +127,7 @@ def _search(
     budget = budget_from_sparsity(
         sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
-    config = EvoConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
+    config = SearchConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
     return run_evo_search(
         moe, search, [s.order for s in scores], budget, config=config, fingerprint={"demo": True},
         batch_size=settings.batch_size, progress=False, pad_token_id=pad,

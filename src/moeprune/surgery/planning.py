@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.limits import layer_limits
-from moeprune.allocate.search.run import evo_config
+from moeprune.allocate.search.run import check_search
 from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
 from moeprune.config import PruneConfig
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
@@ -110,7 +110,7 @@ def check_config(config: PruneConfig) -> PruneConfig:
         raise MoePruneError(f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
                             options=("important_fraction",))  # fmt: skip
     if allocation == "evo" or config.criterion == AUTO:
-        evo_config(config.search)
+        check_search(config.search)
     return replace(config, allocation=allocation)
 
 

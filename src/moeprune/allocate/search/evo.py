@@ -36,13 +36,12 @@ from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.allocate.search.fitness import FITNESSES
 from moeprune.allocate.search.population import (
     Allocation,
-    EvoConfig,
     Feasibility,
     initial_population,
     mutate,
 )
 from moeprune.checkpoint.atomic import write_json
-from moeprune.config import SEARCH_DATA
+from moeprune.config import SEARCH_DATA, SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.runtime.progress import progress_bar
 
@@ -116,7 +115,7 @@ class EvoSearch:
         budget: int,
         caps: Sequence[int],
         uniform: Sequence[int],
-        config: EvoConfig | None = None,
+        config: SearchConfig | None = None,
         multiples: Sequence[int] | None = None,
         state_path: str | os.PathLike[str] | None = None,
         fingerprint: dict[str, Any] | None = None,
@@ -125,8 +124,8 @@ class EvoSearch:
         evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None = None,
         write_state: bool = True,
     ) -> None:
-        self.config = config or EvoConfig()
-        self.config.validate()
+        self.config = config or SearchConfig()
+        self.config.validate()  # a config changed after it was made is checked again
         self.feas = Feasibility(budget, caps, multiples)
         self.uniform = self.feas.check(uniform, "uniform allocation")
         self.evaluate = evaluate
@@ -144,9 +143,9 @@ class EvoSearch:
 
     # -- identity of a run: what must match for a resume -----------------------------------
     def _identity(self) -> dict[str, Any]:
-        config = asdict(self.config)
-        config.pop("generations")  # a resume may extend (or shorten) the run, or stop it earlier
-        config.pop("patience")
+        # the search core's settings; a resume may extend (or shorten) the run or stop it earlier
+        # (generations, patience); the fitness is in the fingerprint, the sample count in the data's
+        config = {name: getattr(self.config, name) for name in ("population", "elites", "delta_max", "tau_max", "seed")}
         identity = {
             "config": config,
             "budget": self.feas.budget,

@@ -11,40 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from moeprune.config import SearchConfig
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
 Allocation = tuple[int, ...]  # experts removed per MoE layer
 _MAX_STEP_TRIES = 64  # redraws of one infeasible level-switch step before giving up on the offspring
-
-
-@dataclass(frozen=True)
-class EvoConfig:
-    """Search hyper-parameters; defaults are the paper's (P=32, m=4, T=50, Delta=4, tau=3)."""
-
-    population: int = 32
-    elites: int = 4
-    generations: int = 50
-    delta_max: int = 4
-    tau_max: int = 3
-    seed: int = 42
-    patience: int | None = None  # stop after this many generations without a better best (None: never)
-
-    def validate(self) -> None:
-        for name in ("population", "elites", "generations", "delta_max", "tau_max"):
-            if getattr(self, name) < 1:
-                raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}", options=(name,))
-        if self.patience is not None and self.patience < 1:
-            raise MoePruneError(
-                f"evo patience must be >= 1 generation, got {self.patience}", options=("patience",)
-            )
-        if self.population < self.elites:
-            raise MoePruneError(f"evo population ({self.population}) must be >= elites ({self.elites})")
-        if self.seed < 0:
-            raise MoePruneError(f"evo seed must be >= 0, got {self.seed}")
 
 
 class Feasibility:
@@ -186,7 +160,7 @@ def initial_population(
     caps: Sequence[int],
     multiples: Sequence[int] | None,
     uniform: Sequence[int],
-    config: EvoConfig,
+    config: SearchConfig,
     rng: np.random.Generator,
 ) -> list[Allocation]:
     """Uniform first, then patterned, then random feasible allocations; distinct, at most P.
@@ -212,7 +186,7 @@ def mutate(
     parent: Sequence[int],
     caps: Sequence[int],
     multiples: Sequence[int] | None,
-    config: EvoConfig,
+    config: SearchConfig,
     rng: np.random.Generator,
 ) -> Allocation:
     """tau = min(U{1..tau_max}, U{1..tau_max}) level-switch steps r_a += D, r_b -= D.
@@ -239,3 +213,15 @@ def mutate(
         else:
             return tuple(int(r) for r in parent)
     return tuple(child)
+
+
+def __getattr__(name: str):
+    """`EvoConfig` (the search core's own settings class) became `SearchConfig`, the one place the
+    search settings are declared; the old name still imports, with a warning."""
+    if name == "EvoConfig":
+        import warnings
+
+        warnings.warn("EvoConfig is deprecated: use moeprune.SearchConfig (the same fields, plus fitness and "
+                      "samples)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return SearchConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.limits import LayerLimits, layer_limits
 from moeprune.allocate.search.candidates import TEXT_ONLY_NOTE, CandidateContext, CandidateEvaluator
-from moeprune.allocate.search.evo import Allocation, EvoConfig, EvoResult, EvoSearch
+from moeprune.allocate.search.evo import Allocation, EvoResult, EvoSearch
 from moeprune.allocate.search.fitness import check_fitness
 from moeprune.checkpoint.atomic import write_json
 from moeprune.config import SearchConfig
@@ -96,8 +95,7 @@ def run_evo_search(
     orders: Sequence[Sequence[int]],
     budget: int,
     *,
-    fitness: str = "esap",
-    config: EvoConfig,
+    config: SearchConfig,
     state_path: str | Path | None = None,
     resume: bool = False,
     fingerprint: Mapping[str, Any],
@@ -119,7 +117,7 @@ def run_evo_search(
     arguments: candidates are split over the ranks (module docstring), every rank returns the
     same allocation, and rank 0 alone writes ``state_path`` and its race log.
     """
-    check_fitness(fitness)
+    fitness = check_fitness(config.fitness)
     limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
     uniform = uniform_allocation(
         budget, limits.num_experts, limits.top_k, multiple_of=limits.multiples, max_removed=limits.caps
@@ -247,7 +245,9 @@ def _search_document(
     document = {
         "fitness": evaluator.fitness,
         "higher_is_better": sign > 0,
-        "config": asdict(search.config),
+        # the search core's settings (the fitness has its own key; the samples are the search data's)
+        "config": {k: getattr(search.config, k) for k in ("population", "elites", "generations", "delta_max",
+                                                          "tau_max", "seed", "patience")},  # fmt: skip
         "budget": search.feas.budget,
         "layers": limits.layers,
         "num_experts": limits.num_experts,
@@ -292,13 +292,11 @@ def search_state_path(output: Path) -> Path:
     return output.parent / f".{output.name}.{SEARCH_STATE}"
 
 
-def evo_config(search: SearchConfig) -> EvoConfig:
-    """The search core's settings; `validate` refuses impossible ones before any model runs."""
-    config = EvoConfig(population=search.population, elites=search.elites, generations=search.generations,
-                       delta_max=search.delta_max, tau_max=search.tau_max, seed=search.seed, patience=search.patience)  # fmt: skip
-    config.validate()
+def check_search(search: SearchConfig) -> None:
+    """Refuse impossible search settings before any model runs (a SearchConfig checks itself when
+    made; one changed since is checked again here, with its fitness name)."""
+    search.validate()
     check_fitness(search.fitness)
-    return config
 
 
 def model_fingerprint(moe: MoEModel) -> str:
@@ -339,7 +337,7 @@ def search_allocation(
     fingerprint = {"model": model_fingerprint(moe), "criterion": criterion.name, "method": method,
                    "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
     return run_evo_search(
-        moe, search_set, [s.order for s in scores], budget, fitness=search.fitness, config=evo_config(search),
+        moe, search_set, [s.order for s in scores], budget, config=search,
         state_path=state_path, resume=resume, fingerprint=fingerprint, batch_size=batch_size, progress=progress,
         pad_token_id=pad_token_id, candidate_context=candidate_context, expert_multiple=expert_multiple,
     )  # fmt: skip
