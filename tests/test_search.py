@@ -301,3 +301,15 @@ def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, crite
     )  # fmt: skip
     assert doc["uniform"]["allocation"] != best
     assert doc["fitness_value"] > doc["uniform"]["fitness_value"] + 0.01
+
+
+def test_the_fitness_argument_still_works_with_a_warning():
+    """run_evo_search(fitness=...) from before SearchConfig carried the fitness: same search, and a
+    DeprecationWarning naming the new spelling."""
+    moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=6)
+    config = SearchConfig(population=4, elites=2, generations=2, seed=3)
+    with pytest.warns(DeprecationWarning, match=r"SearchConfig\(fitness=...\)"):
+        old = run_evo_search(moe, data, _orders(moe), 6, config=config, fitness="kl", fingerprint={}, progress=False,
+                             batch_size=3)  # fmt: skip
+    new = _search(moe, data, 6, config, fitness="kl", fingerprint={}, batch_size=3)
+    assert old[0] == new[0] and old[1]["fitness"] == new[1]["fitness"] == "kl"

@@ -21,7 +21,9 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,7 @@ def run_evo_search(
     budget: int,
     *,
     config: SearchConfig,
+    fitness: str | None = None,  # deprecated: SearchConfig(fitness=...)
     state_path: str | Path | None = None,
     resume: bool = False,
     fingerprint: Mapping[str, Any],
@@ -117,6 +120,10 @@ def run_evo_search(
     arguments: candidates are split over the ranks (module docstring), every rank returns the
     same allocation, and rank 0 alone writes ``state_path`` and its race log.
     """
+    if fitness is not None:
+        warnings.warn("run_evo_search(fitness=...) is deprecated: pass SearchConfig(fitness=...) as config",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        config = replace(config, fitness=fitness)
     fitness = check_fitness(config.fitness)
     limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
     uniform = uniform_allocation(
@@ -297,6 +304,14 @@ def check_search(search: SearchConfig) -> None:
     made; one changed since is checked again here, with its fitness name)."""
     search.validate()
     check_fitness(search.fitness)
+
+
+def evo_config(search: SearchConfig) -> SearchConfig:
+    """Deprecated: the search core takes the SearchConfig itself (check_search checks it)."""
+    warnings.warn("evo_config is deprecated: pass the SearchConfig itself (check_search validates it)",
+                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    check_search(search)
+    return search
 
 
 def model_fingerprint(moe: MoEModel) -> str:
