@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./setup.sh
 ./scripts/setup_vllm.sh
+.venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
+.venv/bin/ruff format --check src
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 .venv-vllm/bin/python -m pytest --ignore=tests/test_serve_vllm.py "$@"

@@ -28,6 +28,7 @@ _LAZY = {
 
 __all__ = ["__version__", "load_pretrained", "save_pretrained", *_LAZY]
 
+
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

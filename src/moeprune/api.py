@@ -107,8 +107,9 @@ def _as_sets(data, tokenizer, options: DataOptions, per_domain: bool, why: str) 
         raise MoePruneError(
             "calibration data given as files needs the model's tokenizer", options=("tokenizer",)
         )
-    return calibration_sets(tokenizer, replace(options, sources=[str(d) for d in items]), per_domain=per_domain,
-                            why=why)  # fmt: skip
+    return calibration_sets(
+        tokenizer, replace(options, sources=[str(d) for d in items]), per_domain=per_domain, why=why
+    )
 
 
 def prune(
@@ -170,32 +171,73 @@ def prune(
         routed_parameters(moe),
         kept_per_layer(moe),
     )
-    crit, scores, stats = score_experts(moe, crit.name, sets, batch_size=batch_size, pad_token_id=pad, seed=config.seed,
-                                        progress=progress, neurons=method.neurons)  # fmt: skip
+    crit, scores, stats = score_experts(
+        moe,
+        crit.name,
+        sets,
+        batch_size=batch_size,
+        pad_token_id=pad,
+        seed=config.seed,
+        progress=progress,
+        neurons=method.neurons,
+    )
     auto_table = None
     if auto:
         best, auto_table = choose_criterion(
-            moe, stats, search_set, sparsity=config.sparsity, method=config.method, fitness=config.search.fitness,
-            batch_size=batch_size, pad_token_id=pad, seed=config.seed, progress=progress,
-        )  # fmt: skip
+            moe,
+            stats,
+            search_set,
+            sparsity=config.sparsity,
+            method=config.method,
+            fitness=config.search.fitness,
+            batch_size=batch_size,
+            pad_token_id=pad,
+            seed=config.seed,
+            progress=progress,
+        )
         crit = get_criterion(best)
-        scores = compute_scores(best, stats=(stats if len(stats) > 1 else stats[0]) if crit.needs_data else None,
-                                weights=moe.layers if crit.needs_weights else None, seed=config.seed,
-                                layers=[m.index for m in moe.layers])  # fmt: skip
+        scores = compute_scores(
+            best,
+            stats=(stats if len(stats) > 1 else stats[0]) if crit.needs_data else None,
+            weights=moe.layers if crit.needs_weights else None,
+            seed=config.seed,
+            layers=[m.index for m in moe.layers],
+        )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
     if config.allocation == "evo":
         removed, search_doc = search_allocation(
-            moe, crit, scores, stats, search_set, sparsity=config.sparsity, method=config.method, search=config.search,
-            state_path=search_state, resume=resume, batch_size=batch_size, pad_token_id=getattr(tokenizer, "pad_token_id", None),
-            progress=progress, expert_multiple=config.expert_multiple,
+            moe,
+            crit,
+            scores,
+            stats,
+            search_set,
+            sparsity=config.sparsity,
+            method=config.method,
+            search=config.search,
+            state_path=search_state,
+            resume=resume,
+            batch_size=batch_size,
+            pad_token_id=getattr(tokenizer, "pad_token_id", None),
+            progress=progress,
+            expert_multiple=config.expert_multiple,
             candidate_context=novice_context(moe, stats) if config.method == "novice" else None,
-        )  # fmt: skip
+        )
     plan = build_plan(
-        moe, crit, scores, sparsity=config.sparsity, allocation=config.allocation, method=config.method, stats=stats,
-        removed=removed, data_fingerprint=fingerprint, expert_multiple=config.expert_multiple,
-        neuron_importance=config.neuron_importance, important_fraction=config.important_fraction, slope=config.slope,
-    )  # fmt: skip
+        moe,
+        crit,
+        scores,
+        sparsity=config.sparsity,
+        allocation=config.allocation,
+        method=config.method,
+        stats=stats,
+        removed=removed,
+        data_fingerprint=fingerprint,
+        expert_multiple=config.expert_multiple,
+        neuron_importance=config.neuron_importance,
+        important_fraction=config.important_fraction,
+        slope=config.slope,
+    )
     surgery = apply_plan(moe, plan, stats)
     report = {
         "criterion": crit.name,
@@ -230,8 +272,17 @@ def prune(
             "table": auto_table,
         }
     if search_doc is not None:
-        keys = ("fitness", "budget", "allocation", "fitness_value", "uniform", "evaluations", "stopped", "teacher_cache",
-                "notes")  # fmt: skip
+        keys = (
+            "fitness",
+            "budget",
+            "allocation",
+            "fitness_value",
+            "uniform",
+            "evaluations",
+            "stopped",
+            "teacher_cache",
+            "notes",
+        )
         report["search"] = {k: search_doc[k] for k in keys if k in search_doc}
     return PruneResult(model, plan, crit, scores, stats, report, search_doc, sets)
 
@@ -265,18 +316,33 @@ class PruneJob:
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
-        counts = lambda d: {"sources": list(d.sources), "samples": len(d.samples),  # noqa: E731
-                            "tokens": sum(len(s.input_ids) for s in d.samples), "truncated": d.truncated}  # fmt: skip
+
+        def counts(d) -> dict:
+            return {
+                "sources": list(d.sources),
+                "samples": len(d.samples),
+                "tokens": sum(len(s.input_ids) for s in d.samples),
+                "truncated": d.truncated,
+            }
+
         return {
-            "model": str(self.model_path), "family": self.meta.model_type,
-            "moe_layers": [m.index for m in self.meta.layers], "experts_per_layer": [m.num_experts for m in self.meta.layers],
-            "top_k": [m.top_k for m in self.meta.layers], "criterion": self.config.criterion,
-            "allocation": self.config.allocation, "method": self.config.method, "sparsity": self.config.sparsity,
-            "sparsity_unit": METHODS.get(self.config.method).sparsity_unit, **self.layer_budget,
+            "model": str(self.model_path),
+            "family": self.meta.model_type,
+            "moe_layers": [m.index for m in self.meta.layers],
+            "experts_per_layer": [m.num_experts for m in self.meta.layers],
+            "top_k": [m.top_k for m in self.meta.layers],
+            "criterion": self.config.criterion,
+            "allocation": self.config.allocation,
+            "method": self.config.method,
+            "sparsity": self.config.sparsity,
+            "sparsity_unit": METHODS.get(self.config.method).sparsity_unit,
+            **self.layer_budget,
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
-            "output": str(self.output), "save_dtype": str(self.save_dtype).removeprefix("torch."), "resume": self.resume,
-        }  # fmt: skip
+            "output": str(self.output),
+            "save_dtype": str(self.save_dtype).removeprefix("torch."),
+            "resume": self.resume,
+        }
 
 
 def check_resume(output: Path, allocation: str, resume: bool, overwrite: bool) -> None:
@@ -284,18 +350,27 @@ def check_resume(output: Path, allocation: str, resume: bool, overwrite: bool) -
     if not resume:
         return
     if allocation != "evo":
-        raise MoePruneError("resuming continues an interrupted EvoESAP search; it needs the evo allocation",
-                            options=("resume", "allocation"))  # fmt: skip
+        raise MoePruneError(
+            "resuming continues an interrupted EvoESAP search; it needs the evo allocation",
+            options=("resume", "allocation"),
+        )
     if overwrite:
-        raise MoePruneError("resuming continues a search into a new output; it cannot also replace an existing one",
-                            options=("resume", "overwrite"))  # fmt: skip
+        raise MoePruneError(
+            "resuming continues a search into a new output; it cannot also replace an existing one",
+            options=("resume", "overwrite"),
+        )
     if output.exists():
-        raise MoePruneError(f"{str(output)!r} already exists and holds a finished result, not a search in progress: "
-                            "nothing to resume; choose another output", options=("resume",))  # fmt: skip
+        raise MoePruneError(
+            f"{str(output)!r} already exists and holds a finished result, not a search in progress: "
+            "nothing to resume; choose another output",
+            options=("resume",),
+        )
     state = search_state_path(output)
     if not state.is_file():
-        raise MoePruneError(f"nothing to resume: no search in progress for {str(output)!r} (no {state.name})",
-                            options=("resume",))  # fmt: skip
+        raise MoePruneError(
+            f"nothing to resume: no search in progress for {str(output)!r} (no {state.name})",
+            options=("resume",),
+        )
 
 
 def _check_sources(sources: Sequence[str], what: str) -> None:
@@ -308,16 +383,28 @@ def _check_sources(sources: Sequence[str], what: str) -> None:
 
 
 def prepare(
-    model_path: str | Path, output: str | Path, config: PruneConfig, *, data: DataOptions | None = None,
-    search_data: Sequence[str] = (), tokenizer_path: str | Path | None = None, dtype: str | None = None,
-    save: SaveOptions | None = None, overwrite: bool = False, resume: bool = False, trust_remote_code: bool = False,
-) -> PruneJob:  # fmt: skip
+    model_path: str | Path,
+    output: str | Path,
+    config: PruneConfig,
+    *,
+    data: DataOptions | None = None,
+    search_data: Sequence[str] = (),
+    tokenizer_path: str | Path | None = None,
+    dtype: str | None = None,
+    save: SaveOptions | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    trust_remote_code: bool = False,
+) -> PruneJob:
     """Every check of a prune request that needs no weights, in the order a user would fix them."""
     data, save = data or DataOptions(), save or SaveOptions()
     config = check_config(config)
     if data.sequential:
-        raise MoePruneError("sequential (layer-by-layer) observation never loads the whole model: use it to score, "
-                            "or to prune without loading", options=("sequential",))  # fmt: skip
+        raise MoePruneError(
+            "sequential (layer-by-layer) observation never loads the whole model: use it to score, "
+            "or to prune without loading",
+            options=("sequential",),
+        )
     placement = Placement.choose(data.device, dtype)  # an unknown or absent device fails now
     model_path, output = check_model_path(model_path), Path(output)
     model_config = load_config(
@@ -349,32 +436,75 @@ def prepare(
         if crit.needs_data or method.needs or auto:
             calibration = calibration_sets(tokenizer, data, per_domain=crit.per_domain)
         if searching:
-            search_set = load_data(list(search_data), tokenizer, num_samples=config.search.samples or None,
-                                   max_length=data.max_length, seed=data.seed)  # fmt: skip
+            search_set = load_data(
+                list(search_data),
+                tokenizer,
+                num_samples=config.search.samples or None,
+                max_length=data.max_length,
+                seed=data.seed,
+            )
     stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
         if save.dtype
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
-    return PruneJob(model_path, output, config, data, placement, save_dtype, save.max_shard_size, overwrite, resume, meta,
-                    tokenizer, calibration, search_set, layer_budget, list(search_data), trust_remote_code)  # fmt: skip
+    return PruneJob(
+        model_path,
+        output,
+        config,
+        data,
+        placement,
+        save_dtype,
+        save.max_shard_size,
+        overwrite,
+        resume,
+        meta,
+        tokenizer,
+        calibration,
+        search_set,
+        layer_budget,
+        list(search_data),
+        trust_remote_code,
+    )
 
 
 def prune_checkpoint(
-    model_path: str | Path, output: str | Path, config: PruneConfig, *, data: DataOptions | None = None,
-    search_data: Sequence[str] = (), tokenizer_path: str | Path | None = None, dtype: str | None = None,
-    save: SaveOptions | None = None, overwrite: bool = False, resume: bool = False, dry_run: bool = False,
-    trust_remote_code: bool = False, progress: bool = True, command_line: str | None = None,
-) -> dict:  # fmt: skip
+    model_path: str | Path,
+    output: str | Path,
+    config: PruneConfig,
+    *,
+    data: DataOptions | None = None,
+    search_data: Sequence[str] = (),
+    tokenizer_path: str | Path | None = None,
+    dtype: str | None = None,
+    save: SaveOptions | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    dry_run: bool = False,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+    command_line: str | None = None,
+) -> dict:
     """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with `dry_run`,
     the plan of work: nothing is loaded or written).
 
     Under torchrun every rank runs this with the same arguments: observation and the search are
     data-parallel, and rank 0 alone writes OUTPUT.
     """
-    job = prepare(model_path, output, config, data=data, search_data=search_data, tokenizer_path=tokenizer_path,
-                  dtype=dtype, save=save, overwrite=overwrite, resume=resume, trust_remote_code=trust_remote_code)  # fmt: skip
+    job = prepare(
+        model_path,
+        output,
+        config,
+        data=data,
+        search_data=search_data,
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        save=save,
+        overwrite=overwrite,
+        resume=resume,
+        trust_remote_code=trust_remote_code,
+    )
     if dry_run:
         return job.describe()
     job.command_line = command_line
@@ -396,24 +526,50 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.trust_remote_code)
     timer.lap("load")
     data = job.data
-    result = prune(model, job.config, data=job.calibration or None, tokenizer=job.tokenizer, search_data=job.search_set,
-                   batch_size=data.batch_size, data_seed=data.seed, progress=progress,
-                   search_state=search_state_path(job.output), resume=job.resume)  # fmt: skip
+    result = prune(
+        model,
+        job.config,
+        data=job.calibration or None,
+        tokenizer=job.tokenizer,
+        search_data=job.search_set,
+        batch_size=data.batch_size,
+        data_seed=data.seed,
+        progress=progress,
+        search_state=search_state_path(job.output),
+        resume=job.resume,
+    )
     timer.lap("prune")
     moe = MoEModel(model)
-    report = {"command": "prune", "moeprune_version": __version__, "model": str(job.model_path),
-              "output": str(job.output), "model_type": moe.model_type, **result.report,
-              "save_dtype": str(job.save_dtype).removeprefix("torch."), "command_line": job.command_line}  # fmt: skip
-    recipe = {"moeprune_version": __version__, "config": job.config.to_dict(),
-              "data": {"calibration": list(data.sources), "search": job.search_data,
-                       "samples": data.samples, "max_length": data.max_length, "batch_size": data.batch_size,
-                       "seed": data.seed, "packing": data.packing},
-              "save": {"dtype": report["save_dtype"], "max_shard_size": job.max_shard_size}}  # fmt: skip
+    report = {
+        "command": "prune",
+        "moeprune_version": __version__,
+        "model": str(job.model_path),
+        "output": str(job.output),
+        "model_type": moe.model_type,
+        **result.report,
+        "save_dtype": str(job.save_dtype).removeprefix("torch."),
+        "command_line": job.command_line,
+    }
+    recipe = {
+        "moeprune_version": __version__,
+        "config": job.config.to_dict(),
+        "data": {
+            "calibration": list(data.sources),
+            "search": job.search_data,
+            "samples": data.samples,
+            "max_length": data.max_length,
+            "batch_size": data.batch_size,
+            "seed": data.seed,
+            "packing": data.packing,
+        },
+        "save": {"dtype": report["save_dtype"], "max_shard_size": job.max_shard_size},
+    }
 
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
-            report["format"] = write_checkpoint(model, tmp, job.tokenizer, dtype=job.save_dtype,
-                                                max_shard_size=job.max_shard_size)  # fmt: skip
+            report["format"] = write_checkpoint(
+                model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
+            )
         report["disk_bytes"] = {"before": weight_bytes(job.model_path), "after": weight_bytes(tmp)}
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
@@ -422,8 +578,13 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             plot_search_curve(
                 tmp / "search_curve.png", result.search["generations"], result.search["fitness"]
             )
-        draw_kept(tmp / "density.png", report, result.search, [m.hidden_size for m in moe.layers],
-                  expert_unit=METHODS.get(job.config.method).sparsity_unit == "experts")  # fmt: skip
+        draw_kept(
+            tmp / "density.png",
+            report,
+            result.search,
+            [m.hidden_size for m in moe.layers],
+            expert_unit=METHODS.get(job.config.method).sparsity_unit == "experts",
+        )
         timer.lap("save")
         report["timing_s"] = timer.total()
         write_json(tmp / "report.json", report)
@@ -442,9 +603,16 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
 
 # ----------------------------------------------------------------------------- score a checkpoint
 def prepare_score(
-    model_path: str | Path, output: str | Path, criterion: str, *, data: DataOptions, tokenizer_path=None,
-    overwrite: bool = False, trust_remote_code: bool = False, load_sets: bool = True,
-) -> tuple[Path, object | None, list[CalibrationData]]:  # fmt: skip
+    model_path: str | Path,
+    output: str | Path,
+    criterion: str,
+    *,
+    data: DataOptions,
+    tokenizer_path=None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    load_sets: bool = True,
+) -> tuple[Path, object | None, list[CalibrationData]]:
     """The checks of `moeprune score` that need no weights; returns (model path, tokenizer, data)."""
     crit = get_criterion(criterion)
     Placement.choose(data.device if data.device != "auto" or not data.sequential else None, None)
@@ -456,8 +624,10 @@ def prepare_score(
     if output.is_dir():
         raise MoePruneError(f"{str(output)!r} is a folder; the scores go to a JSON file", options=("output",))
     if output.exists() and not overwrite:
-        raise MoePruneError(f"{str(output)!r} already exists; choose another path or allow overwriting it",
-                            options=("overwrite",))  # fmt: skip
+        raise MoePruneError(
+            f"{str(output)!r} already exists; choose another path or allow overwriting it",
+            options=("overwrite",),
+        )
     check_creatable(output)
     if not crit.needs_data:
         return model_path, None, []
@@ -470,12 +640,29 @@ def prepare_score(
     )
 
 
-def score_loaded(model_path: Path, criterion: str, sets: list[CalibrationData], data: DataOptions, *, tokenizer=None,
-                 dtype: str | None = None, seed: int = 0, progress: bool = True, trust_remote_code: bool = False) -> dict:  # fmt: skip
+def score_loaded(
+    model_path: Path,
+    criterion: str,
+    sets: list[CalibrationData],
+    data: DataOptions,
+    *,
+    tokenizer=None,
+    dtype: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> dict:
     """`moeprune score` on the loaded model: the scores document."""
     with stage(f"loading {model_path}", progress), transformers_bars_off():
         model, _ = load_placed(model_path, Placement.choose(data.device, dtype), trust_remote_code)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
-    crit, scores, stats = score_experts(MoEModel(model), criterion, sets, batch_size=data.batch_size, pad_token_id=pad,
-                                        seed=seed, progress=progress)  # fmt: skip
+    crit, scores, stats = score_experts(
+        MoEModel(model),
+        criterion,
+        sets,
+        batch_size=data.batch_size,
+        pad_token_id=pad,
+        seed=seed,
+        progress=progress,
+    )
     return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}

@@ -60,8 +60,10 @@ class Registry(Generic[T]):
         try:
             return self._specs[name]
         except KeyError:
-            raise MoePruneError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self._specs)}",
-                                options=(self.option,)) from None  # fmt: skip
+            raise MoePruneError(
+                f"unknown {self.kind} {name!r}; choose one of: {', '.join(self._specs)}",
+                options=(self.option,),
+            ) from None
 
     def names(self) -> list[str]:
         return list(self._specs)
@@ -123,23 +125,48 @@ class SearchConfig:
     """EvoESAP's settings (defaults: the paper's, P=32, m=4, T=50, Delta=4, tau=3). The one place
     they are declared and checked: the search core, the CLI flags and recipe.json all read it."""
 
-    fitness: str = setting("esap", "evo: what a candidate is scored by against the full model (all cost the same):")
-    samples: int = setting(64, "evo: search samples (0 = all); time grows linearly with them.",
-                           flag="--search-samples", minimum=0)  # fmt: skip
-    population: int = setting(32, "evo: candidates per generation; time grows linearly (cached candidates cost "
-                                  "nothing).", minimum=1)  # fmt: skip
-    elites: int = setting(4, "evo: best candidates kept as parents each generation (at most the population); elites "
-                             "are not re-evaluated, so more elites mean fewer evaluations per generation.", minimum=1)  # fmt: skip
+    fitness: str = setting(
+        "esap", "evo: what a candidate is scored by against the full model (all cost the same):"
+    )
+    samples: int = setting(
+        64,
+        "evo: search samples (0 = all); time grows linearly with them.",
+        flag="--search-samples",
+        minimum=0,
+    )
+    population: int = setting(
+        32, "evo: candidates per generation; time grows linearly (cached candidates cost nothing).", minimum=1
+    )
+    elites: int = setting(
+        4,
+        "evo: best candidates kept as parents each generation (at most the population); elites "
+        "are not re-evaluated, so more elites mean fewer evaluations per generation.",
+        minimum=1,
+    )
     generations: int = setting(50, "evo: generations at most; time grows linearly.", minimum=1)
-    patience: int | None = setting(None, "evo: stop once the best fitness has not improved for G generations "
-                                         "[default: never; the result then stays that of the full run]; saves the "
-                                         "remaining generations' time.", minimum=1)  # fmt: skip
-    delta_max: int = setting(4, "evo: most experts one mutation step moves between two layers; larger steps explore "
-                                "faster, at the same cost per generation.", minimum=1)  # fmt: skip
-    tau_max: int = setting(3, "evo: most mutation steps composed into one offspring; no effect on time per "
-                              "generation.", minimum=1)  # fmt: skip
-    seed: int = setting(42, "evo: seed of the search (same seed and data: same result); no effect on time.",
-                        flag="--search-seed")  # fmt: skip
+    patience: int | None = setting(
+        None,
+        "evo: stop once the best fitness has not improved for G generations "
+        "[default: never; the result then stays that of the full run]; saves the "
+        "remaining generations' time.",
+        minimum=1,
+    )
+    delta_max: int = setting(
+        4,
+        "evo: most experts one mutation step moves between two layers; larger steps explore "
+        "faster, at the same cost per generation.",
+        minimum=1,
+    )
+    tau_max: int = setting(
+        3,
+        "evo: most mutation steps composed into one offspring; no effect on time per generation.",
+        minimum=1,
+    )
+    seed: int = setting(
+        42,
+        "evo: seed of the search (same seed and data: same result); no effect on time.",
+        flag="--search-seed",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,7 +185,9 @@ class SearchConfig:
         if self.seed < 0:
             raise MoePruneError(f"evo seed must be >= 0, got {self.seed}")
         if self.samples < 0:
-            raise MoePruneError(f"evo samples must be >= 0 (0: every sample), got {self.samples}", options=("samples",))
+            raise MoePruneError(
+                f"evo samples must be >= 0 (0: every sample), got {self.samples}", options=("samples",)
+            )
 
 
 @dataclass
@@ -197,8 +226,11 @@ def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     unknown = sorted(set(data) - set(known))
     if unknown:
         also = ", search" if cls is PruneConfig else ""  # read separately, as a SearchConfig
-        raise MoePruneError(f"{where} has unknown keys {unknown}; remove them or use the known ones: "
-                            f"{', '.join(known)}{also}", options=("config",))  # fmt: skip
+        raise MoePruneError(
+            f"{where} has unknown keys {unknown}; remove them or use the known ones: "
+            f"{', '.join(known)}{also}",
+            options=("config",),
+        )
     missing = [
         n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data
     ]

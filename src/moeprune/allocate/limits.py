@@ -51,8 +51,10 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
     group constraints and keeps only "at least top_k weight-holding experts".
     """
     if isinstance(expert_multiple, bool) or not isinstance(expert_multiple, int) or expert_multiple < 1:
-        raise MoePruneError(f"expert_multiple must be a positive integer, got {expert_multiple!r}",
-                            options=("expert_multiple",))  # fmt: skip
+        raise MoePruneError(
+            f"expert_multiple must be a positive integer, got {expert_multiple!r}",
+            options=("expert_multiple",),
+        )
     uneven = [(m.index, m.num_experts) for m in moe.layers if m.num_experts % expert_multiple]
     if uneven:
         layer, count = uneven[0]
@@ -77,9 +79,13 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
 
 
 def expert_allocation(
-    moe: MoEModel, criterion: Criterion, scores: Sequence[LayerScores], sparsity: float, allocation: str,
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    sparsity: float,
+    allocation: str,
     limits: LayerLimits | None = None,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """How many experts each MoE layer loses under the global budget (uniform or global)."""
     limits = limits or layer_limits(moe)
     budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
@@ -88,8 +94,15 @@ def expert_allocation(
     if allocation == "global":
         normalize = not criterion.comparable_across_layers
         return global_allocation(
-            [s.scores for s in scores], criterion.prune_first, budget, limits.num_experts, limits.top_k, normalize,
+            [s.scores for s in scores],
+            criterion.prune_first,
+            budget,
+            limits.num_experts,
+            limits.top_k,
+            normalize,
             **limits.as_kwargs(),
-        )  # fmt: skip
-    raise MoePruneError(f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)",
-                        options=("allocation",))  # fmt: skip
+        )
+    raise MoePruneError(
+        f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)",
+        options=("allocation",),
+    )

@@ -18,11 +18,20 @@ from typing import Any
 
 _EXPORTS = {
     "atomic": ("atomic_write_dir", "check_not_inside", "check_output_dir", "output_lock", "write_json"),
-    "load": ("build_skeleton", "check_model_path", "check_not_offloaded", "load_config", "load_model", "load_placed",
-             "load_pretrained", "load_tokenizer", "require_tokenizer"),
+    "load": (
+        "build_skeleton",
+        "check_model_path",
+        "check_not_offloaded",
+        "load_config",
+        "load_model",
+        "load_placed",
+        "load_pretrained",
+        "load_tokenizer",
+        "require_tokenizer",
+    ),
     "save": ("save_pretrained", "stock_expressible", "write_checkpoint"),
     "structure": ("FORMAT_VERSION", "LEGACY_FILE", "is_moeprune_format"),
-}  # fmt: skip
+}
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 

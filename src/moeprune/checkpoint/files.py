@@ -30,8 +30,18 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,15 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     base = 8 + length
     try:
         tensors = {
-            key: StoredTensor(path.name, v["dtype"], tuple(v["shape"]), base + v["data_offsets"][0],
-                              base + v["data_offsets"][1])
+            key: StoredTensor(
+                path.name,
+                v["dtype"],
+                tuple(v["shape"]),
+                base + v["data_offsets"][0],
+                base + v["data_offsets"][1],
+            )
             for key, v in header.items()
-        }  # fmt: skip
+        }
     except (KeyError, TypeError, IndexError) as exc:
         raise MoePruneError(f"{path} has a malformed safetensors header ({exc})") from exc
     end = max((t.end for t in tensors.values()), default=base)
@@ -150,9 +165,12 @@ def parse_size(size: int | str) -> int:
 
 
 def write_shards(
-    folder: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    folder: Path,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Write tensors like save_pretrained: `model.safetensors`, or numbered shards plus an index.
 
     Floating tensors are cast to `dtype` (others keep theirs) one shard at a time, so the extra

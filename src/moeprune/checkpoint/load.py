@@ -346,8 +346,13 @@ def load_placed(
     path: str | Path, placement: Placement, trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, object | None]:
     """Load where `placement` says, and refuse weights holding NaN or inf, naming the first such tensor."""
-    model, tokenizer = load_model(path, dtype=placement.dtype, device=placement.device,
-                                  device_map=placement.device_map, trust_remote_code=trust_remote_code)  # fmt: skip
+    model, tokenizer = load_model(
+        path,
+        dtype=placement.dtype,
+        device=placement.device,
+        device_map=placement.device_map,
+        trust_remote_code=trust_remote_code,
+    )
     check_finite_weights(model, f"the model {path}")
     return model, tokenizer
 
@@ -359,8 +364,10 @@ def require_tokenizer(
     where = tokenizer_path or model_path
     tokenizer = load_tokenizer(where, trust_remote_code)
     if tokenizer is None:
-        raise MoePruneError(f"no tokenizer found in {str(where)!r}; give a folder with tokenizer files",
-                            options=("tokenizer_path",))  # fmt: skip
+        raise MoePruneError(
+            f"no tokenizer found in {str(where)!r}; give a folder with tokenizer files",
+            options=("tokenizer_path",),
+        )
     return tokenizer
 
 

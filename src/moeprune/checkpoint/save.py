@@ -62,9 +62,13 @@ def drop_mtp_layers(config) -> None:
 
 
 def write_checkpoint(
-    model: PreTrainedModel, folder: str | Path, tokenizer=None, *, dtype: torch.dtype | None = None,
+    model: PreTrainedModel,
+    folder: str | Path,
+    tokenizer=None,
+    *,
+    dtype: torch.dtype | None = None,
     max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE,
-) -> str:  # fmt: skip
+) -> str:
     """Write `model` into the existing folder `folder`; returns "stock" or "moeprune" (the format).
 
     Not atomic by itself: callers write into a temporary folder (atomic_write_dir) and rename it.
@@ -124,9 +128,14 @@ def moeprune_config(moe: MoEModel, config) -> dict:
 
 
 def save_pretrained(
-    model: PreTrainedModel, directory: str | Path, tokenizer=None, *, dtype: str | torch.dtype | None = None,
-    max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
-) -> str:  # fmt: skip
+    model: PreTrainedModel,
+    directory: str | Path,
+    tokenizer=None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+) -> str:
     """Save atomically into `directory` (an existing non-empty folder needs overwrite=True);
     returns "stock" or "moeprune", the format used."""
     directory = Path(directory)

@@ -31,9 +31,11 @@ def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None
     if limit is not None and limit <= 0:
         raise MoePruneError(f"--limit must be positive, got {limit}")
     options = LmEvalOptions(
-        tasks=parse_tasks(tasks), include=include, batch_size=batch_size,
+        tasks=parse_tasks(tasks),
+        include=include,
+        batch_size=batch_size,
         limit=None if limit is None else (limit if limit < 1 else int(limit)),
-    )  # fmt: skip
+    )
     task_manager(options)  # fails now, before any model is loaded
     return options
 
@@ -79,10 +81,24 @@ def _check_output(output: str | None, overwrite: bool) -> None:
 )
 @click.option("--limit", type=float, default=None, help="lm-eval documents per task (< 1: a fraction).")
 @data_options
-def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics: str, output: str | None,
-                 overwrite: bool, plots: bool, gamma: int, spec_mode: str, spec_prompts: int, spec_tokens: int,
-                 temperature: float, lm_eval_tasks: str | None, lm_eval_include: str | None,
-                 limit: float | None, **kwargs) -> None:  # fmt: skip
+def eval_command(
+    models: tuple[str, ...],
+    reference: str,
+    compare: bool,
+    metrics: str,
+    output: str | None,
+    overwrite: bool,
+    plots: bool,
+    gamma: int,
+    spec_mode: str,
+    spec_prompts: int,
+    spec_tokens: int,
+    temperature: float,
+    lm_eval_tasks: str | None,
+    lm_eval_include: str | None,
+    limit: float | None,
+    **kwargs,
+) -> None:
     """Evaluate pruned MODEL(s) against REFERENCE: esap, kl, nll, ppl, accept, routing, layer-error, size.
 
     Each --data file is evaluated and reported on its own (files are not mixed).
@@ -91,13 +107,20 @@ def eval_command(models: tuple[str, ...], reference: str, compare: bool, metrics
         raise MoePruneError(f"{len(models)} MODELs given: pass --compare to evaluate them side by side")
     _check_output(output, overwrite)
     options = EvalOptions(
-        data=data_from_options(kwargs), metrics=parse_metrics(metrics), tokenizer_path=kwargs["tokenizer_path"],
-        dtype=kwargs["dtype"], device=kwargs.get("device"), gamma=gamma, spec_modes=_SPEC_MODES[spec_mode],
-        spec_prompts=spec_prompts, spec_tokens=spec_tokens, temperature=temperature,
+        data=data_from_options(kwargs),
+        metrics=parse_metrics(metrics),
+        tokenizer_path=kwargs["tokenizer_path"],
+        dtype=kwargs["dtype"],
+        device=kwargs.get("device"),
+        gamma=gamma,
+        spec_modes=_SPEC_MODES[spec_mode],
+        spec_prompts=spec_prompts,
+        spec_tokens=spec_tokens,
+        temperature=temperature,
         lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
         progress=not kwargs["quiet"],
-    )  # fmt: skip
+    )
     with RunLog(command_line()) as log:
         doc = evaluate_models(list(models), reference, options)
         if not output:

@@ -17,33 +17,81 @@ from moeprune.runtime.device import DTYPES
 def data_options(func):
     """Options of every command that reads calibration or evaluation data and loads a model."""
     options = [
-        click.option("--data", "data", multiple=True, metavar="FILE[:WEIGHT]",
-                     help="Data file (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat for several."),
-        click.option("--samples", type=click.IntRange(min=0), default=128, show_default=True,
-                     help="Samples to draw (0 = all)."),
-        click.option("--max-length", type=click.IntRange(min=1), default=512, show_default=True,
-                     help="Truncate samples to L tokens."),
+        click.option(
+            "--data",
+            "data",
+            multiple=True,
+            metavar="FILE[:WEIGHT]",
+            help="Data file (JSONL/.txt/.parquet/.arrow/save_to_disk folder); repeat for several.",
+        ),
+        click.option(
+            "--samples",
+            type=click.IntRange(min=0),
+            default=128,
+            show_default=True,
+            help="Samples to draw (0 = all).",
+        ),
+        click.option(
+            "--max-length",
+            type=click.IntRange(min=1),
+            default=512,
+            show_default=True,
+            help="Truncate samples to L tokens.",
+        ),
         click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True),
-        click.option("--packing/--no-packing", default=False, show_default=True, help="Pack samples into full rows."),
-        click.option("--tokenizer", "tokenizer_path", type=click.Path(), default=None,
-                     help="Tokenizer folder, if the checkpoint has none."),
-        click.option("--seed", type=int, default=0, show_default=True,
-                     help="Seed of the data sampling and of the random criterion."),
-        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-                     help="Model dtype [default: bf16 on GPU, fp32 on CPU]."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="torch CPU threads (default: torch's choice)."),
-        click.option("--trust-remote-code", is_flag=True,
-                     help="Allow a checkpoint's own Python code (tokenizer or config); never run otherwise."),
-        click.option("--device", default=None,
-                     help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any]."),
-        click.option("--sequential", is_flag=True,
-                     help="Observe one decoder layer at a time without loading the whole model (score, prune --no-load)."),
-        click.option("--activations-dir", type=click.Path(file_okay=False), default=None,
-                     help="--sequential: keep the cached activations in a temporary folder here (on disk) instead "
-                          "of in memory; removed afterwards."),
+        click.option(
+            "--packing/--no-packing", default=False, show_default=True, help="Pack samples into full rows."
+        ),
+        click.option(
+            "--tokenizer",
+            "tokenizer_path",
+            type=click.Path(),
+            default=None,
+            help="Tokenizer folder, if the checkpoint has none.",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Seed of the data sampling and of the random criterion.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(list(DTYPES)),
+            default=None,
+            help="Model dtype [default: bf16 on GPU, fp32 on CPU].",
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="torch CPU threads (default: torch's choice).",
+        ),
+        click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            help="Allow a checkpoint's own Python code (tokenizer or config); never run otherwise.",
+        ),
+        click.option(
+            "--device",
+            default=None,
+            help="cpu, cuda, cuda:N or auto (accelerate device_map over all GPUs) [default: GPU if any].",
+        ),
+        click.option(
+            "--sequential",
+            is_flag=True,
+            help="Observe one decoder layer at a time without loading the whole model (score, prune --no-load).",
+        ),
+        click.option(
+            "--activations-dir",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="--sequential: keep the cached activations in a temporary folder here (on disk) instead "
+            "of in memory; removed afterwards.",
+        ),
         click.option("--quiet", is_flag=True, help="No progress bars."),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         func = option(func)
     return func
@@ -82,8 +130,9 @@ def option_name(setting: Field) -> str:
     return flag.lstrip("-").replace("-", "_") if flag else setting.name
 
 
-def config_options(cls: type, *, choices: dict[str, list[str]] | None = None,
-                   helps: dict[str, str] | None = None) -> Callable:  # fmt: skip
+def config_options(
+    cls: type, *, choices: dict[str, list[str]] | None = None, helps: dict[str, str] | None = None
+) -> Callable:
     """Decorator: one click option per `setting` field of the config class `cls`, with the field's
     default, lower bound and help (`choices` and `helps` add what the config module cannot import,
     e.g. a registry's names), so a setting is declared once and the flag follows it."""
@@ -99,9 +148,14 @@ def config_options(cls: type, *, choices: dict[str, list[str]] | None = None,
             else:
                 kind = type(setting.default) if setting.default is not None else str
             flag = meta.get("flag") or "--" + setting.name.replace("_", "-")
-            func = click.option(flag, option_name(setting), type=kind, default=setting.default,
-                                show_default=setting.default is not None,
-                                help=helps.get(setting.name, meta["help"]))(func)  # fmt: skip
+            func = click.option(
+                flag,
+                option_name(setting),
+                type=kind,
+                default=setting.default,
+                show_default=setting.default is not None,
+                help=helps.get(setting.name, meta["help"]),
+            )(func)
         return func
 
     return decorate

@@ -43,8 +43,10 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise MoePruneError(f"cannot read the config {path}: {exc}; give a recipe.json written beside a result",
-                            options=("config",)) from None  # fmt: skip
+        raise MoePruneError(
+            f"cannot read the config {path}: {exc}; give a recipe.json written beside a result",
+            options=("config",),
+        ) from None
     if not isinstance(doc, dict):
         raise MoePruneError(
             f"the config {path} is not a JSON object; give a recipe.json written beside a result"
@@ -73,23 +75,61 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @main.command()
 @click.argument("model")
 @click.option("--output", required=True, type=click.Path(), help="Folder for the pruned checkpoint.")
-@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_recipe_defaults,
-              help="Repeat an earlier run: its recipe.json (written beside every result) sets the defaults of every "
-                   "option below; options you type still win.")  # fmt: skip
-@click.option("--criterion", required=True, type=click.Choice([*CRITERIA.names(), AUTO]),
-              help=registry_help(CRITERIA, "How experts are ranked:") + " auto: the best uniform plan on --search-data.")  # fmt: skip
-@click.option("--sparsity", required=True, type=click.FloatRange(0, 1, min_open=True, max_open=True),
-              help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.")  # fmt: skip
-@click.option("--allocation", type=click.Choice(ALLOCATIONS.names()), default=None,
-              help=registry_help(ALLOCATIONS, "How many experts each layer loses [default: the method's first]:"))  # fmt: skip
-@click.option("--method", type=click.Choice(METHODS.names()), default="drop", show_default=True,
-              help=registry_help(METHODS, "What happens to the chosen experts:"))  # fmt: skip
-@click.option("--neuron-importance", type=click.Choice(list(IMPORTANCE)), default="projection", show_default=True,
-              help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.")  # fmt: skip
-@click.option("--important-fraction", type=float, default=None,
-              help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].")  # fmt: skip
-@click.option("--slope", type=float, default=0.5, show_default=True,
-              help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).")  # fmt: skip
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False),
+    is_eager=True,
+    expose_value=False,
+    callback=_recipe_defaults,
+    help="Repeat an earlier run: its recipe.json (written beside every result) sets the defaults of every "
+    "option below; options you type still win.",
+)
+@click.option(
+    "--criterion",
+    required=True,
+    type=click.Choice([*CRITERIA.names(), AUTO]),
+    help=registry_help(CRITERIA, "How experts are ranked:")
+    + " auto: the best uniform plan on --search-data.",
+)
+@click.option(
+    "--sparsity",
+    required=True,
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.",
+)
+@click.option(
+    "--allocation",
+    type=click.Choice(ALLOCATIONS.names()),
+    default=None,
+    help=registry_help(ALLOCATIONS, "How many experts each layer loses [default: the method's first]:"),
+)
+@click.option(
+    "--method",
+    type=click.Choice(METHODS.names()),
+    default="drop",
+    show_default=True,
+    help=registry_help(METHODS, "What happens to the chosen experts:"),
+)
+@click.option(
+    "--neuron-importance",
+    type=click.Choice(list(IMPORTANCE)),
+    default="projection",
+    show_default=True,
+    help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
+)
+@click.option(
+    "--important-fraction",
+    type=float,
+    default=None,
+    help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].",
+)
+@click.option(
+    "--slope",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).",
+)
 @click.option(
     "--search-data",
     multiple=True,
@@ -106,9 +146,14 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     is_flag=True,
     help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
 )
-@click.option("--expert-multiple", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible by the "
-                   "EP size; kernels like multiples of 8).")  # fmt: skip
+@click.option(
+    "--expert-multiple",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible by the "
+    "EP size; kernels like multiples of 8).",
+)
 @click.option(
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),
@@ -121,42 +166,94 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     show_default=True,
     help="Largest weight file (e.g. 5GB, 500MB); bigger results are sharded with an index, like save_pretrained.",
 )
-@click.option("--dry-run", is_flag=True,
-              help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
-                   "no weight is loaded, nothing is written.")  # fmt: skip
-@click.option("--no-load", is_flag=True,
-              help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
-                   "then rewrite the shards one by one; --method drop or neurons, uniform allocation.")  # fmt: skip
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
+    "no weight is loaded, nothing is written.",
+)
+@click.option(
+    "--no-load",
+    is_flag=True,
+    help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
+    "then rewrite the shards one by one; --method drop or neurons, uniform allocation.",
+)
 @click.option(
     "--overwrite",
     is_flag=True,
     help="Replace an existing output folder (atomically, once the new one is complete).",
 )
 @data_options
-def prune(model: str, output: str, criterion: str, sparsity: float, allocation: str | None, method: str,
-          neuron_importance: str, important_fraction: float | None, slope: float, search_data: tuple[str, ...],
-          resume: bool, expert_multiple: int, save_dtype: str | None, max_shard_size: str, dry_run: bool,
-          no_load: bool, overwrite: bool, **kwargs) -> None:  # fmt: skip
+def prune(
+    model: str,
+    output: str,
+    criterion: str,
+    sparsity: float,
+    allocation: str | None,
+    method: str,
+    neuron_importance: str,
+    important_fraction: float | None,
+    slope: float,
+    search_data: tuple[str, ...],
+    resume: bool,
+    expert_multiple: int,
+    save_dtype: str | None,
+    max_shard_size: str,
+    dry_run: bool,
+    no_load: bool,
+    overwrite: bool,
+    **kwargs,
+) -> None:
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
     search = config_from_options(SearchConfig, kwargs)
-    config = PruneConfig(criterion=criterion, sparsity=sparsity, allocation=allocation, method=method,
-                         expert_multiple=expert_multiple, neuron_importance=neuron_importance,
-                         important_fraction=important_fraction, slope=slope, seed=kwargs["seed"], search=search)  # fmt: skip
+    config = PruneConfig(
+        criterion=criterion,
+        sparsity=sparsity,
+        allocation=allocation,
+        method=method,
+        expert_multiple=expert_multiple,
+        neuron_importance=neuron_importance,
+        important_fraction=important_fraction,
+        slope=slope,
+        seed=kwargs["seed"],
+        search=search,
+    )
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
     progress = not kwargs["quiet"] and rank == 0
     ctx = click.get_current_context()
     data = data_from_options(kwargs)
     if no_load:
         if criterion == AUTO:
-            raise MoePruneError("pruning without loading needs a named criterion (auto searches on the loaded "
-                                "model); name one or drop --no-load")  # fmt: skip
-        refuse_given(ctx, ["resume", "dry_run", "save_dtype", "max_shard_size", "expert_multiple", *SEARCH_OPTIONS,
-                           "important_fraction", "slope"],
-                     "with --no-load (it copies the input's shards and dtype)")  # fmt: skip
-        report = prune_without_loading(model, output, config, data=data, tokenizer_path=kwargs["tokenizer_path"],
-                                       dtype=kwargs["dtype"], overwrite=overwrite, progress=progress,
-                                       command_line=command_line())  # fmt: skip
+            raise MoePruneError(
+                "pruning without loading needs a named criterion (auto searches on the loaded "
+                "model); name one or drop --no-load"
+            )
+        refuse_given(
+            ctx,
+            [
+                "resume",
+                "dry_run",
+                "save_dtype",
+                "max_shard_size",
+                "expert_multiple",
+                *SEARCH_OPTIONS,
+                "important_fraction",
+                "slope",
+            ],
+            "with --no-load (it copies the input's shards and dtype)",
+        )
+        report = prune_without_loading(
+            model,
+            output,
+            config,
+            data=data,
+            tokenizer_path=kwargs["tokenizer_path"],
+            dtype=kwargs["dtype"],
+            overwrite=overwrite,
+            progress=progress,
+            command_line=command_line(),
+        )
         if rank == 0:
             click.echo("\n".join(format_lines(prune_facts(report, output))))
         return
@@ -172,11 +269,21 @@ def prune(model: str, output: str, criterion: str, sparsity: float, allocation: 
         "without --sequential (it is where sequential observation caches activations)",
     )
     report = prune_checkpoint(
-        model, output, config, data=data, search_data=search_data, tokenizer_path=kwargs["tokenizer_path"],
-        dtype=kwargs["dtype"], save=SaveOptions(dtype=SAVE_DTYPES.get(save_dtype), max_shard_size=max_shard_size),
-        overwrite=overwrite, resume=resume, dry_run=dry_run, trust_remote_code=kwargs["trust_remote_code"],
-        progress=progress, command_line=command_line(),
-    )  # fmt: skip
+        model,
+        output,
+        config,
+        data=data,
+        search_data=search_data,
+        tokenizer_path=kwargs["tokenizer_path"],
+        dtype=kwargs["dtype"],
+        save=SaveOptions(dtype=SAVE_DTYPES.get(save_dtype), max_shard_size=max_shard_size),
+        overwrite=overwrite,
+        resume=resume,
+        dry_run=dry_run,
+        trust_remote_code=kwargs["trust_remote_code"],
+        progress=progress,
+        command_line=command_line(),
+    )
     if rank != 0:
         return
     if dry_run:
@@ -193,18 +300,22 @@ def format_plan_of_work(plan: dict) -> str:
         f"prune     criterion {plan['criterion']}, allocation {plan['allocation']}, method {plan['method']}, "
         f"sparsity {plan['sparsity']} of {plan['sparsity_unit']}",
     ]
-    for key, label in (("budget_experts_removed", "budget    experts removed in total"),
-                       ("removed_per_layer", "per layer experts removed"),
-                       ("neurons_per_expert", "per layer neurons kept per expert"),
-                       ("whole_experts_per_layer", "per layer whole experts kept"),
-                       ("neuron_keep_ratio", "neurons   kept ratio of the other experts")):  # fmt: skip
+    for key, label in (
+        ("budget_experts_removed", "budget    experts removed in total"),
+        ("removed_per_layer", "per layer experts removed"),
+        ("neurons_per_expert", "per layer neurons kept per expert"),
+        ("whole_experts_per_layer", "per layer whole experts kept"),
+        ("neuron_keep_ratio", "neurons   kept ratio of the other experts"),
+    ):
         if key in plan:
             lines.append(f"{label}: {plan[key]}")
     if plan["allocation"] == "evo":
         lines.append("per layer searched (EvoESAP)")
     for data in plan["calibration"]:
-        lines.append(f"data      {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
-                     + (f" ({data['truncated']} truncated)" if data["truncated"] else ""))  # fmt: skip
+        lines.append(
+            f"data      {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
+            + (f" ({data['truncated']} truncated)" if data["truncated"] else "")
+        )
     if plan["search_data"]:
         data = plan["search_data"]
         lines.append(

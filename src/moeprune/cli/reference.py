@@ -26,8 +26,9 @@ def cli_reference_markdown() -> str:
     """`moeprune --help`, then every command's `--help`, in the group's order."""
     from moeprune.cli import main
 
-    root = click.Context(main, info_name="moeprune", max_content_width=WIDTH, terminal_width=WIDTH,
-                         **main.context_settings)  # fmt: skip
+    root = click.Context(
+        main, info_name="moeprune", max_content_width=WIDTH, terminal_width=WIDTH, **main.context_settings
+    )
     parts = ["```text\n$ moeprune --help\n" + main.get_help(root) + "\n```\n"]
     for name in main.list_commands(root):
         command = main.get_command(root, name)

@@ -30,8 +30,9 @@ def _safe_div(num: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, num / count.clamp(min=1), torch.zeros_like(num))
 
 
-@CRITERIA.register(Criterion("frequency", "lowest", True, "number of calibration tokens routed to the expert",
-                             needs=_DATA))  # fmt: skip
+@CRITERIA.register(
+    Criterion("frequency", "lowest", True, "number of calibration tokens routed to the expert", needs=_DATA)
+)
 def frequency(s: LayerStats) -> torch.Tensor:
     return s.count
 
@@ -50,8 +51,9 @@ def ean(s: LayerStats) -> torch.Tensor:
     return s.norm_sum
 
 
-@CRITERIA.register(Criterion("reap", "lowest", False, "mean of g_i(t) ||E_i(h_t)|| over routed tokens (REAP)",
-                             needs=_DATA))  # fmt: skip
+@CRITERIA.register(
+    Criterion("reap", "lowest", False, "mean of g_i(t) ||E_i(h_t)|| over routed tokens (REAP)", needs=_DATA)
+)
 def reap(s: LayerStats) -> torch.Tensor:
     return _safe_div(s.weighted_norm_sum.to(F64), s.count.to(F64))
 
@@ -65,8 +67,9 @@ def mone(s: LayerStats) -> torch.Tensor:
     return phi_var * _safe_div(s.weight_sum.to(F64), s.count.to(F64))
 
 
-@CRITERIA.register(Criterion("tenp", "lowest", False, "sum of g ||E|| (1 - cos(h, E)) (TENP)", needs=_DATA,
-                             per_domain=True))  # fmt: skip
+@CRITERIA.register(
+    Criterion("tenp", "lowest", False, "sum of g ||E|| (1 - cos(h, E)) (TENP)", needs=_DATA, per_domain=True)
+)
 def tenp(s: LayerStats) -> torch.Tensor:
     return s.tenp_sum
 

@@ -183,10 +183,17 @@ def score_experts(
             f"criterion {criterion.name!r} needs calibration data: give data files", options=("data",)
         )
     stats = [
-        observe_distributed(moe, d, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress,
-                            neurons=neurons, domain=d.sources[0] if len(sets) > 1 else "")
+        observe_distributed(
+            moe,
+            d,
+            batch_size=batch_size,
+            pad_token_id=pad_token_id,
+            progress=progress,
+            neurons=neurons,
+            domain=d.sources[0] if len(sets) > 1 else "",
+        )
         for d in sets
-    ]  # fmt: skip
+    ]
     scores = compute_scores(
         criterion.name,
         stats=(stats if len(stats) > 1 else stats[0]) if stats and criterion.needs_data else None,

@@ -25,14 +25,24 @@ F64 = torch.float64
 _CHUNK = 1 << 22  # elements cast to fp64 at a time
 
 
-@CRITERIA.register(Criterion("magnitude", "lowest", False, "mean |w| over the expert's gate, up and down weights",
-                             needs=(WEIGHTS,)))  # fmt: skip
+@CRITERIA.register(
+    Criterion(
+        "magnitude", "lowest", False, "mean |w| over the expert's gate, up and down weights", needs=(WEIGHTS,)
+    )
+)
 def magnitude(l1: float, sq: float, n: int) -> float:
     return l1 / n
 
 
-@CRITERIA.register(Criterion("aimer", "highest", True, "||w||_1 / (sqrt(N) ||w||_2) over gate, up and down (AIMER)",
-                             needs=(WEIGHTS,)))  # fmt: skip
+@CRITERIA.register(
+    Criterion(
+        "aimer",
+        "highest",
+        True,
+        "||w||_1 / (sqrt(N) ||w||_2) over gate, up and down (AIMER)",
+        needs=(WEIGHTS,),
+    )
+)
 def aimer(l1: float, sq: float, n: int) -> float:
     return l1 / (math.sqrt(n) * math.sqrt(sq))
 

@@ -383,8 +383,14 @@ def calibration_sets(
         raise DataError(f"{why or 'this'} needs calibration data: give data files", options=("data",))
 
     def load(sources: Sequence[str], samples: int | None) -> CalibrationData:
-        return load_data(sources, tokenizer, num_samples=samples, max_length=options.max_length, seed=options.seed,
-                         packing=options.packing)  # fmt: skip
+        return load_data(
+            sources,
+            tokenizer,
+            num_samples=samples,
+            max_length=options.max_length,
+            seed=options.seed,
+            packing=options.packing,
+        )
 
     if not per_domain or len(options.sources) == 1:
         return [load(options.sources, options.samples)]

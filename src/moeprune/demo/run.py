@@ -57,8 +57,15 @@ class DemoSettings:
     @classmethod
     def for_mode(cls, quick: bool) -> DemoSettings:
         if quick:
-            return cls(quick=True, calibration_samples=96, eval_samples=32, max_length=192, search_samples=32,
-                       population=12, generations=6)  # fmt: skip
+            return cls(
+                quick=True,
+                calibration_samples=96,
+                eval_samples=32,
+                max_length=192,
+                search_samples=32,
+                population=12,
+                generations=6,
+            )
         return cls()
 
 
@@ -129,9 +136,16 @@ def _search(
     )
     config = SearchConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
     return run_evo_search(
-        moe, search, [s.order for s in scores], budget, config=config, fingerprint={"demo": True},
-        batch_size=settings.batch_size, progress=False, pad_token_id=pad,
-    )  # fmt: skip
+        moe,
+        search,
+        [s.order for s in scores],
+        budget,
+        config=config,
+        fingerprint={"demo": True},
+        batch_size=settings.batch_size,
+        progress=False,
+        pad_token_id=pad,
+    )
 
 
 def run_demo(
@@ -152,8 +166,9 @@ def run_demo(
         return _run_demo(output, quick, overwrite, progress, rebuild, threads, log)
 
 
-def _run_demo(output, quick: bool, overwrite: bool, progress: bool, rebuild: bool, threads: int | None,
-              log: RunLog) -> dict:  # fmt: skip
+def _run_demo(
+    output, quick: bool, overwrite: bool, progress: bool, rebuild: bool, threads: int | None, log: RunLog
+) -> dict:
     settings = DemoSettings.for_mode(quick)
     start = time.perf_counter()
     threads = threads or torch.get_num_threads()
@@ -280,8 +295,16 @@ def _row(
 def format_table(results: dict) -> str:
     """The comparison, one row per configuration, each with the one thing to notice about it."""
     domains = results["domains"]
-    head = ["criterion", "alloc", "method", "sparsity", *[f"NLL {d}" for d in domains], "ESAP", "params (M)",
-            "what to notice"]  # fmt: skip
+    head = [
+        "criterion",
+        "alloc",
+        "method",
+        "sparsity",
+        *[f"NLL {d}" for d in domains],
+        "ESAP",
+        "params (M)",
+        "what to notice",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
         cells = [
@@ -305,8 +328,17 @@ def notice(row: dict, rows: list[dict]) -> str:
     peers = sorted((r for r in rows if r["sparsity"] == row["sparsity"]), key=lambda r: -r["esap"])
     rank = [id(r) for r in peers].index(id(row)) + 1
     standing = "best" if rank == 1 else "worst" if rank == len(peers) else f"{_ordinal(rank)} of {len(peers)}"
-    base = next((r for r in rows if r["sparsity"] == row["sparsity"] and r["criterion"] == row["criterion"]
-                 and r["allocation"] == "uniform" and r["method"] == "drop"), None)  # fmt: skip
+    base = next(
+        (
+            r
+            for r in rows
+            if r["sparsity"] == row["sparsity"]
+            and r["criterion"] == row["criterion"]
+            and r["allocation"] == "uniform"
+            and r["method"] == "drop"
+        ),
+        None,
+    )
     if row["allocation"] in ("global", "evo") and base is not None:
         gain = row["esap"] - base["esap"]
         how = "the search" if row["allocation"] == "evo" else "ranking experts across layers"
@@ -343,6 +375,10 @@ def _plots(folder: Path, rows: list[dict]) -> dict[float, dict]:
             continue
         order = sorted(best, key=lambda key: key != ("uniform", "drop"))  # the reference first
         named = {f"{a} {m} ({best[a, m]['criterion']})": best[a, m]["kept_rows"] for a, m in order}
-        plotted[sparsity] = plot_kept(folder / f"density_{int(sparsity * 100)}.png", named, expert_unit=True,
-                                      title=f"kept per layer at sparsity {sparsity:g} (best criterion of each)")  # fmt: skip
+        plotted[sparsity] = plot_kept(
+            folder / f"density_{int(sparsity * 100)}.png",
+            named,
+            expert_unit=True,
+            title=f"kept per layer at sparsity {sparsity:g} (best criterion of each)",
+        )
     return plotted

@@ -36,9 +36,13 @@ def batch_logits(model: nn.Module, batch: Batch, label: str | None = None) -> to
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     if label is not None:
         check_finite_logits(
-            logits, label, attention_mask=batch.attention_mask, model=model, input_ids=batch.input_ids,
+            logits,
+            label,
+            attention_mask=batch.attention_mask,
+            model=model,
+            input_ids=batch.input_ids,
             sample_ids=batch.sample_index.tolist(),
-        )  # fmt: skip
+        )
     return logits
 
 

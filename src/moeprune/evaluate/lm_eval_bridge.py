@@ -75,8 +75,10 @@ def task_manager(options: LmEvalOptions) -> Any:
             if options.include
             else "; for local tasks, give the folder that holds them"
         )
-        raise MoePruneError(f"unknown lm-eval task(s) {', '.join(missing)}{where}",
-                            options=("lm_eval_tasks", "lm_eval_include"))  # fmt: skip
+        raise MoePruneError(
+            f"unknown lm-eval task(s) {', '.join(missing)}{where}",
+            options=("lm_eval_tasks", "lm_eval_include"),
+        )
     return manager
 
 
@@ -106,9 +108,14 @@ def run_tasks(model: Any, tokenizer: Any, options: LmEvalOptions) -> dict[str, d
     manager = task_manager(options)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=options.batch_size)
     result = simple_evaluate(
-        model=lm, tasks=list(options.tasks), task_manager=manager, limit=options.limit,
-        num_fewshot=options.num_fewshot, log_samples=False, bootstrap_iters=0,
-    )  # fmt: skip
+        model=lm,
+        tasks=list(options.tasks),
+        task_manager=manager,
+        limit=options.limit,
+        num_fewshot=options.num_fewshot,
+        log_samples=False,
+        bootstrap_iters=0,
+    )
     if not result:
         raise MoePruneError("lm-eval returned no results")
     return _metrics(result["results"])

@@ -25,9 +25,13 @@ def _divergences(model: Loaded, ctx: Context, source: str, wanted: list[str]) ->
         ctx.note(f"{source} is text only (no prompt/answer split): esap, kl, nll and ppl use all tokens")
     with about(f"on data file {source}"):
         scores = divergence(
-            model.model, ctx.reference.model, data, batch_size=ctx.batch_size, pad_token_id=ctx.pad,
+            model.model,
+            ctx.reference.model,
+            data,
+            batch_size=ctx.batch_size,
+            pad_token_id=ctx.pad,
             labels=names(model, ctx),
-        )  # fmt: skip
+        )
     out = {k: v for k, v in scores.items() if k in wanted or k not in _DIVERGENCE}
     for key in ("ppl", "reference_ppl"):
         if key in out and out[key] is None:
@@ -44,8 +48,14 @@ for _name, _help, _aliases in (
     METRICS.add(Metric(_name, _help, aliases=_aliases, fn=_divergences))
 
 
-@METRICS.register(Metric("accept", "true speculative decoding, the model drafting for the reference: acceptance rate, "
-                                   "accepted tokens per call, per draft position", aliases=("acceptance",)))  # fmt: skip
+@METRICS.register(
+    Metric(
+        "accept",
+        "true speculative decoding, the model drafting for the reference: acceptance rate, "
+        "accepted tokens per call, per draft position",
+        aliases=("acceptance",),
+    )
+)
 def _accept(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict:
     opts = ctx.options
     prompts, halved = spec_prompts(ctx.datasets[source], opts.spec_prompts)
@@ -55,10 +65,17 @@ def _accept(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict
         )
     with about(f"speculative decoding on data file {source}"):
         results = acceptance(
-            model.model, ctx.reference.model, prompts, gamma=opts.gamma, max_new_tokens=opts.spec_tokens,
-            modes=opts.spec_modes, seed=opts.data.seed, temperature=opts.temperature,
-            eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None), labels=names(model, ctx),
-        )  # fmt: skip
+            model.model,
+            ctx.reference.model,
+            prompts,
+            gamma=opts.gamma,
+            max_new_tokens=opts.spec_tokens,
+            modes=opts.spec_modes,
+            seed=opts.data.seed,
+            temperature=opts.temperature,
+            eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None),
+            labels=names(model, ctx),
+        )
     main = results.get("sampled") or next(iter(results.values()))
     if main["accept_rate"] is None:
         ctx.note(
@@ -74,9 +91,12 @@ def _accept(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict
 def _frequencies(loaded: Loaded, role: str, ctx: Context, source: str) -> dict:
     with about(f"routing of {role} {loaded.label} on data file {source}"):
         freq, _ = selection_frequencies(
-            loaded.moe, ctx.datasets[source], original_ids(loaded.moe, loaded.path), batch_size=ctx.batch_size,
+            loaded.moe,
+            ctx.datasets[source],
+            original_ids(loaded.moe, loaded.path),
+            batch_size=ctx.batch_size,
             pad_token_id=ctx.pad,
-        )  # fmt: skip
+        )
     return freq
 
 
@@ -90,18 +110,33 @@ def _routing(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dic
     return {"routing": routing_shift(mine, ctx.reference_routing[source])}
 
 
-@METRICS.register(Metric("layer-error", "relative L2 distance of every decoder layer's output to the reference's",
-                         aliases=("layer_error",)))  # fmt: skip
+@METRICS.register(
+    Metric(
+        "layer-error",
+        "relative L2 distance of every decoder layer's output to the reference's",
+        aliases=("layer_error",),
+    )
+)
 def _layer_error(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict:
     with about(f"layer-error on data file {source}"):
         errors = layer_error(
-            model.model, ctx.reference.model, ctx.datasets[source], batch_size=ctx.batch_size, pad_token_id=ctx.pad,
+            model.model,
+            ctx.reference.model,
+            ctx.datasets[source],
+            batch_size=ctx.batch_size,
+            pad_token_id=ctx.pad,
             labels=names(model, ctx),
-        )  # fmt: skip
+        )
     return {"layer_error": errors}
 
 
-@METRICS.register(Metric("size", "total, routed-expert and active-per-token parameters, bytes on disk, peak memory to "
-                                 "load", per_file=False, needs=()))  # fmt: skip
+@METRICS.register(
+    Metric(
+        "size",
+        "total, routed-expert and active-per-token parameters, bytes on disk, peak memory to load",
+        per_file=False,
+        needs=(),
+    )
+)
 def _size(model: Loaded, ctx: Context) -> dict:
     return model_size(model.moe, model.path, model.load_info)

@@ -41,6 +41,8 @@ def parse_metrics(spec: str | Sequence[str] | None) -> tuple[str, ...]:
         return tuple(METRICS.names())
     unknown = sorted(wanted - set(METRICS.names()))
     if unknown:
-        raise MoePruneError(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS.names())} or all",
-                            options=("metrics",))  # fmt: skip
+        raise MoePruneError(
+            f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS.names())} or all",
+            options=("metrics",),
+        )
     return tuple(m for m in METRICS.names() if m in wanted)

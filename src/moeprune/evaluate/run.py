@@ -143,7 +143,7 @@ def load_eval_data(tokenizer, data_options: DataOptions | None) -> dict[str, Cal
             max_length=data_options.max_length,
             seed=data_options.seed,
             packing=data_options.packing,
-        )  # fmt: skip
+        )
         for source in data_options.sources
     }
 
@@ -220,9 +220,12 @@ def _plan_summary(path: str | None) -> dict | None:
         return None
     plan = Plan.load(plan_path)
     return {
-        "criterion": plan.criterion, "allocation": plan.allocation, "method": plan.method,
-        "sparsity": plan.sparsity, "kept_per_layer": {str(lp.layer): len(lp.kept) for lp in plan.layers},
-    }  # fmt: skip
+        "criterion": plan.criterion,
+        "allocation": plan.allocation,
+        "method": plan.method,
+        "sparsity": plan.sparsity,
+        "kept_per_layer": {str(lp.layer): len(lp.kept) for lp in plan.layers},
+    }
 
 
 def evaluate_pair(model: Loaded, ctx: Context) -> dict:
@@ -283,11 +286,16 @@ def _document(ctx: Context, entries: list[dict]) -> dict:
             "max_length": getattr(data, "max_length", None),
             "seed": getattr(data, "seed", None),
         },
-        "speculative": {"gamma": opts.gamma, "modes": list(opts.spec_modes), "prompts": opts.spec_prompts,
-                        "max_new_tokens": opts.spec_tokens, "temperature": opts.temperature},
+        "speculative": {
+            "gamma": opts.gamma,
+            "modes": list(opts.spec_modes),
+            "prompts": opts.spec_prompts,
+            "max_new_tokens": opts.spec_tokens,
+            "temperature": opts.temperature,
+        },
         "models": entries,
         "notes": ctx.notes,
-    }  # fmt: skip
+    }
     for name in opts.metrics:
         metric = METRICS.get(name)
         if not metric.per_file:

@@ -327,10 +327,21 @@ def acceptance(
         small, large = (IncrementalLogits(m, use_cache, label) for m, label in zip((draft, target), labels))
         for prompt in prompts:
             speculative_generate(
-                small, large, prompt, max_new_tokens=max_new_tokens, gamma=gamma, generator=generator,
-                temperature=temperature, eos_token_id=eos_token_id, stats=stats,
-            )  # fmt: skip
+                small,
+                large,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                gamma=gamma,
+                generator=generator,
+                temperature=temperature,
+                eos_token_id=eos_token_id,
+                stats=stats,
+            )
         kv_cache = {"draft": bool(small.cached), "target": bool(large.cached)}
-        results[mode] = {**stats.to_dict(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                         "kv_cache": kv_cache}  # fmt: skip
+        results[mode] = {
+            **stats.to_dict(),
+            "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
+            "kv_cache": kv_cache,
+        }
     return results

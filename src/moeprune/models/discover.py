@@ -196,8 +196,12 @@ def _router_index_position(router: nn.Module, weight_path: str, count: int) -> i
     )
     if len(integer) == 1 and len(logits) == 1 and len({tuple(t.shape) for t in out}) == 2:
         return integer[0]
-    got = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) else
-           type(t).__name__ for t in (out if isinstance(out, tuple) else (out,))]  # fmt: skip
+    got = [
+        f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+        for t in (out if isinstance(out, tuple) else (out,))
+    ]
     raise UnsupportedModelError(
         f"{type(router).__name__} returns {got}, not logits, weights and expert indices as transformers' "
         "routers do: not supported with this transformers version"

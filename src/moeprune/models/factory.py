@@ -206,11 +206,25 @@ _MAX_TINY_PARAMETERS = 4_000_000
 _GENERIC_LAYERS = 4  # one of each layer kind the defaults stack, then later (MoE) layers
 # Vision and audio towers of multimodal wrappers: one small layer, projected to hidden 32.
 _TOWER: dict[str, int] = {
-    "depth": 1, "num_hidden_layers": 1, "num_layers": 1, "hidden_size": 32, "intermediate_size": 48,
-    "num_heads": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "out_hidden_size": 32, "embed_dim": 32,
-    "projection_dim": 32, "head_dim": 8, "vision_output_dim": 32, "projector_hidden_size": 32,
-    "text_hidden_size": 32, "projector_input_dim": 32, "projector_output_dim": 32, "image_size": 56,
-}  # fmt: skip
+    "depth": 1,
+    "num_hidden_layers": 1,
+    "num_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_heads": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "out_hidden_size": 32,
+    "embed_dim": 32,
+    "projection_dim": 32,
+    "head_dim": 8,
+    "vision_output_dim": 32,
+    "projector_hidden_size": 32,
+    "text_hidden_size": 32,
+    "projector_input_dim": 32,
+    "projector_output_dim": 32,
+    "image_size": 56,
+}
 _TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
@@ -297,8 +311,10 @@ def _wrapper_kwargs(model_type: str, defaults: dict, kwargs: dict) -> dict[str, 
         if key == "text_config" and sub in CONFIG_MAPPING:
             kwargs[key] = {**generic_tiny_kwargs(sub), "model_type": sub}
         else:
-            kwargs[key] = {k: _TOWER.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
-                           for k, v in value.items()}  # fmt: skip
+            kwargs[key] = {
+                k: _TOWER.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
+                for k, v in value.items()
+            }
     for key, value in defaults.items():
         if (
             key.endswith(("token_id", "token_index"))

@@ -118,8 +118,9 @@ def _check_finite(layer: int, ids: torch.Tensor, in_norms, weights, out_norms) -
         )
     if not all_finite(weights):
         bad = sorted(set(ids[~torch.isfinite(weights)].tolist()))
-        raise NonFiniteError(f"the router of decoder layer {layer} returned {kind(weights)} routing weights "
-                             f"(experts {bad})")  # fmt: skip
+        raise NonFiniteError(
+            f"the router of decoder layer {layer} returned {kind(weights)} routing weights (experts {bad})"
+        )
     if not all_finite(out_norms):
         bad = sorted(set(ids[~torch.isfinite(out_norms)].tolist()))
         raise NonFiniteError(f"experts {bad} of decoder layer {layer} produced {kind(out_norms)} outputs")

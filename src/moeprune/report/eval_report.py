@@ -60,11 +60,23 @@ _FILE_ROWS: list[tuple[str, Getter, Getter]] = [
     ("PPL ↓", lambda d: d.get("ppl"), lambda d: d.get("reference_ppl")),
     ("accept rate, sampled ↑", lambda d: _dig(d, "accept", "sampled", "accept_rate"), lambda d: None),
     ("accept rate, greedy ↑", lambda d: _dig(d, "accept", "greedy", "accept_rate"), lambda d: None),
-    ("accepted / target call, sampled", lambda d: _dig(d, "accept", "sampled", "mean_accepted_per_call"), lambda d: None),
-    ("accepted / target call, greedy", lambda d: _dig(d, "accept", "greedy", "mean_accepted_per_call"), lambda d: None),
+    (
+        "accepted / target call, sampled",
+        lambda d: _dig(d, "accept", "sampled", "mean_accepted_per_call"),
+        lambda d: None,
+    ),
+    (
+        "accepted / target call, greedy",
+        lambda d: _dig(d, "accept", "greedy", "mean_accepted_per_call"),
+        lambda d: None,
+    ),
     ("routing TV, mean over layers ↓", lambda d: _dig(d, "routing", "mean_tv"), lambda d: 0.0),
-    ("hidden-state error, last layer (relative) ↓", lambda d: _dig(d, "layer_error", "layers", -1, "relative"), lambda d: 0.0),
-]  # fmt: skip
+    (
+        "hidden-state error, last layer (relative) ↓",
+        lambda d: _dig(d, "layer_error", "layers", -1, "relative"),
+        lambda d: 0.0,
+    ),
+]
 
 
 def _file_section(doc: dict) -> list[str]:
@@ -104,11 +116,15 @@ _SIZE_ROWS: list[tuple[str, Getter, str]] = [
     ("total parameters", lambda s: _dig(s, "parameters", "total"), ""),
     ("routed-expert parameters", lambda s: _dig(s, "parameters", "routed_experts"), ""),
     ("active parameters per token", lambda s: _dig(s, "parameters", "active_per_token"), ""),
-    ("experts per MoE layer", lambda s: ", ".join(map(str, (s.get("experts_per_layer") or {}).values())) or None, ""),
+    (
+        "experts per MoE layer",
+        lambda s: ", ".join(map(str, (s.get("experts_per_layer") or {}).values())) or None,
+        "",
+    ),
     ("bytes on disk", lambda s: s.get("disk_bytes"), "bytes"),
     ("peak memory to load", lambda s: s.get("load_peak_bytes"), "bytes"),
     ("load time (s)", lambda s: s.get("load_s"), ""),
-]  # fmt: skip
+]
 
 
 def _size_section(doc: dict) -> list[str]:
@@ -125,10 +141,13 @@ def _plan_section(doc: dict) -> list[str]:
     if not planned:
         return []
     rows = [
-        [m["label"], *(fmt(m["plan"].get(k)) for k in ("criterion", "allocation", "method", "sparsity")),
-         ", ".join(map(str, m["plan"].get("kept_per_layer", {}).values()))]
+        [
+            m["label"],
+            *(fmt(m["plan"].get(k)) for k in ("criterion", "allocation", "method", "sparsity")),
+            ", ".join(map(str, m["plan"].get("kept_per_layer", {}).values())),
+        ]
         for m in planned
-    ]  # fmt: skip
+    ]
     header = ["model", "criterion", "allocation", "method", "sparsity", "kept experts per layer"]
     return ["## Plans", "", *_table(header, rows)]
 

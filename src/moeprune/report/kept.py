@@ -34,12 +34,19 @@ def _style(i: int, count: int) -> dict:
     each series gets its own marker and dash, and earlier ones are drawn larger, so that a series
     under another still shows around it."""
     size = 10 - 5 * i / max(1, count - 1)
-    return {"color": f"C{i}", "marker": "osD^vPX*"[i % 8], "markersize": size, "linewidth": 2.4 - i * 0.25,
-            "linestyle": ("-", "--", "-.", ":")[i % 4], "zorder": 2 + i}  # fmt: skip
+    return {
+        "color": f"C{i}",
+        "marker": "osD^vPX*"[i % 8],
+        "markersize": size,
+        "linewidth": 2.4 - i * 0.25,
+        "linestyle": ("-", "--", "-.", ":")[i % 4],
+        "zorder": 2 + i,
+    }
 
 
-def plot_kept(path: str | Path, named_rows: Mapping[str, Sequence[dict]], *, expert_unit: bool,
-              title: str) -> dict:  # fmt: skip
+def plot_kept(
+    path: str | Path, named_rows: Mapping[str, Sequence[dict]], *, expert_unit: bool, title: str
+) -> dict:
     """Draw kept parameters (and experts, for expert methods) per layer, one series per entry of
     `named_rows` (label -> `kept_per_layer` rows); returns the plotted data, by label."""
     series = {label: kept_series(rows) for label, rows in named_rows.items()}

@@ -45,8 +45,11 @@ def layer_table(report: dict) -> list[str]:
 
 def size_table(report: dict) -> list[str]:
     before, after = report.get("parameters_before", {}), report.get("parameters_after", {})
-    rows = [("parameters", "total"), ("routed-expert parameters", "routed_experts"),
-            ("active parameters per token", "active_per_token")]  # fmt: skip
+    rows = [
+        ("parameters", "total"),
+        ("routed-expert parameters", "routed_experts"),
+        ("active parameters per token", "active_per_token"),
+    ]
     lines = ["| | before | after | saving |", "|---|---|---|---|"]
     for label, key in rows:
         lines.append(
@@ -54,8 +57,10 @@ def size_table(report: dict) -> list[str]:
         )
     disk = report.get("disk_bytes", {})
     if disk:
-        lines.append(f"| weights on disk | {_mib(disk.get('before'))} | {_mib(disk.get('after'))} | "
-                     f"{_saving(disk.get('before'), disk.get('after'))} |")  # fmt: skip
+        lines.append(
+            f"| weights on disk | {_mib(disk.get('before'))} | {_mib(disk.get('after'))} | "
+            f"{_saving(disk.get('before'), disk.get('after'))} |"
+        )
     return lines
 
 
@@ -119,8 +124,11 @@ def how_to_load(report: dict, name: str) -> list[str]:
         ),
     ]
     if padded:
-        lines += ["", f"vLLM pads each layer's experts to the widest one with zero neurons: it holds {_n(padded)} "
-                      f"parameters, against {_n(report.get('parameters_after', {}).get('total'))} stored here."]  # fmt: skip
+        lines += [
+            "",
+            f"vLLM pads each layer's experts to the widest one with zero neurons: it holds {_n(padded)} "
+            f"parameters, against {_n(report.get('parameters_after', {}).get('total'))} stored here.",
+        ]
     return lines
 
 

@@ -37,8 +37,9 @@ def data_summary(sets: Sequence[CalibrationData], stats: Sequence[ExpertStats]) 
     }
 
 
-def no_load_report(model_path: str | Path, output: str | Path, model_type: str, criterion: str, method: str,
-                   sparsity: float) -> dict:  # fmt: skip
+def no_load_report(
+    model_path: str | Path, output: str | Path, model_type: str, criterion: str, method: str, sparsity: float
+) -> dict:
     """report.json fields every prune without loading shares (the result is always a stock checkpoint)."""
     return {
         "command": "prune --no-load",
@@ -62,10 +63,13 @@ def draw_kept(
     rows = report["kept_per_layer"]
     uniform = None
     if search_doc is not None:
-        before = [{"layer": r["layer"], "experts": r["experts_before"], "routed_params": r["routed_params_before"]}
-                  for r in rows]  # fmt: skip
-        uniform = uniform_rows(before, search_doc["uniform"]["allocation"], hidden_sizes,
-                               novices=report["method"] == "novice")  # fmt: skip
+        before = [
+            {"layer": r["layer"], "experts": r["experts_before"], "routed_params": r["routed_params_before"]}
+            for r in rows
+        ]
+        uniform = uniform_rows(
+            before, search_doc["uniform"]["allocation"], hidden_sizes, novices=report["method"] == "novice"
+        )
     what = f"{report['criterion']}, {report['allocation']}, {report['method']}, sparsity {report['sparsity']}"
     named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}
     return plot_kept(path, named, expert_unit=expert_unit, title=f"kept per layer ({what})")
@@ -80,35 +84,67 @@ def report_markdown(report: dict, folder: str | Path) -> str:
         evidence.insert(0, "report.md")
     out = ["# moeprune prune", "", "```text", *format_lines(facts), "```", ""]
     if (folder / "density.png").is_file():
-        out += ["## What each layer kept", "",
-                "Routed-expert parameters kept per decoder layer (and experts kept, for expert methods); "
-                "where a search ran, the uniform allocation is drawn beside the searched one.", "",
-                "![kept per layer](density.png)", ""]  # fmt: skip
+        out += [
+            "## What each layer kept",
+            "",
+            "Routed-expert parameters kept per decoder layer (and experts kept, for expert methods); "
+            "where a search ran, the uniform allocation is drawn beside the searched one.",
+            "",
+            "![kept per layer](density.png)",
+            "",
+        ]
     rows = report.get("kept_per_layer") or []
     if rows:
-        out += ["| layer | experts before | experts after | routed parameters before | after | kept |",
-                "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        out += [
+            "| layer | experts before | experts after | routed parameters before | after | kept |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in rows:
             kept = r["routed_params_after"] / r["routed_params_before"] if r["routed_params_before"] else 0.0
-            out.append(f"| {r['layer']} | {r['experts_before']} | {r.get('experts_after', '-')} | "
-                       f"{r['routed_params_before']:,} | {r['routed_params_after']:,} | {kept:.1%} |")  # fmt: skip
+            out.append(
+                f"| {r['layer']} | {r['experts_before']} | {r.get('experts_after', '-')} | "
+                f"{r['routed_params_before']:,} | {r['routed_params_after']:,} | {kept:.1%} |"
+            )
         out.append("")
     if (folder / "search_curve.png").is_file():
-        out += ["## EvoESAP search", "", "Best and mean fitness per generation on the search data.", "",
-                "![search curve](search_curve.png)", ""]  # fmt: skip
+        out += [
+            "## EvoESAP search",
+            "",
+            "Best and mean fitness per generation on the search data.",
+            "",
+            "![search curve](search_curve.png)",
+            "",
+        ]
     auto = report.get("criterion_auto")
     if auto:
         fitness = auto["fitness"]
-        out += ["## Criterion auto", "", f"Uniform plan of each criterion, {fitness} on the search data:", "",
-                f"| criterion | {fitness} |", "|---|---:|"]  # fmt: skip
-        out += [f"| {row['criterion']}{' (picked)' if row['criterion'] == auto['chosen'] else ''} | "
-                f"{row[fitness]:.6g} |" for row in auto["table"]]  # fmt: skip
+        out += [
+            "## Criterion auto",
+            "",
+            f"Uniform plan of each criterion, {fitness} on the search data:",
+            "",
+            f"| criterion | {fitness} |",
+            "|---|---:|",
+        ]
+        out += [
+            f"| {row['criterion']}{' (picked)' if row['criterion'] == auto['chosen'] else ''} | "
+            f"{row[fitness]:.6g} |"
+            for row in auto["table"]
+        ]
         out.append("")
     notes = list(report.get("unseen_experts") or []) + list((report.get("search") or {}).get("notes") or [])
     notes += list((report.get("data") or {}).get("notes") or [])
     if notes:
         out += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     if report.get("command_line"):
-        out += ["## Reproduce", "", "```bash", report["command_line"], "```", "",
-                "or `moeprune prune MODEL --output OUT --config recipe.json` (recipe.json is in this folder).", ""]  # fmt: skip
+        out += [
+            "## Reproduce",
+            "",
+            "```bash",
+            report["command_line"],
+            "```",
+            "",
+            "or `moeprune prune MODEL --output OUT --config recipe.json` (recipe.json is in this folder).",
+            "",
+        ]
     return "\n".join(out)

@@ -92,20 +92,30 @@ def prune_facts(report: dict, folder: str | Path | None = None) -> dict:
         "search": _search(report),
         "unseen_experts": sum(len(ids) for ids in unseen.values()),
         "unseen_per_layer": unseen,
-        "parameters": {"before": before.get("total"), "after": after.get("total"),
-                       "change_pct": change(before["total"], after["total"]) if before and after else None},
-        "routed_parameters": {"before": before.get("routed_experts"), "after": after.get("routed_experts"),
-                              "change_pct": change(before["routed_experts"], after["routed_experts"])
-                              if before and after else None},
-        "bytes": {"before": disk.get("before"), "after": disk.get("after"),
-                  "change_pct": change(disk["before"], disk["after"]) if disk else None},
+        "parameters": {
+            "before": before.get("total"),
+            "after": after.get("total"),
+            "change_pct": change(before["total"], after["total"]) if before and after else None,
+        },
+        "routed_parameters": {
+            "before": before.get("routed_experts"),
+            "after": after.get("routed_experts"),
+            "change_pct": change(before["routed_experts"], after["routed_experts"])
+            if before and after
+            else None,
+        },
+        "bytes": {
+            "before": disk.get("before"),
+            "after": disk.get("after"),
+            "change_pct": change(disk["before"], disk["after"]) if disk else None,
+        },
         "neurons_per_expert": (report.get("surgery") or {}).get("intermediate_size"),
         "vllm_padded_parameters": report.get("serving", {}).get("vllm_padded_parameters"),
         "vllm_refused": report.get("serving", {}).get("vllm_refused"),
         "model_type": report.get("model_type"),
         "save_dtype": report.get("save_dtype"),
         "format": report.get("format"),
-    }  # fmt: skip
+    }
     if folder is not None:
         facts["files"] = _files(Path(folder))
     return facts
@@ -135,8 +145,11 @@ def format_lines(facts: dict) -> list[str]:
     ]
     auto = facts["auto"]
     if auto:
-        runner = (f"; runner-up {auto['runner_up']} ({auto['fitness']} {auto['runner_up_value']:.6g})"
-                  if auto["runner_up"] else "")  # fmt: skip
+        runner = (
+            f"; runner-up {auto['runner_up']} ({auto['fitness']} {auto['runner_up_value']:.6g})"
+            if auto["runner_up"]
+            else ""
+        )
         lines.append(
             f"  criterion auto  picked {auto['chosen']} ({auto['fitness']} {auto['chosen_value']:.6g}){runner}"
         )
@@ -149,8 +162,9 @@ def format_lines(facts: dict) -> list[str]:
             f"stopped by {search['stopped']}"
         )
     if facts["unseen_experts"]:
-        where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}"
-                          for layer, ids in facts["unseen_per_layer"].items())  # fmt: skip
+        where = "; ".join(
+            f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()
+        )
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
     if facts["neurons_per_expert"]:
         lines.append(
@@ -158,12 +172,16 @@ def format_lines(facts: dict) -> list[str]:
         )
     p, r = facts["parameters"], facts["routed_parameters"]
     if p["before"] is not None:
-        lines.append(f"  parameters      {p['before']:,} -> {p['after']:,}{_pct(p['change_pct'])}; routed experts "
-                     f"{r['before']:,} -> {r['after']:,}{_pct(r['change_pct'])}")  # fmt: skip
+        lines.append(
+            f"  parameters      {p['before']:,} -> {p['after']:,}{_pct(p['change_pct'])}; routed experts "
+            f"{r['before']:,} -> {r['after']:,}{_pct(r['change_pct'])}"
+        )
     b = facts["bytes"]
     if b["before"] is not None:
-        lines.append(f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
-                     f"saved as {facts['save_dtype']} ({facts['format']} format)")  # fmt: skip
+        lines.append(
+            f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
+            f"saved as {facts['save_dtype']} ({facts['format']} format)"
+        )
     if facts["vllm_padded_parameters"]:
         padded, before = facts["vllm_padded_parameters"], facts["parameters"]["before"]
         versus = f"{change(before, padded):+.1f}% vs before; " if before else ""
@@ -186,8 +204,10 @@ def score_lines(document: dict, output: str | Path) -> list[str]:
     """The console summary of `moeprune score`."""
     layers = document["layers"]
     experts = sum(len(layer["scores"]) for layer in layers)
-    lines = [f"scored {experts} routed experts in {len(layers)} MoE layers with {document['criterion']} "
-             f"(pruned first: {document['prune_first']} scores)"]  # fmt: skip
+    lines = [
+        f"scored {experts} routed experts in {len(layers)} MoE layers with {document['criterion']} "
+        f"(pruned first: {document['prune_first']} scores)"
+    ]
     if document.get("tokens"):
         lines.append(f"  calibration     {document['tokens']:,} tokens")
     unseen = document.get("unseen") or {}
@@ -225,20 +245,29 @@ def eval_lines(doc: dict, files: Sequence[str | Path] = ()) -> list[str]:
 def demo_lines(results: dict, output: str | Path) -> list[str]:
     """The console summary of `moeprune demo`, under its comparison table."""
     rows = results["rows"]
-    lines = [f"demo: {len(rows) - 1} pruned variants of {results['model']} ({results['mode']} mode) "
-             f"compared on {', '.join(results['domains'])} in {results['timing_s']['total']:.0f} s"]  # fmt: skip
+    lines = [
+        f"demo: {len(rows) - 1} pruned variants of {results['model']} ({results['mode']} mode) "
+        f"compared on {', '.join(results['domains'])} in {results['timing_s']['total']:.0f} s"
+    ]
     for sparsity in sorted({r["sparsity"] for r in rows if r["sparsity"]}):
         peers = [r for r in rows if r["sparsity"] == sparsity]
         best = max(peers, key=lambda r: r["esap"])
-        uniform = max((r for r in peers if (r["allocation"], r["method"]) == ("uniform", "drop")),
-                      key=lambda r: r["esap"], default=None)  # fmt: skip
+        uniform = max(
+            (r for r in peers if (r["allocation"], r["method"]) == ("uniform", "drop")),
+            key=lambda r: r["esap"],
+            default=None,
+        )
         than = f"; best uniform drop {uniform['esap']:.4f} ({uniform['criterion']})" if uniform else ""
-        lines.append(f"  at {sparsity:.0%}  best ESAP {best['esap']:.4f}: {best['criterion']}, {best['allocation']}, "
-                     f"{best['method']}{than}")  # fmt: skip
+        lines.append(
+            f"  at {sparsity:.0%}  best ESAP {best['esap']:.4f}: {best['criterion']}, {best['allocation']}, "
+            f"{best['method']}{than}"
+        )
     for search in results.get("searches", []):
-        lines.append(f"  search    {search['criterion']} at {search['sparsity']:.0%}: {search['fitness']} "
-                     f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
-                     "on the search data")  # fmt: skip
+        lines.append(
+            f"  search    {search['criterion']} at {search['sparsity']:.0%}: {search['fitness']} "
+            f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
+            "on the search data"
+        )
     folder = Path(output)
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     lines.append(f"  output    {folder}: {', '.join(names)}")

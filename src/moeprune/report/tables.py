@@ -38,18 +38,32 @@ def _rows(registry: Registry, *columns) -> list[list[str]]:
 def registry_tables() -> dict[str, str]:
     """Markdown table per registry, in registration order."""
     return {
-        "criteria": _table(["criterion", "score", "pruned first", "needs"],
-                           _rows(CRITERIA, lambda c: c.help, lambda c: c.prune_first, _needs)),
-        "allocations": _table(["allocation", "what it decides", "needs"], _rows(ALLOCATIONS, lambda a: a.help, _needs)),
-        "methods": _table(["method", "what happens", "`--sparsity` counts", "allocations", "needs"],
-                          _rows(METHODS, lambda m: m.help, lambda m: m.sparsity_unit,
-                                lambda m: ", ".join(m.allocations), _needs)),
-        "fitnesses": _table(["fitness", "per answer position", "better", "needs"],
-                            _rows(FITNESSES, lambda f: f.help, lambda f: "higher" if f.higher_is_better else "lower",
-                                  _needs)),
-        "metrics": _table(["metric", "what it measures", "per data file", "needs"],
-                          _rows(METRICS, lambda m: m.help, lambda m: "yes" if m.per_file else "no", _needs)),
-    }  # fmt: skip
+        "criteria": _table(
+            ["criterion", "score", "pruned first", "needs"],
+            _rows(CRITERIA, lambda c: c.help, lambda c: c.prune_first, _needs),
+        ),
+        "allocations": _table(
+            ["allocation", "what it decides", "needs"], _rows(ALLOCATIONS, lambda a: a.help, _needs)
+        ),
+        "methods": _table(
+            ["method", "what happens", "`--sparsity` counts", "allocations", "needs"],
+            _rows(
+                METHODS,
+                lambda m: m.help,
+                lambda m: m.sparsity_unit,
+                lambda m: ", ".join(m.allocations),
+                _needs,
+            ),
+        ),
+        "fitnesses": _table(
+            ["fitness", "per answer position", "better", "needs"],
+            _rows(FITNESSES, lambda f: f.help, lambda f: "higher" if f.higher_is_better else "lower", _needs),
+        ),
+        "metrics": _table(
+            ["metric", "what it measures", "per data file", "needs"],
+            _rows(METRICS, lambda m: m.help, lambda m: "yes" if m.per_file else "no", _needs),
+        ),
+    }
 
 
 def fill_tables(text: str) -> str:
@@ -59,7 +73,9 @@ def fill_tables(text: str) -> str:
     def replace(match: re.Match) -> str:
         name = match.group(2)
         if name not in tables:
-            raise KeyError(f"the documentation names an unknown registry table {name!r}; known: {', '.join(tables)}")
+            raise KeyError(
+                f"the documentation names an unknown registry table {name!r}; known: {', '.join(tables)}"
+            )
         return match.group(1) + tables[name] + match.group(4)
 
     return _BLOCK.sub(replace, text)
@@ -94,7 +110,9 @@ def family_summary_markdown() -> str:
     for status in family_table():
         by_status.setdefault(status.status, []).append(f"`{status.model_type}`")
     total = sum(map(len, by_status.values()))
-    lines = [f"- **{status}** ({len(names)} of {total}): {', '.join(names)}" for status, names in by_status.items()]
+    lines = [
+        f"- **{status}** ({len(names)} of {total}): {', '.join(names)}" for status, names in by_status.items()
+    ]
     return "\n".join(lines) + "\n"
 
 

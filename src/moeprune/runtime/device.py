@@ -19,8 +19,14 @@ from torch import nn
 
 from moeprune.errors import MoePruneError
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 _LOG = logging.getLogger(__name__)
 
 
@@ -64,12 +70,15 @@ class Placement:
         if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise MoePruneError(
                 "device 'auto' splits one model over every GPU, but under torchrun each rank holds its own copy: "
-                "leave the device unset (each rank then takes its own GPU, cuda:LOCAL_RANK)", options=("device",)
-            )  # fmt: skip
+                "leave the device unset (each rank then takes its own GPU, cuda:LOCAL_RANK)",
+                options=("device",),
+            )
         if device == "auto":
             if importlib.util.find_spec("accelerate") is None:
-                raise MoePruneError("device 'auto' uses accelerate's device_map='auto': pip install 'moeprune[gpu]'",
-                                    options=("device",))  # fmt: skip
+                raise MoePruneError(
+                    "device 'auto' uses accelerate's device_map='auto': pip install 'moeprune[gpu]'",
+                    options=("device",),
+                )
             if torch.cuda.is_available():
                 device_map, device = "auto", "cuda:0"
             else:
@@ -116,6 +125,10 @@ class Placement:
         free, _ = torch.cuda.mem_get_info(self.device)
         if nbytes <= share * free:
             return self.device
-        _LOG.warning("%s needs %.1f GiB, more than %d%% of the free GPU memory: keeping it on the CPU",
-                     what, nbytes / 2**30, int(share * 100))  # fmt: skip
+        _LOG.warning(
+            "%s needs %.1f GiB, more than %d%% of the free GPU memory: keeping it on the CPU",
+            what,
+            nbytes / 2**30,
+            int(share * 100),
+        )
         return torch.device("cpu")

@@ -48,8 +48,9 @@ class NonFiniteError(MoePruneError):
         """The same error naming the first module whose output went non-finite (if found)."""
         if not where:
             return self
-        return NonFiniteError(f"{self.problem}; the first non-finite output is {where}", self.advice,
-                              options=self.options)  # fmt: skip
+        return NonFiniteError(
+            f"{self.problem}; the first non-finite output is {where}", self.advice, options=self.options
+        )
 
 
 def kind(tensor: torch.Tensor) -> str:

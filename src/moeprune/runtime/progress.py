@@ -35,8 +35,16 @@ class PlainBar:
     """tqdm's interface as plain lines: one at the start, one at the end (and, with
     `each_step`, one per step). Used when stderr is not a terminal."""
 
-    def __init__(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
-                 unit: str = "it", initial: int = 0, each_step: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        iterable: Iterable | None = None,
+        *,
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        initial: int = 0,
+        each_step: bool = False,
+    ) -> None:
         self.iterable, self.desc, self.unit, self.each_step = iterable, desc, unit, each_step
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
         self.n, self.postfix, self.closed = initial, "", False
@@ -139,8 +147,16 @@ class _Silent:
         return lambda *args, **kwargs: None  # set_postfix, write, ...: nothing to show
 
 
-def progress_bar(iterable: Iterable | None = None, *, total: int | None = None, desc: str, unit: str = "it",
-                 enabled: bool = True, initial: int = 0, each_step: bool = False) -> Any:  # fmt: skip
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    total: int | None = None,
+    desc: str,
+    unit: str = "it",
+    enabled: bool = True,
+    initial: int = 0,
+    each_step: bool = False,
+) -> Any:
     """A progress bar for one stage: tqdm on a terminal, `PlainBar` lines elsewhere, nothing shown
     when not `enabled`; in every case the stage's time reaches the run log. `each_step`: without a
     terminal, print a line per step (for steps that take long, like a search generation)."""

@@ -107,8 +107,11 @@ class RunLog:
         return out
 
     def text(self) -> str:
-        lines = [f"command   {self.command_line}", f"started   {self.started.isoformat(timespec='seconds')}",
-                 f"host      {platform.node()} ({platform.platform()})"]  # fmt: skip
+        lines = [
+            f"command   {self.command_line}",
+            f"started   {self.started.isoformat(timespec='seconds')}",
+            f"host      {platform.node()} ({platform.platform()})",
+        ]
         lines += ["", "versions"] + [f"  {k:<13} {v}" for k, v in versions().items()]
         lines += ["", "stages (wall time)"]
         for name, seconds, steps in self.stages:

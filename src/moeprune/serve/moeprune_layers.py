@@ -56,45 +56,105 @@ class Family:
 _BIASED = (("weight", 0), ("e_score_correction_bias", 0))  # DeepSeek-V3, GLM-4-MoE selection bias
 
 FAMILIES: dict[str, Family] = {
-    "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", "mlp", "gate", "num_experts", "intermediate_size", FUSED),
+    "olmoe": Family(
+        "OlmoeConfig", "OlmoeForCausalLM", "mlp", "gate", "num_experts", "intermediate_size", FUSED
+    ),
     "qwen2_moe": Family(
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "mlp", "gate", "num_experts", "moe_intermediate_size", FUSED
     ),
     "qwen3_moe": Family(
-        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp", "gate", "num_local_experts", "moe_intermediate_size", FUSED
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "mlp",
+        "gate",
+        "num_local_experts",
+        "moe_intermediate_size",
+        FUSED,
     ),
     "qwen3_next": Family(
-        "Qwen3NextConfig", "Qwen3NextForCausalLM", "mlp", "gate", "num_experts", "moe_intermediate_size", FUSED
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        "mlp",
+        "gate",
+        "num_experts",
+        "moe_intermediate_size",
+        FUSED,
     ),
     "mixtral": Family(
-        "MixtralConfig", "MixtralForCausalLM", "mlp", "gate", "num_local_experts", "intermediate_size", FUSED,
-        disk_renames=((".mlp.", ".block_sparse_moe."),), disk_expert_names=("w1", "w3", "w2"),
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        "mlp",
+        "gate",
+        "num_local_experts",
+        "intermediate_size",
+        FUSED,
+        disk_renames=((".mlp.", ".block_sparse_moe."),),
+        disk_expert_names=("w1", "w3", "w2"),
     ),
     "deepseek_v2": Family(
-        "DeepseekV2Config", "DeepseekV2ForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        "mlp",
+        "gate",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        FUSED,
     ),
     "deepseek_v3": Family(
-        "DeepseekV3Config", "DeepseekV3ForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED,
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        "mlp",
+        "gate",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        FUSED,
         router_tensors=_BIASED,
     ),
     "glm4_moe": Family(
-        "Glm4MoeConfig", "Glm4MoeForCausalLM", "mlp", "gate", "n_routed_experts", "moe_intermediate_size", FUSED,
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        "mlp",
+        "gate",
+        "n_routed_experts",
+        "moe_intermediate_size",
+        FUSED,
         router_tensors=_BIASED,
     ),
     "ernie4_5_moe": Family(
-        "Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "mlp", "gate", "moe_num_experts", "moe_intermediate_size",
-        FUSED, router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        "mlp",
+        "gate",
+        "moe_num_experts",
+        "moe_intermediate_size",
+        FUSED,
+        router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
         disk_renames=((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
     ),
     "gpt_oss": Family(
-        "GptOssConfig", "GptOssForCausalLM", "mlp", "router", "num_local_experts", "intermediate_size", INTERLEAVED,
-        router_tensors=(("weight", 0), ("bias", 0)), disk_expert_names=None,
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        "mlp",
+        "router",
+        "num_local_experts",
+        "intermediate_size",
+        INTERLEAVED,
+        router_tensors=(("weight", 0), ("bias", 0)),
+        disk_expert_names=None,
     ),
     "llama4_text": Family(
-        "Llama4TextConfig", "Llama4ForCausalLM", "feed_forward", "router", "num_local_experts", "intermediate_size",
-        TRANSPOSED, count_attrs=("num_experts", "out_features"), disk_expert_names=None, weight_on_input=True,
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        "feed_forward",
+        "router",
+        "num_local_experts",
+        "intermediate_size",
+        TRANSPOSED,
+        count_attrs=("num_experts", "out_features"),
+        disk_expert_names=None,
+        weight_on_input=True,
     ),
-}  # fmt: skip
+}
 
 
 def fail(message: str) -> FormatError:
@@ -339,9 +399,13 @@ def slice_expert(family: Family, stock: nn.Module, p: int, width: int):
         both = torch.cat((gate_up[:, :width], gate_up[:, full : full + width]), dim=1)
         return MoePruneTransposedExpert(both, down[:width].clone(), act_fn, gate_fn)
     return MoePruneClampedExpert(  # INTERLEAVED: neuron j is columns 2j (gate) and 2j + 1 (up)
-        gate_up[:, : 2 * width].clone(), stock.gate_up_proj_bias[p, : 2 * width].clone(),
-        down[:width].clone(), stock.down_proj_bias[p].clone(), float(stock.alpha), float(stock.limit),
-    )  # fmt: skip
+        gate_up[:, : 2 * width].clone(),
+        stock.gate_up_proj_bias[p, : 2 * width].clone(),
+        down[:width].clone(),
+        stock.down_proj_bias[p].clone(),
+        float(stock.alpha),
+        float(stock.limit),
+    )
 
 
 class _GateHolder(nn.Module):

@@ -26,9 +26,22 @@ HUB_ARGUMENTS = (
 )
 # Passed by transformers' Auto classes or harmless here (this loader never initialises, always
 # reads safetensors and maps nothing): ignored.
-_IGNORED = ("_from_auto", "_commit_hash", "trust_remote_code", "code_revision", "adapter_kwargs", "low_cpu_mem_usage",
-            "use_safetensors", "weights_only", "disable_mmap", "mirror", "_fast_init", "offload_state_dict",
-            "ignore_mismatched_sizes", "adapter_name")  # fmt: skip
+_IGNORED = (
+    "_from_auto",
+    "_commit_hash",
+    "trust_remote_code",
+    "code_revision",
+    "adapter_kwargs",
+    "low_cpu_mem_usage",
+    "use_safetensors",
+    "weights_only",
+    "disable_mmap",
+    "mirror",
+    "_fast_init",
+    "offload_state_dict",
+    "ignore_mismatched_sizes",
+    "adapter_name",
+)
 
 
 def refuse_unsupported(kwargs: dict, what: str = "from_pretrained") -> None:

@@ -76,8 +76,11 @@ def _refusing_config(family: str) -> type:
         raise ValueError(refusal(family))
 
     name = f"MoePruneUnservedConfig_{family}"
-    return type(name, (PretrainedConfig,), {"model_type": MODEL_TYPE_PREFIX + family, "__init__": __init__,
-                                             "__module__": __name__})  # fmt: skip
+    return type(
+        name,
+        (PretrainedConfig,),
+        {"model_type": MODEL_TYPE_PREFIX + family, "__init__": __init__, "__module__": __name__},
+    )
 
 
 def _register_configs() -> None:

@@ -187,8 +187,12 @@ class CheckpointLayout:
         self.layers = [self._layout(layer, blocks[id(layer.block)]) for layer in self.moe.layers]
         self.roles = {  # in-memory name -> (layer, expert dim) of every per-expert tensor
             **{p.internal: (lay.index, 0) for lay in self.layers for p in lay.experts.values()},
-            **{self.addresses[key].internal: (lay.index, dim) for lay in self.layers for key, dim in lay.router.values()},
-        }  # fmt: skip
+            **{
+                self.addresses[key].internal: (lay.index, dim)
+                for lay in self.layers
+                for key, dim in lay.router.values()
+            },
+        }
         self._check_unknown_expert_tensors()
 
     def _layout(self, layer: MoELayer, block: str) -> LayerLayout:

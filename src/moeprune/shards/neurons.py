@@ -194,9 +194,15 @@ def _fused_tensor(
 
 
 def _part_tensor(
-    key: str, stored: StoredTensor, lay: LayerLayout, name: str, param: ExpertParam, expert: int,
-    slicer: _Slicer, axis: int,
-) -> OutTensor:  # fmt: skip
+    key: str,
+    stored: StoredTensor,
+    lay: LayerLayout,
+    name: str,
+    param: ExpertParam,
+    expert: int,
+    slicer: _Slicer,
+    axis: int,
+) -> OutTensor:
     """One part (gate, up, or the whole) of one expert's tensor, cut like the concatenated tensor."""
     keys = param.keys(expert)
     shapes = [slicer.layout.tensors[k].shape for k in keys]

@@ -79,23 +79,42 @@ def score_without_loading(
     )
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     stats = [
-        observe_sequential_distributed(model_path, d, batch_size=data.batch_size, pad_token_id=pad,
-                                       device=placed.device, dtype=placed.dtype, progress=progress, neurons=neurons,
-                                       offload_dir=data.activations_dir)
+        observe_sequential_distributed(
+            model_path,
+            d,
+            batch_size=data.batch_size,
+            pad_token_id=pad,
+            device=placed.device,
+            dtype=placed.dtype,
+            progress=progress,
+            neurons=neurons,
+            offload_dir=data.activations_dir,
+        )
         for d in sets
-    ]  # fmt: skip
+    ]
     if not crit.needs_data:
         return crit, [], stats, sets
-    scores = compute_scores(crit.name, stats=stats if len(stats) > 1 else stats[0], seed=seed,
-                            layers=[s.layer for s in stats[0].layers])  # fmt: skip
+    scores = compute_scores(
+        crit.name,
+        stats=stats if len(stats) > 1 else stats[0],
+        seed=seed,
+        layers=[s.layer for s in stats[0].layers],
+    )
     return crit, scores, stats, sets
 
 
 def prune_without_loading(
-    model_path: str | Path, output: str | Path, config: PruneConfig, *, data: DataOptions | None = None,
-    tokenizer_path: str | Path | None = None, dtype: str | None = None, overwrite: bool = False, progress: bool = True,
+    model_path: str | Path,
+    output: str | Path,
+    config: PruneConfig,
+    *,
+    data: DataOptions | None = None,
+    tokenizer_path: str | Path | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
     command_line: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Score without loading, then rewrite the shards: the whole model is never in memory.
 
     `config.method` "drop" removes whole experts (uniform allocation); "neurons" keeps each routed
@@ -106,8 +125,9 @@ def prune_without_loading(
         raise MoePruneError(
             f"pruning without loading rewrites shards for the {' or '.join(NO_LOAD_METHODS)} method with the uniform "
             f"allocation; the {config.method} method with {config.allocation or 'its'} allocation needs the loaded "
-            "model", options=("no_load", "method"),
-        )  # fmt: skip
+            "model",
+            options=("no_load", "method"),
+        )
     model_path = check_model_path(model_path)
     check_not_inside(output, [model_path])
     recover(Path(output))
@@ -133,19 +153,41 @@ def _write_evidence(tmp: Path, report: dict, timer: Timer, model_path: Path) -> 
     (tmp / "report.md").write_text(report_markdown(report, tmp))
 
 
-def _drop(model_path: Path, output, moe: MoEModel, timer: Timer, config: PruneConfig, data, tokenizer_path, dtype,
-          overwrite: bool, progress: bool) -> dict:  # fmt: skip
+def _drop(
+    model_path: Path,
+    output,
+    moe: MoEModel,
+    timer: Timer,
+    config: PruneConfig,
+    data,
+    tokenizer_path,
+    dtype,
+    overwrite: bool,
+    progress: bool,
+) -> dict:
     limits = method_limits(moe, "drop", config.expert_multiple)
     expert_allocation(
         moe, get_criterion(config.criterion), [], config.sparsity, "uniform", limits
     )  # before scoring
     crit, scores, stats, sets = score_without_loading(
-        model_path, config.criterion, data=data, tokenizer_path=tokenizer_path, seed=config.seed, dtype=dtype,
+        model_path,
+        config.criterion,
+        data=data,
+        tokenizer_path=tokenizer_path,
+        seed=config.seed,
+        dtype=dtype,
         progress=progress,
-    )  # fmt: skip
+    )
     timer.lap("score")
-    plan = build_plan(moe, crit, scores, sparsity=config.sparsity, allocation="uniform", method="drop",
-                      expert_multiple=config.expert_multiple)  # fmt: skip
+    plan = build_plan(
+        moe,
+        crit,
+        scores,
+        sparsity=config.sparsity,
+        allocation="uniform",
+        method="drop",
+        expert_multiple=config.expert_multiple,
+    )
     report = {
         **no_load_report(model_path, output, moe.model_type, crit.name, "drop", config.sparsity),
         "budget_experts_removed": plan.extra.get("budget"),
@@ -164,21 +206,47 @@ def _drop(model_path: Path, output, moe: MoEModel, timer: Timer, config: PruneCo
     return report
 
 
-def _shrink(model_path: Path, output, moe: MoEModel, timer: Timer, config: PruneConfig, data, tokenizer_path, dtype,
-            overwrite: bool, progress: bool) -> dict:  # fmt: skip
+def _shrink(
+    model_path: Path,
+    output,
+    moe: MoEModel,
+    timer: Timer,
+    config: PruneConfig,
+    data,
+    tokenizer_path,
+    dtype,
+    overwrite: bool,
+    progress: bool,
+) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     importance = check_importance(config.neuron_importance)
     check_stock_shrink(moe)  # before any observation
     uniform_widths(moe, config.sparsity)
     before_layers, before_params = describe_layers(moe), routed_parameters(moe)
     crit, scores, stats, sets = score_without_loading(
-        model_path, config.criterion, data=data, tokenizer_path=tokenizer_path, seed=config.seed, dtype=dtype,
-        progress=progress, observe_for="the neurons method", neurons=True,
-    )  # fmt: skip
+        model_path,
+        config.criterion,
+        data=data,
+        tokenizer_path=tokenizer_path,
+        seed=config.seed,
+        dtype=dtype,
+        progress=progress,
+        observe_for="the neurons method",
+        neurons=True,
+    )
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
-    plan = build_plan(moe, crit, scores, sparsity=config.sparsity, allocation="uniform", method="neurons",
-                      data_fingerprint=fingerprint, stats=stats, neuron_importance=importance)  # fmt: skip
+    plan = build_plan(
+        moe,
+        crit,
+        scores,
+        sparsity=config.sparsity,
+        allocation="uniform",
+        method="neurons",
+        data_fingerprint=fingerprint,
+        stats=stats,
+        neuron_importance=importance,
+    )
     keep = resolve_plan(moe, plan, stats if len(stats) > 1 else stats[0]).keep
     width = next((c for lp in plan.layers for c in lp.neurons.values()), moe.layers[0].intermediate_size)
     report = {

@@ -111,8 +111,10 @@ class SafetensorsExperts:
             stored = self._shards.tensors[param.fused]
             row = (stored.end - stored.start) // self.num_experts
             return [(param.fused, stored.start + expert * row, row)]
-        return [(k, self._shards.tensors[k].start, self._shards.tensors[k].end - self._shards.tensors[k].start)
-                for k in param.keys(expert)]  # fmt: skip
+        return [
+            (k, self._shards.tensors[k].start, self._shards.tensors[k].end - self._shards.tensors[k].start)
+            for k in param.keys(expert)
+        ]
 
     def prefetch(self, expert: int) -> None:
         """Start reading one expert's bytes from disk (no-op past the last expert)."""

@@ -173,8 +173,14 @@ def sync_config_counts(moe: MoEModel) -> None:
         setattr(moe.config, moe.spec.count_field, counts.pop())
 
 
-@METHODS.register(Method("drop", "expert weights and router row removed; top-k picks among the survivors", EXPERTS,
-                         ("uniform", "global", "evo")))  # fmt: skip
+@METHODS.register(
+    Method(
+        "drop",
+        "expert weights and router row removed; top-k picks among the survivors",
+        EXPERTS,
+        ("uniform", "global", "evo"),
+    )
+)
 def drop_plan(request: PlanRequest) -> Plan:
     """Drop the first r_l experts of each layer's pruning order (group-balanced where needed)."""
     moe, criterion, removed = request.moe, request.criterion, request.removals()

@@ -317,8 +317,22 @@ def neuron_plan(
     return plan
 
 
-@METHODS.register(Method("neurons", "every expert keeps its top-K intermediate neurons (ENP; K the same everywhere)",
-                         PARAMETERS, ("uniform",), needs=(NEURON_STATS,), neurons=True))  # fmt: skip
+@METHODS.register(
+    Method(
+        "neurons",
+        "every expert keeps its top-K intermediate neurons (ENP; K the same everywhere)",
+        PARAMETERS,
+        ("uniform",),
+        needs=(NEURON_STATS,),
+        neurons=True,
+    )
+)
 def plan_neurons(request: PlanRequest) -> Plan:
-    return neuron_plan(request.moe, request.domains, request.sparsity, importance=request.neuron_importance,
-                       criterion=request.criterion.name, data_fingerprint=request.data_fingerprint)  # fmt: skip
+    return neuron_plan(
+        request.moe,
+        request.domains,
+        request.sparsity,
+        importance=request.neuron_importance,
+        criterion=request.criterion.name,
+        data_fingerprint=request.data_fingerprint,
+    )

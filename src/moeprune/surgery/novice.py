@@ -115,12 +115,28 @@ def novice_plan(
     return plan
 
 
-@METHODS.register(Method("novice", "expert replaced by its mean output mu_i; routing unchanged, the block adds g_i(t) mu_i",
-                         EXPERTS, ("uniform", "global", "evo"), needs=(CALIBRATION,), keeps_routing=True))  # fmt: skip
+@METHODS.register(
+    Method(
+        "novice",
+        "expert replaced by its mean output mu_i; routing unchanged, the block adds g_i(t) mu_i",
+        EXPERTS,
+        ("uniform", "global", "evo"),
+        needs=(CALIBRATION,),
+        keeps_routing=True,
+    )
+)
 def plan_novices(request: PlanRequest) -> Plan:
     removed = request.removals()
-    plan = novice_plan(request.moe, request.domains, request.scores, request.sparsity, criterion=request.criterion,
-                       allocation=request.allocation, removed=removed, data_fingerprint=request.data_fingerprint)  # fmt: skip
+    plan = novice_plan(
+        request.moe,
+        request.domains,
+        request.scores,
+        request.sparsity,
+        criterion=request.criterion,
+        allocation=request.allocation,
+        removed=removed,
+        data_fingerprint=request.data_fingerprint,
+    )
     plan.extra["budget"] = sum(removed)
     return plan
 
@@ -133,8 +149,10 @@ def novice_context(moe: MoEModel, stats: StatsInput):
     )
 
     def context(removed: dict[int, list[int]]):
-        novices = {index: mean_outputs(moe.layer(index), layer_stats(domains, moe.layer(index)), positions)
-                   for index, positions in removed.items()}  # fmt: skip
+        novices = {
+            index: mean_outputs(moe.layer(index), layer_stats(domains, moe.layer(index)), positions)
+            for index, positions in removed.items()
+        }
         return override_routed(moe, RoutedOptions(novices=novices))
 
     return context

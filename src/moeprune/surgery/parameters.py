@@ -111,10 +111,15 @@ def kept_per_layer(moe: MoEModel) -> list[dict]:
 def kept_rows(before: list[dict], after: list[dict]) -> list[dict]:
     """report.json's `kept_per_layer`: one row per MoE layer, before and after."""
     return [
-        {"layer": b["layer"], "experts_before": b["experts"], "experts_after": a["experts"],
-         "routed_params_before": b["routed_params"], "routed_params_after": a["routed_params"]}
+        {
+            "layer": b["layer"],
+            "experts_before": b["experts"],
+            "experts_after": a["experts"],
+            "routed_params_before": b["routed_params"],
+            "routed_params_after": a["routed_params"],
+        }
         for b, a in zip(before, after)
-    ]  # fmt: skip
+    ]
 
 
 def uniform_rows(before: list[dict], removed: list[int], hidden: list[int], novices: bool) -> list[dict]:
@@ -123,6 +128,13 @@ def uniform_rows(before: list[dict], removed: list[int], hidden: list[int], novi
     for b, r, d in zip(before, removed, hidden):
         per_expert = b["routed_params"] / b["experts"]
         params = (b["experts"] - r) * per_expert + (r * d if novices else 0)
-        rows.append({"layer": b["layer"], "experts_before": b["experts"], "experts_after": b["experts"] - r,
-                     "routed_params_before": b["routed_params"], "routed_params_after": int(round(params))})  # fmt: skip
+        rows.append(
+            {
+                "layer": b["layer"],
+                "experts_before": b["experts"],
+                "experts_after": b["experts"] - r,
+                "routed_params_before": b["routed_params"],
+                "routed_params_after": int(round(params)),
+            }
+        )
     return rows

@@ -59,10 +59,20 @@ def build_plan(
     allocation = allocation or default_allocation(method)
     check_method(method, allocation)
     request = PlanRequest(
-        moe, criterion, scores, sparsity, allocation, method, stats=stats, removed=removed,
-        data_fingerprint=data_fingerprint, expert_multiple=expert_multiple, neuron_importance=neuron_importance,
-        important_fraction=important_fraction, slope=slope,
-    )  # fmt: skip
+        moe,
+        criterion,
+        scores,
+        sparsity,
+        allocation,
+        method,
+        stats=stats,
+        removed=removed,
+        data_fingerprint=data_fingerprint,
+        expert_multiple=expert_multiple,
+        neuron_importance=neuron_importance,
+        important_fraction=important_fraction,
+        slope=slope,
+    )
     return METHODS.get(method).fn(request)
 
 
@@ -99,16 +109,20 @@ def check_config(config: PruneConfig) -> PruneConfig:
         or not isinstance(config.expert_multiple, int)
         or config.expert_multiple < 1
     ):
-        raise MoePruneError(f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
-                            options=("expert_multiple",))  # fmt: skip
+        raise MoePruneError(
+            f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
+            options=("expert_multiple",),
+        )
     check_importance(config.neuron_importance)
     if not 0 <= config.slope <= 1:
         raise MoePruneError(
             f"the trapezoid slope must be in [0, 1], got {config.slope!r}", options=("slope",)
         )
     if config.important_fraction is not None and not 0 <= config.important_fraction < 1:
-        raise MoePruneError(f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
-                            options=("important_fraction",))  # fmt: skip
+        raise MoePruneError(
+            f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
+            options=("important_fraction",),
+        )
     if allocation == "evo" or config.criterion == AUTO:
         check_search(config.search)
     return replace(config, allocation=allocation)
@@ -116,8 +130,9 @@ def check_config(config: PruneConfig) -> PruneConfig:
 
 def check_sparsity(sparsity: float) -> None:
     if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0 < sparsity < 1:
-        raise MoePruneError(f"sparsity must be a number strictly between 0 and 1, got {sparsity!r}",
-                            options=("sparsity",))  # fmt: skip
+        raise MoePruneError(
+            f"sparsity must be a number strictly between 0 and 1, got {sparsity!r}", options=("sparsity",)
+        )
 
 
 def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:

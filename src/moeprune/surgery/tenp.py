@@ -84,11 +84,26 @@ def tenp_plan(
     return plan
 
 
-@METHODS.register(Method("tenp", "per layer the highest-scored experts stay whole, more with depth; the rest keep one global "
-                         "share of their neurons so the routed-parameter budget is met exactly", PARAMETERS, ("trapezoid",),
-                         needs=(NEURON_STATS,), neurons=True))  # fmt: skip
+@METHODS.register(
+    Method(
+        "tenp",
+        "per layer the highest-scored experts stay whole, more with depth; the rest keep one global "
+        "share of their neurons so the routed-parameter budget is met exactly",
+        PARAMETERS,
+        ("trapezoid",),
+        needs=(NEURON_STATS,),
+        neurons=True,
+    )
+)
 def plan_tenp(request: PlanRequest) -> Plan:
-    return tenp_plan(request.moe, request.domains, importance_scores(request.criterion, request.scores), request.sparsity,
-                     important_fraction=request.important_fraction, slope=request.slope,
-                     importance=request.neuron_importance, criterion=request.criterion.name,
-                     data_fingerprint=request.data_fingerprint)  # fmt: skip
+    return tenp_plan(
+        request.moe,
+        request.domains,
+        importance_scores(request.criterion, request.scores),
+        request.sparsity,
+        important_fraction=request.important_fraction,
+        slope=request.slope,
+        importance=request.neuron_importance,
+        criterion=request.criterion.name,
+        data_fingerprint=request.data_fingerprint,
+    )

@@ -239,8 +239,9 @@ class CandidateEvaluator:
         """
         teacher = TeacherCache(device=teacher_device)
         reference = None
-        for b in progress_bar(self._batches, desc="teacher pass (full model, search data)", unit="batch",
-                              enabled=self.progress):  # fmt: skip
+        for b in progress_bar(
+            self._batches, desc="teacher pass (full model, search data)", unit="batch", enabled=self.progress
+        ):
             with self._recording(b):
                 logits = self._plain_logits(b.batch)
             batch = b.batch

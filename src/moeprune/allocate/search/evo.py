@@ -145,7 +145,10 @@ class EvoSearch:
     def _identity(self) -> dict[str, Any]:
         # the search core's settings; a resume may extend (or shorten) the run or stop it earlier
         # (generations, patience); the fitness is in the fingerprint, the sample count in the data's
-        config = {name: getattr(self.config, name) for name in ("population", "elites", "delta_max", "tau_max", "seed")}
+        config = {
+            name: getattr(self.config, name)
+            for name in ("population", "elites", "delta_max", "tau_max", "seed")
+        }
         identity = {
             "config": config,
             "budget": self.feas.budget,
@@ -314,9 +317,12 @@ class EvoSearch:
             raise MoePruneError("the search has not evaluated any allocation yet")
         best, fitness = min(self.cache.items(), key=_rank_key)
         return EvoResult(
-            best=best, best_fitness=fitness, history=list(self.history), evaluations=len(self.cache),
+            best=best,
+            best_fitness=fitness,
+            history=list(self.history),
+            evaluations=len(self.cache),
             stopped=dict(self.stopped),
-        )  # fmt: skip
+        )
 
 
 def _checked(allocation: Allocation, value: float) -> float:

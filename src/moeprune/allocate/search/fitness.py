@@ -58,8 +58,15 @@ def higher_is_better(fitness: str) -> bool:
     return FITNESSES.get(fitness).higher_is_better
 
 
-@FITNESSES.register(Fitness("esap", "sum_v min(p, q) = 1 - TV(p, q): the expected speculative-decoding acceptance of "
-                                    "the candidate drafting for the full model", True, 1.0))  # fmt: skip
+@FITNESSES.register(
+    Fitness(
+        "esap",
+        "sum_v min(p, q) = 1 - TV(p, q): the expected speculative-decoding acceptance of "
+        "the candidate drafting for the full model",
+        True,
+        1.0,
+    )
+)
 def esap(logp: torch.Tensor, logq: torch.Tensor, targets: torch.Tensor, generator) -> torch.Tensor:
     return torch.minimum(logp.exp(), logq.exp()).sum(-1, dtype=F64)
 

@@ -221,7 +221,10 @@ def __getattr__(name: str):
     if name == "EvoConfig":
         import warnings
 
-        warnings.warn("EvoConfig is deprecated: use moeprune.SearchConfig (the same fields, plus fitness and "
-                      "samples)", DeprecationWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "EvoConfig is deprecated: use moeprune.SearchConfig (the same fields, plus fitness and samples)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return SearchConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -121,8 +121,11 @@ def run_evo_search(
     same allocation, and rank 0 alone writes ``state_path`` and its race log.
     """
     if fitness is not None:
-        warnings.warn("run_evo_search(fitness=...) is deprecated: pass SearchConfig(fitness=...) as config",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "run_evo_search(fitness=...) is deprecated: pass SearchConfig(fitness=...) as config",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         config = replace(config, fitness=fitness)
     fitness = check_fitness(config.fitness)
     limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
@@ -153,10 +156,18 @@ def run_evo_search(
         _LOG.warning(TEXT_ONLY_NOTE)
     start = time.perf_counter()
     evaluator = CandidateEvaluator(
-        moe, search_data, orders, fitness=fitness, batch_size=batch_size, seed=config.seed,
-        pad_token_id=pad_token_id, fast=fast, prefix_cache_bytes=prefix_cache_bytes,
-        candidate_context=candidate_context, progress=progress and rank == 0,
-    )  # fmt: skip
+        moe,
+        search_data,
+        orders,
+        fitness=fitness,
+        batch_size=batch_size,
+        seed=config.seed,
+        pad_token_id=pad_token_id,
+        fast=fast,
+        prefix_cache_bytes=prefix_cache_bytes,
+        candidate_context=candidate_context,
+        progress=progress and rank == 0,
+    )
     result = search.run(resume=resume)
     seconds = time.perf_counter() - start
     counters, distributed = dict(evaluator.counters), None
@@ -188,9 +199,12 @@ class _DataParallel:
     """
 
     def __init__(
-        self, evaluator: Callable[[], CandidateEvaluator], search: Callable[[], EvoSearch], race_log: _RaceLog,
+        self,
+        evaluator: Callable[[], CandidateEvaluator],
+        search: Callable[[], EvoSearch],
+        race_log: _RaceLog,
         race: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.evaluator, self.search = evaluator, search
         self.race_log, self.race = race_log, race
 
@@ -253,8 +267,10 @@ def _search_document(
         "fitness": evaluator.fitness,
         "higher_is_better": sign > 0,
         # the search core's settings (the fitness has its own key; the samples are the search data's)
-        "config": {k: getattr(search.config, k) for k in ("population", "elites", "generations", "delta_max",
-                                                          "tau_max", "seed", "patience")},  # fmt: skip
+        "config": {
+            k: getattr(search.config, k)
+            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
+        },
         "budget": search.feas.budget,
         "layers": limits.layers,
         "num_experts": limits.num_experts,
@@ -308,8 +324,11 @@ def check_search(search: SearchConfig) -> None:
 
 def evo_config(search: SearchConfig) -> SearchConfig:
     """Deprecated: the search core takes the SearchConfig itself (check_search checks it)."""
-    warnings.warn("evo_config is deprecated: pass the SearchConfig itself (check_search validates it)",
-                  DeprecationWarning, stacklevel=2)  # fmt: skip
+    warnings.warn(
+        "evo_config is deprecated: pass the SearchConfig itself (check_search validates it)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     check_search(search)
     return search
 
@@ -349,10 +368,25 @@ def search_allocation(
     budget = budget_from_sparsity(
         sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
-    fingerprint = {"model": model_fingerprint(moe), "criterion": criterion.name, "method": method,
-                   "sparsity": sparsity, "calibration": [s.data_fingerprint for s in stats]}  # fmt: skip
+    fingerprint = {
+        "model": model_fingerprint(moe),
+        "criterion": criterion.name,
+        "method": method,
+        "sparsity": sparsity,
+        "calibration": [s.data_fingerprint for s in stats],
+    }
     return run_evo_search(
-        moe, search_set, [s.order for s in scores], budget, config=search,
-        state_path=state_path, resume=resume, fingerprint=fingerprint, batch_size=batch_size, progress=progress,
-        pad_token_id=pad_token_id, candidate_context=candidate_context, expert_multiple=expert_multiple,
-    )  # fmt: skip
+        moe,
+        search_set,
+        [s.order for s in scores],
+        budget,
+        config=search,
+        state_path=state_path,
+        resume=resume,
+        fingerprint=fingerprint,
+        batch_size=batch_size,
+        progress=progress,
+        pad_token_id=pad_token_id,
+        candidate_context=candidate_context,
+        expert_multiple=expert_multiple,
+    )

@@ -109,12 +109,18 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
     section = config.get("moeprune")
     if section is None:
         return {}
-    structure = parse_section(section, f"{where} ('moeprune' section)", num_hidden_layers=_decoder_layers(config),
-                              oldest_version=FORMAT_VERSION)  # fmt: skip
+    structure = parse_section(
+        section,
+        f"{where} ('moeprune' section)",
+        num_hidden_layers=_decoder_layers(config),
+        oldest_version=FORMAT_VERSION,
+    )
     for layer in structure.layers:
         if not layer.weighted:
-            raise FormatError(f"{where}: layer {layer.layer} has only novices, which vLLM's fused MoE cannot run; "
-                              "load it with moeprune.load_pretrained(path)")  # fmt: skip
+            raise FormatError(
+                f"{where}: layer {layer.layer} has only novices, which vLLM's fused MoE cannot run; "
+                "load it with moeprune.load_pretrained(path)"
+            )
     return {layer.layer: layer for layer in structure.layers}
 
 

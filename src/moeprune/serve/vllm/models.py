@@ -36,8 +36,10 @@ class _MoePruneForCausalLM:
         where = f"{getattr(config, 'name_or_path', '') or 'the checkpoint'}/config.json"
         layout = read_layout({"moeprune": getattr(config, "moeprune", None)}, where)
         if not layout:
-            raise FormatError(f"{where} names a MoePrune architecture but has no moeprune section; "
-                              "re-create the checkpoint with moeprune")  # fmt: skip
+            raise FormatError(
+                f"{where} names a MoePrune architecture but has no moeprune section; "
+                "re-create the checkpoint with moeprune"
+            )
         _route_like_transformers(self.family, config)
         with per_layer_moe(layout, self.family) as built:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -79,8 +81,10 @@ class _MoePruneForCausalLM:
                 _load_novice(self._moeprune_novices, layer, position, name, tensor)
                 continue
             if layer.widths[position] is None:
-                raise FormatError(f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
-                                  "expert weights; the checkpoint is damaged, re-create it with moeprune")  # fmt: skip
+                raise FormatError(
+                    f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
+                    "expert weights; the checkpoint is damaged, re-create it with moeprune"
+                )
             fused = name[: match.start(2)] + str(layer.fused_index(position)) + name[match.end(2) :]
             yield fused, _padded(tensor, layer, position, rest, name)
 
@@ -121,8 +125,10 @@ def _padded(tensor: torch.Tensor, layer: LayerStructure, position: int, rest: st
     dim = 1 if rest.split(".")[0] in DOWN_PROJECTIONS else 0
     width = layer.widths[position]
     if tensor.dim() != 2 or tensor.shape[dim] != width:
-        raise FormatError(f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
-                          f"layer {layer.layer} {width} neurons; the checkpoint is damaged")  # fmt: skip
+        raise FormatError(
+            f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
+            f"layer {layer.layer} {width} neurons; the checkpoint is damaged"
+        )
     if width == layer.width:
         return tensor
     shape = list(tensor.shape)
@@ -137,8 +143,12 @@ def served_class(family: str) -> type:
     so a family is added by naming it in SERVED_FAMILIES), with the mixin in front."""
     stock = ModelRegistry.models[SERVED_FAMILIES[family]].load_model_cls()
     name = ARCHITECTURE_PREFIX + stock.__name__
-    attrs = {"family": family, "__module__": __name__, "__qualname__": name,
-             "__doc__": f"vLLM's {stock.__name__} with moeprune's per-layer experts, widths and novices."}  # fmt: skip
+    attrs = {
+        "family": family,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"vLLM's {stock.__name__} with moeprune's per-layer experts, widths and novices.",
+    }
     return type(name, (_MoePruneForCausalLM, stock), attrs)
 
 

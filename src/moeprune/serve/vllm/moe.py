@@ -79,8 +79,10 @@ class NoviceTable(nn.Module):
     def check_loaded(self) -> None:
         missing = sorted(set(self.positions) - self.loaded)
         if missing:
-            raise FormatError(f"layer {self.layer}: the checkpoint has no mean_output for novices {missing}; "
-                              "it is incomplete, re-create it with moeprune")  # fmt: skip
+            raise FormatError(
+                f"layer {self.layer}: the checkpoint has no mean_output for novices {missing}; "
+                "it is incomplete, re-create it with moeprune"
+            )
 
     def forward(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * mean_output[ids[t, k]] over the picked novices, per token t."""
@@ -125,8 +127,9 @@ class NoviceMoERunner(MoERunner):
             raise FormatError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
-        out = super().forward(hidden_states, router_logits, input_ids=input_ids,
-                              shared_experts_input=shared_experts_input)  # fmt: skip
+        out = super().forward(
+            hidden_states, router_logits, input_ids=input_ids, shared_experts_input=shared_experts_input
+        )
         if self.gate is not None:  # the runner computes the logits itself (router_logits is a placeholder)
             router_logits = self.gate(hidden_states)
             router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
@@ -200,11 +203,17 @@ def _sized_factory(
         if layer.novices:
             scale = 1.0 if a["apply_routed_scale_to_output"] else a["routed_scaling_factor"]
             inner = create_fused_moe_router(
-                top_k=a["top_k"], global_num_experts=layer.num_experts, renormalize=a["renormalize"],
-                use_grouped_topk=a["use_grouped_topk"], num_expert_group=a["num_expert_group"],
-                topk_group=a["topk_group"], scoring_func=a["scoring_func"], routed_scaling_factor=scale,
-                e_score_correction_bias=bias, num_logical_experts=layer.num_experts,
-            )  # fmt: skip
+                top_k=a["top_k"],
+                global_num_experts=layer.num_experts,
+                renormalize=a["renormalize"],
+                use_grouped_topk=a["use_grouped_topk"],
+                num_expert_group=a["num_expert_group"],
+                topk_group=a["topk_group"],
+                scoring_func=a["scoring_func"],
+                routed_scaling_factor=scale,
+                e_score_correction_bias=bias,
+                num_logical_experts=layer.num_experts,
+            )
             dtype = a["params_dtype"] or torch.get_default_dtype()
             table = NoviceTable(layer, a["hidden_size"], dtype)
             a["router"] = NoviceRouter(inner, table)
@@ -226,8 +235,11 @@ def _model_modules(names: tuple[str, ...]) -> list[ModuleType]:
     """vLLM's model modules (loaded so far) that hold one of `names`: a family's MoE block may
     live beside its causal-LM class or in a module it imports (Qwen3-Next builds Qwen2-MoE's)."""
     prefixes = ("vllm.model_executor.models.", "vllm.models.")
-    return [module for module_name, module in list(sys.modules.items())
-            if module_name.startswith(prefixes) and module is not None and set(names) & vars(module).keys()]  # fmt: skip
+    return [
+        module
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith(prefixes) and module is not None and set(names) & vars(module).keys()
+    ]
 
 
 @contextmanager
@@ -235,10 +247,16 @@ def per_layer_moe(layout: dict[int, LayerStructure], family: str) -> Iterator[di
     """While active, vLLM's MoE blocks are built with the checkpoint's per-layer shapes;
     yields {layer: its NoviceTable or None} for every MoE layer built."""
     built: dict[int, NoviceTable | None] = {}
-    wrappers = {"FusedMoEFactory": lambda original: _sized_factory(original, layout, family, built),
-                "GateLinear": lambda original: _sized_gate(original, layout, family)}  # fmt: skip
-    saved = [(module, name, vars(module)[name]) for module in _model_modules(tuple(wrappers))
-             for name in wrappers if name in vars(module)]  # fmt: skip
+    wrappers = {
+        "FusedMoEFactory": lambda original: _sized_factory(original, layout, family, built),
+        "GateLinear": lambda original: _sized_gate(original, layout, family),
+    }
+    saved = [
+        (module, name, vars(module)[name])
+        for module in _model_modules(tuple(wrappers))
+        for name in wrappers
+        if name in vars(module)
+    ]
     for module, name, original in saved:
         setattr(module, name, wrappers[name](original))
     try:
