@@ -11,6 +11,9 @@ import re
 
 import click
 
+from moeprune.cli.main import main
+from moeprune.report.tables import fill_family_table, fill_tables
+
 _BLOCK = re.compile(r"(<!-- cli -->\n)(.*?)(<!-- /cli -->)", re.S)
 WIDTH = 100  # the help's line width in the docs (a terminal's varies; the docs' must not)
 
@@ -24,8 +27,6 @@ def _help(command: click.Command, path: str, parent: click.Context | None = None
 
 def cli_reference_markdown() -> str:
     """`moeprune --help`, then every command's `--help`, in the group's order."""
-    from moeprune.cli import main
-
     root = click.Context(
         main, info_name="moeprune", max_content_width=WIDTH, terminal_width=WIDTH, **main.context_settings
     )
@@ -45,6 +46,4 @@ def fill_cli_reference(text: str) -> str:
 def fill_generated(text: str) -> str:
     """`text` (README.md or a page of docs/) with every generated block rewritten: the registry
     tables, the family table and summary, the command-line reference."""
-    from moeprune.report.tables import fill_family_table, fill_tables
-
     return fill_cli_reference(fill_family_table(fill_tables(text)))
