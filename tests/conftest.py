@@ -56,3 +56,15 @@ def data(tmp_path_factory) -> Path:
     rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(6)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+TIERS = ("unit", "integration", "vllm", "distributed")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test belongs to exactly one tier (a module's `pytestmark`), so `pytest -m unit` and
+    the others together run the whole suite; a test file without a tier fails collection."""
+    untiered = sorted({item.nodeid.split("::")[0] for item in items
+                       if sum(1 for tier in TIERS if item.get_closest_marker(tier)) != 1})  # fmt: skip
+    if untiered:
+        raise pytest.UsageError(f"give these test files one tier marker ({', '.join(TIERS)}): {', '.join(untiered)}")

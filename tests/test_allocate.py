@@ -20,6 +20,8 @@ from moeprune.allocate import (
 )
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 # --- budget_from_sparsity -------------------------------------------------------------------
 
 

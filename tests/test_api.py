@@ -18,6 +18,8 @@ from moeprune.cli.main import main
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 
 def run(*args, ok: bool = True):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)

@@ -12,6 +12,8 @@ import pytest
 from moeprune.checkpoint.atomic import atomic_write_dir, check_not_inside, recover, write_json
 from moeprune.errors import MoePruneError
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 
 def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)

@@ -28,6 +28,8 @@ from moeprune.cli.main import main
 from moeprune.models import MoEModel
 from moeprune.surgery import drop_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 
 @dataclass
 class World:

@@ -19,6 +19,8 @@ from moeprune.models.factory import tiny_model
 from moeprune.surgery import drop_experts
 from moeprune.surgery.packed import expert_tensor_names
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
 

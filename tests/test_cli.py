@@ -15,6 +15,8 @@ from helpers import assert_logits_close
 from moeprune.cli.main import main
 from moeprune.models import MoEModel
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint) -> Path:

@@ -25,6 +25,8 @@ from moeprune.surgery.parameters import routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
 from moeprune.surgery.plans import virtual_plan
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 TOKENS = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(5))
 SPARSITY = 0.5
 COMBINATIONS = [

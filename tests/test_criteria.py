@@ -19,6 +19,8 @@ from moeprune.criteria import (
 from moeprune.errors import MoePruneError
 from moeprune.observe.stats import ExpertStats, LayerStats
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 # Tokens of one layer with 4 experts, hidden size 2: (expert, E_i(h_t), g_i(t), h_t).
 # Expert 2 is never reached.
 TOKENS = [

@@ -15,6 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from moeprune.data.loading import CalibrationData, load_data, parse_source
 from moeprune.errors import DataError
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 CHAT = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
 # renders the final assistant turn with an extra think block: earlier turns are not prefix-stable
 UNSTABLE_CHAT = (

@@ -18,6 +18,8 @@ from moeprune.demo import train as train_mod
 from moeprune.demo.corpus import DOMAINS, SPLITS, build_corpus, load_split
 from moeprune.demo.train import FIXTURE, DemoModelSpec, get_demo_model, heldout_stats, unigram_nll
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 # Floors the fixture must clear (measured values are in the comments).
 NLL_MARGIN_NATS = 1.0  # unigram minus model NLL on the eval split (measured ~3.0)
 ENTROPY_FLOOR = 0.5  # times log(n_experts), per layer (measured ~0.93)

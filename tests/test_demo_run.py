@@ -10,6 +10,8 @@ from click.testing import CliRunner
 from moeprune.cli.main import main
 from moeprune.demo import run as demo_run
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 
 @pytest.fixture()
 def quick_on_fixture(monkeypatch, trained_moe):

@@ -24,6 +24,8 @@ from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import shard_data
 from test_observe import calibration
 
+pytestmark = pytest.mark.distributed  # starts torchrun process groups
+
 
 def assert_same_stats(a: ExpertStats, b: ExpertStats, rtol: float = 1e-12) -> None:
     assert a.tokens == b.tokens

@@ -30,6 +30,8 @@ from distributed_search_worker import (
 from moeprune.cli.main import main
 from test_distributed import free_port
 
+pytestmark = pytest.mark.distributed  # starts torchrun process groups
+
 WORLD = 2
 
 

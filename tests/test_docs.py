@@ -19,6 +19,8 @@ from moeprune.report.tables import (
     registry_tables,
 )
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -34,6 +34,8 @@ from moeprune.surgery import drop_experts
 from moeprune.surgery.parameters import plan_routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 PNG = b"\x89PNG"
 
 

@@ -13,6 +13,8 @@ from moeprune.allocate.search.evo import EvoSearch, Feasibility, initial_populat
 from moeprune.config import SearchConfig
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 SMALL = SearchConfig(population=8, elites=2, generations=6, seed=3)
 
 

@@ -19,6 +19,8 @@ from moeprune.allocate.search.fitness import (
 )
 from moeprune.errors import DataError, MoePruneError
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 
 def _batch(logits: torch.Tensor, answer_mask: torch.Tensor, input_ids: torch.Tensor | None = None):
     """A teacher batch tuple; ids 0..B-1, no padding, token ids 0 unless given."""

@@ -17,6 +17,8 @@ from moeprune.errors import MoePruneError
 from moeprune.serve import moeprune_format
 from moeprune.serve.moeprune_format import FormatError, parse_section
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 SECTION = {
     "format": "moeprune-checkpoint",
     "format_version": 3,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 # A writer that replaces OUT again and again with complete versions v0, v1, ...: each version is
 # 12 files written slowly, the last one a manifest naming the version. EXCHANGE=0 forces the
 # two-rename fallback (filesystems without renameat2).
@@ -27,6 +29,7 @@ _WRITER = r"""
 import os, sys, time
 from pathlib import Path
 from moeprune.checkpoint import atomic
+
 if os.environ.get("EXCHANGE") == "0":
     atomic._exchange = lambda a, b: False
 out = Path(sys.argv[1])

@@ -22,6 +22,8 @@ from moeprune.models.factory import tiny_model
 from moeprune.report.eval_report import to_markdown
 from moeprune.surgery import drop_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 needs_lm_eval = pytest.mark.skipif(
     not HAVE_LM_EVAL, reason="lm-eval-harness is not installed (pip install 'moeprune[eval]')"

@@ -22,6 +22,8 @@ from moeprune.models.families import NO_TINY, REFUSED, WORKS, family_status, fam
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.surgery import drop_experts, mask_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 FAMILIES = [pytest.param(f, marks=pytest.mark.family) for f in moe_families()]
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
 

@@ -34,6 +34,8 @@ from moeprune.report.eval_report import write_report
 from moeprune.runtime.finite import NonFiniteError, check_finite_logits, check_finite_weights
 from test_observe import calibration
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 Edit = Callable[[torch.nn.Module], None]
 
 

@@ -25,6 +25,8 @@ from moeprune.surgery.parameters import plan_routed_parameters, routed_parameter
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from test_observe import calibration
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
 

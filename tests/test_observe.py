@@ -11,6 +11,8 @@ from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 F64 = torch.float64
 
 

@@ -15,6 +15,8 @@ from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.runtime.device import Placement
 from moeprune.surgery import drop_experts
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 pytest.importorskip("accelerate")
 
 

@@ -10,6 +10,8 @@ import pytest
 from moeprune.errors import MoePruneError
 from moeprune.plan import LayerPlan, Plan
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 
 def _plan(**overrides) -> Plan:
     args = {

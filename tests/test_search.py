@@ -31,6 +31,8 @@ from moeprune.models.factory import reference_families, tiny_model
 from moeprune.report.plots import plot_layer_density, plot_search_curve
 from moeprune.surgery.drop import drop_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 VOCAB = 96  # the tiny models' vocabulary
 SMALL = SearchConfig(population=6, elites=2, generations=4, seed=5)
 

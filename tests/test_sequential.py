@@ -20,6 +20,8 @@ from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, Exp
 from moeprune.surgery.drop import drop_experts
 from test_observe import calibration
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 # longer than the tiny models' sliding window and attention chunk (16); batch size 2 pads two batches
 LENGTHS = (40, 23, 7, 33, 12)
 

@@ -50,6 +50,8 @@ from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.tenp import tenp_plan
 from test_observe import calibration
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 MODELING = Path(moeprune.__file__).parent / "serve" / "modeling_moeprune.py"
 MODELING_FILES = [MODELING.parent / name for name in modeling_files]  # the entry file and what it imports
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -226,6 +228,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+
 
 torch.set_num_threads(1)
 manifest = json.load(open(sys.argv[1]))

@@ -43,6 +43,8 @@ from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 
+pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 LOGPROB_ATOL = 2e-4  # measured worst |vLLM - transformers| on these models: 1.9e-5 (printed as "worst")
@@ -94,6 +96,7 @@ VLLM_OPTIONS = {"deepseek_v3": _NATIVE_ROPE, "deepseek_v2": _NATIVE_ROPE}
 # and tries to load each "refuse" folder, recording the error.
 DRIVER = r"""
 import gc, json, os, sys, time
+
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # an explicit, small KV cache is passed below
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 

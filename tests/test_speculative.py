@@ -28,6 +28,8 @@ from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import reference_families, tiny_model
 from moeprune.surgery import drop_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 VOCAB = 3
 CHI2_26_P001 = 54.05  # chi-square critical value, 26 degrees of freedom, p = 0.001
 

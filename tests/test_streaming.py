@@ -29,6 +29,8 @@ from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.shards.weight_scores import _Sums, score_checkpoint
 from moeprune.surgery import drop_experts
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 SHARDED = ("qwen3_moe", "gpt_oss", "mixtral")  # per-expert, fused and renamed naming, several shards
 

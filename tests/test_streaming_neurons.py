@@ -27,6 +27,8 @@ from moeprune.surgery.neurons import neuron_plan, shared_multiplier, stock_width
 from moeprune.surgery.plans import apply_plan_physical, resolve_plan
 from test_streaming import assert_same_model, streamed_layers_or_skip
 
+pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+
 SHARDED = {"qwen3_moe": torch.bfloat16, "gpt_oss": torch.bfloat16, "mixtral": torch.float32}
 WIDTH, KEPT, SPARSITY = 24, 16, 1 / 3  # 24 -> 16 neurons: derived shared experts get zero padding
 

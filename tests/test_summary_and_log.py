@@ -27,6 +27,8 @@ from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.progress import PlainBar, progress_bar, stage
 from moeprune.runtime.runlog import LOG_NAME, RunLog
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 
 def run(*args, ok: bool = True):
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)

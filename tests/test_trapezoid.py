@@ -23,6 +23,8 @@ from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from moeprune.surgery.tenp import tenp_plan
 from test_observe import calibration
 
+pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
+
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 SWIGLU = ExpertCost(per_neuron=3 * 64, per_expert=0)
 CLAMPED_WITH_BIASES = ExpertCost(per_neuron=3 * 64 + 2, per_expert=64)  # gpt_oss-like
