@@ -285,3 +285,35 @@ def test_group_limited_cap():
     assert uniform_allocation(40, [64, 64], [8, 8], [4, 4], max_removed=caps) == [20, 20]
     with pytest.raises(InfeasibleBudgetError, match=r"\[32, 32\]"):
         uniform_allocation(68, [64, 64], [8, 8], [4, 4], max_removed=caps)
+
+
+def test_allocations_dispatch_through_their_registry(monkeypatch):
+    """An allocation that reads its counts off the scores is one registry entry: expert_allocation
+    calls its `counts` (no list of names to extend), and `searches` says which ones need search data."""
+    from moeprune.allocate.limits import expert_allocation
+    from moeprune.allocate.registry import ALLOCATIONS, Allocator, searches
+    from moeprune.criteria import compute_scores, get_criterion
+    from moeprune.models import MoEModel
+    from moeprune.models.factory import tiny_model
+
+    assert [a.name for a in ALLOCATIONS if a.searches] == ["evo"]
+    assert searches("evo") and not searches("uniform") and not searches(None)
+    moe = MoEModel(tiny_model("qwen3_moe"))
+    criterion = get_criterion("random")
+    scores = compute_scores("random", num_experts=[m.num_experts for m in moe.layers], layers=[m.index for m in moe.layers])
+    seen = []
+
+    def last_layer_first(criterion_, scores_, budget, limits):
+        seen.append((criterion_.name, len(scores_), budget, tuple(limits.num_experts)))
+        counts = [0] * len(limits.num_experts)
+        counts[-1] = budget
+        return counts
+
+    monkeypatch.setitem(ALLOCATIONS._specs, "last", Allocator("last", "every expert from the last layer",
+                                                              counts=last_layer_first))  # fmt: skip
+    removed = expert_allocation(moe, criterion, scores, 0.25, "last")
+    budget = sum(expert_allocation(moe, criterion, scores, 0.25, "uniform"))
+    assert removed == [0] * (len(moe.layers) - 1) + [budget]
+    assert seen == [("random", len(moe.layers), budget, tuple(m.num_experts for m in moe.layers))]
+    with pytest.raises(MoePruneError, match="does not choose expert counts"):
+        expert_allocation(moe, criterion, scores, 0.25, "evo")

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from moeprune import __version__
+from moeprune.allocate.registry import searches
 from moeprune.allocate.search.auto import choose_criterion
 from moeprune.allocate.search.run import search_allocation, search_state_path
 from moeprune.checkpoint import (
@@ -153,7 +154,7 @@ def prune(
     sets = _as_sets(data, tokenizer, options, crit.per_domain, why) if observe else []
     if observe and not sets:
         raise DataError(f"{why} needs calibration data: give data files", options=("data",))
-    searching = config.allocation == "evo" or auto
+    searching = searches(config.allocation) or auto
     search_options = replace(
         options, samples=config.search.samples or None, packing=False
     )  # answers stay whole
@@ -163,7 +164,7 @@ def prune(
         else None
     )
     if searching and search_set is None:
-        what = "an EvoESAP search" if config.allocation == "evo" else "choosing the criterion automatically"
+        what = "an EvoESAP search" if searches(config.allocation) else "choosing the criterion automatically"
         raise MoePruneError(f"{what} needs search data (prompt/answer files)", options=("search_data",))
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     before_layers, before_params, kept_before = (
@@ -205,7 +206,7 @@ def prune(
         )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
-    if config.allocation == "evo":
+    if searches(config.allocation):
         removed, search_doc = search_allocation(
             moe,
             crit,
@@ -349,7 +350,7 @@ def check_resume(output: Path, allocation: str, resume: bool, overwrite: bool) -
     """Resuming continues an interrupted EvoESAP search; it never deletes or replaces anything."""
     if not resume:
         return
-    if allocation != "evo":
+    if not searches(allocation):
         raise MoePruneError(
             "resuming continues an interrupted EvoESAP search; it needs the evo allocation",
             options=("resume", "allocation"),
@@ -417,9 +418,9 @@ def prepare(
     check_output_dir(output, overwrite)
     auto, method = config.criterion == AUTO, METHODS.get(config.method)
     crit = get_criterion("reap" if auto else config.criterion)
-    searching = config.allocation == "evo" or auto
+    searching = searches(config.allocation) or auto
     if searching and not search_data:
-        what = "an EvoESAP search" if config.allocation == "evo" else "choosing the criterion automatically"
+        what = "an EvoESAP search" if searches(config.allocation) else "choosing the criterion automatically"
         raise MoePruneError(f"{what} needs search data (prompt/answer files)", options=("search_data",))
     _check_sources(search_data, "search data")
     if (crit.needs_data or method.needs or auto) and not data.sources:

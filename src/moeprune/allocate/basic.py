@@ -23,14 +23,37 @@ import numpy as np
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 
+
+def _uniform_counts(criterion, scores, budget: int, limits) -> list[int]:
+    return uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+
+
+def _global_counts(criterion, scores, budget: int, limits) -> list[int]:
+    normalize = not criterion.comparable_across_layers  # scores not comparable: per-layer shares
+    return global_allocation(
+        [s.scores for s in scores],
+        criterion.prune_first,
+        budget,
+        limits.num_experts,
+        limits.top_k,
+        normalize,
+        **limits.as_kwargs(),
+    )
+
+
 ALLOCATIONS.add(
-    Allocator("uniform", "the same share of experts removed in every layer (remainders by largest remainder)")
+    Allocator(
+        "uniform",
+        "the same share of experts removed in every layer (remainders by largest remainder)",
+        counts=_uniform_counts,
+    )
 )
 ALLOCATIONS.add(
     Allocator(
         "global",
         "rank all experts of all layers by the criterion (normalised per layer unless "
         "comparable across layers) and remove the least important",
+        counts=_global_counts,
     )
 )
 

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 from moeprune.allocate.basic import (
     budget_from_sparsity,
-    global_allocation,
     group_limited_cap,
-    uniform_allocation,
 )
+from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -89,19 +88,9 @@ def expert_allocation(
     """How many experts each MoE layer loses under the global budget (uniform or global)."""
     limits = limits or layer_limits(moe)
     budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
-    if allocation == "uniform":
-        return uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
-    if allocation == "global":
-        normalize = not criterion.comparable_across_layers
-        return global_allocation(
-            [s.scores for s in scores],
-            criterion.prune_first,
-            budget,
-            limits.num_experts,
-            limits.top_k,
-            normalize,
-            **limits.as_kwargs(),
-        )
+    counts = ALLOCATIONS.get(allocation).counts
+    if counts is not None:
+        return counts(criterion, scores, budget, limits)
     raise MoePruneError(
         f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)",
         options=("allocation",),

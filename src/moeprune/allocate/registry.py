@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeprune.config import Registry
+from moeprune.config import SEARCH_DATA, Registry
 
 
 @dataclass(frozen=True)
 class Allocator:
+    """One allocation. `counts(criterion, scores, budget, limits)` gives the experts each MoE layer
+    loses, for allocations that read them off the scores (uniform, global); the others are run by
+    their own stage (evo searches them, trapezoid keeps whole experts for TENP)."""
+
     name: str
     help: str
     needs: tuple[str, ...] = ()
+    counts: Callable | None = None
+
+    @property
+    def searches(self) -> bool:
+        """Whether the allocation is searched on teacher-forced search data (and so needs it)."""
+        return SEARCH_DATA in self.needs
+
+
+def searches(allocation: str | None) -> bool:
+    """Whether the named allocation is a search (None, the method's default, never is)."""
+    return allocation is not None and ALLOCATIONS.get(allocation).searches
 
 
 ALLOCATIONS: Registry[Allocator] = Registry("allocation", "allocation")

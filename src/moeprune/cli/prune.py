@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from moeprune.allocate import ALLOCATIONS
+from moeprune.allocate.registry import searches
 from moeprune.allocate.search.fitness import FITNESSES
 from moeprune.api import prune_checkpoint
 from moeprune.cli.main import command_line, main, refuse_given
@@ -257,7 +258,7 @@ def prune(
         if rank == 0:
             click.echo("\n".join(format_lines(prune_facts(report, output))))
         return
-    if allocation != "evo" and criterion != AUTO:
+    if not searches(allocation) and criterion != AUTO:
         refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
     if method != "tenp":
         refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
@@ -309,7 +310,7 @@ def format_plan_of_work(plan: dict) -> str:
     ):
         if key in plan:
             lines.append(f"{label}: {plan[key]}")
-    if plan["allocation"] == "evo":
+    if searches(plan["allocation"]):
         lines.append("per layer searched (EvoESAP)")
     for data in plan["calibration"]:
         lines.append(

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.limits import layer_limits
+from moeprune.allocate.registry import searches
 from moeprune.allocate.search.run import check_search
 from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
 from moeprune.config import PruneConfig
@@ -123,7 +124,7 @@ def check_config(config: PruneConfig) -> PruneConfig:
             f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
             options=("important_fraction",),
         )
-    if allocation == "evo" or config.criterion == AUTO:
+    if searches(allocation) or config.criterion == AUTO:
         check_search(config.search)
     return replace(config, allocation=allocation)
 
