@@ -5,7 +5,7 @@ summary (for the installed transformers), and the command-line reference (docs/c
     python scripts/readme_tables.py          # rewrite the files in place
     python scripts/readme_tables.py --check  # exit 1 when a block differs from what it is made from
 
-tests/test_docs.py runs the check, so a new registry entry, flag or family without a docs update fails.
+tests/report/test_docs.py runs the check, so a new registry entry, flag or family without a docs update fails.
 """
 
 from __future__ import annotations

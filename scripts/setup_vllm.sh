@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (or refreshes) .venv-vllm: stock vLLM (CPU build) with moeprune installed beside it, so
 # that vLLM finds moeprune's plugin (entry point group vllm.general_plugins) and serves moeprune's
-# checkpoint format. tests/test_serve_vllm.py drives vLLM through this venv.
+# checkpoint format. tests/serve/test_serve_vllm.py drives vLLM through this venv.
 #
 # Kept apart from .venv because vLLM pins its own torch and transformers. Order matters:
 #   1. torch FIRST, pinned, so pip takes the CPU wheel and never pulls a multi-GB CUDA build;

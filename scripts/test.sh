@@ -13,4 +13,4 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check src
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
-.venv-vllm/bin/python -m pytest --ignore=tests/test_serve_vllm.py "$@"
+.venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py "$@"

@@ -5,7 +5,7 @@
 
 For each family: a tiny random model (vLLM's CPU head size), its novice and TENP results in
 moeprune's format, then one vLLM subprocess (.venv-vllm) serving the unpruned model and both
-results, each compared with moeprune.load_pretrained as tests/test_serve_vllm.py does (greedy
+results, each compared with moeprune.load_pretrained as tests/serve/test_serve_vllm.py does (greedy
 tokens, worst top-5 logprob difference). A family is served when the unpruned model already
 matches (otherwise vLLM's class and transformers' disagree before moeprune touches anything) and
 both results match too; the plugin's UNSERVED_REASONS records why the others are not. Try a
@@ -23,10 +23,11 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "serve"))
+
+import test_serve_vllm as serving  # noqa: E402  (the driver, prompts and comparison of the tests)
 
 import moeprune  # noqa: E402
-import test_serve_vllm as serving  # noqa: E402  (the driver, prompts and comparison of the tests)
 from moeprune.api import prune_checkpoint  # noqa: E402
 from moeprune.config import DataOptions, PruneConfig  # noqa: E402
 from moeprune.data.tokenizer import byte_tokenizer  # noqa: E402

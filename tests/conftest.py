@@ -7,12 +7,19 @@ is faster than two fighting for them.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# The tests mirror the package (tests/<stage>/test_<module>.py). Test modules share a few helpers
+# by module name (helpers.py here; `from test_observe import calibration`), so every folder is
+# importable by name, as the workers started in subprocesses also arrange (tests_on_path).
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS), *(str(p) for p in sorted(TESTS.iterdir()) if p.is_dir() and not p.name.startswith((".", "_")))]
 
 
 @pytest.fixture(scope="session")

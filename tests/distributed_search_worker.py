@@ -29,7 +29,9 @@ from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
-from test_search import _data, _moe, _orders
+
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parent.iterdir() if p.is_dir()]  # tests/<stage>/
+from test_search import _data, _moe, _orders  # noqa: E402  (found through the path set above)
 
 CONFIG = SearchConfig(population=8, elites=2, generations=4, seed=11)
 BUDGET = 12

@@ -15,7 +15,9 @@ from moeprune.models.factory import tiny_model
 from moeprune.observe.distributed import observe_distributed
 from moeprune.observe.sequential import observe_sequential_distributed
 from moeprune.runtime.distributed import init_distributed
-from test_observe import calibration
+
+sys.path[:0] = [str(p) for p in Path(__file__).resolve().parent.iterdir() if p.is_dir()]  # tests/<stage>/
+from test_observe import calibration  # noqa: E402  (found through the path set above)
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 SEQUENTIAL_FAMILY = "qwen3_next"

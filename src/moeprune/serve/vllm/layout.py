@@ -45,7 +45,7 @@ SERVED_FAMILIES: dict[str, str] = {
 }
 
 # Families vLLM 0.32 implements that the plugin does not serve, and why (measured on the CPU
-# build with tiny transformers-written checkpoints: tests/test_serve_vllm.py's probe, see
+# build with tiny transformers-written checkpoints: scripts/vllm_family_probe.py, see
 # docs/serving.md). Every other family: vLLM has no class for it, or it was not tried.
 UNSERVED_REASONS: dict[str, str] = {
     "cohere2_moe": "vLLM's Cohere2MoeForCausalLM does not reproduce transformers' model even unpruned",

@@ -21,7 +21,7 @@ from moeprune.report.tables import (
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():

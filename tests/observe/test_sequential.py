@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_observe import calibration
 
 from moeprune.checkpoint import load_model, load_pretrained, save_pretrained
 from moeprune.errors import MoePruneError
@@ -18,7 +19,6 @@ from moeprune.observe.observer import observe
 from moeprune.observe.sequential import observe_sequential
 from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from moeprune.surgery.drop import drop_experts
-from test_observe import calibration
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

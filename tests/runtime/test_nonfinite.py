@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from test_observe import calibration
 
 from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
 from moeprune.api import DataOptions
@@ -32,7 +33,6 @@ from moeprune.observe.observer import observe
 from moeprune.observe.sequential import observe_sequential
 from moeprune.report.eval_report import write_report
 from moeprune.runtime.finite import NonFiniteError, check_finite_logits, check_finite_weights
-from test_observe import calibration
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 

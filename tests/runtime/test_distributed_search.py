@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_distributed import free_port
 
 from distributed_search_worker import (
     CONFIG,
@@ -28,7 +29,6 @@ from distributed_search_worker import (
     search_once,
 )
 from moeprune.cli.main import main
-from test_distributed import free_port
 
 pytestmark = pytest.mark.distributed  # starts torchrun process groups
 
@@ -82,7 +82,7 @@ def calibration(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, tiny_checkpoint, calibration) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("dsearch")
-    worker = Path(__file__).with_name("distributed_search_worker.py")
+    worker = Path(__file__).parents[1] / "distributed_search_worker.py"
     torchrun(str(worker), str(out), str(tiny_checkpoint), str(calibration))
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_observe import calibration
 from transformers import AutoModelForCausalLM
 
 import moeprune
@@ -48,7 +49,6 @@ from moeprune.serve.modeling_moeprune import MODELING_FILES as modeling_files
 from moeprune.surgery import drop_experts
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.tenp import tenp_plan
-from test_observe import calibration
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

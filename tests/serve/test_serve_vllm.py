@@ -45,7 +45,7 @@ from moeprune.models.factory import tiny_model
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 LOGPROB_ATOL = 2e-4  # measured worst |vLLM - transformers| on these models: 1.9e-5 (printed as "worst")
 PROMPTS = [[5, 17, 33, 60, 91], [70, 71, 72], [200, 13, 101, 45, 9, 120], [33, 33, 250]]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from test_streaming import assert_same_model, streamed_layers_or_skip
 
 from helpers import stock_from_pretrained
 from moeprune.checkpoint.files import INDEX
@@ -25,7 +26,6 @@ from moeprune.shards.neurons import rewrite_neuron_checkpoint
 from moeprune.shards.reader import SafetensorsExperts
 from moeprune.surgery.neurons import neuron_plan, shared_multiplier, stock_width_expressible
 from moeprune.surgery.plans import apply_plan_physical, resolve_plan
-from test_streaming import assert_same_model, streamed_layers_or_skip
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_observe import calibration
 
 import moeprune
 from helpers import assert_logits_close
@@ -21,7 +22,6 @@ from moeprune.observe.observer import observe
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 from moeprune.surgery.tenp import tenp_plan
-from test_observe import calibration
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from test_observe import calibration
 
 import moeprune
 from helpers import assert_logits_close
@@ -23,7 +24,6 @@ from moeprune.surgery.novice import novice_plan
 from moeprune.surgery.packed import router_count
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
-from test_observe import calibration
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_observe import calibration
 from transformers import AutoModelForCausalLM
 
 import moeprune
@@ -27,7 +28,6 @@ from moeprune.surgery.neurons import (
 )
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
-from test_observe import calibration
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

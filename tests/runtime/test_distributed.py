@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_observe import calibration
 
 from distributed_worker import BATCH_SIZE, FAMILIES, LENGTHS, SEQUENTIAL_FAMILY
 from moeprune.errors import MoePruneError
@@ -22,7 +23,6 @@ from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, Exp
 from moeprune.runtime import device
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import shard_data
-from test_observe import calibration
 
 pytestmark = pytest.mark.distributed  # starts torchrun process groups
 
@@ -91,7 +91,7 @@ def test_torchrun_two_gloo_ranks_equal_one_process(tmp_path: Path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(Path(__file__).with_name("distributed_worker.py")), str(out), str(checkpoint),
+        str(Path(__file__).parents[1] / "distributed_worker.py"), str(out), str(checkpoint),
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
