@@ -75,7 +75,7 @@ from moeprune.surgery.parameters import (
     padded_parameters,
     routed_parameters,
 )
-from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible
+from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
 
 RECIPE = "recipe.json"
 
@@ -145,16 +145,11 @@ def prune(
     options = DataOptions(
         samples=samples, max_length=max_length, batch_size=batch_size, seed=data_seed, packing=packing
     )
-    why = (
-        f"the {method.name} method"
-        if method.needs
-        else ("criterion auto" if auto else f"criterion {crit.name!r}")
+    needs = requirements(config)  # without a reason to, calibration data is not read at all
+    sets = (
+        _as_sets(data, tokenizer, options, needs.per_domain, needs.calibration) if needs.calibration else []
     )
-    observe = crit.needs_data or bool(method.needs) or auto  # else calibration data is not read at all
-    sets = _as_sets(data, tokenizer, options, crit.per_domain, why) if observe else []
-    if observe and not sets:
-        raise DataError(f"{why} needs calibration data: give data files", options=("data",))
-    searching = searches(config.allocation) or auto
+    needs.check(calibration=bool(sets))
     search_options = replace(
         options, samples=config.search.samples or None, packing=False
     )  # answers stay whole
@@ -163,9 +158,7 @@ def prune(
         if search_data is not None
         else None
     )
-    if searching and search_set is None:
-        what = "an EvoESAP search" if searches(config.allocation) else "choosing the criterion automatically"
-        raise MoePruneError(f"{what} needs search data (prompt/answer files)", options=("search_data",))
+    needs.check(search=search_set is not None)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     before_layers, before_params, kept_before = (
         describe_layers(moe),
@@ -416,27 +409,21 @@ def prepare(
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
     check_resume(output, config.allocation, resume, overwrite)
     check_output_dir(output, overwrite)
-    auto, method = config.criterion == AUTO, METHODS.get(config.method)
-    crit = get_criterion("reap" if auto else config.criterion)
-    searching = searches(config.allocation) or auto
-    if searching and not search_data:
-        what = "an EvoESAP search" if searches(config.allocation) else "choosing the criterion automatically"
-        raise MoePruneError(f"{what} needs search data (prompt/answer files)", options=("search_data",))
+    needs = requirements(config)  # also refuses an unknown criterion or method
+    needs.check(search=bool(search_data))
     _check_sources(search_data, "search data")
-    if (crit.needs_data or method.needs or auto) and not data.sources:
-        why = f"the {method.name} method" if method.needs else f"criterion {crit.name!r}"
-        raise DataError(f"{why} needs calibration data: give data files", options=("data",))
+    needs.check(calibration=bool(data.sources))
     _check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(model_path, meta=True))
     check_not_packed(meta)
     layer_budget = check_feasible(meta, config)
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
-    if crit.needs_data or method.needs or searching:
+    if needs.calibration or needs.search:
         tokenizer = require_tokenizer(model_path, tokenizer_path, trust_remote_code)
-        if crit.needs_data or method.needs or auto:
-            calibration = calibration_sets(tokenizer, data, per_domain=crit.per_domain)
-        if searching:
+        if needs.calibration:
+            calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
+        if needs.search:
             search_set = load_data(
                 list(search_data),
                 tokenizer,

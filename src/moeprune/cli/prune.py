@@ -31,6 +31,7 @@ from moeprune.runtime.distributed import init_distributed
 from moeprune.shards.prune import prune_without_loading
 from moeprune.surgery import METHODS
 from moeprune.surgery.neurons import IMPORTANCE
+from moeprune.surgery.planning import requirements
 
 SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value -> torch name
 SEARCH_OPTIONS = ["search_data", *setting_options(SearchConfig)]  # every option that only a search reads
@@ -258,11 +259,12 @@ def prune(
         if rank == 0:
             click.echo("\n".join(format_lines(prune_facts(report, output))))
         return
-    if not searches(allocation) and criterion != AUTO:
+    needs = requirements(config)
+    if not needs.search:
         refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
     if method != "tenp":
         refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
-    if not METHODS.get(method).neurons:
+    if not needs.neuron_stats:
         refuse_given(ctx, ["neuron_importance"], f"with --method {method} (it keeps every neuron)")
     refuse_given(
         ctx,

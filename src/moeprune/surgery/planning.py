@@ -9,7 +9,7 @@ passed in), neurons and TENP allocate neurons. Nothing here runs the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.limits import layer_limits
@@ -18,7 +18,7 @@ from moeprune.allocate.search.run import check_search
 from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
 from moeprune.config import PruneConfig
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
-from moeprune.errors import MoePruneError
+from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
@@ -95,6 +95,47 @@ def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
 def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> dict:
     """Physical surgery of any plan (drops, novices, neuron counts); returns what was done."""
     return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a prune needs besides the model, read once from its criterion, allocation and method
+    (their registries' `needs`): the in-memory API, the checkpoint job and the command line ask
+    this one answer instead of each re-deriving it."""
+
+    calibration: str | None  # why calibration data is read ("criterion 'reap'", ...); None: it is not
+    search: str | None  # why search data is needed ("an EvoESAP search", ...); None: it is not
+    neuron_stats: bool  # the calibration pass also records each neuron's share of the expert output
+    per_domain: bool  # calibration files are kept apart (TENP's per-domain normalisation)
+
+    def check(self, *, calibration: bool = True, search: bool = True) -> None:
+        """One line naming the missing input, before anything is loaded."""
+        if self.calibration and not calibration:
+            raise DataError(f"{self.calibration} needs calibration data: give data files", options=("data",))
+        if self.search and not search:
+            raise MoePruneError(
+                f"{self.search} needs search data (prompt/answer files)", options=("search_data",)
+            )
+
+
+def requirements(config: PruneConfig) -> Requirements:
+    """What `config` needs: calibration data for a data criterion, for `--criterion auto` (one
+    observation feeds every criterion) or for a method that needs statistics; search data for a
+    searched allocation or `auto`."""
+    method = METHODS.get(config.method)
+    auto = config.criterion == AUTO
+    criterion = get_criterion("reap" if auto else config.criterion)
+    if method.needs:
+        calibration: str | None = f"the {method.name} method"
+    elif auto:
+        calibration = "criterion auto"
+    else:
+        calibration = f"criterion {criterion.name!r}" if criterion.needs_data else None
+    if searches(config.allocation):
+        search: str | None = "an EvoESAP search"
+    else:
+        search = "choosing the criterion automatically" if auto else None
+    return Requirements(calibration, search, method.neurons, criterion.per_domain)
 
 
 def check_config(config: PruneConfig) -> PruneConfig:
