@@ -150,6 +150,7 @@ _SHRINK: tuple[tuple[str, int], ...] = (
     (r"^max_position_embeddings$", 128),
     (r"hidden_size_per_layer_input", 4),
     (r"router_hidden_size", 16),
+    (r"^moe_hidden_size$", 32),  # the experts' own model width (muse_spark)
     (r"per_tok|per_token|^moe_topk$|^moe_k$|^top_k_experts$", 2),
     (r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts)$", 8),
     (r"zero_expert_num", 2),
@@ -173,6 +174,7 @@ _SHRINK: tuple[tuple[str, int], ...] = (
     (r"^index_topk$", 4),
     (r"^index_head_dim$", 8),
     (r"^index_n_heads$", 2),
+    (r"^index_kpool$", 2),  # divides index_topk
     (r"^sliding_window$|attention_chunk_size", 16),
     (r"^(expert|attn)_layer_period$", 2),
     (r"^(expert|attn)_layer_offset$", 1),
@@ -188,17 +190,29 @@ _GENERIC_EXTRA: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(
         layers_block_type=["linear_attention", "moe", "full_attention", "moe"]
     ),  # two MoE layers
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),  # None by default
     "dots3_note_text": dict(head_dim=16),  # sliding layers need head_dim = qk_nope + qk_rope
     "qwen4_exp_text": dict(
         indexer_budget=8, indexer_compress_ratio=2, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8
     ),
+    # multimodal RoPE: the sections (t, h, w) of the rotary half-dims default to a real model's
+    "ernie4_5_vl_moe_text": dict(
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0, mrope_section=[1, 1, 2])
+    ),
+    "glm4v_moe_text": dict(
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[0, 1, 1]
+        )
+    ),
+    "nemotron_h_omni": dict(projector_hidden_size=48),  # 4096 wide by default
+    "muse_spark": dict(out_hidden_size=128, projector_hidden_size=48),  # merged 2x2 patches of width 32
     # dbrx names its sizes its own way
     "dbrx": dict(
         d_model=32,
         n_heads=4,
         n_layers=4,
         max_seq_len=128,
-        attn_config=dict(kv_n_heads=2),
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),  # read unconditionally
         ffn_config=dict(ffn_hidden_size=16, moe_num_experts=8, moe_top_k=2),
     ),
 }
@@ -224,7 +238,22 @@ _TOWER: dict[str, int] = {
     "projector_input_dim": 32,
     "projector_output_dim": 32,
     "image_size": 56,
+    # audio encoders (whisper-like) and other towers' own names
+    "n_layers": 1,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 48,
+    "d_model": 32,
+    "output_dim": 32,
+    "downsample_hidden_size": 16,
+    "mlp_dim": 48,
+    "output_channels": 32,
+    "adapter_in_dim": 32,
+    "adapter_input_size": 32,
+    "adapter_out_dim": 32,
 }
+_WRAPPER: dict[str, int] = {"vision_hidden_size": 32}
+_TOWER_DEPTH = ("depth", "num_hidden_layers", "num_layers", "n_layers", "encoder_layers")
 _TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
@@ -290,11 +319,66 @@ def _shrunk(values: dict) -> dict:
         if isinstance(value, dict) and not value.get("model_type"):
             out[key] = {**value, **_shrunk(value)}
             continue
+        widths = (  # one width per modality (ernie4.5-VL's text and vision experts)
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        )
+        if widths and not str(key).endswith(("layers", "ids", "indexes", "indices")):
+            rule = next((n for pattern, n in _SHRINK if re.search(pattern, str(key))), None)
+            if rule is not None:
+                out[key] = [rule] * len(value)
+            continue
         if isinstance(value, bool) or not (isinstance(value, int) or value is None):
             continue
+        if value == 0 and "head_dim" in key:
+            continue  # a zero head says "none" (glm5's NoPE attention: qk_rope_head_dim 0)
         rule = next((n for pattern, n in _SHRINK if re.search(pattern, str(key))), None)
         if rule is not None:
             out[key] = rule
+    return out
+
+
+def _cut_layers(defaults: dict, kwargs: dict, total: int, layers: int) -> list[int]:
+    """Cut the per-layer fields of a `total`-layer config in `kwargs` to `layers` layers (those
+    `_layer_pick` keeps): lists with one entry a layer (layer_types, a tower's stage widths),
+    lists of layer indices (mlp_only_layers, moe_layers) and `per_layer_config` keyed by layer
+    index (dots3's vision experts), so a shrunk stack validates against its own layer count."""
+    per_layer = {k: v for k, v in defaults.items() if isinstance(v, list) and total and len(v) == total}
+    keep = list(range(layers))
+    if per_layer:
+        richest = max(per_layer, key=lambda k: len({repr(x) for x in per_layer[k]}))
+        keep = _layer_pick(per_layer[richest], layers)
+        kwargs.update({k: [v[i] for i in keep] for k, v in per_layer.items()})
+    for key, value in defaults.items():  # lists of layer indices (mlp_only_layers, moe_layers)
+        indices = isinstance(value, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value
+        )
+        if key.endswith("layers") and indices and key not in per_layer:
+            kwargs[key] = [keep.index(x) for x in value if x in keep]
+    per_config = kwargs.get("per_layer_config")
+    if isinstance(per_config, dict) and all(str(k).isdigit() for k in per_config):  # keyed by layer index
+        kwargs["per_layer_config"] = {
+            str(keep.index(int(k))): v for k, v in per_config.items() if int(k) in keep
+        }
+    return keep
+
+
+def _tower(values: dict) -> dict:
+    """A vision or audio tower shrunk by `_TOWER`, its own sub-configs too (a SAM encoder inside
+    a vision config), its per-layer lists and per-layer configs cut to its one layer."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value.get("model_type"):
+            out[key] = _tower(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out[key] = _TOWER.get(key, value)
+        elif isinstance(value, list) and key.endswith(("channels", "hidden_sizes")):
+            out[key] = [_TOWER["hidden_size"] if isinstance(v, int) else v for v in value]  # stage widths
+        else:
+            out[key] = value
+    total = next((values[k] for k in _TOWER_DEPTH if isinstance(values.get(k), int)), 0)
+    _cut_layers(dict(out), out, total, _TOWER[_TOWER_DEPTH[0]])
     return out
 
 
@@ -311,10 +395,7 @@ def _wrapper_kwargs(model_type: str, defaults: dict, kwargs: dict) -> dict[str, 
         if key == "text_config" and sub in CONFIG_MAPPING:
             kwargs[key] = {**generic_tiny_kwargs(sub), "model_type": sub}
         else:
-            kwargs[key] = {
-                k: _TOWER.get(k, v) if isinstance(v, int) and not isinstance(v, bool) else v
-                for k, v in value.items()
-            }
+            kwargs[key] = _tower(value)
     for key, value in defaults.items():
         if (
             key.endswith(("token_id", "token_index"))
@@ -322,6 +403,9 @@ def _wrapper_kwargs(model_type: str, defaults: dict, kwargs: dict) -> dict[str, 
             and not isinstance(value, bool)
         ):
             kwargs[key] = _TOKENS.get(key, 90)
+    for key, value in defaults.items():  # the wrapper's own copy of a tower's width
+        if key in _WRAPPER and isinstance(value, int) and not isinstance(value, bool):
+            kwargs[key] = _WRAPPER[key]
     kwargs["tie_word_embeddings"] = False
     kwargs.update(_GENERIC_EXTRA.get(model_type, {}))
     return kwargs
@@ -338,24 +422,11 @@ def generic_tiny_kwargs(model_type: str) -> dict[str, Any]:
     if any(isinstance(v, dict) and v.get("model_type") for v in defaults.values()):
         return _wrapper_kwargs(model_type, defaults, kwargs)
     kwargs.update(_shrunk(defaults))
+    nope, rope = defaults.get("qk_nope_head_dim"), defaults.get("qk_rope_head_dim")
+    if isinstance(nope, int) and isinstance(rope, int) and defaults.get("head_dim") == nope + rope > 0:
+        kwargs["head_dim"] = kwargs["qk_nope_head_dim"] + kwargs["qk_rope_head_dim"]  # MLA's full head
     total = defaults.get("num_hidden_layers") or defaults.get("num_layers") or 0
-    per_layer = {k: v for k, v in defaults.items() if isinstance(v, list) and total and len(v) == total}
-    keep = list(range(_GENERIC_LAYERS))
-    if per_layer:
-        richest = max(per_layer, key=lambda k: len({repr(x) for x in per_layer[k]}))
-        keep = _layer_pick(per_layer[richest], _GENERIC_LAYERS)
-        kwargs.update({k: [v[i] for i in keep] for k, v in per_layer.items()})
-    for key, value in defaults.items():  # lists of layer indices (mlp_only_layers, moe_layers)
-        indices = isinstance(value, list) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in value
-        )
-        if key.endswith("layers") and indices and key not in per_layer:
-            kwargs[key] = [keep.index(x) for x in value if x in keep]
-    per_config = kwargs.get("per_layer_config")
-    if isinstance(per_config, dict) and all(str(k).isdigit() for k in per_config):  # keyed by layer index
-        kwargs["per_layer_config"] = {
-            str(keep.index(int(k))): v for k, v in per_config.items() if int(k) in keep
-        }
+    _cut_layers(defaults, kwargs, total, _GENERIC_LAYERS)
     kwargs.update({k: v for k, v in _TOKENS.items() if k in defaults})
     kwargs["tie_word_embeddings"] = False
     kwargs["use_cache"] = False  # stacks of linear-attention layers alone have no cache length to report
