@@ -206,6 +206,9 @@ _GENERIC_EXTRA: dict[str, dict[str, Any]] = {
     ),
     "nemotron_h_omni": dict(projector_hidden_size=48),  # 4096 wide by default
     "muse_spark": dict(out_hidden_size=128, projector_hidden_size=48),  # merged 2x2 patches of width 32
+    # its 3-D rope index reads vision_start_token_id on padded batches, which the thinker config
+    # leaves to the enclosing Qwen3-Omni config (151652 there)
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=151652),
     # dbrx names its sizes its own way
     "dbrx": dict(
         d_model=32,

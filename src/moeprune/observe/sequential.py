@@ -211,7 +211,18 @@ def _materialise_buffers(model: nn.Module, module: nn.Module, device: torch.devi
             continue
         for name in meta:
             owner._buffers[name] = torch.empty_like(owner._buffers[name], device=device)
-        model._init_weights(owner)
+        try:
+            model._init_weights(owner)
+        except AttributeError:  # a multimodal wrapper's init reads fields only its text config has
+            _text_model(model, module)._init_weights(owner)
+
+
+def _text_model(model: nn.Module, module: nn.Module) -> nn.Module:
+    """The innermost transformers model holding `module` (the language model inside a wrapper)."""
+    holders = [
+        m for m in model.modules() if hasattr(m, "_init_weights") and any(x is module for x in m.modules())
+    ]
+    return holders[-1]
 
 
 def _prefix(model: nn.Module, module: nn.Module) -> str:
