@@ -179,6 +179,12 @@ def _symlink_to_model(world: World) -> None:
 
 
 CASES = [
+    # a setting the run would ignore: only another method reads it (that method's registered knobs)
+    Case(
+        "a TENP setting with another method",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--slope", "0.3"],
+        "--slope has no effect without --method tenp",
+    ),
     # the output would destroy or modify the input
     Case(
         "output is the input",

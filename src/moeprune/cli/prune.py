@@ -262,8 +262,8 @@ def prune(
     needs = requirements(config)
     if not needs.search:
         refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
-    if method != "tenp":
-        refuse_given(ctx, ["important_fraction", "slope"], "without --method tenp")
+    for other, knobs in needs.other_knobs.items():  # settings only another method reads
+        refuse_given(ctx, list(knobs), f"without --method {other}")
     if not needs.neuron_stats:
         refuse_given(ctx, ["neuron_importance"], f"with --method {method} (it keeps every neuron)")
     refuse_given(

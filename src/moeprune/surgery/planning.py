@@ -107,6 +107,7 @@ class Requirements:
     search: str | None  # why search data is needed ("an EvoESAP search", ...); None: it is not
     neuron_stats: bool  # the calibration pass also records each neuron's share of the expert output
     per_domain: bool  # calibration files are kept apart (TENP's per-domain normalisation)
+    other_knobs: dict[str, tuple[str, ...]]  # method -> its own settings, for every other method
 
     def check(self, *, calibration: bool = True, search: bool = True) -> None:
         """One line naming the missing input, before anything is loaded."""
@@ -135,7 +136,8 @@ def requirements(config: PruneConfig) -> Requirements:
         search: str | None = "an EvoESAP search"
     else:
         search = "choosing the criterion automatically" if auto else None
-    return Requirements(calibration, search, method.neurons, criterion.per_domain)
+    others = {m.name: m.knobs for m in METHODS if m.knobs and m is not method}
+    return Requirements(calibration, search, method.neurons, criterion.per_domain, others)
 
 
 def check_config(config: PruneConfig) -> PruneConfig:

@@ -30,6 +30,7 @@ class Method:
     needs: tuple[str, ...] = ()
     neurons: bool = False  # observation must record each neuron's share of the expert output
     keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
+    knobs: tuple[str, ...] = ()  # PruneConfig fields only this method reads (set for another: refused)
     fn: Callable | None = None  # PlanRequest -> Plan
 
 

@@ -93,6 +93,7 @@ def tenp_plan(
         ("trapezoid",),
         needs=(NEURON_STATS,),
         neurons=True,
+        knobs=("important_fraction", "slope"),
     )
 )
 def plan_tenp(request: PlanRequest) -> Plan:
