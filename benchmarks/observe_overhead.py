@@ -20,6 +20,7 @@ from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
+from moeprune.runtime.device import DTYPES
 
 
 def build(args) -> MoEModel:
@@ -53,9 +54,21 @@ def calibration(args) -> CalibrationData:
 
 
 def plain_pass(moe: MoEModel, data: CalibrationData, batch_size: int) -> None:
+    device = moe.model.device
     with torch.no_grad():
         for batch in data.batches(batch_size, 0):
-            moe.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            moe.model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def timed(work) -> float:
+    """Seconds `work()` takes, the GPU's queued kernels included."""
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    work()
+    synchronize()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -74,25 +87,22 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (timings synchronize the GPU)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     moe = build(args)
+    moe.model.to(device=args.device, dtype=DTYPES[args.dtype])
     data = calibration(args)
     params = sum(p.numel() for p in moe.model.parameters())
-    print(f"model: {args.family}, {params / 1e6:.1f}M parameters, {len(moe.layers)} MoE layers x {args.experts} "
+    print(f"model: {args.family} on {args.device} in {args.dtype}, {params / 1e6:.1f}M parameters, {len(moe.layers)} MoE layers x {args.experts} "
           f"experts (top-{args.top_k}); {data.num_tokens()} tokens in batches of {args.batch_size}")  # fmt: skip
     plain_pass(moe, data, args.batch_size)  # warm-up
     plain, observed, with_neurons = [], [], []
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        plain_pass(moe, data, args.batch_size)
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        observe(moe, data, batch_size=args.batch_size, neurons=True, progress=False)
-        with_neurons.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        observe(moe, data, batch_size=args.batch_size, progress=False)
-        observed.append(time.perf_counter() - start)
+        plain.append(timed(lambda: plain_pass(moe, data, args.batch_size)))
+        with_neurons.append(timed(lambda: observe(moe, data, batch_size=args.batch_size, neurons=True, progress=False)))
+        observed.append(timed(lambda: observe(moe, data, batch_size=args.batch_size, progress=False)))
     print(f"plain forward: best {min(plain):.3f}s of {args.repeats}")
     print(f"observe + per-neuron importances: best {min(with_neurons):.3f}s "
           f"({min(with_neurons) / min(plain):.3f}x plain)")  # fmt: skip

@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)"
     )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (timings synchronize the GPU)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 [default: as stored]")
     p.add_argument("--compare", action="store_true", help="also run the search without speedups")
     return p.parse_args()
 
@@ -72,13 +74,23 @@ def plain_forward_seconds(
 ) -> float:
     """Median time of one plain forward over the whole search set."""
     batches = list(data.batches(batch_size, pad))
+    device = moe.model.device
+    batches = [(b.input_ids.to(device), b.attention_mask.to(device)) for b in batches]
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
-        for b in batches:
-            moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+        for ids, mask in batches:
+            moe.model(input_ids=ids, attention_mask=mask, use_cache=False)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock measures it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def candidate_seconds(evaluator: CandidateEvaluator, allocations: list[list[int]]) -> float:
@@ -88,6 +100,7 @@ def candidate_seconds(evaluator: CandidateEvaluator, allocations: list[list[int]
         evaluator.prefix_cache.clear()
         start = time.perf_counter()
         evaluator.evaluate(allocation)
+        synchronize(evaluator.moe.model.device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -96,7 +109,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     model_dir, corpus = model_and_corpus(args.model)
-    model, tokenizer = load_model(model_dir)
+    model, tokenizer = load_model(model_dir, dtype=args.dtype, device=args.device)
     moe = MoEModel(model)
     pad = tokenizer.pad_token_id
     sources = [str(corpus / f"{d}_search.jsonl") for d in DOMAINS]

@@ -14,6 +14,7 @@ same arguments give the same result (tested).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -59,7 +60,7 @@ from moeprune.plan import Plan
 from moeprune.report.model_card import model_card
 from moeprune.report.plots import plot_search_curve
 from moeprune.report.prune_report import data_summary, draw_kept, report_markdown, weight_bytes
-from moeprune.runtime.device import Placement, resolve_dtype
+from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
@@ -76,6 +77,8 @@ from moeprune.surgery.parameters import (
     routed_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
+
+_LOG = logging.getLogger(__name__)
 
 RECIPE = "recipe.json"
 
@@ -437,6 +440,9 @@ def prepare(
         if save.dtype
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
+    lost = precision_lost(placement.dtype, save_dtype)
+    if lost:
+        _LOG.warning(lost)
     return PruneJob(
         model_path,
         output,

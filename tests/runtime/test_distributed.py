@@ -133,3 +133,22 @@ def test_device_map_auto_needs_accelerate(monkeypatch):
     monkeypatch.setattr(device.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MoePruneError, match="accelerate"):
         Placement.choose("auto", None)
+
+
+def test_more_ranks_than_gpus_is_one_clear_line(monkeypatch):
+    """NCCL runs one rank per GPU; two ranks on one GPU would fail deep inside CUDA or NCCL instead.
+    Both ways in are checked: choosing the rank's device, and joining the process group."""
+    from moeprune.runtime import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
+    expected = r"than the 1 visible CUDA GPU\(s\) \(local rank 1\): use --nproc_per_node 1"
+    with pytest.raises(MoePruneError, match=expected):
+        Placement.choose(None, None)
+    with pytest.raises(MoePruneError, match=expected):
+        distributed.init_distributed()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert Placement.choose(None, None).device == torch.device("cuda", 1)

@@ -12,7 +12,7 @@ from moeprune.checkpoint import check_not_offloaded, load_model
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
-from moeprune.runtime.device import Placement
+from moeprune.runtime.device import Placement, precision_lost
 from moeprune.surgery import drop_experts
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
@@ -73,3 +73,14 @@ def test_device_auto_without_gpus_is_plain_cpu(monkeypatch):
     """No GPU: no accelerate device map at all (which moeprune-format checkpoints could not take)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert Placement.choose("auto", None) == Placement(torch.device("cpu"), torch.float32, None)
+
+
+def test_precision_lost_names_the_fix_only_when_bits_go():
+    assert precision_lost(torch.float32, torch.float32) is None
+    assert precision_lost(torch.float32, torch.bfloat16) is None  # asked to shrink: no bits wasted
+    assert precision_lost(torch.bfloat16, torch.float32) == (
+        "the model runs in bf16 and is saved as fp32: the saved weights hold bf16-rounded values; "
+        "pass --dtype fp32 to keep every bit, or --save-dtype bf16 to write the bytes they hold"
+    )
+    assert precision_lost(torch.bfloat16, torch.float16) is not None  # 8 vs 11 mantissa bits
+    assert precision_lost(torch.float16, torch.bfloat16) is not None  # 5 vs 8 exponent bits

@@ -46,6 +46,40 @@ def input_device(model: nn.Module) -> torch.device:
     return weight.device if weight is not None else next(model.parameters()).device
 
 
+def precision_lost(compute: torch.dtype, save: torch.dtype) -> str | None:
+    """Why weights computed in `compute` and saved as `save` lose bits, or None when they keep them.
+
+    Surgery writes the loaded tensors, so a model loaded in bf16 (the GPU default) and saved as its
+    stored fp32 holds bf16-rounded values in fp32 bytes: twice the size for bf16's precision.
+    """
+    if compute == save or torch.finfo(compute).bits > torch.finfo(save).bits:
+        return None
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return (
+        f"the model runs in {name.get(compute, compute)} and is saved as {name.get(save, save)}: "
+        f"the saved weights hold {name.get(compute, compute)}-rounded values; pass "
+        f"--dtype {name.get(save, save)} to keep every bit, or --save-dtype {name.get(compute, compute)} "
+        "to write the bytes they hold"
+    )
+
+
+def local_rank_gpu() -> int:
+    """This process's GPU: torchrun's LOCAL_RANK (0 outside torchrun), checked against the GPUs.
+
+    NCCL runs one rank per GPU; more ranks on a node than GPUs would fail later, deep inside CUDA
+    or NCCL, with a traceback per rank.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank and local_rank >= visible:
+        raise MoePruneError(
+            f"torchrun started more ranks on this node than the {visible} visible CUDA GPU(s) "
+            f"(local rank {local_rank}): use --nproc_per_node {max(visible, 1)}, or "
+            "CUDA_VISIBLE_DEVICES= to run the ranks on the CPU (gloo)"
+        )  # torchrun's option, not moeprune's: no `options`
+    return local_rank
+
+
 @dataclass(frozen=True)
 class Placement:
     """A model's devices and dtype.
@@ -85,7 +119,7 @@ class Placement:
                 _LOG.warning("device 'auto': no GPU is visible, so the model stays on the CPU")
                 device = "cpu"
         elif device == "cuda" or (device is None and torch.cuda.is_available()):
-            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # under torchrun: this rank's GPU
+            device = f"cuda:{local_rank_gpu()}"  # under torchrun: this rank's GPU
         elif device is None:
             device = "cpu"
         try:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moeprune.errors import MoePruneError
+from moeprune.runtime.device import local_rank_gpu
 
 
 def is_distributed() -> bool:
@@ -31,7 +32,7 @@ def init_distributed() -> tuple[int, int]:
         return 0, 1
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank_gpu())  # one rank per GPU, or one clear line
     dist.init_process_group("nccl" if cuda else "gloo")
     if dist.get_rank() != 0:  # every rank reads the same data: rank 0 alone warns about it
         logging.getLogger("moeprune").setLevel(logging.ERROR)
