@@ -23,6 +23,7 @@ _LAZY = {
     "SearchConfig": "moeprune.config",
     "DataOptions": "moeprune.config",
     "SaveOptions": "moeprune.config",
+    "RunOptions": "moeprune.config",
     "MoePruneError": "moeprune.errors",
 }
 

@@ -90,6 +90,7 @@ class DataOptions:
     seed: int = 0
     packing: bool = False
     device: str | None = None  # None: the GPU when there is one, else the CPU; "auto": device_map="auto"
+    dtype: str | None = None  # the model's dtype while it runs; None: bf16 on GPUs, fp32 on the CPU
     sequential: bool = False  # observe one decoder layer at a time, never loading the whole model
     activations_dir: str | None = None  # sequential: cached activations on disk under this folder
 
@@ -100,6 +101,42 @@ class SaveOptions:
 
     dtype: str | None = None  # None: the dtype the input checkpoint stores (bf16 stays bf16)
     max_shard_size: int | str = "5GB"
+
+
+@dataclass
+class RunOptions:
+    """How one job runs, none of which changes what it computes: what it may overwrite, whether it
+    continues a checkpointed search, whether it only plans, what it prints."""
+
+    progress: bool = True
+    overwrite: bool = False  # replace an existing output folder (never the input)
+    resume: bool = False  # continue the EvoESAP search checkpointed in the output (or `search_state`)
+    dry_run: bool = False  # check the inputs and print the plan's sizes; load and write nothing
+    trust_remote_code: bool = False  # run a checkpoint's own modeling code (transformers' flag)
+    command_line: str | None = None  # how the user asked for it (the model card's "Reproduce")
+
+
+def split_legacy(legacy: dict[str, Any], where: str, **targets: tuple[Any, dict[str, str]]) -> list[Any]:
+    """Old keyword arguments folded into the option objects that replaced them, with a warning.
+
+    `targets` maps a parameter name to (its current object, {old keyword: field}); each object comes
+    back updated (a copy) in that order. An unknown keyword is a TypeError, as Python gives.
+    """
+    import warnings
+
+    out = {name: obj for name, (obj, _) in targets.items()}
+    for key, value in legacy.items():
+        owner = next((name for name, (_, fields) in targets.items() if key in fields), None)
+        if owner is None:
+            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+        field_name = targets[owner][1][key]
+        warnings.warn(
+            f"{where}({key}=...) is deprecated: pass {owner}={type(out[owner]).__name__}({field_name}=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        out[owner] = replace(out[owner], **{field_name: value})
+    return list(out.values())
 
 
 # ----------------------------------------------------------------------------- the recipe
