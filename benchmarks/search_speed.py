@@ -19,19 +19,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.limits import layer_limits
-from moeprune.allocate.search.candidates import CandidateEvaluator
-from moeprune.allocate.search.run import run_evo_search
 from moeprune.checkpoint import load_model
 from moeprune.config import DataOptions, SearchConfig
 from moeprune.criteria import score_experts
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data
 from moeprune.models import MoEModel
+from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import run_evo_search
 
 DOMAINS = ("code", "prose", "math")
 
@@ -133,9 +135,8 @@ def main() -> None:
     )
 
     forward = plain_forward_seconds(moe, data, args.batch_size, pad)
-    evaluator = CandidateEvaluator(
-        moe, data, orders, fitness=args.fitness, batch_size=args.batch_size, pad_token_id=pad
-    )
+    runtime = SearchRuntime(batch_size=args.batch_size, pad_token_id=pad, progress=False)
+    evaluator = CandidateEvaluator(moe, data, orders, fitness=args.fitness, runtime=runtime)
     probes = [[r] * len(limits.caps) for r in (0, 1, 2)]
     one = candidate_seconds(evaluator, [[min(r, c) for r, c in zip(p, limits.caps)] for p in probes])
     print(f"plain forward over the search set: {forward:.3f} s; one candidate (cold): {one:.3f} s")
@@ -146,10 +147,7 @@ def main() -> None:
     config = SearchConfig(fitness=args.fitness, population=args.population, elites=args.elites,
                           generations=args.generations)
     start = time.perf_counter()
-    best, doc = run_evo_search(
-        moe, data, orders, budget, config=config, fingerprint={},
-        batch_size=args.batch_size, progress=False, pad_token_id=pad,
-    )  # fmt: skip
+    best, doc = run_evo_search(moe, data, orders, budget, config=config, fingerprint={}, runtime=runtime)
     whole = time.perf_counter() - start
     sp = doc["speedups"]
     print(
@@ -167,7 +165,7 @@ def main() -> None:
         start = time.perf_counter()
         plain_best, plain = run_evo_search(
             moe, data, orders, budget, config=config, fingerprint={},
-            batch_size=args.batch_size, progress=False, pad_token_id=pad, fast=False, race=False,
+            runtime=replace(runtime, fast=False, race=False),
         )  # fmt: skip
         slow = time.perf_counter() - start
         same = plain_best == best and [g["best_allocation"] for g in plain["generations"]] == [

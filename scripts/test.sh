@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup_vllm.sh
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
 .venv/bin/ruff format --check src
+.venv/bin/mypy   # types of src/moeprune, as pyproject's [tool.mypy] says (modules not yet typed are listed there)
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 .venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py "$@"

@@ -29,7 +29,7 @@ import test_serve_vllm as serving  # noqa: E402  (the driver, prompts and compar
 
 import moeprune  # noqa: E402
 from moeprune.api import prune_checkpoint  # noqa: E402
-from moeprune.config import DataOptions, PruneConfig  # noqa: E402
+from moeprune.config import DataOptions, PruneConfig, RunOptions  # noqa: E402
 from moeprune.data.tokenizer import byte_tokenizer  # noqa: E402
 from moeprune.models.factory import tiny_model  # noqa: E402
 
@@ -84,7 +84,7 @@ def probe(family: str, root: Path, options: DataOptions) -> None:
     for kind in KINDS:
         made.append(root / family / kind)
         prune_checkpoint(
-            reference, made[-1], PruneConfig(**serving.KINDS[kind][0]), data=options, progress=False
+            reference, made[-1], PruneConfig(**serving.KINDS[kind][0]), data=options, run=RunOptions(progress=False)
         )
     work = root / family / "vllm"
     work.mkdir()

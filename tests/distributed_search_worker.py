@@ -20,15 +20,16 @@ from typing import Any
 import torch
 
 from moeprune import api as pipeline
-from moeprune.allocate.search import auto, evo
-from moeprune.allocate.search import run as search_run
-from moeprune.allocate.search.candidates import CandidateEvaluator
-from moeprune.allocate.search.evo import EvoSearch, _rank_key
-from moeprune.allocate.search.run import run_evo_search
-from moeprune.config import SearchConfig
+from moeprune.config import PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
+from moeprune.search import auto, evo
+from moeprune.search import run as search_run
+from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.evo import EvoSearch, _rank_key
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import run_evo_search
 
 sys.path[:0] = [str(p) for p in Path(__file__).resolve().parent.iterdir() if p.is_dir()]  # tests/<stage>/
 from test_search import _data, _moe, _orders  # noqa: E402  (found through the path set above)
@@ -49,14 +50,23 @@ def problem():
 def auto_choice(moe, data) -> tuple[str, list[dict]]:
     """`--criterion auto` on the search problem (statistics from the search set itself)."""
     stats = observe(moe, data, batch_size=3, progress=False)
-    return auto.choose_criterion(moe, [stats], data, sparsity=0.25, batch_size=3, progress=False)
+    config = PruneConfig(criterion="auto", sparsity=0.25)
+    return auto.choose_criterion(
+        moe, [stats], data, config=config, runtime=SearchRuntime(batch_size=3, progress=False)
+    )
 
 
-def search_once(moe, data, config: SearchConfig = CONFIG, fitness=None, **kwargs) -> tuple[list[int], dict]:
+def search_once(
+    moe, data, config: SearchConfig = CONFIG, fitness=None, fingerprint=None, **runtime
+) -> tuple[list[int], dict]:
+    """A quiet search; ``runtime``: SearchRuntime fields (state_path, resume, batch_size, ...)."""
     if fitness is not None:
         config = replace(config, fitness=fitness)
-    kwargs.setdefault("fingerprint", {"model": "tiny"})
-    return run_evo_search(moe, data, _orders(moe), BUDGET, config=config, progress=False, **kwargs)
+    fingerprint = {"model": "tiny"} if fingerprint is None else fingerprint
+    runtime = SearchRuntime(**{"progress": False, **runtime})
+    return run_evo_search(
+        moe, data, _orders(moe), BUDGET, config=config, fingerprint=fingerprint, runtime=runtime
+    )
 
 
 @contextmanager
@@ -155,7 +165,8 @@ def main(out: Path, checkpoint: Path, calibration: Path) -> None:
     pipeline.atomic_write_dir = spy_write_dir
     try:
         report = pipeline.prune_checkpoint(
-            checkpoint, out / "uniform", pipeline.PruneConfig(criterion="frequency", sparsity=0.5), progress=False,
+            checkpoint, out / "uniform", pipeline.PruneConfig(criterion="frequency", sparsity=0.5),
+            run=pipeline.RunOptions(progress=False),
             data=pipeline.DataOptions(sources=[str(calibration)], batch_size=2),
         )  # fmt: skip
     finally:

@@ -25,8 +25,6 @@ from transformers import PreTrainedModel
 
 from moeprune import __version__
 from moeprune.allocate.registry import searches
-from moeprune.allocate.search.auto import choose_criterion
-from moeprune.allocate.search.run import search_allocation, search_state_path
 from moeprune.checkpoint import (
     atomic_write_dir,
     build_skeleton,
@@ -40,7 +38,7 @@ from moeprune.checkpoint import (
 )
 from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
-from moeprune.config import DataOptions, PruneConfig, SaveOptions
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
 from moeprune.criteria import (
     AUTO,
     Criterion,
@@ -57,14 +55,29 @@ from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
+from moeprune.report.document import PRUNE, PruneReport
 from moeprune.report.model_card import model_card
+from moeprune.report.parts import (
+    CriterionAuto,
+    DataSummary,
+    DiskBytes,
+    KeptRow,
+    LayerShape,
+    ParameterCounts,
+    SearchSummary,
+    Serving,
+    Surgery,
+)
 from moeprune.report.plots import plot_search_curve
-from moeprune.report.prune_report import data_summary, draw_kept, report_markdown, weight_bytes
+from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.search.auto import choose_criterion
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
@@ -93,7 +106,7 @@ class PruneResult:
     criterion: Criterion
     scores: list[LayerScores]
     stats: list[ExpertStats]
-    report: dict  # report.json's pruning facts (the file-level job adds paths, sizes on disk, timings)
+    report: PruneReport  # report.json's pruning facts (the file-level job adds paths, sizes, timings)
     search: dict | None = None  # search.json, when an EvoESAP search ran
     calibration: list[CalibrationData] = field(default_factory=list)
 
@@ -116,6 +129,15 @@ def _as_sets(data, tokenizer, options: DataOptions, per_domain: bool, why: str) 
     )
 
 
+_PRUNE_LEGACY = {
+    "samples": "samples",
+    "max_length": "max_length",
+    "batch_size": "batch_size",
+    "data_seed": "seed",
+    "packing": "packing",
+}
+
+
 def prune(
     model: PreTrainedModel,
     config: PruneConfig,
@@ -123,21 +145,25 @@ def prune(
     data=None,
     tokenizer=None,
     search_data=None,
-    samples: int | None = 128,
-    max_length: int = 512,
-    batch_size: int = 8,
-    data_seed: int = 0,
-    packing: bool = False,
-    progress: bool = True,
+    options: DataOptions | None = None,
+    run: RunOptions | None = None,
     search_state: Path | None = None,
-    resume: bool = False,
+    **legacy,
 ) -> PruneResult:
     """Prune a loaded transformers MoE model in place, as `config` says.
 
     `data` (calibration) and `search_data` are files (JSONL, text, parquet, ...; FILE:WEIGHT mixes
-    them) read with `tokenizer`, or already loaded `CalibrationData`. `search_state` checkpoints an
-    EvoESAP search every generation; `resume` continues it.
+    them) read with `tokenizer` as `options` says (samples, max_length, batch_size, seed, packing),
+    or already loaded `CalibrationData`. `search_state` checkpoints an EvoESAP search every
+    generation; `run.resume` continues it. The former keywords (`samples=`, `max_length=`,
+    `batch_size=`, `data_seed=`, `packing=`, `progress=`, `resume=`) still work, with a warning.
     """
+    options, run = split_legacy(
+        legacy,
+        "prune",
+        options=(options or DataOptions(), _PRUNE_LEGACY),
+        run=(run or RunOptions(), {"progress": "progress", "resume": "resume"}),
+    )
     config = check_config(config)
     moe = MoEModel(model)
     check_not_packed(moe)
@@ -145,9 +171,7 @@ def prune(
     method = METHODS.get(config.method)
     auto = config.criterion == AUTO
     crit = get_criterion("reap" if auto else config.criterion)  # auto: one observation feeds every criterion
-    options = DataOptions(
-        samples=samples, max_length=max_length, batch_size=batch_size, seed=data_seed, packing=packing
-    )
+    batch_size, progress = options.batch_size, run.progress
     needs = requirements(config)  # without a reason to, calibration data is not read at all
     sets = (
         _as_sets(data, tokenizer, options, needs.per_domain, needs.calibration) if needs.calibration else []
@@ -184,13 +208,8 @@ def prune(
             moe,
             stats,
             search_set,
-            sparsity=config.sparsity,
-            method=config.method,
-            fitness=config.search.fitness,
-            batch_size=batch_size,
-            pad_token_id=pad,
-            seed=config.seed,
-            progress=progress,
+            config=config,
+            runtime=SearchRuntime(batch_size=batch_size, pad_token_id=pad, progress=progress),
         )
         crit = get_criterion(best)
         scores = compute_scores(
@@ -209,78 +228,51 @@ def prune(
             scores,
             stats,
             search_set,
-            sparsity=config.sparsity,
-            method=config.method,
-            search=config.search,
-            state_path=search_state,
-            resume=resume,
-            batch_size=batch_size,
-            pad_token_id=getattr(tokenizer, "pad_token_id", None),
-            progress=progress,
-            expert_multiple=config.expert_multiple,
-            candidate_context=novice_context(moe, stats) if config.method == "novice" else None,
+            config=config,
+            runtime=SearchRuntime(
+                batch_size=batch_size,
+                pad_token_id=getattr(tokenizer, "pad_token_id", None),
+                progress=progress,
+                state_path=search_state,
+                resume=run.resume,
+                candidate_context=novice_context(moe, stats) if config.method == "novice" else None,
+            ),
         )
     plan = build_plan(
-        moe,
-        crit,
-        scores,
-        sparsity=config.sparsity,
-        allocation=config.allocation,
-        method=config.method,
-        stats=stats,
-        removed=removed,
-        data_fingerprint=fingerprint,
-        expert_multiple=config.expert_multiple,
-        neuron_importance=config.neuron_importance,
-        important_fraction=config.important_fraction,
-        slope=config.slope,
+        moe, crit, scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
     )
     surgery = apply_plan(moe, plan, stats)
-    report = {
-        "criterion": crit.name,
-        "prune_first": crit.prune_first,
-        "allocation": config.allocation,
-        "method": config.method,
-        "sparsity": config.sparsity,
-        "sparsity_unit": method.sparsity_unit,
-        "expert_multiple": config.expert_multiple,
-        "budget_experts_removed": plan.extra.get("budget"),
-        "removed_per_layer": {str(lp.layer): len(lp.dropped) + len(lp.novice) for lp in plan.layers},
-        "surgery": surgery,
-        "layers_before": before_layers,
-        "layers_after": describe_layers(moe),
-        "parameters_before": before_params,
-        "parameters_after": routed_parameters(moe),
-        "kept_per_layer": kept_rows(kept_before, kept_per_layer(moe)),
-        "data": data_summary(sets, stats),
-        "unseen_experts": unseen_note(stats) if stats else [],
-        "unseen": unseen_experts(stats) if stats else {},
-        "scores": scores_document(crit, scores, stats),
-    }
+    report = PruneReport(
+        criterion=crit.name,
+        prune_first=crit.prune_first,
+        allocation=config.allocation,
+        method=config.method,
+        sparsity=config.sparsity,
+        sparsity_unit=method.sparsity_unit,
+        expert_multiple=config.expert_multiple,
+        budget_experts_removed=plan.extra.get("budget"),
+        removed_per_layer={str(lp.layer): len(lp.dropped) + len(lp.novice) for lp in plan.layers},
+        surgery=Surgery.from_json(surgery),
+        layers_before=LayerShape.rows(before_layers),
+        layers_after=LayerShape.rows(describe_layers(moe)),
+        parameters_before=ParameterCounts.from_json(before_params),
+        parameters_after=ParameterCounts.from_json(routed_parameters(moe)),
+        kept_per_layer=KeptRow.rows(kept_rows(kept_before, kept_per_layer(moe))),
+        data=DataSummary.of(sets, stats),
+        unseen_experts=unseen_note(stats) if stats else [],
+        unseen=unseen_experts(stats) if stats else {},
+        scores=scores_document(crit, scores, stats),
+    )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin
-        if moe.model_type in SERVED_FAMILIES:
-            report["serving"] = {"vllm_padded_parameters": padded_parameters(moe)["total"]}
-        else:
-            report["serving"] = {"vllm_refused": refusal(moe.model_type)}
-    if auto_table is not None:
-        report["criterion_auto"] = {
-            "fitness": config.search.fitness,
-            "chosen": crit.name,
-            "table": auto_table,
-        }
-    if search_doc is not None:
-        keys = (
-            "fitness",
-            "budget",
-            "allocation",
-            "fitness_value",
-            "uniform",
-            "evaluations",
-            "stopped",
-            "teacher_cache",
-            "notes",
+        report.serving = (
+            Serving(vllm_padded_parameters=padded_parameters(moe)["total"])
+            if moe.model_type in SERVED_FAMILIES
+            else Serving(vllm_refused=refusal(moe.model_type))
         )
-        report["search"] = {k: search_doc[k] for k in keys if k in search_doc}
+    if auto_table is not None:
+        report.criterion_auto = CriterionAuto(config.search.fitness, crit.name, auto_table)
+    if search_doc is not None:
+        report.search = SearchSummary.from_json(search_doc)
     return PruneResult(model, plan, crit, scores, stats, report, search_doc, sets)
 
 
@@ -300,16 +292,13 @@ class PruneJob:
     placement: Placement
     save_dtype: torch.dtype
     max_shard_size: int | str
-    overwrite: bool
-    resume: bool
+    run: RunOptions
     meta: MoEModel  # the model on the meta device: structure only
     tokenizer: object | None
     calibration: list[CalibrationData]
     search_set: CalibrationData | None
     layer_budget: dict  # what is known per layer before scoring
     search_data: list[str] = field(default_factory=list)
-    trust_remote_code: bool = False
-    command_line: str | None = None  # how the user asked for it (the model card's "Reproduce")
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -338,7 +327,7 @@ class PruneJob:
             "search_data": counts(self.search_set) if self.search_set is not None else None,
             "output": str(self.output),
             "save_dtype": str(self.save_dtype).removeprefix("torch."),
-            "resume": self.resume,
+            "resume": self.run.resume,
         }
 
 
@@ -379,6 +368,29 @@ def _check_sources(sources: Sequence[str], what: str) -> None:
             )
 
 
+_JOB_LEGACY = {  # prune_checkpoint's and prepare's former keywords -> (parameter, field)
+    "dtype": ("data", "dtype"),
+    **{
+        name: ("run", name)
+        for name in ("overwrite", "resume", "dry_run", "trust_remote_code", "progress", "command_line")
+    },
+}
+
+
+def _job_options(legacy: dict, where: str, data, run) -> tuple[DataOptions, RunOptions]:
+    """The data and run options of a checkpoint job, the former keywords folded in."""
+    return tuple(
+        split_legacy(
+            legacy,
+            where,
+            **{
+                name: (obj, {k: f for k, (owner, f) in _JOB_LEGACY.items() if owner == name})
+                for name, obj in (("data", data or DataOptions()), ("run", run or RunOptions()))
+            },
+        )
+    )
+
+
 def prepare(
     model_path: str | Path,
     output: str | Path,
@@ -387,14 +399,14 @@ def prepare(
     data: DataOptions | None = None,
     search_data: Sequence[str] = (),
     tokenizer_path: str | Path | None = None,
-    dtype: str | None = None,
     save: SaveOptions | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    trust_remote_code: bool = False,
+    run: RunOptions | None = None,
+    **legacy,
 ) -> PruneJob:
     """Every check of a prune request that needs no weights, in the order a user would fix them."""
-    data, save = data or DataOptions(), save or SaveOptions()
+    data, run = _job_options(legacy, "prepare", data, run)
+    save = save or SaveOptions()
+    overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
     config = check_config(config)
     if data.sequential:
         raise MoePruneError(
@@ -402,7 +414,7 @@ def prepare(
             "or to prune without loading",
             options=("sequential",),
         )
-    placement = Placement.choose(data.device, dtype)  # an unknown or absent device fails now
+    placement = Placement.choose(data.device, data.dtype)  # an unknown or absent device fails now
     model_path, output = check_model_path(model_path), Path(output)
     model_config = load_config(
         model_path, trust_remote_code
@@ -451,15 +463,13 @@ def prepare(
         placement,
         save_dtype,
         save.max_shard_size,
-        overwrite,
-        resume,
+        run,
         meta,
         tokenizer,
         calibration,
         search_set,
         layer_budget,
         list(search_data),
-        trust_remote_code,
     )
 
 
@@ -471,21 +481,22 @@ def prune_checkpoint(
     data: DataOptions | None = None,
     search_data: Sequence[str] = (),
     tokenizer_path: str | Path | None = None,
-    dtype: str | None = None,
     save: SaveOptions | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    dry_run: bool = False,
-    trust_remote_code: bool = False,
-    progress: bool = True,
-    command_line: str | None = None,
+    run: RunOptions | None = None,
+    **legacy,
 ) -> dict:
-    """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with `dry_run`,
-    the plan of work: nothing is loaded or written).
+    """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with
+    `run.dry_run`, the plan of work: nothing is loaded or written).
+
+    `data` says where calibration data comes from and where the model runs (device, dtype); `run`
+    what the job may overwrite, whether it resumes a search, what it prints. The former keywords
+    (`dtype=`, `overwrite=`, `resume=`, `dry_run=`, `trust_remote_code=`, `progress=`,
+    `command_line=`) still work, with a warning.
 
     Under torchrun every rank runs this with the same arguments: observation and the search are
     data-parallel, and rank 0 alone writes OUTPUT.
     """
+    data, run = _job_options(legacy, "prune_checkpoint", data, run)
     job = prepare(
         model_path,
         output,
@@ -493,31 +504,27 @@ def prune_checkpoint(
         data=data,
         search_data=search_data,
         tokenizer_path=tokenizer_path,
-        dtype=dtype,
         save=save,
-        overwrite=overwrite,
-        resume=resume,
-        trust_remote_code=trust_remote_code,
+        run=run,
     )
-    if dry_run:
+    if run.dry_run:
         return job.describe()
-    job.command_line = command_line
     rank, _ = rank_and_world()
     barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
     with output_lock(job.output) if rank == 0 else nullcontext():
-        return run(job, progress=progress)
+        return run_job(job)
 
 
-def run(job: PruneJob, progress: bool = True) -> dict:
+def run_job(job: PruneJob) -> dict:
     """The expensive part of `prune_checkpoint`, on a checked job."""
-    with RunLog.join(job.command_line) as log:
-        return _run(job, log, progress)
+    with RunLog.join(job.run.command_line) as log:
+        return _run(job, log, job.run.progress)
 
 
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
     with stage(f"loading {job.model_path}", progress), transformers_bars_off():
-        model, _ = load_placed(job.model_path, job.placement, job.trust_remote_code)
+        model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
     result = prune(
@@ -526,24 +533,22 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         data=job.calibration or None,
         tokenizer=job.tokenizer,
         search_data=job.search_set,
-        batch_size=data.batch_size,
-        data_seed=data.seed,
-        progress=progress,
+        options=data,
+        run=job.run,
         search_state=search_state_path(job.output),
-        resume=job.resume,
     )
     timer.lap("prune")
     moe = MoEModel(model)
-    report = {
-        "command": "prune",
-        "moeprune_version": __version__,
-        "model": str(job.model_path),
-        "output": str(job.output),
-        "model_type": moe.model_type,
-        **result.report,
-        "save_dtype": str(job.save_dtype).removeprefix("torch."),
-        "command_line": job.command_line,
-    }
+    report = replace(
+        result.report,
+        command=PRUNE,
+        moeprune_version=__version__,
+        model=str(job.model_path),
+        output=str(job.output),
+        model_type=moe.model_type,
+        save_dtype=str(job.save_dtype).removeprefix("torch."),
+        command_line=job.run.command_line,
+    )
     recipe = {
         "moeprune_version": __version__,
         "config": job.config.to_dict(),
@@ -556,15 +561,15 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             "seed": data.seed,
             "packing": data.packing,
         },
-        "save": {"dtype": report["save_dtype"], "max_shard_size": job.max_shard_size},
+        "save": {"dtype": report.save_dtype, "max_shard_size": job.max_shard_size},
     }
 
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
-            report["format"] = write_checkpoint(
+            report.format = write_checkpoint(
                 model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
             )
-        report["disk_bytes"] = {"before": weight_bytes(job.model_path), "after": weight_bytes(tmp)}
+        report.disk_bytes = DiskBytes(weight_bytes(job.model_path), weight_bytes(tmp))
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
         if result.search is not None:
@@ -580,19 +585,19 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             expert_unit=METHODS.get(job.config.method).sparsity_unit == "experts",
         )
         timer.lap("save")
-        report["timing_s"] = timer.total()
-        write_json(tmp / "report.json", report)
+        report.timing_s = timer.total()
+        write_json(tmp / "report.json", report.to_json())
         (tmp / "README.md").write_text(model_card(report, str(job.output)))
         log.write(tmp)  # before report.md, so that its file list names the log
         (tmp / "report.md").write_text(report_markdown(report, tmp))
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
-        return report
-    atomic_write_dir(job.output, write, overwrite=job.overwrite)
+        return report.to_json()
+    atomic_write_dir(job.output, write, overwrite=job.run.overwrite)
     state = search_state_path(job.output)  # the search's state and race log are done with
     state.unlink(missing_ok=True)
     state.with_name(state.name + ".raced.json").unlink(missing_ok=True)
-    return report
+    return report.to_json()
 
 
 # ----------------------------------------------------------------------------- score a checkpoint
@@ -641,14 +646,14 @@ def score_loaded(
     data: DataOptions,
     *,
     tokenizer=None,
-    dtype: str | None = None,
     seed: int = 0,
-    progress: bool = True,
-    trust_remote_code: bool = False,
+    run: RunOptions | None = None,
 ) -> dict:
     """`moeprune score` on the loaded model: the scores document."""
+    run = run or RunOptions()
+    progress = run.progress
     with stage(f"loading {model_path}", progress), transformers_bars_off():
-        model, _ = load_placed(model_path, Placement.choose(data.device, dtype), trust_remote_code)
+        model, _ = load_placed(model_path, Placement.choose(data.device, data.dtype), run.trust_remote_code)
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     crit, scores, stats = score_experts(
         MoEModel(model),

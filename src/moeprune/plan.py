@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from numbers import Integral, Real
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from moeprune import __version__
+from moeprune.config import split_legacy
 from moeprune.errors import MoePruneError
 
 FORMAT = "moeprune-plan"
@@ -99,6 +101,42 @@ class LayerPlan:
         return len(self.dropped) + len(self.novice)
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The model a plan is made for: its type and, per MoE layer, the decoder layer index, the
+    routed expert count and top_k (what `Plan.from_removals` needs besides the removals).
+
+    One record instead of three parallel lists passed side by side; `of` reads it from a model, a
+    meta-device model or a checkpoint's layout (anything with `model_type` and `layers` whose
+    entries have `index`, `num_experts` and `top_k`).
+    """
+
+    model_type: str
+    layers: Sequence[int]  # decoder layer indices, in order
+    num_experts: Sequence[int]  # original routed experts per layer
+    top_k: Sequence[int]
+
+    @classmethod
+    def of(cls, moe: Any) -> ModelShape:
+        """The shape of an MoEModel (or a checkpoint layout that looks like one)."""
+        layers = moe.layers
+        return cls(
+            model_type=moe.model_type,
+            layers=[m.index for m in layers],
+            num_experts=[m.num_experts for m in layers],
+            top_k=[m.top_k for m in layers],
+        )
+
+
+# Plan.from_removals' former keywords for the shape -> ModelShape fields (still accepted, with a warning)
+_SHAPE_KEYWORDS = {
+    "model_type": "model_type",
+    "num_experts": "num_experts",
+    "top_k": "top_k",
+    "layer_indices": "layers",
+}
+
+
 @dataclass
 class Plan:
     """A whole-model pruning plan; see the module docstring."""
@@ -144,24 +182,37 @@ class Plan:
     @classmethod
     def from_removals(
         cls,
+        shape: ModelShape | None = None,
         *,
-        model_type: str,
-        num_experts: list[int],
-        top_k: list[int],
-        layer_indices: list[int],
-        removals: list[list[int]],
+        removals: Sequence[Sequence[int]],
         criterion: str,
         allocation: str,
         method: str = "drop",
         sparsity: float,
         data_fingerprint: str = "",
         extra: dict[str, Any] | None = None,
+        **legacy: Any,
     ) -> Plan:
-        """A plan from per-layer expert ids to remove: dropped ("drop") or made novices ("novice")."""
+        """A plan from per-layer expert ids to remove: dropped ("drop") or made novices ("novice").
+
+        `shape` is the model's per-layer structure (`ModelShape.of(moe)`); `removals` has one entry
+        per MoE layer, in `shape.layers` order. The former keywords `model_type`, `num_experts`,
+        `top_k` and `layer_indices` still work in place of `shape`, with a DeprecationWarning.
+        """
+        if shape is None:  # the former keywords fill it (each with a warning)
+            shape = ModelShape(None, None, None, None)  # type: ignore[arg-type]
+        (shape,) = split_legacy(legacy, "Plan.from_removals", shape=(shape, _SHAPE_KEYWORDS))
+        missing = [old for old, name in _SHAPE_KEYWORDS.items() if getattr(shape, name) is None]
+        if missing:
+            raise TypeError(
+                f"Plan.from_removals() missing the model's shape: pass shape=ModelShape(...) "
+                f"(lacking {', '.join(missing)})"
+            )
         if method not in ("drop", "novice"):
             raise MoePruneError(
                 f"from_removals builds 'drop' or 'novice' plans, not {method!r}; build LayerPlan objects for neuron plans"
             )
+        num_experts, top_k, layer_indices = shape.num_experts, shape.top_k, shape.layers
         lengths = {len(num_experts), len(top_k), len(layer_indices), len(removals)}
         if len(lengths) != 1:
             raise MoePruneError(
@@ -182,7 +233,7 @@ class Plan:
                 )
             )
         return cls.create(
-            model_type=model_type,
+            model_type=shape.model_type,
             layers=layers,
             criterion=criterion,
             allocation=allocation,

@@ -9,13 +9,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moeprune.allocate.search.evo import EvoSearch, Feasibility, initial_population, mutate
 from moeprune.config import SearchConfig
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
+from moeprune.search.evo import EvoIO, EvoSearch, Feasibility, initial_population, mutate
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
 SMALL = SearchConfig(population=8, elites=2, generations=6, seed=3)
+QUIET = EvoIO(progress=False)  # no checkpoint, no progress bar
 
 
 def _uniform(budget: int, caps: list[int], multiples: list[int] | None = None) -> tuple[int, ...]:
@@ -94,7 +95,7 @@ def test_every_generated_candidate_is_feasible_over_random_problems():
                 assert feas.is_feasible(mutate(parent, caps, multiples, config, rng))
         weights = list(rng.random(len(caps)) + 0.1)
         recorder = Recorder(_separable(weights), feas)
-        EvoSearch(recorder, budget, caps, uniform, config, multiples=multiples, progress=False).run()
+        EvoSearch(recorder, budget, caps, uniform, config, multiples=multiples, io=QUIET).run()
         assert recorder.calls and all(feas.is_feasible(a) for a in recorder.calls)
         checked += 1
     assert checked > 30
@@ -130,7 +131,7 @@ def test_same_seed_same_result_other_seed_differs():
     caps, budget = [8] * 6, 18
     fit = _separable([1, 2, 3, 4, 5, 6])
     runs = [
-        EvoSearch(fit, budget, caps, _uniform(budget, caps), replace(SMALL, seed=s), progress=False).run()
+        EvoSearch(fit, budget, caps, _uniform(budget, caps), replace(SMALL, seed=s), io=QUIET).run()
         for s in (3, 3, 4)
     ]
     assert runs[0] == runs[1]
@@ -144,7 +145,7 @@ def test_best_is_at_least_uniform_and_much_better_on_a_separable_fitness():
     fit = _separable(weights)
     uniform = _uniform(budget, caps)
     config = SearchConfig(population=16, elites=4, generations=25, seed=0)
-    result = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
+    result = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
     assert result.history[0].fitnesses[0] == fit(uniform)  # uniform is evaluated first
     assert result.best_fitness >= fit(uniform)
     best = _optimum(weights, budget, caps)
@@ -158,7 +159,7 @@ def test_evaluate_is_called_once_per_distinct_allocation():
     caps, budget = [6] * 5, 12
     feas = Feasibility(budget, caps)
     recorder = Recorder(_separable([1, 3, 1, 3, 1]), feas)
-    result = EvoSearch(recorder, budget, caps, _uniform(budget, caps), SMALL, progress=False).run()
+    result = EvoSearch(recorder, budget, caps, _uniform(budget, caps), SMALL, io=QUIET).run()
     counts = Counter(recorder.calls)
     assert max(counts.values()) == 1
     assert result.evaluations == len(counts) == sum(h.new_evaluations for h in result.history)
@@ -168,9 +169,9 @@ def test_resume_extends_a_finished_run_to_the_identical_result(tmp_path):
     caps, budget = [10] * 6, 24
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
     config = replace(SMALL, generations=8)
-    full = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
+    full = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
     state = tmp_path / "evo.json"
-    kw = {"state_path": state, "fingerprint": {"model": "tiny"}, "progress": False}
+    kw = {"io": EvoIO(state_path=state, fingerprint={"model": "tiny"}, progress=False)}
     EvoSearch(fit, budget, caps, uniform, replace(config, generations=3), **kw).run()
     saved = json.loads(state.read_text())
     assert saved["generation"] == 3 and len(saved["history"]) == 3
@@ -184,9 +185,9 @@ def test_resume_after_a_crash_mid_generation_is_identical_and_wastes_no_evaluati
     caps, budget = [10] * 6, 24
     feas = Feasibility(budget, caps)
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
-    full = EvoSearch(fit, budget, caps, uniform, SMALL, progress=False).run()
+    full = EvoSearch(fit, budget, caps, uniform, SMALL, io=QUIET).run()
     state = tmp_path / "evo.json"
-    kw = {"state_path": state, "progress": False, "save_interval_s": 0.0}
+    kw = {"io": EvoIO(state_path=state, progress=False, save_interval_s=0.0)}
     crashing = Recorder(fit, feas, fail_after=full.evaluations // 2)
     with pytest.raises(KeyboardInterrupt):
         EvoSearch(crashing, budget, caps, uniform, SMALL, **kw).run()
@@ -202,9 +203,9 @@ def test_resume_refuses_other_settings_and_missing_state(tmp_path):
     state = tmp_path / "evo.json"
     fp = {"model": "tiny", "criterion": "reap", "fitness": "esap"}
 
-    def search(**overrides):
-        kw = {"config": SMALL, "state_path": state, "fingerprint": fp, "progress": False} | overrides
-        return EvoSearch(lambda a: 0.0, budget, caps, uniform, **kw)
+    def search(config=SMALL, fingerprint=fp):
+        io = EvoIO(state_path=state, fingerprint=fingerprint, progress=False)
+        return EvoSearch(lambda a: 0.0, budget, caps, uniform, config, io=io)
 
     with pytest.raises(MoePruneError, match="no search state"):
         search().run(resume=True)
@@ -224,11 +225,11 @@ def test_patience_stops_a_stalled_search_and_says_why():
         [0.0, 0.0, 0.0, 0.0]
     )  # every allocation ties: the best never improves after generation 0
     config = SearchConfig(population=6, elites=2, generations=30, seed=1, patience=3)
-    result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, progress=False).run()
+    result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, io=QUIET).run()
     assert len(result.history) == 4  # generation 0, then 3 without improvement
     assert result.stopped == {"reason": "patience", "generations_run": 4, "patience": 3}
     full = EvoSearch(
-        flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), progress=False
+        flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), io=QUIET
     ).run()
     assert len(full.history) == 30 and full.stopped == {"reason": "generations", "generations_run": 30}
 
@@ -238,9 +239,36 @@ def test_patience_only_shortens_the_same_trajectory():
     caps, budget = [10] * 6, 24
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
     config = SearchConfig(population=8, elites=2, generations=40, seed=5)
-    full = EvoSearch(fit, budget, caps, uniform, config, progress=False).run()
-    early = EvoSearch(fit, budget, caps, uniform, replace(config, patience=4), progress=False).run()
+    full = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
+    early = EvoSearch(fit, budget, caps, uniform, replace(config, patience=4), io=QUIET).run()
     ran = len(early.history)
     assert early.stopped["reason"] == "patience" and ran < 40
     assert early.history == full.history[:ran]
     assert early.best_fitness == max(h.best for h in full.history[:ran])
+
+
+def test_former_keywords_still_work_with_a_warning(tmp_path):
+    """EvoSearch(state_path=..., fingerprint=..., progress=...) from before they travelled as an
+    EvoIO: the same search and checkpoint, and a DeprecationWarning per keyword."""
+    caps, budget = [10] * 6, 24
+    fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = EvoSearch(
+            fit, budget, caps, uniform, SMALL, state_path=tmp_path / "old.json", fingerprint={"m": 1},
+            progress=False, save_interval_s=0.0, write_state=True,
+        )  # fmt: skip
+    assert {str(w.message) for w in caught} == {
+        f"EvoSearch({k}=...) is deprecated: pass io=EvoIO({k}=...)"
+        for k in ("state_path", "fingerprint", "progress", "save_interval_s", "write_state")
+    }
+    assert {w.filename for w in caught} == {__file__}
+    io = EvoIO(state_path=tmp_path / "new.json", fingerprint={"m": 1}, progress=False, save_interval_s=0.0)
+    new = EvoSearch(fit, budget, caps, uniform, SMALL, io=io)
+    assert (old.state_path, old.fingerprint, old.progress, old.save_interval_s) == (
+        tmp_path / "old.json", {"m": 1}, False, 0.0,
+    )  # fmt: skip
+    assert old.run() == new.run()
+    saved = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("old", "new")]
+    assert saved[0] == saved[1]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'state'"):
+        EvoSearch(fit, budget, caps, uniform, SMALL, state=tmp_path / "x.json")

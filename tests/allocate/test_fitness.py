@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moeprune.allocate.search.fitness import (
+from moeprune.allocate.fitness import (
     FITNESSES,
     FitnessAccumulator,
     TeacherCache,

@@ -12,23 +12,26 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.candidates import (
+from moeprune.allocate.fitness import FitnessAccumulator
+from moeprune.checkpoint import load_model
+from moeprune.config import DataOptions, PruneConfig, SearchConfig
+from moeprune.criteria import compute_scores, get_criterion, score_experts
+from moeprune.data.loading import CalibrationData, Sample, calibration_sets, load_data
+from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
+from moeprune.models import MoEModel, supported_families
+from moeprune.models.factory import reference_families, tiny_model
+from moeprune.observe.observer import observe
+from moeprune.report.plots import plot_layer_density, plot_search_curve
+from moeprune.search.auto import choose_criterion
+from moeprune.search.candidates import (
     TEXT_ONLY_NOTE,
     CandidateEvaluator,
     PrefixCache,
     layer_limits,
 )
-from moeprune.allocate.search.fitness import FitnessAccumulator
-from moeprune.allocate.search.population import Feasibility
-from moeprune.allocate.search.run import run_evo_search
-from moeprune.checkpoint import load_model
-from moeprune.config import DataOptions, SearchConfig
-from moeprune.criteria import score_experts
-from moeprune.data.loading import CalibrationData, Sample, calibration_sets, load_data
-from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
-from moeprune.models import MoEModel, supported_families
-from moeprune.models.factory import reference_families, tiny_model
-from moeprune.report.plots import plot_layer_density, plot_search_curve
+from moeprune.search.options import SearchRuntime
+from moeprune.search.population import Feasibility
+from moeprune.search.run import run_evo_search, search_allocation
 from moeprune.surgery.drop import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
@@ -58,6 +61,11 @@ def _moe(family: str, **overrides) -> MoEModel:
     return MoEModel(tiny_model(family, **overrides))
 
 
+def _runtime(**fields) -> SearchRuntime:
+    """How the tests' searches run: no progress bars, otherwise ``fields``."""
+    return SearchRuntime(**{"progress": False, **fields})
+
+
 def _some_allocation(moe: MoEModel) -> tuple[int, ...]:
     """Each layer loses a different, feasible number of experts."""
     limits = layer_limits(moe)
@@ -84,7 +92,9 @@ def _physical_fitness(evaluator: CandidateEvaluator, moe: MoEModel, allocation, 
 @pytest.mark.parametrize("fitness", ["esap", "kl", "nll", "sap"])
 def test_masked_candidate_fitness_equals_physically_pruned(family, fitness):
     moe, data = _moe(family), _data()
-    evaluator = CandidateEvaluator(moe, data, _orders(moe), fitness=fitness, batch_size=4, seed=7)
+    evaluator = CandidateEvaluator(
+        moe, data, _orders(moe), fitness=fitness, seed=7, runtime=_runtime(batch_size=4)
+    )
     allocation = _some_allocation(moe)
     assert sum(allocation) > 0
     got = evaluator.evaluate(allocation)
@@ -102,46 +112,46 @@ def test_fast_layer_loop_matches_model_for_every_family(family):
     """The resumable layer loop (split mode: resumes after a layer's attention) passes its
     self-check for every family and equals the plain forward."""
     moe, data = _moe(family), _data(n=6)
-    fast = CandidateEvaluator(moe, data, _orders(moe), batch_size=3)
+    fast = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=3))
     if family in reference_families():  # others may resume per layer or fall back (the self-check decides)
         assert fast.mode == "split", f"{family}: fell back to {fast.mode}: {fast.notes}"
-    plain = CandidateEvaluator(moe, data, _orders(moe), batch_size=3, fast=False)
+    plain = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=3, fast=False))
     allocation = _some_allocation(moe)
     assert fast.evaluate(allocation) == pytest.approx(plain.evaluate(allocation), rel=1e-6, abs=1e-7)
     assert fast.evaluate((0,) * len(allocation)) == pytest.approx(1.0, abs=1e-6)  # the full model
 
 
 def test_resume_modes_fall_back_when_the_self_check_fails(monkeypatch):
-    from moeprune.allocate.search import candidates as search
+    from moeprune.search import candidates as search
 
     moe, data = _moe("olmoe", num_hidden_layers=4), _data()
-    plain = CandidateEvaluator(moe, data, _orders(moe), batch_size=4, fast=False)
+    plain = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=4, fast=False))
     want = plain.evaluate((2, 2, 4, 0))
 
     def no_split(self, decoder_index, residual):
         raise AttributeError("no post-attention norm")
 
     monkeypatch.setattr(CandidateEvaluator, "_moe_half", no_split)
-    layer_mode = CandidateEvaluator(moe, data, _orders(moe), batch_size=4)
+    layer_mode = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=4))
     assert layer_mode.mode == "layer"
     layer_mode.evaluate((2, 2, 2, 2))
     assert layer_mode.evaluate((2, 2, 4, 0)) == pytest.approx(want, rel=1e-6)
     assert layer_mode.counters["prefix_hits"] == 3
 
     monkeypatch.setattr(search, "_final_norm", lambda model: torch.nn.Identity())  # a wrong loop
-    fallback = CandidateEvaluator(moe, data, _orders(moe), batch_size=4)
+    fallback = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=4))
     assert fallback.mode == "plain" and "plain forward used" in fallback.notes[-1]
     assert fallback.evaluate((2, 2, 4, 0)) == want
 
 
 def test_prefix_reuse_is_bitwise_exact_and_bounded():
     moe, data = _moe("olmoe", num_hidden_layers=4), _data()
-    evaluator = CandidateEvaluator(moe, data, _orders(moe), batch_size=4)
+    evaluator = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=4))
     evaluator.evaluate((2, 2, 2, 2))
     shared = evaluator.evaluate((2, 2, 4, 0))  # shares r_0, r_1: starts at MoE layer 2
     assert evaluator.counters["prefix_hits"] == 3  # one per batch
     assert evaluator.counters["decoder_layers_skipped"] == 3 * 2
-    cold = CandidateEvaluator(moe, data, _orders(moe), batch_size=4)
+    cold = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=4))
     assert cold.evaluate((2, 2, 4, 0)) == shared
 
     cache = PrefixCache(max_bytes=3 * 4 * 10)
@@ -156,12 +166,15 @@ def test_prefix_reuse_is_bitwise_exact_and_bounded():
 # The search
 
 
-def _search(moe, data, budget, config=SMALL, fitness=None, **kwargs):
+def _search(moe, data, budget, config=SMALL, fitness=None, fingerprint=None, **runtime):
+    """A quiet search; ``runtime``: SearchRuntime fields (batch size 4 unless given)."""
     if fitness is not None:
         config = replace(config, fitness=fitness)
-    kwargs.setdefault("fingerprint", {"model": "tiny"})
-    kwargs.setdefault("batch_size", 4)
-    return run_evo_search(moe, data, _orders(moe), budget, config=config, progress=False, **kwargs)
+    fingerprint = {"model": "tiny"} if fingerprint is None else fingerprint
+    return run_evo_search(
+        moe, data, _orders(moe), budget, config=config, fingerprint=fingerprint,
+        runtime=_runtime(**{"batch_size": 4, **runtime}),
+    )  # fmt: skip
 
 
 def _selection(doc: dict) -> list:
@@ -250,7 +263,7 @@ def test_search_document_and_plots(tmp_path):
 
 def test_text_only_search_data_is_noted(caplog):
     moe = _moe("qwen3_moe")
-    with caplog.at_level(logging.WARNING, logger="moeprune.allocate.search.candidates"):
+    with caplog.at_level(logging.WARNING, logger="moeprune.search.candidates"):
         _, doc = _search(moe, _data(text_only=True), 4, SearchConfig(population=4, elites=2, generations=2))
     assert TEXT_ONLY_NOTE in doc["notes"] and TEXT_ONLY_NOTE in caplog.text
     _, doc = _search(moe, _data(), 4, SearchConfig(population=4, elites=2, generations=2))
@@ -299,7 +312,7 @@ def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, crite
     budget = budget_from_sparsity(0.5, limits.num_experts, limits.top_k)
     best, doc = run_evo_search(
         moe, search, [s.order for s in scores], budget, config=SearchConfig(population=8, elites=4, generations=2),
-        fingerprint={"criterion": criterion}, progress=False, pad_token_id=tokenizer.pad_token_id,
+        fingerprint={"criterion": criterion}, runtime=_runtime(pad_token_id=tokenizer.pad_token_id),
     )  # fmt: skip
     assert doc["uniform"]["allocation"] != best
     assert doc["fitness_value"] > doc["uniform"]["fitness_value"] + 0.01
@@ -315,3 +328,72 @@ def test_the_fitness_argument_still_works_with_a_warning():
                              batch_size=3)  # fmt: skip
     new = _search(moe, data, 6, config, fitness="kl", fingerprint={}, batch_size=3)
     assert old[0] == new[0] and old[1]["fitness"] == new[1]["fitness"] == "kl"
+
+
+def _without_timings(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "timings_s"}
+
+
+def _messages(caught, where: str) -> set[str]:
+    return {str(w.message) for w in caught if str(w.message).startswith(f"{where}(")}
+
+
+def test_former_keywords_of_the_search_still_work_with_a_warning(tmp_path):
+    """run_evo_search, search_allocation, choose_criterion and CandidateEvaluator called as before
+    their settings travelled as SearchRuntime / PruneConfig: the same result, and a
+    DeprecationWarning per former keyword that names the new spelling and points at the caller."""
+    moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=6)
+    config = SearchConfig(population=4, elites=2, generations=2, seed=3, fitness="kl")
+    with pytest.warns(DeprecationWarning) as caught:
+        old = run_evo_search(moe, data, _orders(moe), 6, config=config, fingerprint={}, batch_size=3,
+                             progress=False, fast=False, race=False, state_path=tmp_path / "old.json")  # fmt: skip
+    assert _messages(caught, "run_evo_search") == {
+        f"run_evo_search({k}=...) is deprecated: pass runtime=SearchRuntime({k}=...)"
+        for k in ("batch_size", "progress", "fast", "race", "state_path")
+    }
+    assert {w.filename for w in caught if "run_evo_search(" in str(w.message)} == {__file__}
+    new = _search(moe, data, 6, config, fingerprint={}, batch_size=3, fast=False, race=False,
+                  state_path=tmp_path / "new.json")  # fmt: skip
+    assert old[0] == new[0] and _without_timings(old[1]) == _without_timings(new[1])
+    assert (tmp_path / "old.json").is_file()  # the checkpoint went where the old keyword said
+
+    stats = observe(moe, data, batch_size=3, progress=False)
+    crit = get_criterion("frequency")
+    scores = compute_scores("frequency", stats=stats, layers=[m.index for m in moe.layers])
+    with pytest.warns(DeprecationWarning) as caught:
+        old = search_allocation(moe, crit, scores, [stats], data, sparsity=0.25, method="drop", search=config,
+                                batch_size=3, progress=False)  # fmt: skip
+    assert _messages(caught, "search_allocation") == {
+        "search_allocation(sparsity=...) is deprecated: pass config=PruneConfig(sparsity=...)",
+        "search_allocation(method=...) is deprecated: pass config=PruneConfig(method=...)",
+        "search_allocation(search=...) is deprecated: pass config=PruneConfig(search=...)",
+        "search_allocation(batch_size=...) is deprecated: pass runtime=SearchRuntime(batch_size=...)",
+        "search_allocation(progress=...) is deprecated: pass runtime=SearchRuntime(progress=...)",
+    }
+    prune = PruneConfig(criterion="frequency", sparsity=0.25, allocation="evo", search=config)
+    new = search_allocation(moe, crit, scores, [stats], data, config=prune, runtime=_runtime(batch_size=3))
+    assert old[0] == new[0] and _without_timings(old[1]) == _without_timings(new[1])
+
+    with pytest.warns(DeprecationWarning) as caught:
+        old_choice = choose_criterion(moe, [stats], data, sparsity=0.25, fitness="kl", seed=1, batch_size=3,
+                                      progress=False)  # fmt: skip
+    assert (
+        "choose_criterion(fitness=...) is deprecated: pass config=PruneConfig(search=SearchConfig(fitness=...))"
+        in (_messages(caught, "choose_criterion"))
+    )
+    auto = replace(prune, criterion="auto", allocation=None, seed=1)
+    assert old_choice == choose_criterion(moe, [stats], data, config=auto, runtime=_runtime(batch_size=3))
+    assert old_choice[1][0].keys() == {"criterion", "kl"}
+
+    with pytest.warns(DeprecationWarning, match=r"CandidateEvaluator\(fast=...\) is deprecated"):
+        old_evaluator = CandidateEvaluator(moe, data, _orders(moe), batch_size=3, fast=False)
+    new_evaluator = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=3, fast=False))
+    assert old_evaluator.mode == new_evaluator.mode == "plain"
+    assert old_evaluator.evaluate((2, 2, 4, 0)) == new_evaluator.evaluate((2, 2, 4, 0))
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
+        run_evo_search(moe, data, _orders(moe), 6, config=config, fingerprint={}, batchsize=3)
+    with pytest.raises(TypeError, match="missing required keyword argument: 'config'"):
+        search_allocation(moe, crit, scores, [stats], data)
+    with pytest.raises(TypeError, match="missing required keyword argument: 'config'"):
+        choose_criterion(moe, [stats], data)

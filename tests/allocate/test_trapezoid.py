@@ -21,7 +21,7 @@ from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
-from moeprune.surgery.tenp import tenp_plan
+from moeprune.surgery.tenp import TenpOptions, tenp_plan
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
@@ -122,7 +122,7 @@ def test_multi_domain_calibration_uses_the_tenp_normalisation():
         for name, lengths in (("a", (20, 17)), ("b", (5, 4, 3)))
     ]
     mixed = compute_scores("tenp", stats=domains)
-    plan = tenp_plan(moe, domains, mixed, 0.5, important_fraction=0.3, slope=0.0)
+    plan = tenp_plan(moe, domains, mixed, 0.5, TenpOptions(important_fraction=0.3, slope=0.0))
     for lp, s in zip(plan.layers, mixed):
         layer = moe.layer(lp.layer)
         a, b = (d.layer(lp.layer).tenp_sum for d in domains)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import moeprune
 from moeprune.checkpoint import load_model
 from moeprune.cli.main import main
-from moeprune.config import PruneConfig, SearchConfig
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.errors import MoePruneError
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
@@ -54,15 +54,17 @@ def test_api_on_a_loaded_model_equals_the_cli(tiny_checkpoint, data, tmp_path, c
     run("prune", tiny_checkpoint, "--output", out, *flags, "--data", data, "--samples", "12", "--max-length", "64",
         *search, "--quiet")  # fmt: skip
     model, tokenizer = load_model(tiny_checkpoint)
-    result = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, samples=12, max_length=64,
-                            search_data=str(data) if search else None, progress=False)  # fmt: skip
+    result = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, search_data=str(data) if search else None,
+                            options=DataOptions(samples=12, max_length=64), run=RunOptions(progress=False))  # fmt: skip
     assert result.model is model  # in place
     saved = json.loads((out / "plan.json").read_text())
     assert [lp["kept"] for lp in saved["layers"]] == [lp.kept for lp in result.plan.layers]
     reloaded = moeprune.load_pretrained(out)
     ids = torch.tensor([list(b"def add(a, b): return a + b"), list(b"Question 3: what is 3 plus 3?")[:27]])
     assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
-    assert result.report["criterion"] == config.criterion and result.report["method"] == config.method
+    assert result.report.criterion == config.criterion and result.report.method == config.method
+    with pytest.warns(DeprecationWarning, match=r"report\['method'\] is deprecated: PruneResult.report is a PruneReport"):
+        assert result.report["method"] == config.method  # read by key, as before it was typed
 
 
 def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, data, tmp_path):
@@ -174,5 +176,23 @@ def test_search_settings_are_declared_once():
     with pytest.raises(moeprune.MoePruneError, match=r"population \(2\) must be >= elites \(4\)"):
         SearchConfig(population=2, elites=4)
     with pytest.warns(DeprecationWarning, match="SearchConfig"):
-        from moeprune.allocate.search.population import EvoConfig
+        from moeprune.search.population import EvoConfig
     assert EvoConfig is SearchConfig
+
+
+def test_former_keywords_still_prune_the_same_with_a_warning(tiny_checkpoint, data):
+    """Scripts written against the keyword API (samples=, max_length=, progress=) keep working."""
+    config = PruneConfig(criterion="frequency", sparsity=0.25)
+    model, tokenizer = load_model(tiny_checkpoint)
+    new = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer,
+                         options=DataOptions(samples=12, max_length=64), run=RunOptions(progress=False))  # fmt: skip
+    model, tokenizer = load_model(tiny_checkpoint)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, samples=12, max_length=64,
+                             progress=False)  # fmt: skip
+    assert sorted(str(w.message).split(" is ")[0] for w in caught) == [
+        "prune(max_length=...)", "prune(progress=...)", "prune(samples=...)"
+    ]
+    assert old.plan.to_json() == new.plan.to_json()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sampels'"):
+        moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, sampels=12)

@@ -297,7 +297,7 @@ def test_sequential_score_and_no_load_prune_with_data(checkpoint, data, tmp_path
 def test_activations_on_disk_give_the_same_scores(checkpoint, data, tmp_path, monkeypatch):
     """--activations-dir: the cached hidden states go to a temporary folder there (removed after),
     the statistics do not change; without --sequential the option is refused."""
-    from moeprune.observe import sequential
+    from moeprune.shards import sequential
 
     made = []
     mkdtemp = sequential.tempfile.mkdtemp

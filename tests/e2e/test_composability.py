@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.run import run_evo_search
-from moeprune.config import SearchConfig
+from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import CRITERIA, compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import run_evo_search
 from moeprune.surgery.novice import novice_context
 from moeprune.surgery.parameters import routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
@@ -74,16 +75,14 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
         context = novice_context(moe, [stats]) if method == "novice" else None
         removed, document = run_evo_search(
             moe, data(4, seed=9), [s.order for s in scores], budget, config=SearchConfig(population=6, elites=2,
-            generations=2), fingerprint={}, batch_size=4, progress=False, candidate_context=context,
+            generations=2), fingerprint={}, runtime=SearchRuntime(batch_size=4, progress=False, candidate_context=context),
         )  # fmt: skip
         assert document["fitness_value"] >= document["uniform"]["fitness_value"]
     plan = build_plan(
         moe,
         crit,
         scores,
-        sparsity=SPARSITY,
-        allocation=allocation,
-        method=method,
+        config=PruneConfig(crit.name, SPARSITY, allocation=allocation, method=method),
         stats=[stats],
         removed=removed,
     )
@@ -131,14 +130,15 @@ def test_every_family_scores_searches_and_prunes_exactly(family):
     budget = budget_from_sparsity(0.25, counts, [m.top_k for m in moe.layers])
     removed, document = run_evo_search(
         moe, data(4, seed=9), [s.order for s in scores], budget, config=SearchConfig(population=4, elites=2,
-        generations=1), fingerprint={}, batch_size=4, progress=False,
+        generations=1), fingerprint={}, runtime=SearchRuntime(batch_size=4, progress=False),
     )  # fmt: skip
     assert document["fitness_value"] >= document["uniform"]["fitness_value"]
     for allocation, method, extra in (("evo", "drop", {"removed": removed}), ("global", "novice", {}),
                                       ("uniform", "neurons", {}), ("trapezoid", "tenp", {})):  # fmt: skip
         method_scores = compute_scores("tenp", stats=stats) if method == "tenp" else scores
-        plan = build_plan(moe, get_criterion("tenp") if method == "tenp" else crit, method_scores, sparsity=0.25,
-                          allocation=allocation, method=method, stats=[stats], **extra)  # fmt: skip
+        method_crit = get_criterion("tenp") if method == "tenp" else crit
+        config = PruneConfig(method_crit.name, 0.25, allocation=allocation, method=method)
+        plan = build_plan(moe, method_crit, method_scores, config=config, stats=[stats], **extra)
         with torch.no_grad():
             with virtual_plan(moe, plan, stats):
                 virtual = model(TOKENS).logits

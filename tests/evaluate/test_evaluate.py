@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from moeprune.api import PruneConfig, prune_checkpoint
 from moeprune.checkpoint import load_model, save_pretrained
 from moeprune.cli.main import main
-from moeprune.config import DataOptions
+from moeprune.config import DataOptions, RunOptions
 from moeprune.criteria import score_experts
 from moeprune.data.loading import calibration_sets
 from moeprune.data.tokenizer import byte_tokenizer
@@ -35,6 +35,7 @@ from moeprune.surgery.parameters import plan_routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
+QUIET = RunOptions(progress=False)
 
 PNG = b"\x89PNG"
 
@@ -78,7 +79,7 @@ def tiny_pruned(tiny_dir, tiny_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pruned") / "freq25"
     data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
     prune_checkpoint(
-        tiny_dir, out, PruneConfig(criterion="frequency", sparsity=0.25), data=data, progress=False
+        tiny_dir, out, PruneConfig(criterion="frequency", sparsity=0.25), data=data, run=QUIET
     )
     return out
 
@@ -298,7 +299,8 @@ def test_pruned_esap_is_between_0_and_1_and_falls_with_sparsity(trained):
     pruned = []
     for sparsity in (0.25, 0.5):
         model = copy.deepcopy(reference.model)
-        apply_plan(MoEModel(model), build_plan(moe, criterion, scores, sparsity=sparsity))
+        config = PruneConfig(criterion.name, sparsity)
+        apply_plan(MoEModel(model), build_plan(moe, criterion, scores, config=config))
         pruned.append(Loaded(f"frequency-{sparsity}", model, reference.tokenizer))
     options = _options(
         [corpus / "math_eval.jsonl", corpus / "prose_eval.jsonl"], "esap,kl,layer-error", samples=24
@@ -328,7 +330,7 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
         pruned,
         PruneConfig(criterion=criterion, sparsity=0.5, method=method),
         data=data,
-        progress=False,
+        run=QUIET,
     )
     out = tmp_path / "rep" / "report.json"
     run("eval", pruned, "--reference", tiny_dir, "--data", tiny_data[0], "--samples", 6, "--spec-prompts", 2,
@@ -353,6 +355,6 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
             tmp_path / "again",
             PruneConfig(criterion="frequency", sparsity=0.25),
             data=data,
-            progress=False,
+            run=QUIET,
         )
     assert not (tmp_path / "again").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from moeprune.checkpoint import load_model
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.speculative import (
     IncrementalLogits,
+    SpecOptions,
     SpecStats,
     _logits,
     acceptance,
@@ -73,7 +75,12 @@ def test_sampled_output_has_the_target_distribution():
     for _ in range(runs):
         out = tuple(
             speculative_generate(
-                draft, target, prompt, max_new_tokens=length, gamma=2, generator=generator, stats=stats
+                draft,
+                target,
+                prompt,
+                SpecOptions(max_new_tokens=length, gamma=2),
+                generator=generator,
+                stats=stats,
             )
         )
         counts[out] = counts.get(out, 0) + 1
@@ -90,7 +97,7 @@ def test_greedy_equals_target_greedy_decoding():
     ids = [1]
     for _ in range(7):
         ids.append(int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    out = speculative_generate(draft, target, [1], max_new_tokens=7, gamma=3)
+    out = speculative_generate(draft, target, [1], SpecOptions(max_new_tokens=7, gamma=3))
     assert out == ids[1:]
 
 
@@ -111,7 +118,7 @@ def test_rates_are_counted_per_position():
 def test_model_drafting_for_itself_accepts_everything(family):
     model = tiny_model(family, vocab_size=64)
     prompts = [[1, 5, 9, 3], [1, 40]]
-    results = acceptance(model, model, prompts, gamma=3, max_new_tokens=8, seed=0)
+    results = acceptance(model, model, prompts, SpecOptions(gamma=3, max_new_tokens=8), seed=0)
     for mode in ("greedy", "sampled"):
         r = results[mode]
         assert r["accept_rate"] == 1.0 and r["accepted"] == r["drafted"] > 0
@@ -122,16 +129,45 @@ def test_output_length_and_eos_stop():
     target, draft = ToyLM(seed=0), ToyLM(seed=1)
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 5, 9):
-        assert len(speculative_generate(draft, target, [0], max_new_tokens=n, gamma=4, generator=g)) == n
-    out = speculative_generate(draft, target, [0], max_new_tokens=50, gamma=4, generator=g, eos_token_id=2)
+        assert (
+            len(speculative_generate(draft, target, [0], SpecOptions(gamma=4, max_new_tokens=n), generator=g))
+            == n
+        )
+    out = speculative_generate(draft, target, [0], SpecOptions(4, 50, eos_token_id=2), generator=g)
     assert out[-1] == 2 and 2 not in out[:-1]
 
 
 def test_seeded_runs_repeat():
     target, draft = ToyLM(seed=0), ToyLM(seed=1)
-    first = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
-    again = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
+    first = acceptance(draft, target, [[0], [1, 2]], SpecOptions(gamma=2, max_new_tokens=12), seed=5)
+    again = acceptance(draft, target, [[0], [1, 2]], SpecOptions(gamma=2, max_new_tokens=12), seed=5)
     assert first == again
+
+
+def test_former_keywords_still_work_with_a_warning():
+    """gamma=, max_new_tokens=, ... as keywords: the same results as SpecOptions, one warning each."""
+    target, draft = ToyLM(seed=0), ToyLM(seed=1)
+    with pytest.warns(DeprecationWarning) as caught:
+        legacy = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
+    assert [str(w.message) for w in caught] == [
+        "acceptance(gamma=...) is deprecated: pass options=SpecOptions(gamma=...)",
+        "acceptance(max_new_tokens=...) is deprecated: pass options=SpecOptions(max_new_tokens=...)",
+    ]
+    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
+    assert legacy == acceptance(draft, target, [[0], [1, 2]], SpecOptions(gamma=2, max_new_tokens=12), seed=5)
+    g, h = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = speculative_generate(
+            draft, target, [0], max_new_tokens=50, gamma=4, generator=g, eos_token_id=2
+        )
+    assert [str(w.message).split(" is")[0] for w in caught] == [
+        "speculative_generate(max_new_tokens=...)",
+        "speculative_generate(gamma=...)",
+        "speculative_generate(eos_token_id=...)",
+    ]
+    assert old == speculative_generate(draft, target, [0], SpecOptions(4, 50, eos_token_id=2), generator=h)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'"):
+        acceptance(draft, target, [[0]], gama=2)
 
 
 @pytest.mark.parametrize(
@@ -144,11 +180,11 @@ def test_seeded_runs_repeat():
 )
 def test_bad_arguments(kwargs, message):
     model = ToyLM(seed=0)
-    args = dict(max_new_tokens=4, gamma=2) | kwargs
+    options = SpecOptions(**(dict(max_new_tokens=4, gamma=2) | kwargs))
     with pytest.raises(MoePruneError, match=message):
-        speculative_generate(model, model, [0], **args)
+        speculative_generate(model, model, [0], options)
     with pytest.raises(MoePruneError, match="prompt"):
-        speculative_generate(model, model, [], max_new_tokens=2)
+        speculative_generate(model, model, [], SpecOptions(max_new_tokens=2))
     with pytest.raises(MoePruneError, match="mode"):
         acceptance(model, model, [[0]], modes=["beam"])
 
@@ -199,9 +235,9 @@ def test_cache_gives_the_same_acceptance(trained_moe):
     moe = MoEModel(draft)
     drop_experts(moe, {m.index: list(range(0, m.num_experts, 2)) for m in moe.layers})
     prompts = [[5 + i, 17, 23 + 2 * i, 9, 31] for i in range(4)]
-    kwargs = dict(gamma=3, max_new_tokens=12, seed=1)
-    cached = acceptance(draft, target, prompts, **kwargs)
-    plain = acceptance(draft, target, prompts, use_cache=False, **kwargs)
+    options = SpecOptions(gamma=3, max_new_tokens=12)
+    cached = acceptance(draft, target, prompts, options, seed=1)
+    plain = acceptance(draft, target, prompts, replace(options, use_cache=False), seed=1)
     for mode in ("greedy", "sampled"):
         assert cached[mode].pop("kv_cache") == {"draft": True, "target": True}
         assert plain[mode].pop("kv_cache") == {"draft": False, "target": False}

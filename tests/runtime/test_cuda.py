@@ -22,6 +22,7 @@ import pytest
 import torch
 from test_observe import calibration
 
+from moeprune.config import PruneConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
@@ -54,7 +55,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def drop_plan_of(moe: MoEModel, stats):
     crit = get_criterion("reap")
-    return build_plan(moe, crit, compute_scores("reap", stats=stats), sparsity=0.25)
+    return build_plan(moe, crit, compute_scores("reap", stats=stats), config=PruneConfig("reap", 0.25))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

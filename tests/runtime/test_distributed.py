@@ -18,11 +18,11 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.observe.distributed import _flatten, _unflatten, observe_distributed
 from moeprune.observe.observer import observe
-from moeprune.observe.sequential import observe_sequential
 from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from moeprune.runtime import device
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import shard_data
+from moeprune.shards.sequential import observe_sequential
 
 pytestmark = pytest.mark.distributed  # starts torchrun process groups
 

@@ -19,20 +19,20 @@ import torch
 from click.testing import CliRunner
 from test_observe import calibration
 
-from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
+from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
 from moeprune.api import DataOptions
 from moeprune.cli.main import main
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, evaluate_models, parse_metrics
 from moeprune.evaluate.divergence import _exp
-from moeprune.evaluate.speculative import SpecStats, acceptance
+from moeprune.evaluate.speculative import SpecOptions, SpecStats, acceptance
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
-from moeprune.observe.sequential import observe_sequential
 from moeprune.report.eval_report import write_report
 from moeprune.runtime.finite import NonFiniteError, check_finite_logits, check_finite_weights
+from moeprune.shards.sequential import observe_sequential
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
@@ -323,4 +323,4 @@ def test_speculative_decoding_stops_on_non_finite_logits(side, mode):
     healthy, broken = _model(vocab_size=96), _model(_overflow, vocab_size=96)
     draft, target = (broken, healthy) if side == "draft" else (healthy, broken)
     _raises((f"the {side} produced NaN logits while decoding", "decoder layer 1 (model.layers.1.self_attn.v_proj)"),
-            lambda: acceptance(draft, target, [[5, 6, 7, 8]], gamma=2, max_new_tokens=4, modes=[mode]))  # fmt: skip
+            lambda: acceptance(draft, target, [[5, 6, 7, 8]], SpecOptions(gamma=2, max_new_tokens=4), modes=[mode]))  # fmt: skip

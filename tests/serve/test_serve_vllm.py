@@ -38,7 +38,7 @@ import torch
 
 import moeprune
 from moeprune.api import prune_checkpoint
-from moeprune.config import DataOptions, PruneConfig, SearchConfig
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
@@ -178,7 +178,7 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
             made[family, kind] = root / family / kind
             search = [str(data)] if config.allocation == "evo" else []
             prune_checkpoint(
-                reference, made[family, kind], config, data=options, search_data=search, progress=False
+                reference, made[family, kind], config, data=options, search_data=search, run=RunOptions(progress=False)
             )
             if family == "deepseek_v3" and KINDS[kind][1] == "moeprune":
                 config_path = made[family, kind] / "config.json"

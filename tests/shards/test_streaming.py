@@ -22,7 +22,7 @@ from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.plan import Plan
+from moeprune.plan import ModelShape, Plan
 from moeprune.shards.layout import meta_model
 from moeprune.shards.reader import checkpoint_layers
 from moeprune.shards.rewrite import rewrite_checkpoint
@@ -192,10 +192,7 @@ def uniform_removals(moe: MoEModel) -> dict[int, list[int]]:
 
 def drop_plan(moe: MoEModel, removals: dict[int, list[int]], method: str = "drop") -> Plan:
     return Plan.from_removals(
-        model_type=moe.model_type,
-        num_experts=[m.num_experts for m in moe.layers],
-        top_k=[m.top_k for m in moe.layers],
-        layer_indices=[m.index for m in moe.layers],
+        ModelShape.of(moe),
         removals=[removals[m.index] for m in moe.layers],
         criterion="aimer",
         allocation="uniform",

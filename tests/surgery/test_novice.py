@@ -19,7 +19,7 @@ from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.observer import observe
-from moeprune.plan import Plan
+from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.novice import novice_plan
 from moeprune.surgery.packed import router_count
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
@@ -89,10 +89,10 @@ def test_constant_expert_is_replaced_with_zero_error(family):
             layer.experts.down_proj[e].zero_()
     stats = observe(moe, data, batch_size=2, progress=False)
     assert all(s.count[e] > 0 for s, e in zip(stats.layers, chosen))
+    shape = ModelShape(family, [m.index for m in moe.layers], [8] * len(moe), [m.top_k for m in moe.layers])
     plan = Plan.from_removals(
-        model_type=family, num_experts=[8] * len(moe), top_k=[m.top_k for m in moe.layers],
-        layer_indices=[m.index for m in moe.layers], removals=[[e] for e in chosen],
-        criterion="manual", allocation="uniform", method="novice", sparsity=0.125,
+        shape, removals=[[e] for e in chosen], criterion="manual", allocation="uniform", method="novice",
+        sparsity=0.125,
     )  # fmt: skip
     with override_routed(moe, RoutedOptions(on_layer=lambda *_: None)):  # same computation, real expert
         full = logits(model)
@@ -113,7 +113,7 @@ def test_novices_need_calibration_data():
         novice_plan(moe, None, scores, 0.25, criterion=get_criterion("random"))
     assert caught.value.options == ("data",)
     plan = Plan.from_removals(
-        model_type="olmoe", num_experts=[8] * 3, top_k=[2] * 3, layer_indices=[0, 1, 2], removals=[[1]] * 3,
+        ModelShape("olmoe", [0, 1, 2], [8] * 3, [2] * 3), removals=[[1]] * 3,
         criterion="random", allocation="uniform", method="novice", sparsity=0.125,
     )  # fmt: skip
     with pytest.raises(MoePruneError, match="calibration"):
@@ -160,10 +160,8 @@ def test_novices_beat_dropping_the_same_experts_on_the_trained_model(trained_moe
     stats = observe(moe, calib, batch_size=8, pad_token_id=tokenizer.pad_token_id or 0, progress=False)
     novice = mone_plan(moe, stats, sparsity=0.25)
     drop = Plan.from_removals(
-        model_type=moe.model_type, num_experts=[m.num_experts for m in moe.layers],
-        top_k=[m.top_k for m in moe.layers], layer_indices=[m.index for m in moe.layers],
-        removals=[lp.novice for lp in novice.layers], criterion="mone", allocation="uniform",
-        method="drop", sparsity=0.25,
+        ModelShape.of(moe), removals=[lp.novice for lp in novice.layers], criterion="mone",
+        allocation="uniform", method="drop", sparsity=0.25,
     )  # fmt: skip
     # held-out data of the calibration distribution (mu_i is the mean output on that distribution)
     held_out = [str(corpus / f"{d}_eval.jsonl") for d in ("code", "prose", "math")]

@@ -8,24 +8,23 @@ import numpy as np
 import pytest
 
 from moeprune.errors import MoePruneError
-from moeprune.plan import LayerPlan, Plan
+from moeprune.plan import LayerPlan, ModelShape, Plan
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
 
+SHAPE = ModelShape(model_type="olmoe", layers=[0, 1, 3], num_experts=[8, 8, 8], top_k=[2, 2, 2])
+
+
 def _plan(**overrides) -> Plan:
     args = {
-        "model_type": "olmoe",
-        "num_experts": [8, 8, 8],
-        "top_k": [2, 2, 2],
-        "layer_indices": [0, 1, 3],
         "removals": [[5, 1], [0], [7, 6]],
         "criterion": "reap",
         "allocation": "global",
         "sparsity": 5 / 24,
         "data_fingerprint": "abc123",
     }
-    return Plan.from_removals(**{**args, **overrides})
+    return Plan.from_removals(SHAPE, **{**args, **overrides})
 
 
 def _neuron_plan(widths: dict[int, int] | None = None) -> Plan:
@@ -57,6 +56,32 @@ def test_from_removals_builds_partitions_and_versions():
         _plan(method="tenp")
     with pytest.raises(MoePruneError, match="no MoE layer 2; it covers layers \\[0, 1, 3\\]"):
         plan.layer(2)
+
+
+def test_from_removals_still_takes_the_former_shape_keywords_with_a_warning():
+    legacy = {"model_type": "olmoe", "num_experts": [8, 8, 8], "top_k": [2, 2, 2], "layer_indices": [0, 1, 3]}
+    with pytest.warns(DeprecationWarning) as caught:
+        plan = Plan.from_removals(
+            **legacy, removals=[[5, 1], [0], [7, 6]], criterion="reap", allocation="global",
+            sparsity=5 / 24, data_fingerprint="abc123",
+        )  # fmt: skip
+    assert [str(w.message) for w in caught] == [
+        f"Plan.from_removals({old}=...) is deprecated: pass shape=ModelShape({new}=...)"
+        for old, new in [("model_type", "model_type"), ("num_experts", "num_experts"), ("top_k", "top_k"),
+                         ("layer_indices", "layers")]
+    ]  # fmt: skip
+    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
+    assert plan == _plan()
+    with (
+        pytest.raises(TypeError, match="missing the model's shape.*lacking top_k, layer_indices"),
+        pytest.warns(DeprecationWarning),
+    ):
+        Plan.from_removals(model_type="olmoe", num_experts=[8], removals=[[1]], criterion="reap",
+                           allocation="global", sparsity=0.1)  # fmt: skip
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
+        Plan.from_removals(
+            SHAPE, layer=[0], removals=[[1]], criterion="reap", allocation="global", sparsity=0.1
+        )
 
 
 def test_round_trip(tmp_path):

@@ -4,7 +4,8 @@
 - basic.py      budgets, uniform and global allocation (pure arithmetic, exact)
 - limits.py     what every allocation must respect per layer (top-k, routing groups, multiples)
 - trapezoid.py  TENP's whole experts per layer, growing with depth
-- search/       EvoESAP and choosing the criterion automatically
+- fitness.py    what makes one allocation better: ESAP / SAP / KL / NLL against the teacher
+- searched.py   the `evo` allocation's declaration (the search itself: moeprune.search)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 # isort: off
 from moeprune.allocate import basic  # noqa: F401
 from moeprune.allocate import trapezoid  # noqa: F401
-from moeprune.allocate.search import evo  # noqa: F401
+from moeprune.allocate import searched  # noqa: F401
 
 # isort: on
 from moeprune.allocate.basic import (

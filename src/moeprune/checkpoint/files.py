@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -178,34 +179,29 @@ def write_shards(
     """
     limit = parse_size(max_shard_size)
 
-    def nbytes(t: torch.Tensor) -> int:
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.numel() * torch.empty((), dtype=target).element_size()
+    def target(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, tensor in tensors.items():
-        size = nbytes(tensor)
-        if groups[-1] and used + size > limit:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += size
-    count = len(groups)
-    files = (
-        [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    # huggingface_hub groups the tensors as save_pretrained does; it sees their size in the saved dtype
+    # through meta tensors, so nothing is cast or copied before each shard is written
+    split = split_torch_state_dict_into_shards(
+        {name: torch.empty(t.shape, dtype=target(t), device="meta") for name, t in tensors.items()},
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=limit,
     )
+    files = list(split.filename_to_tensors) if split.is_sharded else [SINGLE]
+    groups = list(split.filename_to_tensors.values()) if split.is_sharded else [list(tensors)]
     for file, names in zip(files, groups):
         shard = {}
         for name in names:
             t = tensors[name].detach()
-            target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            shard[name] = t.to(device="cpu", dtype=target, copy=True).contiguous()  # views share storage
+            shard[name] = t.to(device="cpu", dtype=target(t), copy=True).contiguous()  # views share storage
         save_file(shard, str(folder / file), metadata={"format": "pt"})
         del shard
-    if count > 1:
-        weight_map = {name: file for file, names in zip(files, groups) for name in names}
-        total = sum(nbytes(t) for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": split.metadata["total_size"]},
+            "weight_map": split.tensor_to_filename,
+        }
         (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return files

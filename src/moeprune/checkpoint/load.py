@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
@@ -113,7 +114,7 @@ def _base_config(data: dict, base: str, path: Path) -> PretrainedConfig:
         raise MoePruneError(f"cannot read {path / structure.CONFIG}: {_first_line(exc)}") from exc
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
     path = Path(path)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((path / n).exists() for n in names):
@@ -193,7 +194,9 @@ def load_pretrained(
         fill_from_disk(MoEModel(model), path)
     else:
         model = _load_legacy(path, dtype)
-    return (model.to(device) if device is not None and saved is not None else model).eval()
+    # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which typeshed's _Wrapped leaves unbound
+    moved = model.to(device) if device is not None and saved is not None else model  # type: ignore[arg-type]
+    return moved.eval()
 
 
 def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
@@ -210,8 +213,11 @@ def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report is a table on the console; we say it in one line
     try:
-        model, info = model_class(load_config(path)).from_pretrained(
-            path, trust_remote_code=False, output_loading_info=True, **kwargs
+        model, info = cast(  # output_loading_info=True: (model, info), which the stub's return type omits
+            "tuple[PreTrainedModel, dict[str, list[str]]]",
+            model_class(load_config(path)).from_pretrained(
+                path, trust_remote_code=False, output_loading_info=True, **kwargs
+            ),
         )
     except (OSError, ValueError, RuntimeError) as exc:
         raise MoePruneError(f"cannot load {path}: {_diagnose(path) or _first_line(exc)}") from exc
@@ -311,7 +317,7 @@ def load_model(
     device: str | torch.device | None = None,
     device_map: str | None = None,
     trust_remote_code: bool = False,
-) -> tuple[PreTrainedModel, object | None]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a stock or moeprune-format checkpoint in eval mode, plus its tokenizer if it has one.
 
     `device_map="auto"` (accelerate) spreads a stock checkpoint over every visible GPU.

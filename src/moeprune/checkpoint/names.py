@@ -15,6 +15,7 @@ copies stored values into the views of a freshly built model.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -22,6 +23,9 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, decoder_layers
 from moeprune.models.spec import FUSED
 from moeprune.surgery.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MEAN_OUTPUT = "mean_output"  # a novice's stored vector: mu_i, what the block adds times g_i(t)
 
@@ -59,12 +63,14 @@ def native_expert(layer: MoELayer, position: int) -> dict[str, torch.Tensor]:
     """One weight-holding expert's tensors in the family's native per-expert shape (views)."""
     experts = layer.experts
     if is_packed(layer):
-        return expert_tensors(experts, experts.moeprune_slots[position])
+        slots = cast("list[int]", experts.moeprune_slots)  # set by surgery.packed.pack_layer
+        return expert_tensors(experts, slots[position])
     return {name: getattr(experts, name)[position] for name in expert_tensor_names(layer)}
 
 
 def novice_vector(layer: MoELayer, position: int) -> torch.Tensor:
-    return getattr(layer.experts, NOVICE_PARAM)[-1 - layer.experts.moeprune_slots[position]]
+    slots = cast("list[int]", layer.experts.moeprune_slots)  # set by surgery.packed.pack_layer
+    return getattr(layer.experts, NOVICE_PARAM)[-1 - slots[position]]
 
 
 def _expert_tensors(moe: MoEModel, layer: MoELayer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,7 +110,7 @@ def _converted_by_transformers(moe: MoEModel) -> dict[str, torch.Tensor]:
         if key not in seen:
             seen.add(key)
             state[name] = tensor
-    return dict(revert_weight_conversion(moe.model, state))
+    return dict(revert_weight_conversion(cast("PreTrainedModel", moe.model), state))  # a transformers model
 
 
 def disk_tensors(moe: MoEModel, stock: bool = False) -> dict[str, torch.Tensor]:

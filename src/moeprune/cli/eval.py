@@ -81,43 +81,29 @@ def _check_output(output: str | None, overwrite: bool) -> None:
 )
 @click.option("--limit", type=float, default=None, help="lm-eval documents per task (< 1: a fraction).")
 @data_options
-def eval_command(
-    models: tuple[str, ...],
-    reference: str,
-    compare: bool,
-    metrics: str,
-    output: str | None,
-    overwrite: bool,
-    plots: bool,
-    gamma: int,
-    spec_mode: str,
-    spec_prompts: int,
-    spec_tokens: int,
-    temperature: float,
-    lm_eval_tasks: str | None,
-    lm_eval_include: str | None,
-    limit: float | None,
-    **kwargs,
-) -> None:
+def eval_command(models: tuple[str, ...], reference: str, **kwargs) -> None:
     """Evaluate pruned MODEL(s) against REFERENCE: esap, kl, nll, ppl, accept, routing, layer-error, size.
 
     Each --data file is evaluated and reported on its own (files are not mixed).
     """
-    if len(models) > 1 and not compare:
+    if len(models) > 1 and not kwargs["compare"]:
         raise MoePruneError(f"{len(models)} MODELs given: pass --compare to evaluate them side by side")
-    _check_output(output, overwrite)
+    output = kwargs["output"]
+    _check_output(output, kwargs["overwrite"])
     options = EvalOptions(
         data=data_from_options(kwargs),
-        metrics=parse_metrics(metrics),
+        metrics=parse_metrics(kwargs["metrics"]),
         tokenizer_path=kwargs["tokenizer_path"],
         dtype=kwargs["dtype"],
         device=kwargs.get("device"),
-        gamma=gamma,
-        spec_modes=_SPEC_MODES[spec_mode],
-        spec_prompts=spec_prompts,
-        spec_tokens=spec_tokens,
-        temperature=temperature,
-        lm_eval=_lm_eval_options(lm_eval_tasks, lm_eval_include, limit, kwargs["batch_size"]),
+        gamma=kwargs["gamma"],
+        spec_modes=_SPEC_MODES[kwargs["spec_mode"]],
+        spec_prompts=kwargs["spec_prompts"],
+        spec_tokens=kwargs["spec_tokens"],
+        temperature=kwargs["temperature"],
+        lm_eval=_lm_eval_options(
+            kwargs["lm_eval_tasks"], kwargs["lm_eval_include"], kwargs["limit"], kwargs["batch_size"]
+        ),
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
         progress=not kwargs["quiet"],
     )
@@ -126,7 +112,7 @@ def eval_command(
         if not output:
             click.echo(to_markdown(doc))  # the whole table is the summary here
             return
-        files = _write(doc, Path(output), plots)
+        files = _write(doc, Path(output), kwargs["plots"])
         log_path = Path(output).with_suffix(".log")
         write_text(log_path, log.text())
     click.echo("\n".join(eval_lines(doc, [*files, log_path])))

@@ -31,10 +31,10 @@ def inspect(model: str | None, tiny: str | None, as_json: bool, trust_remote_cod
                 f"{tiny!r} is not an MoE family of the installed transformers; families: {', '.join(moe_families())}"
             )
         try:
-            model = tiny_model(tiny)
+            tiny_moe = tiny_model(tiny)
         except ValueError as exc:
             raise MoePruneError(str(exc)) from exc
-        info = describe_model(model, source=f"built-in tiny {tiny}")
+        info = describe_model(tiny_moe, source=f"built-in tiny {tiny}")
     elif model:
         info = describe_checkpoint(model, trust_remote_code=trust_remote_code)
     else:

@@ -112,6 +112,7 @@ def data_from_options(kwargs: dict) -> DataOptions:
         seed=kwargs["seed"],
         packing=kwargs["packing"],
         device=kwargs.get("device"),
+        dtype=kwargs.get("dtype"),
         sequential=kwargs.get("sequential", False),
         activations_dir=kwargs.get("activations_dir"),
     )

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import click
 
 from moeprune.allocate import ALLOCATIONS
+from moeprune.allocate.fitness import FITNESSES
 from moeprune.allocate.registry import searches
-from moeprune.allocate.search.fitness import FITNESSES
-from moeprune.api import prune_checkpoint
 from moeprune.cli.main import command_line, main, refuse_given
 from moeprune.cli.options import (
     config_from_options,
@@ -23,18 +23,16 @@ from moeprune.cli.options import (
     setting_help,
     setting_options,
 )
-from moeprune.config import PruneConfig, SaveOptions, SearchConfig
+from moeprune.config import PruneConfig, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
+from moeprune.pipelines import PIPELINES, PruneRequest, run_pipeline, unread_settings
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
-from moeprune.shards.prune import prune_without_loading
 from moeprune.surgery import METHODS
 from moeprune.surgery.neurons import IMPORTANCE
-from moeprune.surgery.planning import requirements
 
 SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value -> torch name
-SEARCH_OPTIONS = ["search_data", *setting_options(SearchConfig)]  # every option that only a search reads
 
 
 def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
@@ -175,10 +173,18 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "no weight is loaded, nothing is written.",
 )
 @click.option(
+    "--pipeline",
+    type=click.Choice(PIPELINES.names()),
+    default="in-memory",
+    show_default=True,
+    help=registry_help(PIPELINES, "How the job runs:"),
+)
+@click.option(
     "--no-load",
     is_flag=True,
     help="Never load the model: score from the shards (weight-only criteria) or layer by layer (data), "
-    "then rewrite the shards one by one; --method drop or neurons, uniform allocation.",
+    "then rewrite the shards one by one; --method drop or neurons, uniform allocation "
+    "(the same as --pipeline no-load).",
 )
 @click.option(
     "--overwrite",
@@ -186,110 +192,44 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="Replace an existing output folder (atomically, once the new one is complete).",
 )
 @data_options
-def prune(
-    model: str,
-    output: str,
-    criterion: str,
-    sparsity: float,
-    allocation: str | None,
-    method: str,
-    neuron_importance: str,
-    important_fraction: float | None,
-    slope: float,
-    search_data: tuple[str, ...],
-    resume: bool,
-    expert_multiple: int,
-    save_dtype: str | None,
-    max_shard_size: str,
-    dry_run: bool,
-    no_load: bool,
-    overwrite: bool,
-    **kwargs,
-) -> None:
+def prune(model: str, output: str, **options) -> None:
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
-    search = config_from_options(SearchConfig, kwargs)
     config = PruneConfig(
-        criterion=criterion,
-        sparsity=sparsity,
-        allocation=allocation,
-        method=method,
-        expert_multiple=expert_multiple,
-        neuron_importance=neuron_importance,
-        important_fraction=important_fraction,
-        slope=slope,
-        seed=kwargs["seed"],
-        search=search,
+        **{f.name: options[f.name] for f in fields(PruneConfig) if f.name != "search"},
+        search=config_from_options(SearchConfig, options),
     )
+    pipeline = PIPELINES.get("no-load" if options["no_load"] else options["pipeline"])
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
-    progress = not kwargs["quiet"] and rank == 0
     ctx = click.get_current_context()
-    data = data_from_options(kwargs)
-    if no_load:
-        if criterion == AUTO:
-            raise MoePruneError(
-                "pruning without loading needs a named criterion (auto searches on the loaded "
-                "model); name one or drop --no-load"
-            )
+    pipeline.check(config)
+    for settings, why in unread_settings(pipeline, config):  # typed but never read: refused
         refuse_given(
-            ctx,
-            [
-                "resume",
-                "dry_run",
-                "save_dtype",
-                "max_shard_size",
-                "expert_multiple",
-                *SEARCH_OPTIONS,
-                "important_fraction",
-                "slope",
-            ],
-            "with --no-load (it copies the input's shards and dtype)",
+            ctx, [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])], why
         )
-        report = prune_without_loading(
-            model,
-            output,
-            config,
-            data=data,
-            tokenizer_path=kwargs["tokenizer_path"],
-            dtype=kwargs["dtype"],
-            overwrite=overwrite,
-            progress=progress,
-            command_line=command_line(),
-        )
-        if rank == 0:
-            click.echo("\n".join(format_lines(prune_facts(report, output))))
-        return
-    needs = requirements(config)
-    if not needs.search:
-        refuse_given(ctx, SEARCH_OPTIONS, "without --allocation evo or --criterion auto")
-    for other, knobs in needs.other_knobs.items():  # settings only another method reads
-        refuse_given(ctx, list(knobs), f"without --method {other}")
-    if not needs.neuron_stats:
-        refuse_given(ctx, ["neuron_importance"], f"with --method {method} (it keeps every neuron)")
-    refuse_given(
-        ctx,
-        ["activations_dir"],
-        "without --sequential (it is where sequential observation caches activations)",
-    )
-    report = prune_checkpoint(
+    request = PruneRequest(
         model,
         output,
         config,
-        data=data,
-        search_data=search_data,
-        tokenizer_path=kwargs["tokenizer_path"],
-        dtype=kwargs["dtype"],
-        save=SaveOptions(dtype=SAVE_DTYPES.get(save_dtype), max_shard_size=max_shard_size),
-        overwrite=overwrite,
-        resume=resume,
-        dry_run=dry_run,
-        trust_remote_code=kwargs["trust_remote_code"],
-        progress=progress,
-        command_line=command_line(),
+        data=data_from_options(options),
+        search_data=options["search_data"],
+        tokenizer_path=options["tokenizer_path"],
+        save=SaveOptions(
+            dtype=SAVE_DTYPES.get(options["save_dtype"]), max_shard_size=options["max_shard_size"]
+        ),
+        run=RunOptions(
+            progress=not options["quiet"] and rank == 0,
+            overwrite=options["overwrite"],
+            resume=options["resume"],
+            dry_run=options["dry_run"],
+            trust_remote_code=options["trust_remote_code"],
+            command_line=command_line(),
+        ),
     )
+    report = run_pipeline(pipeline.name, request)
     if rank != 0:
         return
-    if dry_run:
+    if options["dry_run"]:
         click.echo(format_plan_of_work(report))
         return
     click.echo("\n".join(format_lines(prune_facts(report, output))))

@@ -33,6 +33,7 @@ def cli_reference_markdown() -> str:
     parts = ["```text\n$ moeprune --help\n" + main.get_help(root) + "\n```\n"]
     for name in main.list_commands(root):
         command = main.get_command(root, name)
+        assert command is not None, name  # list_commands names only commands the group has
         text = _help(command, name, parent=root)
         parts.append(f"## moeprune {name}\n\n```text\n$ moeprune {name} --help\n{text}\n```\n")
     return "\n".join(parts)

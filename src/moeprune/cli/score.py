@@ -8,6 +8,7 @@ from moeprune.api import prepare_score, score_loaded
 from moeprune.checkpoint import write_json
 from moeprune.cli.main import main, refuse_given
 from moeprune.cli.options import data_from_options, data_options, registry_help
+from moeprune.config import RunOptions
 from moeprune.criteria import CRITERIA, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
 from moeprune.report.summary import score_lines
@@ -71,7 +72,6 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
             data=data,
             tokenizer_path=kwargs["tokenizer_path"],
             seed=kwargs["seed"],
-            dtype=kwargs["dtype"],
             progress=progress,
         )
         document = {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
@@ -82,10 +82,8 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
             sets,
             data,
             tokenizer=tokenizer,
-            dtype=kwargs["dtype"],
             seed=kwargs["seed"],
-            progress=progress,
-            trust_remote_code=kwargs["trust_remote_code"],
+            run=RunOptions(progress=progress, trust_remote_code=kwargs["trust_remote_code"]),
         )
     if rank != 0:  # torchrun: every rank holds the reduced statistics; one writes
         return

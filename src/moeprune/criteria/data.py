@@ -76,9 +76,11 @@ def tenp(s: LayerStats) -> torch.Tensor:
 
 def _mix_domains(criterion: Criterion, domains: list[ExpertStats], layer: int) -> torch.Tensor:
     """I_mix(i) = sum_tau I_tau(i) / ||I_tau||_2 over the layer; a domain with norm 0 adds 0."""
+    fn = criterion.fn
+    assert fn is not None, f"data criterion {criterion.name!r} registered without a function"
     total = torch.zeros(domains[0].layer(layer).num_experts, dtype=F64)
     for d in domains:
-        imp = criterion.fn(d.layer(layer)).to(F64)
+        imp = fn(d.layer(layer)).to(F64)
         norm = float(imp.norm())
         if norm > 0:
             total += imp / norm
@@ -88,12 +90,14 @@ def _mix_domains(criterion: Criterion, domains: list[ExpertStats], layer: int) -
 def data_scores(criterion: Criterion, domains: list[ExpertStats], layers: list[int]) -> dict[int, np.ndarray]:
     """Several domains are merged into one (sums add, moments merge exactly), except for criteria
     that normalise per domain (TENP's mix)."""
+    fn = criterion.fn
+    assert fn is not None, f"data criterion {criterion.name!r} registered without a function"
     out = {}
     for layer in layers:
         if criterion.per_domain and len(domains) > 1:
             t = _mix_domains(criterion, domains, layer)
         else:
             s = domains[0].layer(layer) if len(domains) == 1 else merged_layer(domains, layer)
-            t = criterion.fn(s)
+            t = fn(s)
         out[layer] = t.detach().to(device="cpu", dtype=F64).numpy().copy()
     return out

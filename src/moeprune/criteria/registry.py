@@ -41,7 +41,7 @@ class Criterion:
 
 
 CRITERIA: Registry[Criterion] = Registry("criterion", "criterion")
-AUTO = "auto"  # not a criterion: the best uniform plan over every deterministic one (allocate/search/auto.py)
+AUTO = "auto"  # not a criterion: the best uniform plan over every deterministic one (search/auto.py)
 
 
 def get_criterion(name: str) -> Criterion:
@@ -55,11 +55,16 @@ def list_criteria() -> list[str]:
 class ExpertWeightSource(Protocol):
     """One MoE layer's routed-expert weights, one expert at a time (adapter or safetensors)."""
 
-    layer: int  # decoder layer index
-    num_experts: int
+    @property
+    def layer(self) -> int:  # decoder layer index
+        ...
 
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate [I, d], up [I, d], down [d, I]; biases are not part of the criteria."""
+    @property
+    def num_experts(self) -> int: ...
+
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """gate [I, d] (None for experts without one), up [I, d], down [d, I]; biases are not part
+        of the criteria."""
         ...
 
 

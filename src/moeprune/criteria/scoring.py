@@ -7,6 +7,7 @@ experts no calibration token reached.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ def unseen_experts(stats: ExpertStats | Sequence[ExpertStats]) -> dict[str, list
     domains = as_domains(stats)
     unseen = {}
     for s in domains[0].layers:
-        count = sum(d.layer(s.layer).count for d in domains)
+        count = cast(torch.Tensor, sum(d.layer(s.layer).count for d in domains))  # at least one domain
         ids = torch.nonzero(count == 0).flatten().tolist()
         if ids:
             unseen[str(s.layer)] = ids

@@ -63,6 +63,8 @@ def weight_sums(source: ExpertWeightSource, expert: int) -> tuple[float, float, 
 
 
 def weight_scores(criterion: Criterion, sources: list[ExpertWeightSource]) -> dict[int, np.ndarray]:
+    fn = criterion.fn
+    assert fn is not None, f"weight criterion {criterion.name!r} registered without a function"
     out = {}
     for src in sources:
         scores = np.zeros(src.num_experts, dtype=np.float64)
@@ -73,6 +75,6 @@ def weight_scores(criterion: Criterion, sources: list[ExpertWeightSource]) -> di
                     f"criterion {criterion.name!r}: expert {e} of decoder layer {src.layer} has no non-zero weights; "
                     "its score is undefined"
                 )
-            scores[e] = criterion.fn(l1, sq, n)
+            scores[e] = fn(l1, sq, n)
         out[src.layer] = scores
     return out

@@ -61,10 +61,10 @@ class Sample:
 class Batch:
     """Right-padded tensors of consecutive samples."""
 
-    input_ids: torch.LongTensor  # [B, L]
-    attention_mask: torch.LongTensor  # [B, L] 1 for real tokens
-    answer_mask: torch.BoolTensor  # [B, L] False on padding
-    sample_index: torch.LongTensor  # [B] index into CalibrationData.samples
+    input_ids: torch.Tensor  # long [B, L]
+    attention_mask: torch.Tensor  # long [B, L] 1 for real tokens
+    answer_mask: torch.Tensor  # bool [B, L] False on padding
+    sample_index: torch.Tensor  # long [B] index into CalibrationData.samples
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch on another device (the model's)."""

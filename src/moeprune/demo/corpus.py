@@ -406,7 +406,7 @@ def _assign(
     used: set[str] = set()
     r = random.Random(f"{domain}-{seed}")
     for split in SPLITS:
-        unique = {}
+        unique: dict[str, Example] = {}
         for ex in by_split[split]:
             if ex[1] not in used:
                 unique.setdefault(ex[1], ex)

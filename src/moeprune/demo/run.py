@@ -8,6 +8,7 @@ against teacher distributions computed once per domain.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -17,10 +18,9 @@ from pathlib import Path
 import torch
 
 from moeprune.allocate import budget_from_sparsity
-from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
-from moeprune.allocate.search.run import run_evo_search
+from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
 from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
-from moeprune.config import SearchConfig
+from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
@@ -32,6 +32,8 @@ from moeprune.report.kept import plot_kept
 from moeprune.report.plots import plot_search_curve
 from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import run_evo_search
 from moeprune.surgery.parameters import plan_kept_rows, plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan
 from moeprune.surgery.plans import virtual_plan
@@ -142,9 +144,7 @@ def _search(
         budget,
         config=config,
         fingerprint={"demo": True},
-        batch_size=settings.batch_size,
-        progress=False,
-        pad_token_id=pad,
+        runtime=SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad),
     )
 
 
@@ -221,13 +221,11 @@ def _run_demo(
             moe,
             crit,
             scores,
-            sparsity=sparsity,
-            allocation=allocation,
-            method=method,
+            config=PruneConfig(criterion, sparsity, allocation=allocation, method=method),
             stats=[stats],
             removed=removed,
         )
-        metrics = {d: e.score(lambda plan=plan: virtual_plan(moe, plan, stats)) for d, e in evals.items()}
+        metrics = {d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()}
         rows.append(
             _row(
                 criterion,

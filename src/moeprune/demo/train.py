@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import transformers
@@ -249,8 +250,9 @@ def _greedy_samples(
     for domain in DOMAINS:
         row = load_split(corpus_dir, domain, "eval")[0]
         ids = tokenizer(row["prompt"], return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-        text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+        # transformers' PreTrainedModel does not declare generate (GenerationMixin adds it to causal LMs)
+        gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)  # type: ignore[operator]
+        text = cast(str, tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))  # one sequence
         out.append({"domain": domain, "prompt": row["prompt"], "expected": row["answer"], "generated": text})
     return out
 
@@ -294,7 +296,7 @@ def heldout_stats(
         d: [s[:max_len] for s in encode_rows(tokenizer, load_split(corpus_dir, d, split))] for d in DOMAINS
     }
     counts: torch.Tensor | None = None  # [layer, domain, expert]
-    per_domain = {}
+    per_domain: dict[str, dict[str, Any]] = {}  # domain -> {"nll": float, "tokens": int}
     for di, domain in enumerate(DOMAINS):
         total_nll, total_tokens = 0.0, 0
         ordered = sorted(seqs[domain], key=len)

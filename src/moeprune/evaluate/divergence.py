@@ -9,12 +9,13 @@ cost positions x vocab x 4 bytes. So each batch runs both models, fills a one-ba
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from moeprune.allocate.search.fitness import FitnessAccumulator, TeacherCache
+from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError
 from moeprune.runtime.device import input_device
@@ -50,9 +51,10 @@ def batch_logits(model: nn.Module, batch: Batch, label: str | None = None) -> to
 class _Totals:
     """Per-sample means and answer-token counts gathered over all batches."""
 
-    per_sample: dict[str, dict[int, float]] = field(default_factory=lambda: {k: {} for k in _SCORED})
-    reference_nll: dict[int, float] = field(default_factory=dict)
-    tokens: dict[int, int] = field(default_factory=dict)
+    # keyed by sample id (the batches' sample_index)
+    per_sample: dict[str, dict[Hashable, float]] = field(default_factory=lambda: {k: {} for k in _SCORED})
+    reference_nll: dict[Hashable, float] = field(default_factory=dict)
+    tokens: dict[Hashable, int] = field(default_factory=dict)
     skipped: int = 0
 
     def add_batch(
@@ -95,12 +97,12 @@ def _exp(nll: float) -> float | None:
         return None
 
 
-def _mean(values: dict[int, float]) -> float:
+def _mean(values: dict[Hashable, float]) -> float:
     """Each sample weighs the same, as in the search fitnesses."""
     return math.fsum(values.values()) / len(values)
 
 
-def _token_mean(per_sample: dict[int, float], tokens: dict[int, int]) -> float:
+def _token_mean(per_sample: dict[Hashable, float], tokens: dict[Hashable, int]) -> float:
     """Token-weighted mean: perplexity is exp of the mean NLL over all answer tokens."""
     total = math.fsum(per_sample[i] * n for i, n in tokens.items())
     return total / sum(tokens.values())

@@ -13,7 +13,7 @@ from moeprune.evaluate.registry import METRICS, Metric
 from moeprune.evaluate.routing import original_ids, routing_shift, selection_frequencies
 from moeprune.evaluate.run import Context, Loaded, about, names, spec_prompts
 from moeprune.evaluate.size import model_size
-from moeprune.evaluate.speculative import acceptance
+from moeprune.evaluate.speculative import SpecOptions, acceptance
 
 _DIVERGENCE = ("esap", "kl", "nll", "ppl")
 
@@ -64,16 +64,19 @@ def _accept(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict
             f"{source}: samples without a prompt/answer split use their first half as the speculative prompt"
         )
     with about(f"speculative decoding on data file {source}"):
+        spec = SpecOptions(
+            gamma=opts.gamma,
+            max_new_tokens=opts.spec_tokens,
+            temperature=opts.temperature,
+            eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None),
+        )
         results = acceptance(
             model.model,
             ctx.reference.model,
             prompts,
-            gamma=opts.gamma,
-            max_new_tokens=opts.spec_tokens,
+            spec,
             modes=opts.spec_modes,
             seed=opts.data.seed,
-            temperature=opts.temperature,
-            eos_token_id=getattr(ctx.tokenizer, "eos_token_id", None),
             labels=names(model, ctx),
         )
     main = results.get("sampled") or next(iter(results.values()))

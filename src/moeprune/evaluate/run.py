@@ -21,7 +21,7 @@ from moeprune.config import DataOptions
 from moeprune.data.loading import CalibrationData, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.evaluate.lm_eval_bridge import lm_eval_entry, reference_entry
-from moeprune.evaluate.registry import METRICS, parse_metrics
+from moeprune.evaluate.registry import METRICS, Metric, parse_metrics
 from moeprune.evaluate.routing import PLAN_FILE
 from moeprune.evaluate.size import measure_peak, warm_up_loading
 from moeprune.evaluate.speculative import MODES
@@ -32,6 +32,8 @@ from moeprune.runtime.finite import NonFiniteError, check_finite_weights
 from moeprune.runtime.progress import stage, transformers_bars_off
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from moeprune.evaluate.lm_eval_bridge import LmEvalOptions
 
 _NO_DATA = "these metrics need evaluation data: give data files (each is reported on its own)"
@@ -64,8 +66,8 @@ class Loaded:
     """A model with what the metrics need to know about it."""
 
     label: str
-    model: object  # PreTrainedModel
-    tokenizer: object = None
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None = None
     path: str | None = None
     load_info: dict = field(default_factory=dict)
 
@@ -177,7 +179,9 @@ class Context:
 
     @property
     def batch_size(self) -> int:
-        return self.options.data.batch_size
+        data = self.options.data
+        assert data is not None, _NO_DATA  # asked by the data metrics only
+        return data.batch_size
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -210,8 +214,13 @@ def per_file(model: Loaded, ctx: Context, source: str) -> dict:
         done.append(metric.fn)
         names = [m.name for m in wanted if m.fn is metric.fn]
         with stage(f"{model.label}: {', '.join(names)} on {Path(source).name}", ctx.options.progress):
-            out.update(metric.fn(model, ctx, source, names))
+            out.update(_fn(metric)(model, ctx, source, names))
     return out
+
+
+def _fn(metric: Metric) -> Callable:
+    assert metric.fn is not None, f"metric {metric.name!r} registered without a function"
+    return metric.fn
 
 
 def _plan_summary(path: str | None) -> dict | None:
@@ -231,14 +240,15 @@ def _plan_summary(path: str | None) -> dict | None:
 def evaluate_pair(model: Loaded, ctx: Context) -> dict:
     """One model's entry of the report."""
     entry: dict[str, object] = {"label": model.label, "model": model.path, "plan": _plan_summary(model.path)}
-    entry["per_data"] = {}
+    per_data: dict[str, dict] = {}
+    entry["per_data"] = per_data
     for source in ctx.datasets:
-        entry["per_data"][source] = per_file(model, ctx, source)
+        per_data[source] = per_file(model, ctx, source)
     for name in ctx.options.metrics:
         metric = METRICS.get(name)
         if not metric.per_file:
             with stage(f"{model.label}: {name}", ctx.options.progress):
-                entry[metric.report_key or name] = metric.fn(model, ctx)
+                entry[metric.report_key or name] = _fn(metric)(model, ctx)
     if ctx.options.lm_eval is not None:
         with stage(f"{model.label}: lm-eval {', '.join(ctx.options.lm_eval.tasks)}", ctx.options.progress):
             entry["lm_eval"] = lm_eval_entry(model, ctx)
@@ -299,7 +309,7 @@ def _document(ctx: Context, entries: list[dict]) -> dict:
     for name in opts.metrics:
         metric = METRICS.get(name)
         if not metric.per_file:
-            doc[f"reference_{metric.report_key or name}"] = metric.fn(ctx.reference, ctx)
+            doc[f"reference_{metric.report_key or name}"] = _fn(metric)(ctx.reference, ctx)
     if opts.lm_eval is not None:
         doc["reference_lm_eval"] = reference_entry(ctx)
     return doc

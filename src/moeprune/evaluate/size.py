@@ -92,7 +92,7 @@ def _host_peak(load: Callable[[], T]) -> tuple[T, dict[str, object]]:
             sampler.stop.set()
             sampler.join()
     peak = sampler.peak if sampler else _status_kib("VmHWM") or 0
-    info = {
+    info: dict[str, object] = {
         "load_peak_bytes": max(0, peak - before) * 1024,
         "load_s": round(time.perf_counter() - start, 3),
         "peak_method": "sampled VmRSS" if sampler else "VmHWM after reset",

@@ -19,7 +19,7 @@ whole sequence every call, as before.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from moeprune.config import split_legacy
 from moeprune.errors import MoePruneError
 from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
@@ -245,25 +246,50 @@ def _verify(
     return len(tokens), _sample(p[len(tokens)], generator)  # bonus token from p
 
 
+@dataclass(frozen=True)
+class SpecOptions:
+    """How speculative decoding runs, one object from `acceptance` down to each prompt's decoding.
+
+    `gamma` tokens are drafted per target call; at most `max_new_tokens` are generated per prompt,
+    fewer after `eos_token_id`; the sampled mode divides logits by `temperature`; `use_cache`
+    False recomputes every sequence in full (the reference the KV cache is checked against).
+    """
+
+    gamma: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    eos_token_id: int | None = None
+    use_cache: bool = True
+
+
+# the former keywords of speculative_generate and acceptance -> SpecOptions fields (still accepted,
+# with a warning)
+_SPEC_KEYWORDS = {f.name: f.name for f in fields(SpecOptions)}
+
+
 def speculative_generate(
     draft: nn.Module,
     target: nn.Module,
     prompt: Sequence[int],
+    options: SpecOptions | None = None,
     *,
-    max_new_tokens: int,
-    gamma: int = 4,
     generator: torch.Generator | None = None,
-    temperature: float = 1.0,
-    eos_token_id: int | None = None,
     stats: SpecStats | None = None,
-    use_cache: bool = True,
+    **legacy: Any,
 ) -> list[int]:
-    """Continue `prompt` by up to `max_new_tokens` tokens; sampled with `generator`, else greedy.
+    """Continue `prompt` by up to `options.max_new_tokens` tokens; sampled with `generator`, else greedy.
 
     Stops after an EOS. The last round drafts fewer tokens when fewer remain, so the output is
     never longer than asked and every drafted token is verified. `draft` and `target` may be
-    `IncrementalLogits` already (their caches then carry over between prompts).
+    `IncrementalLogits` already (their caches then carry over between prompts; `use_cache` then
+    does not apply). The former keywords (`gamma=`, `max_new_tokens=`, `temperature=`,
+    `eos_token_id=`, `use_cache=`) still work in place of `options`, with a DeprecationWarning.
     """
+    (options,) = split_legacy(
+        legacy, "speculative_generate", options=(options or SpecOptions(), _SPEC_KEYWORDS)
+    )
+    gamma, max_new_tokens, temperature = options.gamma, options.max_new_tokens, options.temperature
+    eos_token_id, use_cache = options.eos_token_id, options.use_cache
     _check(gamma, max_new_tokens, temperature, prompt)
     stats = stats if stats is not None else SpecStats(gamma)
     draft, target = (
@@ -304,19 +330,19 @@ def acceptance(
     draft: nn.Module,
     target: nn.Module,
     prompts: Sequence[Sequence[int]],
+    options: SpecOptions | None = None,
     *,
-    gamma: int = 4,
-    max_new_tokens: int = 32,
     modes: Sequence[str] = MODES,
     seed: int = 0,
-    temperature: float = 1.0,
-    eos_token_id: int | None = None,
-    use_cache: bool = True,
     labels: tuple[str, str] = ("the draft", "the target"),
+    **legacy: Any,
 ) -> dict[str, dict]:
     """Acceptance statistics per mode over `prompts`; the sampled mode uses one seeded generator.
-    `use_cache` False recomputes every sequence in full (the reference the cache is checked against).
+    `options` (SpecOptions) sets the draft length, tokens per prompt, temperature, EOS and the KV
+    cache (its former keywords still work, with a DeprecationWarning).
     NaN or infinite logits from either model raise NonFiniteError naming it by its `labels`."""
+    (options,) = split_legacy(legacy, "acceptance", options=(options or SpecOptions(), _SPEC_KEYWORDS))
+    gamma, max_new_tokens, use_cache = options.gamma, options.max_new_tokens, options.use_cache
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise MoePruneError(f"unknown speculative mode(s) {unknown}; choose from {', '.join(MODES)}")
@@ -326,17 +352,7 @@ def acceptance(
         stats = SpecStats(gamma)
         small, large = (IncrementalLogits(m, use_cache, label) for m, label in zip((draft, target), labels))
         for prompt in prompts:
-            speculative_generate(
-                small,
-                large,
-                prompt,
-                max_new_tokens=max_new_tokens,
-                gamma=gamma,
-                generator=generator,
-                temperature=temperature,
-                eos_token_id=eos_token_id,
-                stats=stats,
-            )
+            speculative_generate(small, large, prompt, options, generator=generator, stats=stats)
         kv_cache = {"draft": bool(small.cached), "target": bool(large.cached)}
         results[mode] = {
             **stats.to_dict(),

@@ -20,6 +20,7 @@ import inspect
 import warnings
 from dataclasses import replace
 from functools import lru_cache
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from moeprune.models.spec import (
     UNGATED,
     FamilySpec,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj")
 _COUNT_PREFERENCE = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -121,7 +125,8 @@ def _layout(experts: nn.Module, hidden: int) -> str:
     transposed = getattr(experts, "is_transposed", None)
     if transposed is None:  # no layout flags (Llama-4): read it from the shapes
         transposed = (
-            int(experts.gate_up_proj.shape[1]) == hidden and int(experts.down_proj.shape[2]) == hidden
+            int(_tensor(experts, "gate_up_proj").shape[1]) == hidden
+            and int(_tensor(experts, "down_proj").shape[2]) == hidden
         )
     if not getattr(experts, "is_concatenated", True):
         if not transposed:
@@ -156,8 +161,8 @@ def _router(block: nn.Module, count: int, hidden: int) -> tuple[str, str]:
         for path, param in child.named_parameters():
             if param.dim() == 2 and tuple(param.shape) == (count, hidden):
                 return attr, path
-    for path, param in child_free_params(block):
-        if param.dim() == 2 and tuple(param.shape) == (count, hidden):
+    for path, tensor in child_free_params(block):
+        if tensor.dim() == 2 and tuple(tensor.shape) == (count, hidden):
             raise UnsupportedModelError(
                 f"{type(block).__name__}'s router is a bare parameter ({path}), not a module: not supported yet"
             )
@@ -206,6 +211,11 @@ def _router_index_position(router: nn.Module, weight_path: str, count: int) -> i
         f"{type(router).__name__} returns {got}, not logits, weights and expert indices as transformers' "
         "routers do: not supported with this transformers version"
     )
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """A stock module's tensor attribute (nn.Module's __getattr__ is typed Tensor | Module)."""
+    return cast(torch.Tensor, getattr(module, name))
 
 
 def child_free_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -305,7 +315,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
             f"{model_type}: MoE blocks sit at different places in its layers ({sorted(paths)})"
         )
     _, block_attr, block = blocks[0]
-    experts = block.experts
+    experts = cast(nn.Module, block.experts)  # moe_blocks found it
     hidden = int(config.hidden_size)
     count = _expert_count(experts)
     layout = _layout(experts, hidden)
@@ -336,7 +346,8 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         None,
     )
     shared = tuple(a for a, _ in block.named_children() if "shared" in a)
-    width = int(experts.down_proj.shape[2] if layout in DOWN_IS_D_BY_I else experts.down_proj.shape[1])
+    down = _tensor(experts, "down_proj")
+    width = int(down.shape[2] if layout in DOWN_IS_D_BY_I else down.shape[1])
     group = getattr(router, "num_group", None) or getattr(router, "n_group", None)
     spec = FamilySpec(
         model_type=model_type,
@@ -401,7 +412,8 @@ def _width_followers(model: nn.Module, field: str, block_attr: str, index: int) 
     The model is rebuilt on the meta device with that field doubled and compared: DeepSeek's
     shared expert is `n_shared_experts` routed widths; Jamba's dense MLP layers read the same
     field as its experts."""
-    return _probe_widths(type(model), _config_key(model.config), field, block_attr, index)
+    # a class is hashable: mypy checks nn.Module's instance __hash__ against lru_cache's Hashable
+    return _probe_widths(type(model), _config_key(model.config), field, block_attr, index)  # type: ignore[arg-type]
 
 
 def _config_key(config) -> str:
@@ -409,7 +421,9 @@ def _config_key(config) -> str:
 
 
 @lru_cache(maxsize=32)
-def _probe_widths(cls: type, config_json: str, field: str, block_attr: str, index: int) -> tuple[bool, bool]:
+def _probe_widths(
+    cls: type[PreTrainedModel], config_json: str, field: str, block_attr: str, index: int
+) -> tuple[bool, bool]:
     import json
 
     config_class = _config_class(cls)
@@ -420,13 +434,15 @@ def _probe_widths(cls: type, config_json: str, field: str, block_attr: str, inde
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             built = cls._from_config(cfg)
-        layers = find_decoder_layers(built)[1]
+        found = find_decoder_layers(built)
+        assert found is not None  # (caught below, like any probe that fails)
+        layers = found[1]
         blocks = moe_blocks(layers)
         block = layers[index].get_submodule(block_attr) if block_attr else layers[index]
         shared = [
             tuple(p.shape) for a, child in block.named_children() if "shared" in a for p in child.parameters()
         ]
-        routed = {id(p) for _, _, b in blocks for p in b.experts.parameters()}
+        routed = {id(p) for _, _, b in blocks for p in cast(nn.Module, b.experts).parameters()}
         routed |= {
             id(p)
             for _, _, b in blocks

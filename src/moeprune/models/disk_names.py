@@ -11,10 +11,15 @@ renamed too), stock saves go through transformers' conversion itself (`disk_name
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
 from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, FamilySpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _GATE, _UP, _DOWN = 1.0, 2.0, 3.0
 
@@ -43,7 +48,7 @@ def disk_names(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> dict:
     others += [f"{block}.{p}" for p, _ in spec.block_tensors]
     marked.update({name: torch.zeros(1) for name in others})
     try:
-        reverted = revert_weight_conversion(model, dict(marked))
+        reverted = revert_weight_conversion(cast("PreTrainedModel", model), dict(marked))
     except Exception:  # noqa: BLE001 - a converter that needs the real shapes: ask it at save time
         return {"disk_expert_names": None, "disk_names_known": False}
     renames = _renames(f"{prefix}.{index}.", block_attr, reverted, others)
@@ -79,7 +84,7 @@ def names_agree(model: nn.Module, prefix: str, blocks, spec: FamilySpec) -> bool
         seen.add(id(tensor))
         state[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
     try:
-        theirs = set(revert_weight_conversion(model, state))
+        theirs = set(revert_weight_conversion(cast("PreTrainedModel", model), state))
     except Exception:  # noqa: BLE001 - a converter that cannot run on meta tensors
         return False
     experts = {

@@ -317,7 +317,7 @@ def _layer_pick(values: list, layers: int) -> list[int]:
 def _shrunk(values: dict) -> dict:
     """`values` with `_SHRINK` applied to its integer (or unset) fields, and into nested plain
     dicts (dbrx's ffn_config, dots3's per-layer-type sub-configs), not into other models' configs."""
-    out = {}
+    out: dict = {}
     for key, value in values.items():
         if isinstance(value, dict) and not value.get("model_type"):
             out[key] = {**value, **_shrunk(value)}
@@ -370,7 +370,7 @@ def _cut_layers(defaults: dict, kwargs: dict, total: int, layers: int) -> list[i
 def _tower(values: dict) -> dict:
     """A vision or audio tower shrunk by `_TOWER`, its own sub-configs too (a SAM encoder inside
     a vision config), its per-layer lists and per-layer configs cut to its one layer."""
-    out = {}
+    out: dict = {}
     for key, value in values.items():
         if isinstance(value, dict) and value.get("model_type"):
             out[key] = _tower(value)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,7 +58,8 @@ def routed_compute(
     flat_weights = weights.reshape(-1)
     novices = options.novices.get(layer.index, {})
     masks = options.neuron_masks.get(layer.index, {})
-    record = options.on_layer is not None
+    on_layer = options.on_layer
+    record = on_layer is not None
     want_m = options.need_intermediate and record
     parts: list[tuple] = []
     start = 0
@@ -79,8 +81,8 @@ def routed_compute(
         out.index_add_(0, rows, contribution.to(out.dtype))
         if record:
             parts.append((rows, x, y, m if want_m else None, g))
-    if record and parts:
-        options.on_layer(layer, _gather(parts, index, order))
+    if on_layer is not None and parts:
+        on_layer(layer, _gather(parts, index, order))
     return out.to(hidden.dtype)
 
 
@@ -159,7 +161,8 @@ def _override_packed(layer: MoELayer, options: RoutedOptions) -> Iterator[None]:
             f"decoder layer {layer.index} is packed (novices or per-expert widths): its neurons cannot be "
             "observed again; start from the original checkpoint"
         )
-    view = layer.experts.routed_view(layer.block)
+    packed: Any = layer.experts  # a packed experts module (surgery/packed.py), which describes itself
+    view = packed.routed_view(layer.block)
     merged = RoutedOptions(
         on_layer=options.on_layer,
         novices={

@@ -8,9 +8,14 @@ transformers, moeprune and vLLM, and the exact command that reproduces it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from moeprune.report.document import PruneReport, as_report
+from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, Serving
+
 _UNIT = {"experts": "of the routed experts", "routed-expert parameters": "of the routed-expert parameters"}
+_DASH = "—"
 
 
 def _n(value: Any) -> str:
@@ -27,24 +32,29 @@ def _saving(before: Any, after: Any) -> str:
     return f"{100 * (1 - after / before):.1f} %"
 
 
-def _widths(row: dict) -> str:
-    low, high = row.get("min_intermediate_size"), row.get("intermediate_size")
+def _widths(row: LayerShape) -> str:
+    low, high = row.min_intermediate_size, row.intermediate_size
     return "—" if not high else str(high) if low == high else f"{low}–{high}"
 
 
-def layer_table(report: dict) -> list[str]:
-    before = {row["layer"]: row for row in report.get("layers_before", [])}
+def _or_dash(value: Any) -> Any:
+    return _DASH if value is None else value
+
+
+def layer_table(report: PruneReport) -> list[str]:
+    before = {row.layer: row for row in report.layers_before or []}
     lines = ["| layer | experts kept | novices | neurons per expert | top-k |", "|---|---|---|---|---|"]
-    for row in report.get("layers_after", []):
-        old = before.get(row["layer"], {})
-        kept = f"{row['experts'] - row.get('novices', 0)} of {old.get('experts', '—')}"
-        neurons = f"{_widths(row)} of {old.get('intermediate_size', '—')}"
-        lines.append(f"| {row['layer']} | {kept} | {row.get('novices', 0)} | {neurons} | {row['top_k']} |")
+    for row in report.layers_after or []:
+        old = before.get(row.layer)
+        kept = f"{row.experts - row.novices} of {_or_dash(old and old.experts)}"
+        neurons = f"{_widths(row)} of {_or_dash(old and old.intermediate_size)}"
+        lines.append(f"| {row.layer} | {kept} | {row.novices} | {neurons} | {row.top_k} |")
     return lines
 
 
-def size_table(report: dict) -> list[str]:
-    before, after = report.get("parameters_before", {}), report.get("parameters_after", {})
+def size_table(report: PruneReport) -> list[str]:
+    before = report.parameters_before or ParameterCounts()
+    after = report.parameters_after or ParameterCounts()
     rows = [
         ("parameters", "total"),
         ("routed-expert parameters", "routed_experts"),
@@ -52,42 +62,41 @@ def size_table(report: dict) -> list[str]:
     ]
     lines = ["| | before | after | saving |", "|---|---|---|---|"]
     for label, key in rows:
-        lines.append(
-            f"| {label} | {_n(before.get(key))} | {_n(after.get(key))} | {_saving(before.get(key), after.get(key))} |"
-        )
-    disk = report.get("disk_bytes", {})
+        old, new = getattr(before, key), getattr(after, key)
+        lines.append(f"| {label} | {_n(old)} | {_n(new)} | {_saving(old, new)} |")
+    disk = report.disk_bytes
     if disk:
         lines.append(
-            f"| weights on disk | {_mib(disk.get('before'))} | {_mib(disk.get('after'))} | "
-            f"{_saving(disk.get('before'), disk.get('after'))} |"
+            f"| weights on disk | {_mib(disk.before)} | {_mib(disk.after)} | {_saving(disk.before, disk.after)} |"
         )
     return lines
 
 
-def measured(report: dict) -> list[str]:
+def measured(report: PruneReport) -> list[str]:
     lines = []
-    search = report.get("search")
+    search = report.search
     if search:
-        uniform = search.get("uniform", {})
+        uniform = search.uniform or SearchUniform()
         lines.append(
-            f"- EvoESAP ({search.get('fitness')} on the search data): searched allocation "
-            f"{search.get('fitness_value'):.4f}, uniform {uniform.get('fitness_value', float('nan')):.4f} "
-            f"({search.get('evaluations', '—')} candidates evaluated)."
+            f"- EvoESAP ({search.fitness} on the search data): searched allocation "
+            f"{search.fitness_value:.4f}, uniform "
+            f"{uniform.fitness_value if uniform.fitness_value is not None else float('nan'):.4f} "
+            f"({_or_dash(search.evaluations)} candidates evaluated)."
         )
-    auto = report.get("criterion_auto")
+    auto = report.criterion_auto
     if auto:
-        ranked = sorted(auto["table"], key=lambda r: r.get(auto["fitness"]) or 0, reverse=True)
-        shown = ", ".join(f"{r['criterion']} {r.get(auto['fitness']):.4f}" for r in ranked[:3])
-        lines.append(f"- Criterion chosen automatically by {auto['fitness']} of its uniform plan: {shown}.")
-    for note in report.get("unseen_experts", []):
+        ranked = sorted(auto.table, key=lambda r: r.get(auto.fitness) or 0, reverse=True)
+        shown = ", ".join(f"{r['criterion']} {r.get(auto.fitness):.4f}" for r in ranked[:3])
+        lines.append(f"- Criterion chosen automatically by {auto.fitness} of its uniform plan: {shown}.")
+    for note in report.unseen_experts or []:
         lines.append(f"- {note}")
     return lines or [
         "- Nothing beyond the sizes above (run `moeprune eval` to measure divergence and acceptance)."
     ]
 
 
-def how_to_load(report: dict, name: str) -> list[str]:
-    if report.get("format") == "stock":
+def how_to_load(report: PruneReport, name: str) -> list[str]:
+    if report.format == "stock":
         return [
             "A stock checkpoint of its family: every tool loads it unchanged.",
             "",
@@ -98,8 +107,8 @@ def how_to_load(report: dict, name: str) -> list[str]:
             "",
             f"```bash\nvllm serve {name}\n```",
         ]
-    padded = report.get("serving", {}).get("vllm_padded_parameters")
-    refused = report.get("serving", {}).get("vllm_refused")
+    serving = report.serving or Serving()
+    padded, refused = serving.vllm_padded_parameters, serving.vllm_refused
     lines = [
         "moeprune's format (per-layer expert counts, novices or per-expert widths; "
         "docs/checkpoint-format.md in moeprune): tensors keep the family's usual names.",
@@ -127,26 +136,27 @@ def how_to_load(report: dict, name: str) -> list[str]:
         lines += [
             "",
             f"vLLM pads each layer's experts to the widest one with zero neurons: it holds {_n(padded)} "
-            f"parameters, against {_n(report.get('parameters_after', {}).get('total'))} stored here.",
+            f"parameters, against {_n((report.parameters_after or ParameterCounts()).total)} stored here.",
         ]
     return lines
 
 
-def model_card(report: dict, name: str = ".") -> str:
+def model_card(report: PruneReport | Mapping, name: str = ".") -> str:
     """README.md of a pruned output folder."""
-    unit = _UNIT.get(report.get("sparsity_unit", ""), "")
+    report = as_report(report)
+    unit = _UNIT.get(report.sparsity_unit or "", "")
+    multiple = (
+        f"; every layer keeps a multiple of {report.expert_multiple} experts"
+        if report.expert_multiple > 1
+        else ""
+    )
     lines = [
-        f"# {name}: {report.get('model_type')} pruned with moeprune",
+        f"# {name}: {report.model_type} pruned with moeprune",
         "",
-        f"- Base model: `{report.get('model')}` ({report.get('model_type')})",
-        f"- Criterion: {report.get('criterion')}; allocation: {report.get('allocation')}; method: {report.get('method')}",
-        f"- Sparsity: {report.get('sparsity')} {unit}"
-        + (
-            f"; every layer keeps a multiple of {report['expert_multiple']} experts"
-            if report.get("expert_multiple", 1) > 1
-            else ""
-        ),
-        f"- Saved as: {report.get('format')} format, {report.get('save_dtype')}",
+        f"- Base model: `{report.model}` ({report.model_type})",
+        f"- Criterion: {report.criterion}; allocation: {report.allocation}; method: {report.method}",
+        f"- Sparsity: {report.sparsity} {unit}{multiple}",
+        f"- Saved as: {report.format} format, {report.save_dtype}",
         "",
         "## Size",
         "",
@@ -166,7 +176,7 @@ def model_card(report: dict, name: str = ".") -> str:
         "",
         "## Reproduce",
         "",
-        f"```bash\n{report.get('command_line') or '(made through the Python API: see recipe.json)'}\n```",
+        f"```bash\n{report.command_line or '(made through the Python API: see recipe.json)'}\n```",
         "",
     ]
     return "\n".join(lines)

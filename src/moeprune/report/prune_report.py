@@ -1,18 +1,17 @@
 """report.json of a prune: what was done, what it cost and kept, what was measured.
 
 Everything the console summary, the model card, report.md and the plots say is read from this
-dictionary, so they can be redrawn from the JSON at any time.
+report (a `PruneReport`, moeprune.report.document; its dictionary is accepted too), so they can be
+redrawn from the JSON at any time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-from moeprune import __version__
 from moeprune.checkpoint.files import shard_names
-from moeprune.data.loading import CalibrationData
-from moeprune.observe.stats import ExpertStats
+from moeprune.report.document import PruneReport, as_report
 from moeprune.report.kept import plot_kept
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.surgery.parameters import uniform_rows
@@ -23,44 +22,17 @@ def weight_bytes(folder: str | Path) -> int:
     return sum((Path(folder) / name).stat().st_size for name in shard_names(Path(folder)))
 
 
-def data_summary(sets: Sequence[CalibrationData], stats: Sequence[ExpertStats]) -> dict:
-    if not sets:
-        return {}
-    return {
-        "sources": [s for d in sets for s in d.sources],
-        "samples": sum(len(d.samples) for d in sets),
-        "tokens": int(sum(s.tokens for s in stats)),
-        "truncated_samples": sum(d.truncated for d in sets),
-        "text_only": all(d.text_only for d in sets),
-        "fingerprint": sets[0].fingerprint if len(sets) == 1 else [d.fingerprint for d in sets],
-        "notes": [n for d in sets for n in d.notes],
-    }
-
-
-def no_load_report(
-    model_path: str | Path, output: str | Path, model_type: str, criterion: str, method: str, sparsity: float
-) -> dict:
-    """report.json fields every prune without loading shares (the result is always a stock checkpoint)."""
-    return {
-        "command": "prune --no-load",
-        "moeprune_version": __version__,
-        "model": str(model_path),
-        "output": str(output),
-        "model_type": model_type,
-        "criterion": criterion,
-        "allocation": "uniform",
-        "method": method,
-        "sparsity": sparsity,
-        "format": "stock",
-    }
-
-
 def draw_kept(
-    path: Path, report: dict, search_doc: dict | None, hidden_sizes: list[int], expert_unit: bool
+    path: Path,
+    report: PruneReport | Mapping,
+    search_doc: dict | None,
+    hidden_sizes: list[int],
+    expert_unit: bool,
 ) -> dict:
     """density.png: kept routed parameters (and experts) per layer; uniform beside a searched one.
     Returns the plotted series (tests compare them with the plan)."""
-    rows = report["kept_per_layer"]
+    report = as_report(report)
+    rows = [row.to_json() for row in report.kept_per_layer or []]
     uniform = None
     if search_doc is not None:
         before = [
@@ -68,16 +40,16 @@ def draw_kept(
             for r in rows
         ]
         uniform = uniform_rows(
-            before, search_doc["uniform"]["allocation"], hidden_sizes, novices=report["method"] == "novice"
+            before, search_doc["uniform"]["allocation"], hidden_sizes, novices=report.method == "novice"
         )
-    what = f"{report['criterion']}, {report['allocation']}, {report['method']}, sparsity {report['sparsity']}"
+    what = f"{report.criterion}, {report.allocation}, {report.method}, sparsity {report.sparsity}"
     named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}
     return plot_kept(path, named, expert_unit=expert_unit, title=f"kept per layer ({what})")
 
 
-def report_markdown(report: dict, folder: str | Path) -> str:
+def report_markdown(report: PruneReport | Mapping, folder: str | Path) -> str:
     """report.md: the console summary, then the plots and the per-layer facts behind them."""
-    folder = Path(folder)
+    report, folder = as_report(report), Path(folder)
     facts = prune_facts(report, folder)
     evidence = facts["files"]["evidence"]
     if "report.md" not in evidence:  # this file, being written
@@ -93,19 +65,7 @@ def report_markdown(report: dict, folder: str | Path) -> str:
             "![kept per layer](density.png)",
             "",
         ]
-    rows = report.get("kept_per_layer") or []
-    if rows:
-        out += [
-            "| layer | experts before | experts after | routed parameters before | after | kept |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            kept = r["routed_params_after"] / r["routed_params_before"] if r["routed_params_before"] else 0.0
-            out.append(
-                f"| {r['layer']} | {r['experts_before']} | {r.get('experts_after', '-')} | "
-                f"{r['routed_params_before']:,} | {r['routed_params_after']:,} | {kept:.1%} |"
-            )
-        out.append("")
+    out += _kept_table(report)
     if (folder / "search_curve.png").is_file():
         out += [
             "## EvoESAP search",
@@ -115,9 +75,9 @@ def report_markdown(report: dict, folder: str | Path) -> str:
             "![search curve](search_curve.png)",
             "",
         ]
-    auto = report.get("criterion_auto")
+    auto = report.criterion_auto
     if auto:
-        fitness = auto["fitness"]
+        fitness = auto.fitness
         out += [
             "## Criterion auto",
             "",
@@ -127,24 +87,43 @@ def report_markdown(report: dict, folder: str | Path) -> str:
             "|---|---:|",
         ]
         out += [
-            f"| {row['criterion']}{' (picked)' if row['criterion'] == auto['chosen'] else ''} | "
+            f"| {row['criterion']}{' (picked)' if row['criterion'] == auto.chosen else ''} | "
             f"{row[fitness]:.6g} |"
-            for row in auto["table"]
+            for row in auto.table
         ]
         out.append("")
-    notes = list(report.get("unseen_experts") or []) + list((report.get("search") or {}).get("notes") or [])
-    notes += list((report.get("data") or {}).get("notes") or [])
+    notes = list(report.unseen_experts or []) + list((report.search and report.search.notes) or [])
+    notes += list(report.data.notes or [])
     if notes:
         out += ["## Notes", "", *[f"- {n}" for n in notes], ""]
-    if report.get("command_line"):
+    if report.command_line:
         out += [
             "## Reproduce",
             "",
             "```bash",
-            report["command_line"],
+            report.command_line,
             "```",
             "",
             "or `moeprune prune MODEL --output OUT --config recipe.json` (recipe.json is in this folder).",
             "",
         ]
     return "\n".join(out)
+
+
+def _kept_table(report: PruneReport) -> list[str]:
+    """report.md's per-layer table of experts and routed parameters kept."""
+    rows = report.kept_per_layer or []
+    if not rows:
+        return []
+    out = [
+        "| layer | experts before | experts after | routed parameters before | after | kept |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        kept = r.routed_params_after / r.routed_params_before if r.routed_params_before else 0.0
+        after = "-" if r.experts_after is None else r.experts_after
+        out.append(
+            f"| {r.layer} | {r.experts_before} | {after} | "
+            f"{r.routed_params_before:,} | {r.routed_params_after:,} | {kept:.1%} |"
+        )
+    return [*out, ""]

@@ -1,6 +1,6 @@
 """The few lines a person reads after a command, and the same lines at the head of report.md.
 
-`prune_facts` picks the key facts out of report.json (what was done, what `--criterion auto`
+`prune_facts` picks the key facts out of report.json (a `PruneReport`, or its dictionary: what was done, what `--criterion auto`
 picked and the runner-up, experts no calibration token reached, searched versus uniform fitness,
 parameters and bytes before and after, the saved dtype, where each file is); `format_lines`
 words them. Tests check the facts, so the wording can change freely. Nothing here computes a
@@ -9,10 +9,12 @@ number that report.json does not already hold, except percentages of two numbers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from moeprune.allocate.search.fitness import FITNESSES
+from moeprune.allocate.fitness import FITNESSES
+from moeprune.report.document import PRUNE, PruneReport, as_report
+from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, Serving
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json")
 EVIDENCE_FILES = (
@@ -31,35 +33,35 @@ def change(before: float, after: float) -> float:
     return round(100.0 * (after - before) / before, 2) if before else 0.0
 
 
-def _auto(report: dict) -> dict | None:
-    auto = report.get("criterion_auto")
+def _auto(report: PruneReport) -> dict | None:
+    auto = report.criterion_auto
     if not auto:
         return None
-    fitness, table = auto["fitness"], auto["table"]
+    fitness, table = auto.fitness, auto.table
     ranked = sorted(table, key=lambda row: row[fitness], reverse=FITNESSES.get(fitness).higher_is_better)
-    runner = next((row for row in ranked if row["criterion"] != auto["chosen"]), None)
-    chosen = next(row for row in table if row["criterion"] == auto["chosen"])
+    runner = next((row for row in ranked if row["criterion"] != auto.chosen), None)
+    chosen = next(row for row in table if row["criterion"] == auto.chosen)
     return {
         "fitness": fitness,
-        "chosen": auto["chosen"],
+        "chosen": auto.chosen,
         "chosen_value": chosen[fitness],
         "runner_up": runner["criterion"] if runner else None,
         "runner_up_value": runner[fitness] if runner else None,
     }
 
 
-def _search(report: dict) -> dict | None:
-    search = report.get("search")
-    if not search or "fitness_value" not in search:
+def _search(report: PruneReport) -> dict | None:
+    search = report.search
+    if search is None or search.fitness_value is None:
         return None
-    stopped = search.get("stopped") or {}
+    stopped = search.stopped or SearchStop()
     return {
-        "fitness": search["fitness"],
-        "searched": search["fitness_value"],
-        "uniform": search["uniform"]["fitness_value"],
-        "generations": stopped.get("generations_run"),
-        "stopped": stopped.get("reason"),
-        "evaluations": search.get("evaluations"),
+        "fitness": search.fitness,
+        "searched": search.fitness_value,
+        "uniform": search.uniform.fitness_value,
+        "generations": stopped.generations_run,
+        "stopped": stopped.reason,
+        "evaluations": search.evaluations,
     }
 
 
@@ -74,47 +76,43 @@ def _files(folder: Path) -> dict[str, list[str]]:
     }
 
 
-def prune_facts(report: dict, folder: str | Path | None = None) -> dict:
+def _counts(before: ParameterCounts | None, after: ParameterCounts | None, key: str) -> dict:
+    """One parameter count before and after, and its change (None where the report lacks it)."""
+    old, new = getattr(before, key, None), getattr(after, key, None)
+    return {"before": old, "after": new, "change_pct": change(old, new) if before and after else None}
+
+
+def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None) -> dict:
     """The summary's facts, from report.json (and the output folder's listing, when it exists)."""
-    before, after = report.get("parameters_before", {}), report.get("parameters_after", {})
-    disk = report.get("disk_bytes") or {}
-    unseen = report.get("unseen", {})
+    report = as_report(report)
+    before, after = report.parameters_before, report.parameters_after
+    serving, disk = report.serving or Serving(), report.disk_bytes or DiskBytes()
     facts = {
-        "command": report.get("command", "prune"),
-        "model": report.get("model"),
-        "output": report.get("output"),
-        "criterion": report["criterion"],
-        "allocation": report["allocation"],
-        "method": report["method"],
-        "sparsity": report["sparsity"],
-        "sparsity_unit": report.get("sparsity_unit", "experts"),
+        "command": report.command if report.command is not None else PRUNE,
+        "model": report.model,
+        "output": report.output,
+        "criterion": report.criterion,
+        "allocation": report.allocation,
+        "method": report.method,
+        "sparsity": report.sparsity,
+        "sparsity_unit": report.sparsity_unit or "experts",
         "auto": _auto(report),
         "search": _search(report),
-        "unseen_experts": sum(len(ids) for ids in unseen.values()),
-        "unseen_per_layer": unseen,
-        "parameters": {
-            "before": before.get("total"),
-            "after": after.get("total"),
-            "change_pct": change(before["total"], after["total"]) if before and after else None,
-        },
-        "routed_parameters": {
-            "before": before.get("routed_experts"),
-            "after": after.get("routed_experts"),
-            "change_pct": change(before["routed_experts"], after["routed_experts"])
-            if before and after
-            else None,
-        },
+        "unseen_experts": sum(len(ids) for ids in report.unseen.values()),
+        "unseen_per_layer": report.unseen,
+        "parameters": _counts(before, after, "total"),
+        "routed_parameters": _counts(before, after, "routed_experts"),
         "bytes": {
-            "before": disk.get("before"),
-            "after": disk.get("after"),
-            "change_pct": change(disk["before"], disk["after"]) if disk else None,
+            "before": disk.before,
+            "after": disk.after,
+            "change_pct": change(disk.before, disk.after) if disk else None,
         },
-        "neurons_per_expert": (report.get("surgery") or {}).get("intermediate_size"),
-        "vllm_padded_parameters": report.get("serving", {}).get("vllm_padded_parameters"),
-        "vllm_refused": report.get("serving", {}).get("vllm_refused"),
-        "model_type": report.get("model_type"),
-        "save_dtype": report.get("save_dtype"),
-        "format": report.get("format"),
+        "neurons_per_expert": report.surgery.intermediate_size if report.surgery else None,
+        "vllm_padded_parameters": serving.vllm_padded_parameters,
+        "vllm_refused": serving.vllm_refused,
+        "model_type": report.model_type,
+        "save_dtype": report.save_dtype,
+        "format": report.format,
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from moeprune.allocate import ALLOCATIONS
-from moeprune.allocate.search.fitness import FITNESSES
+from moeprune.allocate.fitness import FITNESSES
 from moeprune.config import Registry
 from moeprune.criteria import CRITERIA
 from moeprune.evaluate import METRICS

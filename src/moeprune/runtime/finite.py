@@ -10,6 +10,7 @@ hooks on every module, to name the first non-finite output) runs only after a fa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
@@ -114,7 +115,7 @@ def check_finite_weights(model: nn.Module, what: str = "the model", *, prefix: s
     when `model` is a part of a larger model ("model.layers.3.").
     """
     seen: set[int] = set()
-    tensors = [("parameter", n, t) for n, t in model.named_parameters()]
+    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in model.named_parameters()]
     tensors += [("buffer", n, t) for n, t in model.named_buffers()]
     for role, name, tensor in tensors:
         if tensor is None or id(tensor) in seen:
@@ -222,7 +223,7 @@ def locate_nonfinite(
         if length == 0:
             continue
         sample = ids[row : row + 1, :length].to(device)
-        name = first_nonfinite_output(model, lambda sample=sample: model(input_ids=sample, use_cache=False))
+        name = first_nonfinite_output(model, functools.partial(model, input_ids=sample, use_cache=False))
         if name is not None:
             layer = decoder_layer_of(model, name)
             return f"decoder layer {layer} ({name})" if layer is not None else name

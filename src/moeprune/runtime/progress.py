@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
@@ -46,7 +46,11 @@ class PlainBar:
         each_step: bool = False,
     ) -> None:
         self.iterable, self.desc, self.unit, self.each_step = iterable, desc, unit, each_step
-        self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+        self.total = (
+            total
+            if total is not None
+            else (len(cast(Sized, iterable)) if hasattr(iterable, "__len__") else None)
+        )
         self.n, self.postfix, self.closed = initial, "", False
         self.start = time.perf_counter()
         of = f" ({self.total} {unit})" if self.total is not None else ""

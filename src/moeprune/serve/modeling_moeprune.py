@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from typing import TYPE_CHECKING, cast
 
 import torch
 import transformers
@@ -85,7 +86,13 @@ MODELING_FILES = (
 
 
 # ----------------------------------------------------------------------------- the model
-class MoePruneModelMixin:
+if TYPE_CHECKING:
+    _StockCausalLM = transformers.PreTrainedModel  # the stock class the mixin is placed before
+else:
+    _StockCausalLM = object
+
+
+class MoePruneModelMixin(_StockCausalLM):
     """What every `MoePrune<Family>ForCausalLM` adds to the stock causal-LM class."""
 
     def __init__(self, config, *args, **kwargs):
@@ -97,7 +104,7 @@ class MoePruneModelMixin:
         """Narrow routers, replace experts: each MoE layer takes its saved shape."""
         family = family_of(self.config)
         config = self.config.get_text_config()
-        decoder_layers = self.get_submodule(family.layers)
+        decoder_layers = cast(torch.nn.ModuleList, self.get_submodule(family.layers))
         blocks = {
             i: block
             for i, layer in enumerate(decoder_layers)
@@ -165,7 +172,7 @@ class MoePruneModelMixin:
         tied to the embedding) mapped to the name that fills them."""
         family = family_of(self.config)
         experts_at = {}  # in-memory prefix of each MoE layer's experts -> the experts module
-        for i, layer in enumerate(self.get_submodule(family.layers)):
+        for i, layer in enumerate(cast(torch.nn.ModuleList, self.get_submodule(family.layers))):
             block = block_of(layer, family)
             if hasattr(block, "experts") and hasattr(block, family.router_attr):
                 path = ".".join(p for p in (family.layers, str(i), family.block_attr) if p)
@@ -243,7 +250,7 @@ class MoePruneModelMixin:
             return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
         return model
 
-    def save_pretrained(
+    def save_pretrained(  # type: ignore[override]  # keyword-only by design; the rest is refused
         self,
         save_directory,
         *,
@@ -329,10 +336,9 @@ class MoePruneModelMixin:
                         torch.empty_like(param, device="meta"), False
                     )
             for buffer_name in module._non_persistent_buffers_set:
-                if module._buffers.get(buffer_name) is not None:
-                    module._buffers[buffer_name] = torch.full_like(
-                        module._buffers[buffer_name], float("nan"), device=device
-                    )
+                buffer = module._buffers.get(buffer_name)
+                if buffer is not None:
+                    module._buffers[buffer_name] = torch.full_like(buffer, float("nan"), device=device)
             self._init_weights(module)
         finally:
             module._parameters.update(loaded)
@@ -345,7 +351,7 @@ class MoePruneModelMixin:
 
 
 # ----------------------------------------------------------------------------- the classes
-def _config_class(stock_config: type) -> type:
+def _config_class(stock_config: type[transformers.PretrainedConfig]) -> type:
     """MoePrune<Config>: the stock config class under the model type `moeprune_<base>`."""
     name = f"MoePrune{stock_config.__name__}"
     if name not in globals():
@@ -361,7 +367,7 @@ def _config_class(stock_config: type) -> type:
     return globals()[name]
 
 
-def _model_class(stock_model: type) -> type:
+def _model_class(stock_model: type[transformers.PreTrainedModel]) -> type:
     """MoePrune<CausalLM>: the stock causal-LM class with each MoE layer shaped as config.moeprune says."""
     name = f"MoePrune{stock_model.__name__}"
     if name not in globals():
@@ -369,7 +375,10 @@ def _model_class(stock_model: type) -> type:
             name,
             (MoePruneModelMixin, stock_model),
             {
-                "config_class": _config_class(stock_model.config_class),
+                # every stock causal-LM class names its config class (the stub allows None)
+                "config_class": _config_class(
+                    cast("type[transformers.PretrainedConfig]", stock_model.config_class)
+                ),
                 "__module__": __name__,
                 "__doc__": f"{stock_model.__name__} with each MoE layer shaped as config.moeprune says.",
             },

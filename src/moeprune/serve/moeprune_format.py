@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 FORMAT = "moeprune-checkpoint"
 FORMAT_VERSION = 3  # the newest version this reader reads (and moeprune writes)
@@ -101,7 +101,7 @@ def damaged(where: str, what: str) -> FormatError:
     return FormatError(f"{where}: {what}; the checkpoint is damaged or was edited by hand, {REMAKE}")
 
 
-def _int(value: Any) -> bool:
+def _int(value: Any) -> TypeGuard[int]:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 

@@ -9,6 +9,7 @@ when their widths differ or some are novices.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -365,7 +366,9 @@ class MoePruneInputWeightedMoe(nn.Module):
     only the selected experts, each on its input scaled by the routing weight.
     """
 
-    def __init__(self, stock_block: nn.Module, experts: MoePruneExperts):
+    moeprune_expert_ids: list[int]  # set by modeling_moeprune.py, like on the stock blocks
+
+    def __init__(self, stock_block: Any, experts: MoePruneExperts):  # Any: Llama-4's stock block
         super().__init__()
         self.top_k = stock_block.top_k
         self.hidden_dim = stock_block.hidden_dim
@@ -383,7 +386,7 @@ class MoePruneInputWeightedMoe(nn.Module):
         return out, logits
 
 
-def slice_expert(family: Family, stock: nn.Module, p: int, width: int):
+def slice_expert(family: Family, stock: Any, p: int, width: int):  # Any: the family's stock experts
     """Router position p's expert of `width` neurons, holding the first `width` neurons of stock
     expert p (random values when the model is built from a config; replaced when loading)."""
     if family.layout == UNGATED:  # up [I, d], down [d, I]
@@ -412,7 +415,7 @@ class _GateHolder(nn.Module):
     """A family's own `_apply_gate` with what it reads of its experts module (activation
     function, limits), without the module's expert tensors."""
 
-    def __init__(self, stock: nn.Module):
+    def __init__(self, stock: Any):  # Any: the family's stock experts module, which has _apply_gate
         super().__init__()
         for key, value in vars(stock).items():
             if not key.startswith("_") and not isinstance(value, torch.Tensor) and key != "training":
@@ -431,15 +434,17 @@ def replace_tensor(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
     for part in parents:
         module = getattr(module, part)
     if leaf in module._parameters:
-        setattr(module, leaf, nn.Parameter(value, requires_grad=module._parameters[leaf].requires_grad))
+        param = cast(nn.Parameter, module._parameters[leaf])  # a named parameter, never None here
+        setattr(module, leaf, nn.Parameter(value, requires_grad=param.requires_grad))
     else:
         module._buffers[leaf] = value
 
 
 def get_tensor(module: nn.Module, dotted: str) -> torch.Tensor:
+    value: Any = module
     for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
+        value = getattr(value, part)
+    return value
 
 
 def set_counts(family: Family, modules, count: int) -> None:
@@ -457,13 +462,14 @@ def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict
     stock fused tensors for a stock layer and one expert's slice per position otherwise.
     """
     names = family.disk_expert_names
+    per_expert: list[Any]  # the stock module's (gate_up, down) pairs, or MoePruneExperts' modules
     if not isinstance(experts, MoePruneExperts):  # the stock module, narrowed
         if names is None:
             return {f"{prefix}{name}": tensor for name, tensor in experts.named_parameters()}
-        per_expert = list(zip(experts.gate_up_proj, experts.down_proj))
+        per_expert = list(zip(get_tensor(experts, "gate_up_proj"), get_tensor(experts, "down_proj")))
     else:
         per_expert = list(experts)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for p, expert in enumerate(per_expert):
         if isinstance(expert, MoePruneNovice):
             out[f"{prefix}{p}.{MEAN_OUTPUT}"] = expert.mean_output
@@ -471,7 +477,9 @@ def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict
             out.update({f"{prefix}{p}.{name}": tensor for name, tensor in expert.named_parameters()})
         else:
             gate_up, down = (
-                (expert.gate_up_proj, expert.down_proj) if isinstance(expert, nn.Module) else expert
+                (get_tensor(expert, "gate_up_proj"), get_tensor(expert, "down_proj"))
+                if isinstance(expert, nn.Module)
+                else expert
             )
             width = down.shape[1]
             out[f"{prefix}{p}.{names[0]}.weight"] = gate_up[:width]

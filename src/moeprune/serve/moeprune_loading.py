@@ -8,12 +8,19 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from .moeprune_layers import INDEX_FILE, SINGLE_FILE, fail
+
+
+class DiskTensors(Protocol):
+    """What loading needs of a model: its tensors by on-disk name (modeling_moeprune's mixin)."""
+
+    def moeprune_disk_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]: ...
+
 
 HUB_ARGUMENTS = (
     "cache_dir",
@@ -158,7 +165,7 @@ def listed(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_weights(model: nn.Module, folder: str) -> None:
+def load_weights(model: DiskTensors, folder: str) -> None:
     """Copy every stored tensor into the model by its on-disk name; strict both ways."""
     targets, aliases = model.moeprune_disk_tensors()
     shards = shard_files(folder)

@@ -17,7 +17,7 @@ from torch import nn
 from moeprune.allocate.basic import plan_removals
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
-from moeprune.plan import Plan
+from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
 
@@ -188,10 +188,7 @@ def drop_plan(request: PlanRequest) -> Plan:
     positions = plan_removals([s.order for s in request.scores], removed, [m.n_group for m in layers])
     ids = [[m.expert_ids[p] for p in sorted(pos)] for m, pos in zip(layers, positions)]
     plan = Plan.from_removals(
-        model_type=moe.model_type,
-        num_experts=[m.num_experts for m in layers],
-        top_k=[m.top_k for m in layers],
-        layer_indices=[m.index for m in layers],
+        ModelShape.of(moe),
         removals=ids,
         criterion=criterion.name,
         allocation=request.allocation,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ def neuron_masks(layer: MoELayer, keep: Mapping[int, torch.Tensor]) -> dict[int,
     """The virtual form: {position: 0/1 mask over the intermediate neurons}."""
     masks = {}
     for p, ids in keep.items():
-        mask = torch.zeros(layer.intermediate_size, device=layer.experts.down_proj.device)
+        mask = torch.zeros(layer.intermediate_size, device=cast(torch.Tensor, layer.experts.down_proj).device)
         mask[ids.to(mask.device)] = 1
         masks[p] = mask
     return masks
@@ -200,6 +201,7 @@ def _resize_shared(moe: MoEModel, full: int, width: int) -> None:
     if not moe.spec.shared_width_derived:
         return
     field = shared_multiplier(moe)
+    assert field is not None, "a derived shared-expert width without a multiplier field"
     multiplier = int(getattr(moe.config, field) or 0)
     if multiplier <= 0:
         return
@@ -226,7 +228,8 @@ def pad_mlp(module: nn.Module, width: int) -> None:
         else:
             linear.in_features = width
     if hasattr(module, "intermediate_size"):
-        module.intermediate_size = width
+        mlp: Any = module  # nn.Module does not declare the family's width attribute
+        mlp.intermediate_size = width
 
 
 # ----------------------------------------------------------------------------- plans

@@ -15,6 +15,7 @@ expert that no calibration token reached has mu_i = 0 (it then contributes nothi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -26,7 +27,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
-from moeprune.plan import Plan
+from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.packed import pack_layer
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
@@ -63,7 +64,7 @@ def layer_stats(domains: Sequence[ExpertStats], layer: MoELayer) -> LayerStats:
 
 def mean_outputs(layer: MoELayer, stats: LayerStats, positions: Sequence[int]) -> dict[int, torch.Tensor]:
     """mu_i of the experts at `positions`, in the model's dtype and device."""
-    ref = layer.experts.down_proj
+    ref = cast(torch.Tensor, layer.experts.down_proj)
     return {p: stats.mean[p].to(device=ref.device, dtype=ref.dtype) for p in positions}
 
 
@@ -100,10 +101,7 @@ def novice_plan(
         removed = expert_allocation(moe, criterion, scores, sparsity, allocation, limits)
     positions = plan_removals([s.order for s in scores], removed)
     plan = Plan.from_removals(
-        model_type=moe.model_type,
-        num_experts=num_experts,
-        top_k=top_k,
-        layer_indices=[m.index for m in layers],
+        ModelShape.of(moe),
         removals=[[m.expert_ids[p] for p in sorted(pos)] for m, pos in zip(layers, positions)],
         criterion=criterion.name,
         allocation=allocation,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import searches
-from moeprune.allocate.search.run import check_search
 from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
-from moeprune.config import PruneConfig
+from moeprune.config import PruneConfig, split_legacy
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
@@ -34,45 +35,68 @@ from moeprune.surgery.registry import (
     method_limits,
 )
 
+# build_plan's former keywords -> the PruneConfig fields that replaced them (still accepted, with a warning)
+_CONFIG_KEYWORDS = {
+    name: name
+    for name in (
+        "sparsity",
+        "allocation",
+        "method",
+        "expert_multiple",
+        "neuron_importance",
+        "important_fraction",
+        "slope",
+    )
+}
+
 
 def build_plan(
     moe: MoEModel,
     criterion: Criterion,
     scores: Sequence[LayerScores],
     *,
-    sparsity: float,
-    allocation: str | None = None,
-    method: str = "drop",
+    config: PruneConfig | None = None,
     stats: Sequence[ExpertStats] = (),
     removed: Sequence[int] | None = None,
     data_fingerprint: str = "",
-    expert_multiple: int = 1,
-    neuron_importance: str = "projection",
-    important_fraction: float | None = None,
-    slope: float = 0.5,
+    **legacy: Any,
 ) -> Plan:
     """Turn scores and a global budget into a per-layer plan, for any registered method.
 
+    `config` says what to build: its sparsity, allocation (None: the method's default), method,
+    expert_multiple (every layer keeps a multiple of this many experts: drop and novice) and the
+    neuron settings (neuron_importance, important_fraction, slope). Its criterion name, seed and
+    search settings are not read here: `criterion` is the one `scores` come from, and a search
+    has already run when `removed` is given.
     `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
-    `expert_multiple`: every layer keeps a multiple of this many experts (drop and novice).
-    The keyword arguments are those of `PruneConfig` (`plan_for` takes one).
+
+    The settings travel as one PruneConfig, as everywhere else, rather than as seven keywords
+    repeated at every caller. Those former keywords (`sparsity=`, `allocation=`, `method=`,
+    `expert_multiple=`, `neuron_importance=`, `important_fraction=`, `slope=`) still work, each
+    with a DeprecationWarning, filling `config` (or a PruneConfig named after `criterion`).
     """
-    allocation = allocation or default_allocation(method)
+    if config is None:
+        config = PruneConfig(criterion.name, sparsity=None)  # type: ignore[arg-type]  # set from `legacy`
+    (config,) = split_legacy(legacy, "build_plan", config=(config, _CONFIG_KEYWORDS))
+    if config.sparsity is None:
+        raise TypeError("build_plan() missing its settings: pass config=PruneConfig(...)")
+    method = config.method
+    allocation = config.allocation or default_allocation(method)
     check_method(method, allocation)
     request = PlanRequest(
         moe,
         criterion,
         scores,
-        sparsity,
+        config.sparsity,
         allocation,
         method,
         stats=stats,
         removed=removed,
         data_fingerprint=data_fingerprint,
-        expert_multiple=expert_multiple,
-        neuron_importance=neuron_importance,
-        important_fraction=important_fraction,
-        slope=slope,
+        expert_multiple=config.expert_multiple,
+        neuron_importance=config.neuron_importance,
+        important_fraction=config.important_fraction,
+        slope=config.slope,
     )
     return METHODS.get(method).fn(request)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +33,8 @@ from moeprune.surgery.neurons import (
 from moeprune.surgery.novice import StatsInput, layer_stats, mean_outputs, require_stats
 from moeprune.surgery.packed import pack_layer
 
+V = TypeVar("V")
+
 
 @dataclass
 class ResolvedPlan:
@@ -51,7 +54,7 @@ def positions(layer: MoELayer, ids: Sequence[int]) -> list[int]:
     return [where[e] for e in ids]
 
 
-def _by_position(layer: MoELayer, by_id: Mapping[int, object]) -> dict[int, object]:
+def _by_position(layer: MoELayer, by_id: Mapping[int, V]) -> dict[int, V]:
     return dict(zip(positions(layer, list(by_id)), by_id.values()))
 
 

@@ -7,11 +7,13 @@ exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from moeprune.allocate.trapezoid import DEFAULT_SLOPE, TrapezoidLayer, trapezoid_allocation
-from moeprune.config import NEURON_STATS
+from moeprune.config import NEURON_STATS, split_legacy
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -22,23 +24,47 @@ from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 
 
+@dataclass(frozen=True)
+class TenpOptions:
+    """TENP's own settings (PruneConfig's fields of the same names), passed as one object."""
+
+    important_fraction: float | None = None  # share kept as whole experts (None: half the kept budget)
+    slope: float = DEFAULT_SLOPE  # how fast the number of whole experts grows with depth
+    neuron_importance: str = "projection"  # how neurons are ranked ("projection" or "l2")
+
+
+# tenp_plan's former keywords -> TenpOptions fields (still accepted, with a warning)
+_OPTION_KEYWORDS = {
+    "important_fraction": "important_fraction",
+    "slope": "slope",
+    "importance": "neuron_importance",
+}
+
+
 def tenp_plan(
     moe: MoEModel,
     stats: StatsInput | None,
     scores: Sequence[LayerScores],
     sparsity: float,
+    options: TenpOptions | None = None,
     *,
-    important_fraction: float | None = None,
-    slope: float = DEFAULT_SLOPE,
-    importance: str = "projection",
     criterion: str = "tenp",
     data_fingerprint: str = "",
+    **legacy: Any,
 ) -> Plan:
     """TENP: per layer the highest-scored experts stay whole, the others are neuron-pruned.
 
     `sparsity` is the fraction of routed-expert parameters removed; `scores` rank experts within
     each layer (the tenp criterion; several calibration domains use its per-domain normalisation).
+    `options` holds TENP's own settings; the former keywords `important_fraction=`, `slope=` and
+    `importance=` still work in its place, with a DeprecationWarning.
     """
+    (options,) = split_legacy(legacy, "tenp_plan", options=(options or TenpOptions(), _OPTION_KEYWORDS))
+    important_fraction, slope, importance = (
+        options.important_fraction,
+        options.slope,
+        options.neuron_importance,
+    )
     check_neuron_prunable(moe)
     check_neuron_stats(moe, stats, check_importance(importance))
     if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
@@ -97,14 +123,13 @@ def tenp_plan(
     )
 )
 def plan_tenp(request: PlanRequest) -> Plan:
+    options = TenpOptions(request.important_fraction, request.slope, request.neuron_importance)
     return tenp_plan(
         request.moe,
         request.domains,
         importance_scores(request.criterion, request.scores),
         request.sparsity,
-        important_fraction=request.important_fraction,
-        slope=request.slope,
-        importance=request.neuron_importance,
+        options,
         criterion=request.criterion.name,
         data_fingerprint=request.data_fingerprint,
     )

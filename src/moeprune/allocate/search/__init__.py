@@ -1,7 +1,4 @@
-"""EvoESAP: the search for per-layer expert budgets, and choosing the criterion automatically.
+"""Former home of the EvoESAP search, now moeprune.search (fitnesses: moeprune.allocate.fitness).
 
-- evo.py         population, mutation, the generation loop, checkpoint and resume
-- candidates.py  a candidate's fitness through reversible masks (prefix reuse, racing, torchrun)
-- fitness.py     ESAP / SAP / KL / NLL on answer positions, and the teacher cache
-- auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
+Its modules remain importable from here, each with a DeprecationWarning (moeprune/_moved.py).
 """

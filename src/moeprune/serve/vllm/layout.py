@@ -125,7 +125,8 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
 
 
 def _decoder_layers(config: dict[str, Any]) -> int | None:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text_config = config.get("text_config")
+    text = text_config if isinstance(text_config, dict) else config
     return text.get("num_hidden_layers")
 
 
@@ -151,7 +152,7 @@ def padded_parameter_count(path: str | Path) -> int:
         total += numel
         match = _EXPERT_TENSOR.search(name)
         layer = layout.get(int(match.group(1))) if match else None
-        if layer is not None:
+        if match and layer is not None:
             narrow = shape[1] if match.group(3) in DOWN_PROJECTIONS else shape[0]
             total += (numel // narrow) * (layer.width - narrow)
     return total

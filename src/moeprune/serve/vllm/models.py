@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm import ModelRegistry
@@ -26,7 +27,13 @@ _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
 MEAN_OUTPUT = "mean_output"
 
 
-class _MoePruneForCausalLM:
+if TYPE_CHECKING:
+    _VllmCausalLM = Any  # the vLLM class the mixin is placed before (chosen per family in served_class)
+else:
+    _VllmCausalLM = object
+
+
+class _MoePruneForCausalLM(_VllmCausalLM):
     """Mixin placed before vLLM's class: per-layer shapes at construction, remapped loading."""
 
     family: str
@@ -69,7 +76,7 @@ class _MoePruneForCausalLM:
         for name, tensor in weights:
             match = _EXPERT.search(name)
             layer = self._moeprune_layout.get(int(match.group(1))) if match else None
-            if layer is None:
+            if match is None or layer is None:
                 yield name, tensor
                 continue
             position, rest = int(match.group(2)), match.group(3)

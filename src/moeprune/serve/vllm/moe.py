@@ -47,6 +47,10 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class NoviceTable(nn.Module):
     """A layer's novice vectors and the maps from router position to fused expert / novice row."""
 
+    slot: torch.Tensor  # buffers registered in __init__, declared for the type checker
+    fused: torch.Tensor
+    is_novice: torch.Tensor
+
     def __init__(self, layer: LayerStructure, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.layer = layer.layer

@@ -16,8 +16,9 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.observe.observer import observe
-from moeprune.observe.sequential import observe_sequential
 from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
+from moeprune.runtime.device import Placement
+from moeprune.shards.sequential import SequentialOptions, observe_sequential
 from moeprune.surgery.drop import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
@@ -60,8 +61,31 @@ def test_bf16_keeps_the_fp32_modules(tmp_path):
     data = calibration(LENGTHS)
     model, _ = load_model(tmp_path, dtype="bf16")
     expected = observe(MoEModel(model), data, batch_size=2, progress=False)
-    actual = observe_sequential(tmp_path, data, batch_size=2, dtype=torch.bfloat16, progress=False)
+    bf16 = SequentialOptions(placement=Placement(torch.device("cpu"), torch.bfloat16))
+    actual = observe_sequential(tmp_path, data, batch_size=2, options=bf16, progress=False)
     assert_close_stats(expected, actual)
+
+
+def test_former_device_and_dtype_keywords_still_work_with_a_warning(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path)
+    data = calibration(LENGTHS[:2])
+    bf16 = SequentialOptions(placement=Placement(torch.device("cpu"), torch.bfloat16))
+    expected = observe_sequential(tmp_path, data, batch_size=2, options=bf16, progress=False)
+    with pytest.warns(DeprecationWarning) as caught:
+        actual = observe_sequential(
+            tmp_path, data, batch_size=2, device="cpu", dtype=torch.bfloat16, offload_dir=tmp_path / "acts",
+            progress=False,
+        )  # fmt: skip
+    assert [str(w.message) for w in caught] == [
+        "observe_sequential(offload_dir=...) is deprecated: pass options=SequentialOptions(offload_dir=...)",
+        "observe_sequential(device=...) is deprecated: pass options=SequentialOptions(placement=Placement(device=...))",
+        "observe_sequential(dtype=...) is deprecated: pass options=SequentialOptions(placement=Placement(dtype=...))",
+    ]
+    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
+    for a, b in zip(expected.layers, actual.layers, strict=True):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in SUM_FIELDS + MOMENT_FIELDS)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'devise'"):
+        observe_sequential(tmp_path, data, devise="cpu")
 
 
 def test_sharded_checkpoint_with_activations_on_disk(tmp_path):
@@ -73,7 +97,8 @@ def test_sharded_checkpoint_with_activations_on_disk(tmp_path):
     assert (model_dir / "model.safetensors.index.json").is_file()
     data = calibration(LENGTHS)
     expected = observe(MoEModel(model), data, batch_size=2, progress=False)
-    actual = observe_sequential(model_dir, data, batch_size=2, progress=False, offload_dir=scratch)
+    options = SequentialOptions(offload_dir=scratch)
+    actual = observe_sequential(model_dir, data, batch_size=2, progress=False, options=options)
     assert_close_stats(expected, actual)
     assert not any(scratch.iterdir())  # the temporary activations are removed
 
@@ -97,7 +122,7 @@ _MEASURE = textwrap.dedent(
     import sys
     import torch
     torch.set_num_threads(1)
-    from moeprune.observe.sequential import observe_sequential
+    from moeprune.shards.sequential import observe_sequential
     from test_observe import calibration
 
     def status(field):  # VmHWM is this process's own peak (ru_maxrss would include the parent's at fork)
@@ -133,7 +158,7 @@ def test_peak_memory_is_about_one_layer(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).parents[1] / "observe",  # where test_observe (calibration) lives
     )
     assert done.returncode == 0, done.stderr[-3000:]
     growth = int(done.stdout.split()[-1])

@@ -1,0 +1,20 @@
+"""The searched allocation, declared: `evo` finds the per-layer counts by EvoESAP on search data.
+
+Only the declaration lives here, so the allocation table, validation and `requirements()` know it
+without importing the search; the search itself (moeprune.search) evaluates candidate plans
+through surgery's masks and so comes after surgery in the pipeline.
+"""
+
+from __future__ import annotations
+
+from moeprune.allocate.registry import ALLOCATIONS, Allocator
+from moeprune.config import SEARCH_DATA
+
+ALLOCATIONS.add(
+    Allocator(
+        "evo",
+        "EvoESAP: search the per-layer counts under the same budget, candidates scored on "
+        "teacher-forced search data",
+        needs=(SEARCH_DATA,),
+    )
+)

@@ -1,0 +1,157 @@
+"""How a prune runs: pipelines by execution mode, registered like criteria and methods.
+
+- `in-memory`: load the model (one GPU, several with `device="auto"`, or the CPU), observe, search,
+  cut, save (`api.prune_checkpoint`). Every criterion, allocation and method.
+- `no-load`: never hold the whole model: weight-only scores streamed from the shards or statistics
+  observed one decoder layer at a time, then the shards rewritten one tensor at a time
+  (`shards.prune.prune_without_loading`). What a stock checkpoint can express without the loaded
+  model: a uniform drop, or one neuron width for every expert.
+
+Each pipeline declares what it supports, so an unsupported combination is refused here in one
+sentence, before anything is read, and `unread_settings` lists the settings a run would silently
+ignore (the command line refuses those when they are typed). The command line only chooses the
+pipeline by name; it holds no rule of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moeprune.api import prune_checkpoint
+from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
+from moeprune.criteria import AUTO
+from moeprune.errors import MoePruneError
+from moeprune.shards.prune import prune_without_loading
+from moeprune.surgery.planning import requirements
+
+Setting = str | type  # a setting's name, or a config class standing for all of its settings
+
+
+@dataclass
+class PruneRequest:
+    """Everything a prune job is asked to do: the input, the output and the option objects."""
+
+    model_path: str | Path
+    output: str | Path
+    config: PruneConfig
+    data: DataOptions = field(default_factory=DataOptions)
+    search_data: Sequence[str] = ()
+    tokenizer_path: str | Path | None = None
+    save: SaveOptions = field(default_factory=SaveOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    help: str
+    needs: tuple[str, ...] = ()
+    methods: tuple[str, ...] | None = None  # None: every registered method
+    allocations: tuple[str, ...] | None = None  # None: every registered allocation
+    auto_criterion: bool = True  # can it choose the criterion itself (it evaluates plans on a loaded model)
+    why_limited: str = ""  # why the limits above, for the refusal
+    unread: tuple[tuple[tuple[Setting, ...], str], ...] = ()  # settings it never reads, and why
+    fn: Callable[[PruneRequest], dict] | None = None
+
+    def check(self, config: PruneConfig) -> None:
+        """Refuse, in one sentence naming what it supports, a config this pipeline cannot run."""
+        allocation = config.allocation or "uniform"
+        if config.criterion == AUTO and not self.auto_criterion:
+            raise MoePruneError(
+                f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
+                options=("criterion", "pipeline"),
+            )
+        if (self.methods is not None and config.method not in self.methods) or (
+            self.allocations is not None and allocation not in self.allocations
+        ):
+            raise MoePruneError(
+                f"the {self.name} pipeline runs the {' or '.join(self.methods or ())} method with the "
+                f"{' or '.join(self.allocations or ())} allocation ({self.why_limited}); the {config.method} "
+                f"method with the {allocation} allocation needs the in-memory pipeline",
+                options=("pipeline", "method"),
+            )
+
+
+PIPELINES: Registry[Pipeline] = Registry("pipeline", "pipeline")
+
+
+def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple[Setting, ...], str]]:
+    """(settings, why) for every setting this run would ignore: the pipeline's own, then the ones
+    only a search, another method or neuron pruning read."""
+    unread = list(pipeline.unread)
+    needs = requirements(config)
+    if not needs.search:
+        unread.append((("search_data", SearchConfig), "without --allocation evo or --criterion auto"))
+    unread += [(tuple(knobs), f"without --method {other}") for other, knobs in needs.other_knobs.items()]
+    if not needs.neuron_stats:
+        unread.append((("neuron_importance",), f"with --method {config.method} (it keeps every neuron)"))
+    return unread
+
+
+def run_pipeline(name: str, request: PruneRequest) -> dict:
+    """Run `request` on the named pipeline: its refusals first, then the job; returns report.json."""
+    pipeline = PIPELINES.get(name)
+    pipeline.check(request.config)
+    return pipeline.fn(request)
+
+
+@PIPELINES.register(
+    Pipeline(
+        "in-memory",
+        help="load the model, observe, search, cut and save (the default)",
+        unread=(
+            (
+                ("activations_dir",),
+                "without --sequential (it is where sequential observation caches activations)",
+            ),
+        ),
+    )
+)
+def _in_memory(request: PruneRequest) -> dict:
+    return prune_checkpoint(
+        request.model_path,
+        request.output,
+        request.config,
+        data=request.data,
+        search_data=request.search_data,
+        tokenizer_path=request.tokenizer_path,
+        save=request.save,
+        run=request.run,
+    )
+
+
+@PIPELINES.register(
+    Pipeline(
+        "no-load",
+        help="never hold the whole model: score from the shards or layer by layer, rewrite the shards one by one",
+        methods=("drop", "neurons"),
+        allocations=("uniform",),
+        auto_criterion=False,
+        why_limited="without the loaded model it can only write what a stock checkpoint expresses",
+        unread=(
+            (
+                (
+                    "resume",
+                    "dry_run",
+                    "save_dtype",
+                    "max_shard_size",
+                    "expert_multiple",
+                    "important_fraction",
+                    "slope",
+                ),
+                "with --no-load (it copies the input's shards and dtype)",
+            ),
+        ),
+    )
+)
+def _no_load(request: PruneRequest) -> dict:
+    return prune_without_loading(
+        request.model_path,
+        request.output,
+        request.config,
+        data=request.data,
+        tokenizer_path=request.tokenizer_path,
+        run=request.run,
+    )

@@ -1,0 +1,187 @@
+"""The nested parts of report.json that its readers use field by field, as small dataclasses.
+
+Why dataclasses: the console summary, report.md and the model card each pick numbers out of these
+parts; an attribute a producer forgot to fill or a reader misspells fails where it happens,
+instead of silently dropping a line. Each part writes its keys in field order and leaves a key out
+where its field is None (in report.json a part's keys are either there with a value or absent), so
+`Part.from_json(d).to_json() == d` for every part a prune writes. Unknown keys are not kept: the
+parts are summaries whose keys moeprune decides (search.json's other keys, for one, stay out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from moeprune.data.loading import CalibrationData
+    from moeprune.observe.stats import ExpertStats
+
+_P = TypeVar("_P", bound="Part")
+
+
+class Part:
+    """A JSON object with fixed keys: written in field order, a None field being an absent key."""
+
+    nested: ClassVar[Mapping[str, type[Part]]] = {}  # fields that are parts themselves
+
+    def __bool__(self) -> bool:
+        """False when it has no key, like the empty JSON object it writes (`if report.disk_bytes:`)."""
+        return any(getattr(self, f.name) is not None for f in fields(self))  # type: ignore[arg-type]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value.to_json() if isinstance(value, Part) else value
+        return out
+
+    @classmethod
+    def from_json(cls: type[_P], document: Mapping[str, Any]) -> _P:
+        """The part from its JSON object; keys it does not know are left out."""
+        values = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            if f.name in document:
+                value = document[f.name]
+                part = cls.nested.get(f.name)
+                values[f.name] = part.from_json(value) if part is not None and value is not None else value
+        return cls(**values)
+
+    @classmethod
+    def rows(cls: type[_P], rows: Sequence[Mapping[str, Any]] | None) -> list[_P] | None:
+        """A list of parts from a list of JSON objects (None stays None: the key was absent)."""
+        return None if rows is None else [cls.from_json(row) for row in rows]
+
+
+@dataclass
+class ParameterCounts(Part):
+    """`parameters_before` / `parameters_after`: total, routed-expert (E) and active (A) parameters."""
+
+    total: int | None = None
+    routed_experts: int | None = None
+    active_routed_experts: int | None = None
+    active_per_token: int | None = None
+
+
+@dataclass
+class DiskBytes(Part):
+    """`disk_bytes`: the safetensors weights on disk, before and after."""
+
+    before: int | None = None
+    after: int | None = None
+
+
+@dataclass(kw_only=True)
+class LayerShape(Part):
+    """One row of `layers_before` / `layers_after`: a MoE layer's experts, novices, top-k, widths."""
+
+    layer: int
+    experts: int
+    novices: int = 0
+    top_k: int | None = None
+    intermediate_size: int | None = None
+    min_intermediate_size: int | None = None  # absent in reports older than per-expert widths
+
+
+@dataclass(kw_only=True)
+class KeptRow(Part):
+    """One row of `kept_per_layer` (what density.png draws): experts and routed parameters kept."""
+
+    layer: int
+    experts_before: int
+    experts_after: int | None = None
+    routed_params_before: int
+    routed_params_after: int
+
+
+@dataclass
+class Surgery(Part):
+    """`surgery`: what the surgery did: a rectangular (stock) result and its one expert width, or
+    the layers it packed."""
+
+    form: str | None = None
+    intermediate_size: int | None = None
+    packed_layers: list[int] | None = None
+
+
+@dataclass
+class DataSummary(Part):
+    """`data`: the calibration data read; empty (`{}`) when the prune read none."""
+
+    sources: list[str] | None = None
+    samples: int | None = None
+    tokens: int | None = None
+    truncated_samples: int | None = None
+    text_only: bool | None = None
+    fingerprint: str | list[str] | None = None
+    notes: list[str] | None = None
+
+    @classmethod
+    def of(cls, sets: Sequence[CalibrationData], stats: Sequence[ExpertStats]) -> DataSummary:
+        """The summary of the calibration sets a prune observed (and the statistics they gave)."""
+        if not sets:
+            return cls()
+        return cls(
+            sources=[s for d in sets for s in d.sources],
+            samples=sum(len(d.samples) for d in sets),
+            tokens=int(sum(s.tokens for s in stats)),
+            truncated_samples=sum(d.truncated for d in sets),
+            text_only=all(d.text_only for d in sets),
+            fingerprint=sets[0].fingerprint if len(sets) == 1 else [d.fingerprint for d in sets],
+            notes=[n for d in sets for n in d.notes],
+        )
+
+
+@dataclass
+class Serving(Part):
+    """`serving` (moeprune's format only): what vLLM holds once it pads each layer's experts to the
+    widest, or why moeprune's plugin does not serve this family."""
+
+    vllm_padded_parameters: int | None = None
+    vllm_refused: str | None = None
+
+
+@dataclass
+class CriterionAuto(Part):
+    """`criterion_auto`: the uniform plan of every criterion scored by `fitness` on the search
+    data; `table` rows are `{"criterion": name, fitness: value}`."""
+
+    fitness: str
+    chosen: str
+    table: list[dict[str, Any]]
+
+
+@dataclass
+class SearchUniform(Part):
+    """The uniform allocation a search is measured against, and its fitness."""
+
+    allocation: list[int] | None = None
+    fitness_value: float | None = None
+
+
+@dataclass
+class SearchStop(Part):
+    """Why an EvoESAP search stopped, after how many generations."""
+
+    reason: str | None = None
+    generations_run: int | None = None
+    patience: int | None = None
+
+
+@dataclass
+class SearchSummary(Part):
+    """`search`: the summary of search.json a report keeps (`from_json(search_doc)` picks it)."""
+
+    nested: ClassVar[Mapping[str, type[Part]]] = {"uniform": SearchUniform, "stopped": SearchStop}
+
+    fitness: str | None = None
+    budget: int | None = None
+    allocation: list[int] | None = None
+    fitness_value: float | None = None
+    uniform: SearchUniform | None = None
+    evaluations: int | None = None
+    stopped: SearchStop | None = None
+    teacher_cache: dict[str, Any] | None = None
+    notes: list[str] | None = None

@@ -1,0 +1,13 @@
+"""EvoESAP: the search for per-layer expert budgets, and choosing the criterion automatically.
+
+A stage after surgery: a candidate is a plan applied through surgery's reversible masks. Its
+allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allocate/fitness.py.
+
+- evo.py         population, mutation, the generation loop, checkpoint and resume
+- candidates.py  a candidate's fitness through reversible masks (prefix reuse, racing, torchrun)
+- population.py  the budget-preserving population and its mutation
+- prefix.py      cached decoder-layer outputs shared by candidates with a common prefix
+- run.py         the resumable driver (search_allocation, run_evo_search)
+- auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
+- options.py     SearchRuntime: how a search runs, none of which changes its result
+"""

@@ -1,0 +1,354 @@
+"""EvoESAP: evolutionary search over per-layer removal counts (docs/allocation.md, "EvoESAP").
+
+The allocations it moves between, and how, are population.py's. The search is generic in the fitness: ``evaluate(allocation) -> float``, higher is better (the
+caller negates KL/NLL). Every distinct allocation is evaluated once (fitness cache). All
+randomness comes from one ``numpy.random.Generator(PCG64(seed))`` whose state is checkpointed
+with the population and cache after every generation, so an interrupted run resumes to the
+identical result.
+
+Batch evaluation (data-parallel search under torchrun, see search/run.py): with
+``evaluate_many``, each generation's new allocations (not cached, deduplicated, in population
+order) are handed over at once, ``evaluate_many(generation, allocations) -> fitnesses``; the
+state is then saved at generation boundaries only. ``EvoIO(write_state=False)`` (every rank but
+0) reads a saved state for ``resume`` but never writes one.
+
+Generation 0 evaluates the initial population; each later generation evaluates the m elites of
+the previous one (cached) plus P - m offspring. ``generations`` counts evaluated generations,
+including generation 0. The next population is always bred right after a generation is
+evaluated, so a finished run can be extended by resuming with more generations and reaches the
+same result as a run started with that many.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeprune.allocate.fitness import FITNESSES
+from moeprune.checkpoint.atomic import write_json
+from moeprune.config import SearchConfig, split_legacy
+from moeprune.errors import MoePruneError
+from moeprune.runtime.progress import progress_bar
+from moeprune.search.population import (
+    Allocation,
+    Feasibility,
+    initial_population,
+    mutate,
+)
+
+STATE_VERSION = 1
+_MAX_OFFSPRING_REDRAWS = 16  # redraws of an offspring that was already seen
+
+
+@dataclass
+class GenerationStats:
+    """One generation of the history: the population's fitnesses in population order."""
+
+    generation: int
+    best: float
+    mean: float
+    fitnesses: list[float]
+    new_evaluations: int
+    best_allocation: list[int]
+
+
+@dataclass
+class EvoResult:
+    """The best allocation ever evaluated, its fitness, and the search's full history."""
+
+    best: Allocation
+    best_fitness: float
+    history: list[GenerationStats] = field(default_factory=list)
+    evaluations: int = 0
+    stopped: dict[str, Any] = field(default_factory=dict)  # why the search ended, after how many generations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "best": list(self.best),
+            "best_fitness": self.best_fitness,
+            "evaluations": self.evaluations,
+            "history": [asdict(h) for h in self.history],
+            "stopped": self.stopped,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# The search
+
+
+def _rank_key(item: tuple[Allocation, float]) -> tuple[float, Allocation]:
+    """Best first; equal fitness falls back to the allocation tuple, so ties are deterministic."""
+    return (-item[1], item[0])
+
+
+@dataclass(frozen=True)
+class EvoIO:
+    """What one search process reads and writes besides the fitness: its checkpoint and its
+    progress bar. None of it changes the result; grouped so EvoSearch takes one object for them.
+
+    The state at ``state_path`` (with ``fingerprint``, which a resume must match) is saved after
+    every generation and, mid-generation, at most every ``save_interval_s`` seconds.
+    ``write_state=False`` (every torchrun rank but 0) reads a saved state for a resume but never
+    writes one.
+    """
+
+    state_path: str | os.PathLike[str] | None = None
+    fingerprint: Mapping[str, Any] | None = None  # model, data, criterion, fitness, ...
+    save_interval_s: float = 30.0
+    write_state: bool = True
+    progress: bool = True
+
+
+# EvoSearch's former keywords, now fields of its EvoIO (same names).
+_IO_KEYWORDS = ("state_path", "fingerprint", "progress", "save_interval_s", "write_state")
+
+
+class EvoSearch:
+    """Runs (and checkpoints, and resumes) one EvoESAP search.
+
+    Offspring that were evaluated before or already sit in the new population are redrawn up
+    to 16 times, so each generation spends its evaluations on new allocations; after that a
+    duplicate is accepted (it costs no evaluation). Elites are the top m *distinct*
+    allocations. Mid-generation, the state (with the fitness cache) is also saved at most
+    every ``io.save_interval_s`` seconds, so a crash loses little evaluation work. The old
+    keywords (``state_path=``, ``fingerprint=``, ``progress=``, ...) still work, with a
+    DeprecationWarning.
+    """
+
+    def __init__(
+        self,
+        evaluate: Callable[[Allocation], float],
+        budget: int,
+        caps: Sequence[int],
+        uniform: Sequence[int],
+        config: SearchConfig | None = None,
+        multiples: Sequence[int] | None = None,
+        *,
+        io: EvoIO | None = None,
+        evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None = None,
+        **legacy: Any,
+    ) -> None:
+        (io,) = split_legacy(legacy, "EvoSearch", io=(io or EvoIO(), {name: name for name in _IO_KEYWORDS}))
+        self.config = config or SearchConfig()
+        self.config.validate()  # a config changed after it was made is checked again
+        self.feas = Feasibility(budget, caps, multiples)
+        self.uniform = self.feas.check(uniform, "uniform allocation")
+        self.evaluate = evaluate
+        self.state_path = Path(io.state_path) if io.state_path is not None else None
+        self.fingerprint = dict(io.fingerprint or {})
+        self.progress = io.progress
+        self.save_interval_s = io.save_interval_s
+        self.evaluate_many = evaluate_many
+        self.write_state = io.write_state
+        self.cache: dict[Allocation, float] = {}
+        self.history: list[GenerationStats] = []
+        self._last_save = time.monotonic()
+        self._new_in_generation = 0  # evaluations so far in the generation being evaluated
+        self.stopped: dict[str, Any] = {}  # why run() ended (search.json)
+
+    # -- identity of a run: what must match for a resume -----------------------------------
+    def _identity(self) -> dict[str, Any]:
+        # the search core's settings; a resume may extend (or shorten) the run or stop it earlier
+        # (generations, patience); the fitness is in the fingerprint, the sample count in the data's
+        config = {
+            name: getattr(self.config, name)
+            for name in ("population", "elites", "delta_max", "tau_max", "seed")
+        }
+        identity = {
+            "config": config,
+            "budget": self.feas.budget,
+            "caps": list(self.feas.caps),
+            "multiples": list(self.feas.multiples),
+            "uniform": list(self.uniform),
+            "fingerprint": self.fingerprint,
+        }
+        return json.loads(json.dumps(identity))  # compare as saved: tuples become lists
+
+    def _save(self, generation: int, population: list[Allocation], rng: np.random.Generator) -> None:
+        if self.state_path is None or not self.write_state:
+            return
+        state = {
+            "version": STATE_VERSION,
+            **self._identity(),
+            "generations": self.config.generations,
+            "generation": generation,
+            "population": [list(a) for a in population],
+            "new_in_generation": self._new_in_generation,
+            "cache": [[list(a), f] for a, f in self.cache.items()],
+            "rng": rng.bit_generator.state,
+            "history": [asdict(h) for h in self.history],
+        }
+        write_json(self.state_path, state)
+        self._last_save = time.monotonic()
+
+    def _load(self) -> tuple[int, list[Allocation], np.random.Generator]:
+        if self.state_path is None:
+            raise MoePruneError("resume needs a state_path")
+        if not self.state_path.is_file():
+            raise MoePruneError(f"cannot resume: no search state at {self.state_path}; run without resume")
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MoePruneError(
+                f"cannot resume: {self.state_path} is not a readable search state ({exc})"
+            ) from exc
+        if state.get("version") != STATE_VERSION:
+            raise MoePruneError(f"cannot resume: {self.state_path} has state version {state.get('version')}")
+        for key, now in self._identity().items():
+            saved = state.get(key)
+            if saved != now:
+                raise MoePruneError(
+                    f"cannot resume: {_first_difference(key, saved, now)} differs from the saved search"
+                    f" in {self.state_path}; use the same settings or start a new search"
+                )
+        self.cache = {tuple(a): float(f) for a, f in state["cache"]}
+        self.history = [GenerationStats(**h) for h in state["history"]]
+        self._new_in_generation = int(state["new_in_generation"])
+        rng = np.random.Generator(np.random.PCG64())
+        rng.bit_generator.state = state["rng"]
+        return int(state["generation"]), [tuple(a) for a in state["population"]], rng
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _fitness(self, allocation: Allocation) -> float:
+        return _checked(allocation, self.evaluate(allocation))
+
+    def _evaluate_population(
+        self, generation: int, population: list[Allocation], rng: np.random.Generator
+    ) -> GenerationStats:
+        if self.evaluate_many is not None:
+            new = list(dict.fromkeys(a for a in population if a not in self.cache))
+            values = list(self.evaluate_many(generation, new)) if new else []
+            if len(values) != len(new):
+                raise MoePruneError(
+                    f"evaluate_many returned {len(values)} fitnesses for {len(new)} allocations"
+                )
+            for allocation, value in zip(new, values):
+                self.cache[allocation] = _checked(allocation, value)
+            self._new_in_generation += len(new)
+        for allocation in population:
+            if allocation in self.cache:
+                continue
+            self.cache[allocation] = self._fitness(allocation)
+            self._new_in_generation += 1
+            if time.monotonic() - self._last_save >= self.save_interval_s:
+                self._save(generation, population, rng)
+        fitnesses = [self.cache[a] for a in population]
+        best_allocation, best = min(((a, self.cache[a]) for a in population), key=_rank_key)
+        return GenerationStats(
+            generation=generation,
+            best=best,
+            mean=float(np.mean(fitnesses)),
+            fitnesses=fitnesses,
+            new_evaluations=self._new_in_generation,
+            best_allocation=list(best_allocation),
+        )
+
+    def _breed(self, population: list[Allocation], rng: np.random.Generator) -> list[Allocation]:
+        ranked = sorted({a: self.cache[a] for a in population}.items(), key=_rank_key)
+        elites = [a for a, _ in ranked[: self.config.elites]]
+        nxt = list(elites)
+        while len(nxt) < self.config.population:
+            for _ in range(_MAX_OFFSPRING_REDRAWS):
+                parent = elites[int(rng.integers(len(elites)))]
+                child = mutate(parent, self.feas.caps, self.feas.multiples, self.config, rng)
+                if child not in self.cache and child not in nxt:
+                    break
+            nxt.append(child)
+        return nxt
+
+    def run(self, resume: bool = False) -> EvoResult:
+        """Search for ``config.generations`` generations; ``resume`` continues the saved state.
+
+        Without ``resume`` a fresh search starts and overwrites any state at ``state_path``.
+        """
+        self._last_save = time.monotonic()
+        if resume:
+            start, population, rng = self._load()
+        else:
+            rng = np.random.Generator(np.random.PCG64(self.config.seed))
+            self.cache, self.history, self._new_in_generation = {}, [], 0
+            start = 0
+            population = initial_population(
+                self.feas.budget, self.feas.caps, self.feas.multiples, self.uniform, self.config, rng
+            )
+            self._save(0, population, rng)
+        bar = progress_bar(
+            total=self.config.generations,
+            initial=min(start, self.config.generations),
+            desc="evo search",
+            unit="gen",
+            enabled=self.progress,
+            each_step=True,  # a generation takes long: without a terminal, one line each
+        )
+        fitness = self.fingerprint.get("fitness", "fitness")
+        known = fitness in FITNESSES.names()
+        sign = (
+            1.0 if not known or FITNESSES.get(fitness).higher_is_better else -1.0
+        )  # stored: higher is better
+        self.stopped = {"reason": "generations", "generations_run": len(self.history)}
+        try:
+            for generation in range(start, self.config.generations):
+                if self.stalled():
+                    break
+                self.history.append(self._evaluate_population(generation, population, rng))
+                population = self._breed(population, rng)
+                self._new_in_generation = 0
+                self._save(generation + 1, population, rng)
+                bar.set_postfix_str(f"best {fitness} so far {sign * self.result().best_fitness:.6g}")
+                bar.update(1)
+        finally:
+            bar.close()
+        stalled = self.stalled()
+        self.stopped = {
+            "reason": "patience"
+            if stalled and len(self.history) < self.config.generations
+            else "generations",
+            "generations_run": len(self.history),
+            **({"patience": self.config.patience} if self.config.patience else {}),
+        }
+        return self.result()
+
+    def stalled(self) -> bool:
+        """Whether the best fitness ever seen has not improved in the last `patience` generations."""
+        patience = self.config.patience
+        if not patience or len(self.history) <= patience:
+            return False
+        best_before = max(h.best for h in self.history[:-patience])
+        return max(h.best for h in self.history[-patience:]) <= best_before
+
+    def result(self) -> EvoResult:
+        """The best allocation ever evaluated (ties: smallest tuple) and the history so far."""
+        if not self.cache:
+            raise MoePruneError("the search has not evaluated any allocation yet")
+        best, fitness = min(self.cache.items(), key=_rank_key)
+        return EvoResult(
+            best=best,
+            best_fitness=fitness,
+            history=list(self.history),
+            evaluations=len(self.cache),
+            stopped=dict(self.stopped),
+        )
+
+
+def _checked(allocation: Allocation, value: float) -> float:
+    value = float(value)
+    if math.isnan(value):
+        raise MoePruneError(f"the fitness of allocation {list(allocation)} is NaN")
+    return value
+
+
+def _first_difference(key: str, saved: Any, now: Any) -> str:
+    """Name the innermost field that differs, e.g. ``fingerprint.criterion (saved 'reap', now 'seer')``."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        for sub in sorted(set(saved) | set(now)):
+            if saved.get(sub) != now.get(sub):
+                return _first_difference(f"{key}.{sub}", saved.get(sub), now.get(sub))
+    return f"{key} (saved {saved!r}, now {now!r})"

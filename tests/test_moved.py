@@ -1,0 +1,35 @@
+"""Former module paths keep working for users' scripts: each import warns and gives the module it
+became (the very same object, so registries are not filled twice)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit  # imports only
+
+MOVED = {
+    **{f"moeprune.allocate.search.{m}": f"moeprune.search.{m}"
+       for m in ("auto", "candidates", "evo", "options", "population", "prefix", "run")},
+    "moeprune.allocate.search.fitness": "moeprune.allocate.fitness",
+    "moeprune.observe.sequential": "moeprune.shards.sequential",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_former_path_warns_and_is_the_new_module(old, monkeypatch):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}; import it from there"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+
+
+def test_names_users_import_from_former_paths_still_resolve(monkeypatch):
+    monkeypatch.delitem(sys.modules, "moeprune.allocate.search.run", raising=False)
+    with pytest.warns(DeprecationWarning):
+        from moeprune.allocate.search.run import run_evo_search
+    from moeprune.search.run import run_evo_search as moved
+
+    assert run_evo_search is moved
