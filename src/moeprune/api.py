@@ -81,7 +81,6 @@ from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
-from moeprune.surgery.novice import novice_context
 from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,
@@ -235,7 +234,7 @@ def prune(
                 progress=progress,
                 state_path=search_state,
                 resume=run.resume,
-                candidate_context=novice_context(moe, stats) if config.method == "novice" else None,
+                candidate_context=method.candidate_context(moe, stats) if method.candidate_context else None,
             ),
         )
     plan = build_plan(

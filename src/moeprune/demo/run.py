@@ -19,6 +19,7 @@ import torch
 
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
+from moeprune.allocate.registry import searches
 from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
@@ -200,7 +201,7 @@ def _run_demo(
     before = routed_parameters(moe)
     rows = [_row("full model", "-", "-", 0.0, {d: e.score(nullcontext) for d, e in evals.items()}, before)]
     configs = list(configurations(quick))
-    searches = []
+    search_docs: list[dict] = []
     for criterion, allocation, method, sparsity in progress_bar(
         configs, desc="demo", unit="config", enabled=progress
     ):
@@ -214,9 +215,9 @@ def _run_demo(
             layers=[m.index for m in moe.layers],
         )
         removed = None
-        if allocation == "evo":
+        if searches(allocation):
             removed, document = _search(moe, scores, search, sparsity, settings, pad)
-            searches.append({"criterion": criterion, "sparsity": sparsity, **document})
+            search_docs.append({"criterion": criterion, "sparsity": sparsity, **document})
         plan = build_plan(
             moe,
             crit,
@@ -245,7 +246,7 @@ def _run_demo(
         "calibration": {"samples": len(calibration.samples), "tokens": stats.tokens},
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
-        "searches": [{k: v for k, v in s.items() if k != "generations"} for s in searches],
+        "searches": [{k: v for k, v in s.items() if k != "generations"} for s in search_docs],
         "timing_s": {"model": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
     }
     table = format_table(results)
@@ -254,7 +255,7 @@ def _run_demo(
         write_json(tmp / "results.json", results)
         (tmp / "results.md").write_text(table + "\n")
         _plots(tmp, rows)
-        for doc in searches:
+        for doc in search_docs:
             name = f"search_{doc['criterion']}_{int(doc['sparsity'] * 100)}.png"
             plot_search_curve(tmp / name, doc["generations"], doc["fitness"])
         log.write(tmp)

@@ -15,6 +15,7 @@ from moeprune.report.document import PruneReport, as_report
 from moeprune.report.kept import plot_kept
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.surgery.parameters import uniform_rows
+from moeprune.surgery.registry import METHODS
 
 
 def weight_bytes(folder: str | Path) -> int:
@@ -40,7 +41,10 @@ def draw_kept(
             for r in rows
         ]
         uniform = uniform_rows(
-            before, search_doc["uniform"]["allocation"], hidden_sizes, novices=report.method == "novice"
+            before,
+            search_doc["uniform"]["allocation"],
+            hidden_sizes,
+            novices=METHODS.get(report.method).keeps_routing,
         )
     what = f"{report.criterion}, {report.allocation}, {report.method}, sparsity {report.sparsity}"
     named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}

@@ -46,7 +46,7 @@ from moeprune.surgery.neurons import check_importance, uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
 from moeprune.surgery.planning import build_plan
 from moeprune.surgery.plans import resolve_plan
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import METHODS, method_limits
 
 
 def score_without_loading(
@@ -125,7 +125,7 @@ def prune_without_loading(
         job = _NoLoadJob(
             model_path, Path(output), meta_model(model_path), Timer(), config, data, tokenizer_path, run
         )
-        return _shrink(job) if config.method == "neurons" else _drop(job)
+        return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
 
 
 def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Path) -> None:

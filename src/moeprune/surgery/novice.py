@@ -121,6 +121,7 @@ def novice_plan(
         ("uniform", "global", "evo"),
         needs=(CALIBRATION,),
         keeps_routing=True,
+        candidate_context=lambda moe, stats: novice_context(moe, stats),
     )
 )
 def plan_novices(request: PlanRequest) -> Plan:

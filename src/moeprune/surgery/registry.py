@@ -31,6 +31,8 @@ class Method:
     neurons: bool = False  # observation must record each neuron's share of the expert output
     keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
     knobs: tuple[str, ...] = ()  # PruneConfig fields only this method reads (set for another: refused)
+    candidate_context: Callable | None = None  # (moe, stats) -> how a search applies a candidate
+    # in this method's virtual form (novices: constant outputs); None: the plain expert mask
     fn: Callable | None = None  # PlanRequest -> Plan
 
 
