@@ -16,15 +16,19 @@ pipeline by name; it holds no rule of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from moeprune.api import prune_checkpoint
+from moeprune.api import prepare_score, prune_checkpoint, score_loaded
+from moeprune.checkpoint import write_json
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
-from moeprune.criteria import AUTO
+from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
-from moeprune.shards.prune import prune_without_loading
+from moeprune.runtime.distributed import init_distributed
+from moeprune.shards.prune import prune_without_loading, score_without_loading
 from moeprune.surgery.planning import requirements
+from moeprune.surgery.registry import default_allocation
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
 
@@ -57,7 +61,7 @@ class Pipeline:
 
     def check(self, config: PruneConfig) -> None:
         """Refuse, in one sentence naming what it supports, a config this pipeline cannot run."""
-        allocation = config.allocation or "uniform"
+        allocation = config.allocation or default_allocation(config.method)
         if config.criterion == AUTO and not self.auto_criterion:
             raise MoePruneError(
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
@@ -94,6 +98,7 @@ def run_pipeline(name: str, request: PruneRequest) -> dict:
     """Run `request` on the named pipeline: its refusals first, then the job; returns report.json."""
     pipeline = PIPELINES.get(name)
     pipeline.check(request.config)
+    assert pipeline.fn is not None, f"pipeline {name} registered without a function"
     return pipeline.fn(request)
 
 
@@ -155,3 +160,121 @@ def _no_load(request: PruneRequest) -> dict:
         tokenizer_path=request.tokenizer_path,
         run=request.run,
     )
+
+
+# ----------------------------------------------------------------------------- scoring
+@dataclass
+class ScoreRequest:
+    """One `moeprune score` job: the input, the criterion, where the scores go, and the options."""
+
+    model_path: str | Path
+    output: str | Path
+    criterion: str
+    data: DataOptions = field(default_factory=DataOptions)
+    tokenizer_path: str | Path | None = None
+    seed: int = 0
+    run: RunOptions = field(default_factory=RunOptions)
+
+
+@dataclass(frozen=True)
+class ScorePipeline:
+    name: str
+    help: str
+    needs: tuple[str, ...] = ()
+    weights_only: bool = False  # only weight criteria (it never runs the model)
+    unread: tuple[tuple[tuple[Setting, ...], str], ...] = ()
+    fn: Callable[[ScoreRequest, Any, list], dict] | None = None  # (request, tokenizer, loaded data sets)
+
+    def check(self, criterion: str) -> None:
+        if self.weights_only and get_criterion(criterion).needs_data:
+            raise MoePruneError(
+                f"--{self.name} reads weights only; {criterion!r} needs data (use --sequential)",
+                options=("criterion",),
+            )
+
+
+SCORE_PIPELINES: Registry[ScorePipeline] = Registry("score pipeline", "pipeline")
+_DATA_SETTINGS = ("data", "samples", "max_length", "batch_size", "packing")
+
+
+def score_pipeline(streaming: bool, data: DataOptions) -> ScorePipeline:
+    """The score pipeline the options ask for: streamed weights, layer by layer, or the loaded model."""
+    return SCORE_PIPELINES.get(
+        "streaming" if streaming else "layer-by-layer" if data.sequential else "in-memory"
+    )
+
+
+def score_unread_settings(pipeline: ScorePipeline, criterion: str) -> list[tuple[tuple[Setting, ...], str]]:
+    """(settings, why) for every setting this scoring run would ignore."""
+    unread = list(pipeline.unread)
+    if not get_criterion(criterion).needs_data:
+        unread.append(
+            ((*_DATA_SETTINGS, "tokenizer_path"), f"with criterion {criterion} (it reads weights only)")
+        )
+    return unread
+
+
+def run_score(name: str, request: ScoreRequest) -> dict:
+    """Check, score and write scores.json (rank 0 under torchrun); returns the scores document."""
+    pipeline = SCORE_PIPELINES.get(name)
+    pipeline.check(request.criterion)
+    model_path, tokenizer, sets = prepare_score(
+        request.model_path,
+        request.output,
+        request.criterion,
+        data=request.data,
+        tokenizer_path=request.tokenizer_path,
+        overwrite=request.run.overwrite,
+        trust_remote_code=request.run.trust_remote_code,
+        load_sets=name == "in-memory",  # the others tokenize the data themselves
+    )
+    assert pipeline.fn is not None, f"score pipeline {name} registered without a function"
+    rank, _ = init_distributed()  # torchrun: data-parallel observation; rank 0 writes
+    run = replace(request.run, progress=request.run.progress and rank == 0)
+    document = pipeline.fn(replace(request, model_path=model_path, run=run), tokenizer, sets)
+    if rank == 0:
+        write_json(request.output, document)
+    return document
+
+
+def _without_loading(request: ScoreRequest, _tokenizer, _sets) -> dict:
+    crit, scores, stats, _ = score_without_loading(
+        request.model_path,
+        request.criterion,
+        data=request.data,
+        tokenizer_path=request.tokenizer_path,
+        seed=request.seed,
+        progress=request.run.progress,
+    )
+    return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
+
+
+def _loaded(request: ScoreRequest, tokenizer, sets) -> dict:
+    return score_loaded(
+        Path(request.model_path),
+        request.criterion,
+        sets,
+        request.data,
+        tokenizer=tokenizer,
+        seed=request.seed,
+        run=request.run,
+    )
+
+
+SCORE_PIPELINES.add(ScorePipeline("in-memory", "load the model and observe it (the default)", fn=_loaded))
+SCORE_PIPELINES.add(
+    ScorePipeline(
+        "layer-by-layer",
+        "observe one decoder layer at a time from the shards (--sequential)",
+        fn=_without_loading,
+    )
+)
+SCORE_PIPELINES.add(
+    ScorePipeline(
+        "streaming",
+        "weight-only criteria read expert by expert from the shards; the model is never loaded (--streaming)",
+        weights_only=True,
+        unread=(((*_DATA_SETTINGS, "sequential", "activations_dir"), "with --streaming (weights only)"),),
+        fn=_without_loading,
+    )
+)

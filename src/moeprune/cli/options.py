@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import Field, fields
 from typing import Any
 
@@ -180,3 +180,13 @@ def setting_options(cls: type) -> list[str]:
 def setting_help(cls: type, name: str) -> str:
     """The help a config field carries."""
     return next(f for f in fields(cls) if f.name == name).metadata["help"]
+
+
+def refuse_unread(ctx: click.Context, unread: Sequence[tuple[Sequence[str | type], str]]) -> None:
+    """Refuse every typed option the library says this run would ignore: (settings, why) pairs,
+    where a config class stands for all of its settings (moeprune.pipelines)."""
+    from moeprune.cli.main import refuse_given
+
+    for settings, why in unread:
+        names = [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])]
+        refuse_given(ctx, names, why)

@@ -12,16 +12,16 @@ import click
 from moeprune.allocate import ALLOCATIONS
 from moeprune.allocate.fitness import FITNESSES
 from moeprune.allocate.registry import searches
-from moeprune.cli.main import command_line, main, refuse_given
+from moeprune.cli.main import command_line, main
 from moeprune.cli.options import (
     config_from_options,
     config_options,
     data_from_options,
     data_options,
     options_of,
+    refuse_unread,
     registry_help,
     setting_help,
-    setting_options,
 )
 from moeprune.config import PruneConfig, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
@@ -203,10 +203,7 @@ def prune(model: str, output: str, **options) -> None:
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
     ctx = click.get_current_context()
     pipeline.check(config)
-    for settings, why in unread_settings(pipeline, config):  # typed but never read: refused
-        refuse_given(
-            ctx, [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])], why
-        )
+    refuse_unread(ctx, unread_settings(pipeline, config))  # typed but never read: refused
     request = PruneRequest(
         model,
         output,

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import click
 
-from moeprune.api import prepare_score, score_loaded
-from moeprune.checkpoint import write_json
-from moeprune.cli.main import main, refuse_given
-from moeprune.cli.options import data_from_options, data_options, registry_help
+from moeprune.cli.main import main
+from moeprune.cli.options import data_from_options, data_options, refuse_unread, registry_help
 from moeprune.config import RunOptions
-from moeprune.criteria import CRITERIA, get_criterion, scores_document, unseen_experts
-from moeprune.errors import MoePruneError
+from moeprune.criteria import CRITERIA
+from moeprune.pipelines import ScoreRequest, run_score, score_pipeline, score_unread_settings
 from moeprune.report.summary import score_lines
-from moeprune.runtime.distributed import init_distributed
-from moeprune.shards.prune import score_without_loading
+from moeprune.runtime.distributed import rank_and_world
 
 
 @main.command()
@@ -36,56 +33,21 @@ from moeprune.shards.prune import score_without_loading
 def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
     data = data_from_options(kwargs)
-    needs_data = get_criterion(criterion).needs_data
-    if streaming and needs_data:
-        raise MoePruneError(f"--streaming reads weights only; {criterion!r} needs data (use --sequential)")
+    pipeline = score_pipeline(streaming, data)
+    pipeline.check(criterion)
     ctx = click.get_current_context()
-    if streaming:
-        refuse_given(
-            ctx,
-            ["data", "samples", "max_length", "batch_size", "packing", "sequential", "activations_dir"],
-            "with --streaming (weights only)",
-        )
-    if not needs_data:
-        refuse_given(
-            ctx,
-            ["data", "samples", "max_length", "batch_size", "packing", "tokenizer_path"],
-            f"with criterion {criterion} (it reads weights only)",
-        )
-    # sequential observation tokenizes the data itself, layer by layer: only check it here
-    model_path, tokenizer, sets = prepare_score(
+    refuse_unread(ctx, score_unread_settings(pipeline, criterion))  # typed but never read: refused
+    request = ScoreRequest(
         model,
         output,
         criterion,
         data=data,
         tokenizer_path=kwargs["tokenizer_path"],
-        overwrite=overwrite,
-        trust_remote_code=kwargs["trust_remote_code"],
-        load_sets=not (streaming or data.sequential),
+        seed=kwargs["seed"],
+        run=RunOptions(
+            progress=not kwargs["quiet"], overwrite=overwrite, trust_remote_code=kwargs["trust_remote_code"]
+        ),
     )
-    rank, _ = init_distributed()
-    progress = not kwargs["quiet"] and rank == 0
-    if streaming or data.sequential:
-        crit, scores, stats, _ = score_without_loading(
-            model_path,
-            criterion,
-            data=data,
-            tokenizer_path=kwargs["tokenizer_path"],
-            seed=kwargs["seed"],
-            progress=progress,
-        )
-        document = {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
-    else:
-        document = score_loaded(
-            model_path,
-            criterion,
-            sets,
-            data,
-            tokenizer=tokenizer,
-            seed=kwargs["seed"],
-            run=RunOptions(progress=progress, trust_remote_code=kwargs["trust_remote_code"]),
-        )
-    if rank != 0:  # torchrun: every rank holds the reduced statistics; one writes
-        return
-    write_json(output, document)
-    click.echo("\n".join(score_lines(document, output)))
+    document = run_score(pipeline.name, request)
+    if rank_and_world()[0] == 0:  # torchrun: every rank holds the reduced statistics; one wrote them
+        click.echo("\n".join(score_lines(document, output)))

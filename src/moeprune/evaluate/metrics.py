@@ -76,7 +76,7 @@ def _accept(model: Loaded, ctx: Context, source: str, wanted: list[str]) -> dict
             prompts,
             spec,
             modes=opts.spec_modes,
-            seed=opts.data.seed,
+            seed=opts.data.seed if opts.data is not None else 0,
             labels=names(model, ctx),
         )
     main = results.get("sampled") or next(iter(results.values()))

@@ -122,9 +122,8 @@ def prune_without_loading(
     recover(Path(output))
     check_output_dir(output, run.overwrite)
     with output_lock(output) if rank_and_world()[0] == 0 else nullcontext(), RunLog.join(run.command_line):
-        job = _NoLoadJob(
-            model_path, Path(output), meta_model(model_path), Timer(), config, data, tokenizer_path, run
-        )
+        path = Path(model_path)
+        job = _NoLoadJob(path, Path(output), meta_model(path), Timer(), config, data, tokenizer_path, run)
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
 
 

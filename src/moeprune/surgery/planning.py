@@ -98,7 +98,9 @@ def build_plan(
         important_fraction=config.important_fraction,
         slope=config.slope,
     )
-    return METHODS.get(method).fn(request)
+    plan_of = METHODS.get(method).fn
+    assert plan_of is not None, f"method {method} registered without a function"
+    return plan_of(request)
 
 
 def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
