@@ -1,0 +1,178 @@
+"""Tiny block-scaled FP8 checkpoints, written the way the releases are, for tests and surveys.
+
+No FP8 release is small enough for a test, and transformers writes no FP8 checkpoint on a CPU
+(its quantizer needs a GPU). So a tiny model is saved normally first, which gives each family's
+own on-disk names (per-expert `mlp.experts.{e}.gate_proj.weight` where transformers fuses experts
+in memory), and then every eligible 2-D weight of those files is replaced by its fp8 blocks and
+`weight_scale_inv`, and config.json gets the releases' `quantization_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from moeprune.errors import MoePruneError
+from moeprune.quant.fp8 import (
+    SCALE_SUFFIX,
+    dequantize_blocks,
+    fp8_quantization_config,
+    quantize_blocks,
+    read_fp8_config,
+    scale_name,
+)
+
+# Left in full precision, as the releases leave them: the output head, the embeddings and the
+# routers (`mlp.gate`, MiniMax's `block_sparse_moe.gate`, Qwen's `shared_expert_gate`: all end in
+# "gate", and no projection does). Norms and biases are 1-D and never quantized anyway.
+DEFAULT_SKIP = ("lm_head", "embed_tokens", "gate")
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+_INDEX = "model.safetensors.index.json"
+
+
+def skipped(module: str, patterns: Sequence[str]) -> bool:
+    """transformers' rule for `modules_to_not_convert` (`should_convert_module`), so the list
+    written to config.json means on loading what it meant here: a pattern matches a module name
+    from its start up to a name boundary (also as a regex), or as a suffix of it."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in patterns)
+
+
+def _eligible(name: str, tensor: torch.Tensor, linear: set[str], skip: Sequence[str]) -> bool:
+    """A 2-D float `<module>.weight` of an nn.Linear (same name in memory and on disk) or of one
+    routed expert (fused in memory, one tensor per expert on disk), and not skipped: exactly the
+    modules transformers makes FP8 on a GPU, so the checkpoint also loads there."""
+    if not name.endswith(".weight") or tensor.dim() != 2 or not tensor.is_floating_point():
+        return False
+    module = name.removesuffix(".weight")
+    return (module in linear or bool(_PER_EXPERT.search(name))) and not skipped(module, skip)
+
+
+def _read(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    with safe_open(str(file), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - not a dict
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _rewrite_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """The shard index (when the save was sharded) naming exactly the tensors written."""
+    index_file = folder / _INDEX
+    if not index_file.exists():
+        return
+    index = json.loads(index_file.read_text())
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index.setdefault("metadata", {})["total_size"] = total_size  # tensor bytes, as transformers counts
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def save_fp8_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    block: tuple[int, int] = (16, 16),
+    skip: Sequence[str] = DEFAULT_SKIP,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+) -> Path:
+    """Write `model` (a transformers model, e.g. `moeprune.models.factory.tiny_model(family)`) to
+    `path` as a block-scaled FP8 checkpoint in its family's on-disk layout.
+
+    Every eligible weight (see `_eligible`: Linear and per-expert weights, minus `skip`, matched as
+    transformers matches `modules_to_not_convert`) becomes `quantize_blocks(w, block)`: fp8 under
+    its own name and float32 `<name>_scale_inv` in the same shard; dimensions that are not
+    multiples of `block` get partial last blocks. The other tensors keep the saved dtype, or
+    `dtype` when given (the releases keep them in bf16). config.json gets
+    `quantization_config` (`skip` as `modules_to_not_convert`) and, with `dtype`, that dtype.
+    `max_shard_size` goes to `save_pretrained` (each scale lands in its weight's shard, the index
+    names both). `tokenizer` (anything with `save_pretrained`) is saved beside it. `path` is
+    created if need be; files of the same names in it are replaced. Returns `path`.
+    """
+    path = Path(path)
+    linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    with tempfile.TemporaryDirectory() as tmp:
+        stock = Path(tmp)
+        sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(stock, **sharding)  # type: ignore[operator]  # a transformers model
+        path.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total_size = quantized = 0
+        for file in sorted(stock.glob("*.safetensors")):
+            tensors, metadata = _read(file)
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in tensors.items():
+                if _eligible(name, tensor, linear, skip):
+                    out[name], out[scale_name(name)] = quantize_blocks(tensor, block)
+                    quantized += 1
+                else:
+                    cast = dtype is not None and tensor.is_floating_point()
+                    out[name] = tensor.to(dtype) if cast else tensor
+            save_file(out, str(path / file.name), metadata=metadata)
+            weight_map.update(dict.fromkeys(out, file.name))
+            total_size += _nbytes(out)
+        if not quantized:
+            raise MoePruneError(
+                f"no weight of this {type(model).__name__} is eligible for fp8 (skip={skip!r})"
+            )
+        for file in stock.iterdir():
+            if file.suffix != ".safetensors":
+                shutil.copy2(file, path / file.name)
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = fp8_quantization_config(block, tuple(skip))
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _rewrite_index(path, weight_map, total_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def save_dequantized_checkpoint(
+    source: str | Path, path: str | Path, dtype: torch.dtype = torch.float32
+) -> Path:
+    """Write the fp8 checkpoint at `source` to `path` with every fp8 weight replaced by
+    `dequantize_blocks(...)` in `dtype`, its scales dropped and no `quantization_config`: the
+    reference a correct FP8 loader must reproduce, in the same on-disk layout (so stock
+    transformers loads it with no quantizer, whatever the family's in-memory fusing)."""
+    source, path = Path(source), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    fmt = read_fp8_config(config)
+    if fmt is None:
+        raise MoePruneError(f"{source} has no fp8 quantization_config")
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for file in sorted(source.glob("*.safetensors")):
+        tensors, metadata = _read(file)
+        out = {}
+        for name, tensor in tensors.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if tensor.dtype == torch.float8_e4m3fn:
+                out[name] = dequantize_blocks(tensor, tensors[scale_name(name)], fmt.block, dtype)
+            else:
+                out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        save_file(out, str(path / file.name), metadata=metadata)
+        weight_map.update(dict.fromkeys(out, file.name))
+        total_size += _nbytes(out)
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy2(file, path / file.name)
+    del config["quantization_config"]
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _rewrite_index(path, weight_map, total_size)
+    return path
