@@ -38,6 +38,7 @@ from moeprune.checkpoint import (
 )
 from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
 from moeprune.criteria import (
     AUTO,
@@ -55,6 +56,7 @@ from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
+from moeprune.quant.support import refuse_quantized
 from moeprune.report.document import PRUNE, PruneReport
 from moeprune.report.model_card import model_card
 from moeprune.report.parts import (
@@ -418,6 +420,7 @@ def prepare(
     model_config = load_config(
         model_path, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
+    refuse_quantized(model_path, read_config_dict(model_path), "pruning the loaded model")
     check_weights(model_path)  # empty, truncated or missing shards
     check_not_inside(output, [model_path])
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
@@ -616,6 +619,10 @@ def prepare_score(
     Placement.choose(data.device if data.device != "auto" or not data.sequential else None, None)
     model_path = check_model_path(model_path)
     load_config(model_path, trust_remote_code)
+    if (
+        load_sets and crit.needs_data
+    ):  # the loaded model observed (weight-only and layer-by-layer: their own checks)
+        refuse_quantized(model_path, read_config_dict(model_path), "observing the loaded model")
     check_weights(model_path)
     output = Path(output)
     check_not_inside(output, [model_path], what="scores file")

@@ -25,6 +25,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
 from moeprune.models.classes import model_class
+from moeprune.quant.support import refuse_quantized
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
 from moeprune.surgery.drop import drop_experts
@@ -324,6 +325,7 @@ def load_model(
     """
     path = check_model_path(path)
     load_config(path, trust_remote_code)  # dense, unsupported and damaged configs fail before any weight
+    refuse_quantized(path, structure.read_config_dict(path), "loading the model")
     files.check_weights(path)
     if structure.is_moeprune_format(path):
         if device_map:

@@ -19,6 +19,7 @@ from moeprune.quant.fp8 import (
     scale_name,
     scale_shape,
 )
+from moeprune.quant.support import quantization_of, refuse_quantized
 
 __all__ = [
     "FP8_DTYPE",
@@ -26,8 +27,10 @@ __all__ = [
     "Fp8Format",
     "dequantize_blocks",
     "fp8_quantization_config",
+    "quantization_of",
     "quantize_blocks",
     "read_fp8_config",
+    "refuse_quantized",
     "scale_name",
     "scale_shape",
 ]

@@ -47,6 +47,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import build_skeleton, check_model_path
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import split_legacy
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
@@ -55,6 +56,7 @@ from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.distributed import data_parallel
 from moeprune.observe.observer import _Accumulator
 from moeprune.observe.stats import ExpertStats, LayerStats
+from moeprune.quant.support import refuse_quantized
 from moeprune.runtime.device import Placement
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
 from moeprune.runtime.progress import progress_bar
@@ -365,6 +367,7 @@ def observe_sequential(
     options = _placed(options, placed)
     offload_dir = options.offload_dir
     path = check_model_path(checkpoint_path)
+    refuse_quantized(path, read_config_dict(path), "layer-by-layer observation")
     device, dtype = torch.device(options.placement.device), options.placement.dtype
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()
