@@ -38,7 +38,7 @@ from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.plan import Plan
-from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
+from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout, refuse_fp8
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
     PLAN,
@@ -318,6 +318,7 @@ def rewrite_neuron_checkpoint(
     `plan.json` written; `extra(tmp_dir)` may add files before the folder is renamed into place.
     The result equals `apply_plan_physical` then `save_pretrained`.
     """
+    refuse_fp8(src, "cutting neurons from the checkpoint files")
     layout = CheckpointLayout(src)
     if Path(dst).resolve() == layout.path.resolve():
         raise MoePruneError(

@@ -58,6 +58,7 @@ from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.runtime.device import Placement
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
 from moeprune.runtime.progress import progress_bar
+from moeprune.shards.layout import refuse_fp8
 
 OUTER = -1  # group id of the weights outside the decoder layers
 
@@ -365,6 +366,7 @@ def observe_sequential(
     options = _placed(options, placed)
     offload_dir = options.offload_dir
     path = check_model_path(checkpoint_path)
+    refuse_fp8(path, "layer-by-layer observation")
     device, dtype = torch.device(options.placement.device), options.placement.dtype
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()
