@@ -45,9 +45,9 @@ def fp8_checkpoint(tmp_path_factory):
     [
         (["prune", "--criterion", "reap", "--sparsity", "0.25"], "pruning the loaded model"),
         (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--allocation", "global"], "pruning the loaded model"),
-        (["prune", "--criterion", "reap", "--sparsity", "0.25", "--no-load"], "layer-by-layer observation"),
+        (["prune", "--criterion", "reap", "--sparsity", "0.25", "--no-load"], "criterion 'reap' (observed layer by layer)"),
         (["score", "--criterion", "reap"], "observing the loaded model"),
-        (["score", "--criterion", "reap", "--sequential"], "layer-by-layer observation"),
+        (["score", "--criterion", "reap", "--sequential"], "criterion 'reap' (observed layer by layer)"),
         (["score", "--criterion", "aimer"], "loading the model"),
     ],
 )
@@ -60,6 +60,7 @@ def test_quantized_checkpoint_is_refused_before_any_weight(fp8_checkpoint, tmp_p
     assert done.output.count("\n") == 1 and "Traceback" not in done.output
     assert f"is quantized (fp8, 16x16 blocks); {stage} does not read quantized weights yet" in done.output
     assert not out.exists()
+    assert "score --streaming" in done.output  # for fp8, the route that keeps the format
 
 
 def test_inspect_still_describes_a_quantized_checkpoint(fp8_checkpoint):

@@ -17,6 +17,11 @@ from typing import Any
 from moeprune.errors import MoePruneError
 from moeprune.quant.fp8 import read_fp8_config
 
+FP8_ROUTE = (
+    "fp8 is read without loading: weight-only criteria (aimer, magnitude, random) with `score --streaming` "
+    "and the drop method with `prune --no-load` keep the format; otherwise dequantize the checkpoint first"
+)
+
 
 def quantization_of(config: dict[str, Any]) -> str | None:
     """A short description of the checkpoint's quantization ("fp8, 128x128 blocks"), or None."""
@@ -35,8 +40,8 @@ def refuse_quantized(path: str | Path, config: dict[str, Any], what: str) -> Non
     """Refuse a quantized checkpoint for `what` (a stage that does not read its quantized tensors)."""
     described = quantization_of(config)
     if described is not None:
+        route = FP8_ROUTE if described.startswith("fp8") else "dequantize the checkpoint to bf16 first"
         raise MoePruneError(
             f"{path} is quantized ({described}); {what} does not read quantized weights yet and would "
-            "compute on, or save, a silently up-cast copy: dequantize the checkpoint to bf16 first "
-            "(and prune that), or use a full-precision release"
+            f"compute on, or save, a silently up-cast copy: {route}"
         )

@@ -8,8 +8,9 @@ table per family, every key goes through transformers' own load-time conversion
 (`get_model_conversion_mapping`): its renamings and converter give the in-memory parameter the
 key feeds, the converter's wildcard gives the expert number, and the position of the matching
 source pattern gives the part (gate 0, up 1 of `gate_up_proj`). A naming transformers can load,
-we can stream; a conversion beyond stacking experts and concatenating parts (quantized scales,
-transposes) is refused with a clear error instead of being guessed. The renamings are applied with
+we can stream; a conversion beyond stacking experts and concatenating parts (transposes, other
+quantizers' scales) is refused with a clear error instead of being guessed. Block-scaled fp8
+checkpoints are read as they are stored: each `weight_scale_inv` goes with its weight. The renamings are applied with
 `rename_source_key` (what loading itself calls, in every release from 5.16 on; the newer helper
 `apply_renamings` is missing up to 5.19 at least). The model is only ever built on the meta
 device (no storage), to find its MoE layers with the very rules of the adapter.
@@ -40,11 +41,17 @@ from moeprune.checkpoint import (
     load_config,
 )
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, shard_names
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
 from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
+from moeprune.quant.fp8 import SCALE_SUFFIX, Fp8Format, read_fp8_config, scale_shape
+
+SUPPORTED_QUANTIZATION = ("fp8",)  # quant_method values the shard readers and rewrites handle
+_FP8_WEIGHT = "F8_E4M3"
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")  # float scales, or ue8m0 exponent bytes
 
 
 # --------------------------------------------------------------------------- checkpoint naming
@@ -126,6 +133,7 @@ class ExpertParam:
     fused: str | None = None  # key of the whole [E, ...] tensor
     parts: dict[int, dict[int, str]] = field(default_factory=dict)  # expert -> part -> key
     cat_dim: int = 0
+    scales: dict[str, str] = field(default_factory=dict)  # fp8 weight key -> its weight_scale_inv key
 
     def keys(self, expert: int) -> list[str]:
         return [self.parts[expert][p] for p in sorted(self.parts[expert])]
@@ -140,6 +148,7 @@ class LayerLayout:
     num_experts: int
     experts: dict[str, ExpertParam]  # by parameter name on the experts module
     router: dict[str, tuple[str, int]]  # router tensor path -> (checkpoint key, expert dim)
+    fp8: Fp8Format | None = None  # the checkpoint's block-scaled fp8 format, when it has one
 
 
 def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEModel:
@@ -148,14 +157,72 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     Its layers give the MoE layer indices, expert counts, top-k and routing groups the plan and
     allocation code need (`pipeline.build_plan` accepts it), with the same rules as a loaded model.
     """
+    quantization_format(path)  # an unsupported quantization is refused before anything else
     config = config or load_config(path)
     with torch.device("meta"):
         model = model_class(config)._from_config(config)
     return MoEModel(model)
 
 
+def quantization_format(path: str | Path) -> Fp8Format | None:
+    """The checkpoint's block-scaled fp8 format from config.json (None: not quantized); any
+    other `quantization_config` is refused in one line, before a weight is read."""
+    data = read_config_dict(Path(path))
+    quant = data.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if str(method).lower() not in SUPPORTED_QUANTIZATION:
+        raise MoePruneError(
+            f"{Path(path) / 'config.json'}: quantization_config has quant_method {method!r}; reading the "
+            f"checkpoint files supports {', '.join(SUPPORTED_QUANTIZATION)} (block-scaled) only"
+        )
+    return read_fp8_config(data)
+
+
+def fp8_scales(path: Path, tensors: dict[str, StoredTensor], fp8: Fp8Format | None) -> dict[str, str]:
+    """fp8 weight key -> its `weight_scale_inv` key, every pair checked against the format: fp8
+    tensors only with an fp8 quantization_config, a scale beside every fp8 weight (and none
+    beside another), each scale of the weight's block grid."""
+    scales = {k.removesuffix(SCALE_SUFFIX): k for k in tensors if k.endswith(SCALE_SUFFIX)}
+    fp8_keys = [k for k, t in tensors.items() if t.dtype.startswith("F8_") and k not in scales.values()]
+    if fp8 is None:
+        if fp8_keys or scales:
+            what = fp8_keys[0] if fp8_keys else next(iter(scales.values()))
+            raise MoePruneError(
+                f"checkpoint {path} stores fp8 weights or scales ({what!r}) but its config.json has no fp8 "
+                "quantization_config: the numbers cannot be read without one"
+            )
+        return {}
+    for key in fp8_keys:
+        if tensors[key].dtype != _FP8_WEIGHT:
+            raise MoePruneError(
+                f"checkpoint tensor {key!r} is {tensors[key].dtype}; fp8 checkpoints store {_FP8_WEIGHT} weights"
+            )
+        if key not in scales:
+            raise MoePruneError(
+                f"checkpoint {path}: fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} (scales missing)"
+            )
+    for weight, scale in scales.items():
+        if weight not in tensors or tensors[weight].dtype != _FP8_WEIGHT:
+            raise MoePruneError(f"checkpoint {path}: scale {scale!r} is not beside an fp8 weight {weight!r}")
+        expected = scale_shape(tensors[weight].shape, fp8.block)
+        stored = tensors[scale]
+        if stored.shape != expected or stored.dtype not in _SCALE_DTYPES:
+            raise MoePruneError(
+                f"checkpoint {path}: scale {scale!r} is {stored.dtype} {list(stored.shape)}, its weight "
+                f"{list(tensors[weight].shape)} in {fp8.block[0]}x{fp8.block[1]} blocks needs {list(expected)}"
+            )
+    return scales
+
+
 class CheckpointLayout:
-    """A checkpoint folder mapped onto its model's MoE layers, without reading any weight."""
+    """A checkpoint folder mapped onto its model's MoE layers, without reading any weight.
+
+    In a block-scaled fp8 checkpoint (`fp8`), `scales` maps every fp8 weight key to its
+    `weight_scale_inv` key; the scales are not model parameters, so they have no address and
+    travel with their weight (read to dequantize it, copied with it when experts are dropped).
+    """
 
     def __init__(self, path: str | Path):
         self.path = check_model_path(path)
@@ -164,6 +231,7 @@ class CheckpointLayout:
                 f"{str(self.path)!r} is in moeprune's own format (per-layer expert counts); streaming reads stock "
                 "checkpoints: load it with moeprune.load_pretrained instead"
             )
+        self.fp8 = quantization_format(self.path)
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
         files = shard_names(self.path)
@@ -178,8 +246,10 @@ class CheckpointLayout:
         for name in files:
             tensors, self.file_metadata[name] = read_header(self.path / name)
             self.tensors.update(tensors)
+        self.scales = fp8_scales(self.path, self.tensors, self.fp8)
+        scale_keys = set(self.scales.values())
         self.naming = Naming(self.moe.model)
-        self.addresses = {key: self.naming.address(key) for key in self.tensors}
+        self.addresses = {key: self.naming.address(key) for key in self.tensors if key not in scale_keys}
         self.stored_as: dict[str, list[str]] = defaultdict(list)  # in-memory name -> checkpoint keys
         for key, addr in self.addresses.items():
             self.stored_as[addr.internal].append(key)
@@ -215,6 +285,8 @@ class CheckpointLayout:
                 else:
                     param.parts.setdefault(addr.expert, {})[addr.part] = key
                     param.cat_dim = addr.cat_dim
+                if key in self.scales:
+                    param.scales[key] = self.scales[key]
             self._check_param(param, n)
         router = {}
         routing = [(f"{layer.spec.router_attr}.{p}", d) for p, d in layer.spec.router_tensors]
@@ -224,7 +296,7 @@ class CheckpointLayout:
             if not keys:
                 raise MoePruneError(f"checkpoint {self.path} has no tensor for router parameter {internal}")
             router[path] = (keys[0], dim)
-        return LayerLayout(layer.index, layer.spec, n, params, router)
+        return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8)
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
         if param.fused is not None:

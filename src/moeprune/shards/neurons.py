@@ -35,9 +35,11 @@ from torch.nn import functional as F
 
 from moeprune.checkpoint import atomic_write_dir, write_json
 from moeprune.checkpoint.files import INDEX, StoredTensor
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.plan import Plan
+from moeprune.quant.support import refuse_quantized
 from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
@@ -318,6 +320,7 @@ def rewrite_neuron_checkpoint(
     `plan.json` written; `extra(tmp_dir)` may add files before the folder is renamed into place.
     The result equals `apply_plan_physical` then `save_pretrained`.
     """
+    refuse_quantized(src, read_config_dict(Path(src)), "cutting neurons from the checkpoint files")
     layout = CheckpointLayout(src)
     if Path(dst).resolve() == layout.path.resolve():
         raise MoePruneError(

@@ -17,6 +17,7 @@ from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer, write_json
 from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import stored_dtype
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.criteria import (
     Criterion,
@@ -30,6 +31,7 @@ from moeprune.criteria import (
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.quant.support import refuse_quantized
 from moeprune.report.document import PruneReport
 from moeprune.report.parts import DataSummary, DiskBytes, LayerShape, ParameterCounts, Surgery
 from moeprune.report.prune_report import report_markdown, weight_bytes
@@ -37,7 +39,7 @@ from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
-from moeprune.shards.layout import meta_model
+from moeprune.shards.layout import meta_model, quantization_format
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
 from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
@@ -70,6 +72,12 @@ def score_without_loading(
     crit = get_criterion(criterion)
     if not crit.needs_data and not observe_for:
         return crit, score_checkpoint(model_path, criterion, seed=seed), [], []
+    checked = check_model_path(model_path)
+    refuse_quantized(
+        checked,
+        read_config_dict(checked),
+        f"criterion {crit.name!r} (observed layer by layer)",
+    )
     data = data or DataOptions()
     tokenizer = require_tokenizer(check_model_path(model_path), tokenizer_path)
     placed = Placement.choose(data.device if data.device != "auto" else None, data.dtype)
@@ -133,6 +141,9 @@ def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Pa
     report.disk_bytes = DiskBytes(weight_bytes(model_path), weight_bytes(tmp))
     stored = stored_dtype(tmp)  # shards are copied as they are: the input's dtype
     report.save_dtype = str(stored).removeprefix("torch.") if stored is not None else None
+    fp8 = quantization_format(tmp)  # fp8 weights copied with their scales: the format, not the scales' dtype
+    if fp8 is not None:
+        report.save_dtype = f"float8_e4m3fn (fp8, {fp8.block[0]}x{fp8.block[1]} blocks)"
     write_json(tmp / "report.json", report.to_json())
     RunLog.join().write(tmp)
     (tmp / "report.md").write_text(report_markdown(report, tmp))
@@ -195,6 +206,7 @@ def _shrink(job: _NoLoadJob) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
     importance = check_importance(config.neuron_importance)
+    refuse_quantized(model_path, read_config_dict(Path(model_path)), "the neurons method without loading")
     check_stock_shrink(moe)  # before any observation
     uniform_widths(moe, config.sparsity)
     before_layers, before_params = describe_layers(moe), routed_parameters(moe)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from moeprune.checkpoint.files import StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer
+from moeprune.quant.fp8 import dequantize_blocks
 from moeprune.shards.layout import CheckpointLayout, LayerLayout
 
 SUMMED = ("gate_up_proj", "up_proj", "down_proj")  # the expert parameters gate, up and down come from
@@ -98,11 +99,27 @@ class SafetensorsExperts:
 
     def stored_parts(self, name: str, expert: int) -> list[torch.Tensor]:
         """The stored pieces of `experts.<name>[expert]`: its row of a fused tensor, or its own
-        tensors (gate, up) in order; memory-mapped, nothing is copied."""
+        tensors (gate, up) in order; memory-mapped, nothing is copied. fp8 pieces come
+        dequantized (float32, the spec's numbers), as transformers holds them after loading."""
         param = self.layout.experts[name]
         if param.fused is not None:
-            return [self._shards.row(param.fused, expert)]
-        return [self._shards.tensor(k) for k in param.keys(expert)]
+            return [self._dequantized(param.fused, self._shards.row(param.fused, expert), name, expert)]
+        return [self._dequantized(k, self._shards.tensor(k), name, expert) for k in param.keys(expert)]
+
+    def scale_grid(self, name: str, key: str, expert: int) -> torch.Tensor | None:
+        """The fp8 scale grid of stored piece `key` of `experts.<name>[expert]` (its expert's row
+        of a fused scale), None for a piece that is not fp8."""
+        param = self.layout.experts[name]
+        scale = param.scales.get(key)
+        if scale is None:
+            return None
+        return self._shards.row(scale, expert) if key == param.fused else self._shards.tensor(scale)
+
+    def _dequantized(self, key: str, piece: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        scale = self.scale_grid(name, key, expert)
+        if scale is None or self.layout.fp8 is None:
+            return piece
+        return dequantize_blocks(piece, scale, self.layout.fp8.block)
 
     def stored_ranges(self, name: str, expert: int) -> list[tuple[str, int, int]]:
         """(checkpoint key, absolute byte offset, byte length) of the pieces `stored_parts` maps."""

@@ -27,6 +27,7 @@ from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
+from moeprune.quant.fp8 import scale_name
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.drop import kept_experts
 
@@ -92,18 +93,38 @@ def _sliced(key: str, stored: StoredTensor, dim: int, kept: Sequence[int]) -> Ou
 
 
 def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str, list[OutTensor]]:
-    """Per shard file, the tensors of the pruned checkpoint (dropped experts gone, kept renumbered)."""
+    """Per shard file, the tensors of the pruned checkpoint (dropped experts gone, kept renumbered).
+
+    An fp8 weight's `weight_scale_inv` follows it byte for byte under the weight's new name
+    (in the scale's own shard): copied whole, or cut on the same expert dimension; never
+    re-quantized."""
     out: dict[str, list[OutTensor]] = defaultdict(list)
     for key, stored in layout.tensors.items():
-        addr = layout.addresses[key]
+        addr = layout.addresses.get(key)
+        if addr is None:  # a scale: written with its weight
+            continue
         layer, dim = layout.roles.get(addr.internal, (None, 0))
         if layer not in kept:
-            out[stored.file].append(whole_tensor(key, stored))
+            written = [whole_tensor(key, stored)]
         elif addr.expert is None:
-            out[stored.file].append(_sliced(key, stored, dim, kept[layer]))
+            written = [_sliced(key, stored, dim, kept[layer])]
         elif addr.expert in kept[layer]:
-            new_key = layout.naming.renumber(key, kept[layer].index(addr.expert))
-            out[stored.file].append(whole_tensor(new_key, stored))
+            written = [whole_tensor(layout.naming.renumber(key, kept[layer].index(addr.expert)), stored)]
+        else:
+            continue
+        out[stored.file] += written
+        if key in layout.scales:
+            scale = layout.scales[key]
+            new_scale = scale_name(written[0].key)
+            if layer in kept and addr.expert is None:
+                if dim >= len(stored.shape) - 2:  # rows of a block grid cannot be cut one by one
+                    raise MoePruneError(
+                        f"cannot cut expert rows of fp8 tensor {key!r}: its {scale!r} scales blocks of rows"
+                    )
+                scaled = _sliced(new_scale, layout.tensors[scale], dim, kept[layer])
+            else:
+                scaled = whole_tensor(new_scale, layout.tensors[scale])
+            out[layout.tensors[scale].file].append(scaled)
     return out
 
 

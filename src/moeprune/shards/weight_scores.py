@@ -20,6 +20,7 @@ from moeprune.criteria import (
     pruning_order_of,
 )
 from moeprune.errors import MoePruneError
+from moeprune.quant.fp8 import FP8_DTYPE, dequantize_blocks
 from moeprune.shards.reader import SafetensorsExperts, checkpoint_layers
 
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -65,11 +66,38 @@ class _Sums:
                 self._add(chunk)
         return self._totals()
 
+    def _buffer(self, step: int) -> memoryview:
+        if len(self.raw) < step:
+            self.raw = bytearray(step)
+            self.raw_tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
+        return memoryview(self.raw)
+
+    def _add_fp8(self, source: SafetensorsExperts, key: str, start: int, scale: torch.Tensor) -> None:
+        """One fp8 piece [out, in] starting at `start`, dequantized whole block-rows at a time
+        (each with its row of the scale grid, read once): the sums of the dequantized weight."""
+        assert source.layout.fp8 is not None
+        block = source.layout.fp8.block
+        rows, cols = source.stored_tensor(key).shape[-2:]
+        per_read = max(1, _BLOCK // (block[0] * cols)) * block[0]  # whole block-rows, ~1M values
+        view = self._buffer(per_read * cols)
+        for row in range(0, rows, per_read):
+            n = min(per_read, rows - row)
+            source.read_into(key, start + row * cols, view[: n * cols])
+            fp8 = self.raw_tensor[: n * cols].view(FP8_DTYPE).view(n, cols)
+            grid = scale[row // block[0] : -(-(row + n) // block[0])]
+            for chunk in dequantize_blocks(fp8, grid, block).reshape(-1).split(_BLOCK):
+                self._add(chunk)
+
     def of_stored(self, source: SafetensorsExperts, expert: int) -> tuple[float, float, int]:
         """Every layout only rearranges the elements of gate_up_proj and down_proj into gate, up
-        and down, so the sums run over the stored byte ranges as they are (no decoding)."""
+        and down, so the sums run over the stored byte ranges as they are (no decoding; fp8
+        pieces are dequantized block-row by block-row)."""
         for name in source.summed_names:
             for key, start, length in source.stored_ranges(name, expert):
+                scale = source.scale_grid(name, key, expert)
+                if scale is not None:
+                    self._add_fp8(source, key, start, scale)
+                    continue
                 stored = source.stored_tensor(key)
                 if stored.dtype not in _FLOAT_DTYPES:
                     raise MoePruneError(
@@ -77,10 +105,7 @@ class _Sums:
                     )
                 dtype = _FLOAT_DTYPES[stored.dtype]
                 step = _BLOCK * dtype.itemsize
-                if len(self.raw) < step:
-                    self.raw = bytearray(step)
-                    self.raw_tensor = torch.frombuffer(self.raw, dtype=torch.uint8)
-                view = memoryview(self.raw)
+                view = self._buffer(step)
                 for offset in range(0, length, step):
                     size = min(step, length - offset)
                     source.read_into(key, start + offset, view[:size])
