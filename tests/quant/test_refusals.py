@@ -64,5 +64,11 @@ def test_quantized_checkpoint_is_refused_before_any_weight(fp8_checkpoint, tmp_p
 
 
 def test_inspect_still_describes_a_quantized_checkpoint(fp8_checkpoint):
-    done = CliRunner().invoke(main, ["inspect", str(fp8_checkpoint[0])])
+    path = fp8_checkpoint[0]
+    done = CliRunner().invoke(main, ["inspect", str(path)])
     assert done.exit_code == 0, done.output
+    assert "  quantized: fp8, 16x16 blocks\n" in done.output
+    on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert f"  weights on disk: {on_disk:,} bytes\n" in done.output
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(path), "--json"]).output)
+    assert (info["quantization"], info["weight_bytes"]) == ("fp8, 16x16 blocks", on_disk)

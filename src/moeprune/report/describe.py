@@ -7,7 +7,10 @@ from pathlib import Path
 from torch import nn
 
 from moeprune.checkpoint import build_skeleton, check_model_path, load_config
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.models import MoEModel
+from moeprune.quant import quantization_of
+from moeprune.report.prune_report import weight_bytes
 from moeprune.surgery.parameters import describe_layers, expert_params, routed_parameters
 
 
@@ -15,7 +18,10 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
     """Build the model on the meta device (no weights read) and describe it."""
     folder = check_model_path(path)  # a local folder or a cached model id
     load_config(folder, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
-    return describe_model(build_skeleton(folder, meta=True), source=str(path))
+    info = describe_model(build_skeleton(folder, meta=True), source=str(path))
+    info["quantization"] = quantization_of(read_config_dict(folder))  # what moeprune keeps or refuses
+    info["weight_bytes"] = weight_bytes(folder)
+    return info
 
 
 def describe_model(model: nn.Module, source: str = "") -> dict:
@@ -55,6 +61,12 @@ def format_description(info: dict) -> str:
         f"  decoder layers {info['decoder_layers']}; MoE layers {_ranges(info['moe_layers'])}"
         + (f"; dense layers {_ranges(info['dense_layers'])}" if info["dense_layers"] else ""),
         f"  routing: {info['routing']}",
+        *([f"  quantized: {info['quantization']}"] if info.get("quantization") else []),
+        *(
+            [f"  weights on disk: {info['weight_bytes']:,} bytes"]
+            if info.get("weight_bytes") is not None
+            else []
+        ),
         f"  parameters: total {params['total']:,}; routed experts {params['routed_experts']:,}; "
         f"active per token {params['active_per_token']:,}",
         "  layer  experts  novices  top-k  intermediate  params/expert  groups  shared",
