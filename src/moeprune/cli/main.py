@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import click
 
 from moeprune import __version__
+from moeprune.cli.options import setting_options
 from moeprune.errors import MoePruneError
 
 ARGV = "moeprune.argv"  # the arguments as typed, kept for the model card's "Reproduce"
@@ -70,3 +71,11 @@ def refuse_given(ctx: click.Context, names: Sequence[str], reason: str) -> None:
         raise MoePruneError(
             f"{flags} {'has' if one else 'have'} no effect {reason}; remove {'it' if one else 'them'}"
         )
+
+
+def refuse_unread(ctx: click.Context, unread: Sequence[tuple[Sequence[str | type], str]]) -> None:
+    """Refuse every typed option the library says this run would ignore: (settings, why) pairs,
+    where a config class stands for all of its settings (moeprune.pipelines)."""
+    for settings, why in unread:
+        names = [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])]
+        refuse_given(ctx, names, why)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import Field, fields
 from typing import Any
 
@@ -118,6 +118,13 @@ def data_from_options(kwargs: dict) -> DataOptions:
     )
 
 
+def registry_option(flag: str, registry, lead: str, **kwargs: Any) -> Callable:
+    """A click option choosing one entry of `registry`, its --help listing every entry's own help."""
+    return click.option(
+        flag, type=click.Choice(registry.names()), help=registry_help(registry, lead), **kwargs
+    )
+
+
 def registry_help(registry, lead: str) -> str:
     """`lead` and every entry's help, for --help."""
     return f"{lead} " + "; ".join(f"{spec.name}: {spec.help}" for spec in registry) + "."
@@ -180,13 +187,3 @@ def setting_options(cls: type) -> list[str]:
 def setting_help(cls: type, name: str) -> str:
     """The help a config field carries."""
     return next(f for f in fields(cls) if f.name == name).metadata["help"]
-
-
-def refuse_unread(ctx: click.Context, unread: Sequence[tuple[Sequence[str | type], str]]) -> None:
-    """Refuse every typed option the library says this run would ignore: (settings, why) pairs,
-    where a config class stands for all of its settings (moeprune.pipelines)."""
-    from moeprune.cli.main import refuse_given
-
-    for settings, why in unread:
-        names = [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])]
-        refuse_given(ctx, names, why)

@@ -12,15 +12,15 @@ import click
 from moeprune.allocate import ALLOCATIONS
 from moeprune.allocate.fitness import FITNESSES
 from moeprune.allocate.registry import searches
-from moeprune.cli.main import command_line, main
+from moeprune.cli.main import command_line, main, refuse_unread
 from moeprune.cli.options import (
     config_from_options,
     config_options,
     data_from_options,
     data_options,
     options_of,
-    refuse_unread,
     registry_help,
+    registry_option,
     setting_help,
 )
 from moeprune.config import PruneConfig, RunOptions, SaveOptions, SearchConfig
@@ -97,18 +97,14 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=click.FloatRange(0, 1, min_open=True, max_open=True),
     help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.",
 )
-@click.option(
+@registry_option(
     "--allocation",
-    type=click.Choice(ALLOCATIONS.names()),
+    ALLOCATIONS,
+    "How many experts each layer loses [default: the method's first]:",
     default=None,
-    help=registry_help(ALLOCATIONS, "How many experts each layer loses [default: the method's first]:"),
 )
-@click.option(
-    "--method",
-    type=click.Choice(METHODS.names()),
-    default="drop",
-    show_default=True,
-    help=registry_help(METHODS, "What happens to the chosen experts:"),
+@registry_option(
+    "--method", METHODS, "What happens to the chosen experts:", default="drop", show_default=True
 )
 @click.option(
     "--neuron-importance",
@@ -172,13 +168,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
     "no weight is loaded, nothing is written.",
 )
-@click.option(
-    "--pipeline",
-    type=click.Choice(PIPELINES.names()),
-    default="in-memory",
-    show_default=True,
-    help=registry_help(PIPELINES, "How the job runs:"),
-)
+@registry_option("--pipeline", PIPELINES, "How the job runs:", default="in-memory", show_default=True)
 @click.option(
     "--no-load",
     is_flag=True,

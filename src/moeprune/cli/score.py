@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from moeprune.cli.main import main
-from moeprune.cli.options import data_from_options, data_options, refuse_unread, registry_help
+from moeprune.cli.main import main, refuse_unread
+from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.config import RunOptions
 from moeprune.criteria import CRITERIA
 from moeprune.pipelines import ScoreRequest, run_score, score_pipeline, score_unread_settings
