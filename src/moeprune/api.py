@@ -38,6 +38,7 @@ from moeprune.checkpoint import (
 )
 from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
+from moeprune.checkpoint.quantized import check_quantized
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
 from moeprune.criteria import (
@@ -56,7 +57,8 @@ from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
-from moeprune.quant.support import refuse_quantized
+from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
+from moeprune.quant.support import quantization_of
 from moeprune.report.document import PRUNE, PruneReport
 from moeprune.report.model_card import model_card
 from moeprune.report.parts import (
@@ -81,6 +83,7 @@ from moeprune.search.auto import choose_criterion
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
+from moeprune.shards.rewrite import rewrite_checkpoint, rewrite_supports
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.parameters import (
@@ -91,6 +94,7 @@ from moeprune.surgery.parameters import (
     routed_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
+from moeprune.surgery.registry import default_allocation
 
 _LOG = logging.getLogger(__name__)
 
@@ -300,6 +304,14 @@ class PruneJob:
     search_set: CalibrationData | None
     layer_budget: dict  # what is known per layer before scoring
     search_data: list[str] = field(default_factory=list)
+    kept_quantization: Fp8Format | None = None  # the input's fp8, kept: written from the input's bytes
+
+    @property
+    def saved_as(self) -> str:
+        """The saved weights' format, as the report names it."""
+        if self.kept_quantization is not None:
+            return self.kept_quantization.saved_as
+        return str(self.save_dtype).removeprefix("torch.")
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -327,7 +339,7 @@ class PruneJob:
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
             "output": str(self.output),
-            "save_dtype": str(self.save_dtype).removeprefix("torch."),
+            "save_dtype": self.saved_as,
             "resume": self.run.resume,
         }
 
@@ -420,7 +432,7 @@ def prepare(
     model_config = load_config(
         model_path, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
-    refuse_quantized(model_path, read_config_dict(model_path), "pruning the loaded model")
+    kept_quantization = _kept_quantization(model_path, config, save)
     check_weights(model_path)  # empty, truncated or missing shards
     check_not_inside(output, [model_path])
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
@@ -451,11 +463,11 @@ def prepare(
     stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
-        if save.dtype
+        if save.dtype and kept_quantization is None
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
-    lost = precision_lost(placement.dtype, save_dtype)
-    if lost:
+    lost = precision_lost(placement.dtype, save_dtype) if kept_quantization is None else None
+    if lost:  # (kept fp8 is written from the input's bytes: nothing of the compute dtype reaches the disk)
         _LOG.warning(lost)
     return PruneJob(
         model_path,
@@ -472,7 +484,48 @@ def prepare(
         search_set,
         layer_budget,
         list(search_data),
+        kept_quantization,
     )
+
+
+def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> Fp8Format | None:
+    """The input's fp8 format when the result keeps it: by default for an fp8 input (a smaller
+    model was asked for, never a silently up-cast one), unless a full-precision `save.dtype` asks
+    for dequantized weights; `save.dtype` "float8_e4m3fn" asks for it explicitly.
+
+    Keeping fp8 means writing the result from the input's bytes (`rewrite_checkpoint`), which
+    writes what a stock checkpoint expresses: whole experts dropped, the same number per layer.
+    Anything else is refused here, before the model is loaded, naming the ways that work.
+    """
+    fmt = check_quantized(model_path)  # a format moeprune cannot read, or missing scales, fail here
+    asked = save.dtype is not None and str(save.dtype).removeprefix("torch.") == FP8_SAVE_DTYPE
+    if asked and not isinstance(fmt, Fp8Format):
+        raise MoePruneError(
+            f"saving as fp8 keeps an fp8 input's blocks, and {model_path} is "
+            f"{'not quantized' if fmt is None else fmt.saved_as} (moeprune does not quantize): save as fp32, "
+            "bf16 or fp16",
+            options=("save_dtype",),
+        )
+    if fmt is None or (save.dtype is not None and not asked):
+        return None  # full precision in, or dequantized weights asked for
+    if not isinstance(fmt, Fp8Format):
+        raise MoePruneError(
+            f"{model_path} is quantized ({fmt.saved_as}): moeprune reads it (each weight dequantized as it "
+            "loads) but does not write that format yet, and never up-casts silently: save dequantized weights "
+            "with --save-dtype bf16",
+            options=("save_dtype",),
+        )
+    allocation = config.allocation or default_allocation(config.method)
+    if not rewrite_supports(config.method, allocation):
+        described = quantization_of(read_config_dict(model_path))
+        raise MoePruneError(
+            f"{model_path} is quantized ({described}): an fp8 result is written from the input's bytes, which "
+            "expresses the uniform drop only (--method drop --allocation uniform; cutting neurons would split "
+            f"scale blocks, per-layer counts need moeprune's format); for the {config.method} method with the "
+            f"{allocation} allocation, save dequantized weights with --save-dtype bf16 (about twice the fp8 bytes)",
+            options=("method", "allocation", "save_dtype"),
+        )
+    return fmt
 
 
 def prune_checkpoint(
@@ -548,7 +601,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model=str(job.model_path),
         output=str(job.output),
         model_type=moe.model_type,
-        save_dtype=str(job.save_dtype).removeprefix("torch."),
+        save_dtype=job.saved_as,
         command_line=job.run.command_line,
     )
     recipe = {
@@ -563,7 +616,10 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             "seed": data.seed,
             "packing": data.packing,
         },
-        "save": {"dtype": report.save_dtype, "max_shard_size": job.max_shard_size},
+        "save": {  # a dtype name --config reads back (fp8 kept: its save dtype, not the report's description)
+            "dtype": FP8_SAVE_DTYPE if job.kept_quantization is not None else report.save_dtype,
+            "max_shard_size": job.max_shard_size,
+        },
     }
 
     def write(tmp: Path) -> None:
@@ -571,6 +627,9 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             report.format = write_checkpoint(
                 model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
             )
+        evidence(tmp)
+
+    def evidence(tmp: Path) -> None:
         report.disk_bytes = DiskBytes(weight_bytes(job.model_path), weight_bytes(tmp))
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
@@ -595,7 +654,12 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
         return report.to_json()
-    atomic_write_dir(job.output, write, overwrite=job.run.overwrite)
+    if job.kept_quantization is not None:  # the kept experts' fp8 bytes and scales, copied as they are
+        report.format = "stock"
+        with stage(f"writing {job.output} from the input's fp8 shards", progress):
+            rewrite_checkpoint(job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence)
+    else:
+        atomic_write_dir(job.output, write, overwrite=job.run.overwrite)
     state = search_state_path(job.output)  # the search's state and race log are done with
     state.unlink(missing_ok=True)
     state.with_name(state.name + ".raced.json").unlink(missing_ok=True)
@@ -619,11 +683,8 @@ def prepare_score(
     Placement.choose(data.device if data.device != "auto" or not data.sequential else None, None)
     model_path = check_model_path(model_path)
     load_config(model_path, trust_remote_code)
-    if (
-        load_sets and crit.needs_data
-    ):  # the loaded model observed (weight-only and layer-by-layer: their own checks)
-        refuse_quantized(model_path, read_config_dict(model_path), "observing the loaded model")
     check_weights(model_path)
+    check_quantized(model_path)  # fp8 is read (dequantized as it loads); other formats, bad scales fail here
     output = Path(output)
     check_not_inside(output, [model_path], what="scores file")
     if output.is_dir():

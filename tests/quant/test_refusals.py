@@ -1,7 +1,6 @@
-"""Until a stage reads quantized tensors itself, a quantized checkpoint is refused there in one
-line, before any weight is read, and nothing is written: never a silently up-cast result (the
-survey behind it: in-memory prunes crashed or saved bf16 without the quantization, layer-by-layer
-observation read fp8 codes without their scales and gave scores 1e8 times too large)."""
+"""What moeprune cannot do with a quantized checkpoint is refused in one line, before any weight
+is read, and nothing is written: never a silently up-cast or re-quantized result. Everything
+else reads fp8 (tests/quant/test_fp8_loaded.py, tests/shards/test_fp8_streaming.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,9 @@ def test_quantization_is_described_and_refused_in_one_line(tmp_path):
     assert quantization_of(fp8) == "fp8, 128x128 blocks"
     assert quantization_of({"quantization_config": {"quant_method": "mxfp4"}}) == "mxfp4"
     assert quantization_of({}) is None
-    refuse_quantized(tmp_path, {}, "pruning")  # full precision: nothing to refuse
-    with pytest.raises(MoePruneError, match=r"is quantized \(mxfp4\); pruning does not read quantized weights yet"):
-        refuse_quantized(tmp_path, {"quantization_config": {"quant_method": "mxfp4"}}, "pruning")
+    refuse_quantized(tmp_path, {}, "cutting neurons")  # full precision: nothing to refuse
+    with pytest.raises(MoePruneError, match=r"is quantized \(fp8, 128x128 blocks\); cutting neurons would split"):
+        refuse_quantized(tmp_path, fp8, "cutting neurons")
 
 
 @pytest.fixture(scope="module")
@@ -40,27 +39,66 @@ def fp8_checkpoint(tmp_path_factory):
     return path, data
 
 
-@pytest.mark.parametrize(
-    ("args", "stage"),
-    [
-        (["prune", "--criterion", "reap", "--sparsity", "0.25"], "pruning the loaded model"),
-        (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--allocation", "global"], "pruning the loaded model"),
-        (["prune", "--criterion", "reap", "--sparsity", "0.25", "--no-load"], "criterion 'reap' (observed layer by layer)"),
-        (["score", "--criterion", "reap"], "observing the loaded model"),
-        (["score", "--criterion", "reap", "--sequential"], "criterion 'reap' (observed layer by layer)"),
-        (["score", "--criterion", "aimer"], "loading the model"),
-    ],
-)
-def test_quantized_checkpoint_is_refused_before_any_weight(fp8_checkpoint, tmp_path, args, stage):
-    path, data = fp8_checkpoint
-    out = tmp_path / ("out.json" if args[0] == "score" else "out")
-    extra = [] if "aimer" in args and args[0] == "score" else ["--data", str(data)]
-    done = CliRunner().invoke(main, [args[0], str(path), *args[1:], *extra, "--output", str(out), "--quiet"])
+def refused(args: list, out, expected: str) -> None:
+    done = CliRunner().invoke(main, [*map(str, args), "--output", str(out), "--quiet"])
     assert done.exit_code == 2, done.output
     assert done.output.count("\n") == 1 and "Traceback" not in done.output
-    assert f"is quantized (fp8, 16x16 blocks); {stage} does not read quantized weights yet" in done.output
+    assert expected in done.output, done.output
     assert not out.exists()
-    assert "score --streaming" in done.output  # for fp8, the route that keeps the format
+
+
+KEEP_FP8 = "an fp8 result is written from the input's bytes, which expresses the uniform drop only"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--criterion", "reap", "--allocation", "global"], KEEP_FP8),
+        (["--criterion", "reap", "--method", "neurons"], KEEP_FP8),
+        (["--criterion", "reap", "--method", "novice"], KEEP_FP8),
+        (["--criterion", "reap", "--method", "neurons", "--no-load"], "the neurons method would split its scale blocks"),
+    ],
+)
+def test_what_cannot_keep_fp8_is_refused_before_any_weight(fp8_checkpoint, tmp_path, args, expected):
+    path, data = fp8_checkpoint
+    refused(["prune", path, *args, "--sparsity", "0.25", "--data", data], tmp_path / "out", expected)
+
+
+def test_fp8_is_not_made_from_full_precision(fp8_checkpoint, tmp_path):
+    path, data = fp8_checkpoint
+    plain = tmp_path / "plain"
+    tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer())).save_pretrained(plain)
+    byte_tokenizer().save_pretrained(plain)
+    refused(
+        ["prune", plain, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--save-dtype", "fp8"],
+        tmp_path / "out",
+        "is not quantized (moeprune does not quantize)",
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prune", "--criterion", "frequency", "--sparsity", "0.25"],
+        ["prune", "--criterion", "aimer", "--sparsity", "0.25", "--no-load"],
+        ["score", "--criterion", "frequency"],
+        ["score", "--criterion", "aimer", "--streaming"],
+        ["score", "--criterion", "frequency", "--sequential"],
+    ],
+)
+def test_a_format_moeprune_does_not_read_is_refused_everywhere(fp8_checkpoint, tmp_path, args):
+    """A quant_method moeprune does not read (here awq) is refused by name before the data is read."""
+    path, data = fp8_checkpoint
+    other = tmp_path / "other"
+    other.mkdir()
+    for item in path.iterdir():
+        (other / item.name).write_bytes(item.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq"}
+    (other / "config.json").write_text(json.dumps(config))
+    out = tmp_path / ("out.json" if args[0] == "score" else "out")
+    extra = [] if "aimer" in args else ["--data", data]  # weight-only criteria refuse data
+    refused([args[0], other, *args[1:], *extra], out, "quantization_config has quant_method 'awq'")
 
 
 def test_inspect_still_describes_a_quantized_checkpoint(fp8_checkpoint):

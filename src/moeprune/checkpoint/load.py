@@ -10,22 +10,26 @@ tensor of the model from the file by name and refuse anything missing or unexpec
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.initialization import no_init_weights
+from transformers.modeling_utils import LoadStateDictConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import files, structure
 from moeprune.checkpoint.names import disk_tensors
+from moeprune.checkpoint.quantized import QuantizedSources, quantization_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
 from moeprune.models.classes import model_class
-from moeprune.quant.support import refuse_quantized
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
 from moeprune.surgery.drop import drop_experts
@@ -131,6 +135,8 @@ def build_skeleton(path: Path, dtype: torch.dtype = torch.float32, meta: bool = 
     uninitialised memory, or the meta device (nothing allocated)."""
     path = Path(path)
     config = load_config(path)
+    if hasattr(config, "quantization_config"):  # built in full precision: dequantized weights go in
+        del config.quantization_config
     saved = structure.read(path)
     cls = model_class(config)
     if meta:
@@ -203,10 +209,50 @@ def load_pretrained(
 def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
     files.check_weights(path)
     load_config(path)
+    if quantization_format(path) is not None:
+        model = load_dequantized(path, dtype)
+        return model if device is None else model.to(device)
     on_gpu = device is not None and torch.device(device).type != "cpu"
     placed = {"device_map": {"": str(device)}} if on_gpu and _has_accelerate() else {}  # straight to the GPU
     model = _from_pretrained(path, dtype=dtype, **placed)
     return model if placed or device is None else model.to(device)
+
+
+def load_dequantized(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """A quantized stock checkpoint as the full-precision model it stands for, on the CPU: each
+    weight dequantized in float32 (checkpoint.quantized), then converted to the in-memory layout
+    and cast to `dtype` by transformers' own loading code, as `from_pretrained` would load the
+    dequantized checkpoint. The model's config no longer names a quantization: it is not quantized.
+    """
+    model = build_skeleton(path, dtype)
+    sources = QuantizedSources.of(path)
+    settings = LoadStateDictConfig(
+        device_map={"": torch.device("cpu")},
+        dtype=dtype,
+        dtype_plan=model._get_dtype_plan(dtype),
+        weight_mapping=get_model_conversion_mapping(model),  # type: ignore[arg-type]  # its own list type, narrower stub
+    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with ExitStack() as stack:
+            state = sources.sources(list(sources.weight_keys()), stack)
+            info, _ = convert_and_load_state_dict_in_model(model, state, settings)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.tie_weights()
+    missing = {name for name in info.missing_keys if _tied_partner(model, name) is None}
+    problems = {
+        "missing_keys": sorted(missing),
+        "unexpected_keys": sorted(info.unexpected_keys),
+        "mismatched_keys": sorted(info.mismatched_keys),
+    }
+    if any(problems.values()) or info.conversion_errors:
+        detail = _describe(problems) or str(next(iter(info.conversion_errors.values())))
+        raise MoePruneError(
+            f"{path} does not match its config: {detail}; the checkpoint is incomplete or damaged"
+        )
+    return model
 
 
 def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
@@ -325,8 +371,14 @@ def load_model(
     """
     path = check_model_path(path)
     load_config(path, trust_remote_code)  # dense, unsupported and damaged configs fail before any weight
-    refuse_quantized(path, structure.read_config_dict(path), "loading the model")
+    quantized = quantization_format(path)  # a format moeprune does not read fails here
     files.check_weights(path)
+    if quantized is not None and device_map:
+        raise MoePruneError(
+            f"{str(path)!r} is quantized (fp8): moeprune dequantizes it on one device, and device_map='auto' "
+            "would leave the dequantization to accelerate; choose one device",
+            options=("device",),
+        )
     if structure.is_moeprune_format(path):
         if device_map:
             raise MoePruneError(

@@ -27,12 +27,15 @@ from moeprune.config import PruneConfig, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
 from moeprune.pipelines import PIPELINES, PruneRequest, run_pipeline, unread_settings
+from moeprune.quant.fp8 import FP8_SAVE_DTYPE
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS
 from moeprune.surgery.neurons import IMPORTANCE
 
-SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value -> torch name
+# flag value -> torch name; fp8 keeps an fp8 input's blocks (the default for one; a full-precision
+# choice saves it dequantized)
+SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": FP8_SAVE_DTYPE}
 
 
 def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
@@ -154,7 +157,8 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),
     default=None,
-    help="dtype of the saved weights [default: the input checkpoint's].",
+    help="dtype of the saved weights [default: the input checkpoint's; an fp8 input stays fp8, "
+    "a full-precision choice saves it dequantized].",
 )
 @click.option(
     "--max-shard-size",

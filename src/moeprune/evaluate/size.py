@@ -21,9 +21,11 @@ from typing import TypeVar
 import torch
 
 from moeprune.checkpoint import load_model
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import moe_families, save_tiny_model
+from moeprune.quant.support import quantization_of
 from moeprune.surgery.parameters import routed_parameters
 
 T = TypeVar("T")
@@ -131,5 +133,8 @@ def model_size(moe: MoEModel, path: str | Path | None, load_info: dict[str, obje
     size["experts_per_layer"] = {str(m.index): m.num_experts for m in moe.layers}
     if path is not None:
         size.update(disk_bytes(path))
+        stored_as = quantization_of(read_config_dict(Path(path)))
+        if stored_as is not None:  # "dtype" is the model's in memory; on disk it is quantized
+            size["quantization"] = stored_as
     size.update(load_info or {})
     return size

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from moeprune.errors import MoePruneError
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_SAVE_DTYPE = "float8_e4m3fn"  # the save dtype that keeps an fp8 input's blocks (--save-dtype fp8)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: the largest finite e4m3fn value
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight` -> `<name>.weight_scale_inv`, as the releases name it
 # `fmt` spellings the releases use for e4m3fn (DeepSeek and Qwen write "e4m3", MiniMax the dtype)
@@ -48,6 +49,11 @@ class Fp8Format:
     activation_scheme: str = "dynamic"
     scale_fmt: str = "float"
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def saved_as(self) -> str:
+        """How reports name weights kept in this format ("float8_e4m3fn (fp8, 128x128 blocks)")."""
+        return f"{FP8_SAVE_DTYPE} (fp8, {self.block[0]}x{self.block[1]} blocks)"
 
 
 def scale_name(weight_name: str) -> str:

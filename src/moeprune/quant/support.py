@@ -1,12 +1,12 @@
-"""Which stages read a quantized checkpoint, and the one-line refusal everywhere else.
+"""What each stage does with a quantized checkpoint, and the one-line refusals where it cannot.
 
-A checkpoint whose config.json holds a `quantization_config` must never come out silently wrong
-or up-cast. Loading it through transformers on a CPU dequantizes it in ways moeprune cannot stand
-behind (the dequantized weights take the requested dtype while the other tensors keep theirs, the
-block size of a partial last block is misread from the scale grid, and the loaded model cannot be
-saved back), and layer-by-layer observation would read the quantized codes without their scales.
-So until a stage reads the quantized tensors itself, it refuses such a checkpoint here, before
-any weight is read, naming the format and what to do.
+Every stage reads a block-scaled fp8 checkpoint: the loaded model and layer-by-layer observation
+dequantize each weight with its scales as it is read (moeprune.checkpoint.quantized), streamed
+scores dequantize block-rows. Writing is where the format binds: dropping whole experts keeps the
+kept experts' fp8 bytes and scales as they are, while cutting neurons would split scale blocks
+(a `down_proj` block spans 128 input channels) and re-quantize what remains. Rather than
+re-quantize silently, moeprune refuses there, before any weight is read, naming the two ways
+forward: drop whole experts, or save dequantized weights on request.
 """
 
 from __future__ import annotations
@@ -17,9 +17,14 @@ from typing import Any
 from moeprune.errors import MoePruneError
 from moeprune.quant.fp8 import read_fp8_config
 
-FP8_ROUTE = (
-    "fp8 is read without loading: weight-only criteria (aimer, magnitude, random) with `score --streaming` "
-    "and the drop method with `prune --no-load` keep the format; otherwise dequantize the checkpoint first"
+KEEP_FP8_ROUTE = (
+    "drop whole experts (--method drop; the kept experts' fp8 bytes and scales are copied as they are), "
+    "or save dequantized weights with --save-dtype bf16 (about twice the fp8 bytes)"
+)
+
+NEURON_ROUTE = (
+    "drop whole experts instead (--method drop keeps the kept experts' fp8 bytes), or prune the loaded "
+    "model with --save-dtype bf16 to save dequantized weights"
 )
 
 
@@ -36,12 +41,14 @@ def quantization_of(config: dict[str, Any]) -> str | None:
     return str(method)
 
 
-def refuse_quantized(path: str | Path, config: dict[str, Any], what: str) -> None:
-    """Refuse a quantized checkpoint for `what` (a stage that does not read its quantized tensors)."""
+def refuse_quantized(
+    path: str | Path, config: dict[str, Any], what: str, route: str = KEEP_FP8_ROUTE, options: tuple = ()
+) -> None:
+    """Refuse a quantized checkpoint for `what` (a stage that cannot keep its quantization), in
+    one line naming the format and `route`, the ways that work."""
     described = quantization_of(config)
     if described is not None:
-        route = FP8_ROUTE if described.startswith("fp8") else "dequantize the checkpoint to bf16 first"
         raise MoePruneError(
-            f"{path} is quantized ({described}); {what} does not read quantized weights yet and would "
-            f"compute on, or save, a silently up-cast copy: {route}"
+            f"{path} is quantized ({described}); {what} would split its scale blocks and re-quantize them: {route}",
+            options=options,
         )

@@ -1,10 +1,11 @@
-"""Tiny block-scaled FP8 checkpoints, written the way the releases are, for tests and surveys.
+"""Tiny block-scaled FP8 and MXFP4 checkpoints, written the way the releases are, for tests and surveys.
 
 No FP8 release is small enough for a test, and transformers writes no FP8 checkpoint on a CPU
 (its quantizer needs a GPU). So a tiny model is saved normally first, which gives each family's
 own on-disk names (per-expert `mlp.experts.{e}.gate_proj.weight` where transformers fuses experts
 in memory), and then every eligible 2-D weight of those files is replaced by its fp8 blocks and
-`weight_scale_inv`, and config.json gets the releases' `quantization_config`.
+`weight_scale_inv`, and config.json gets the releases' `quantization_config`. MXFP4 the same
+way, as gpt-oss ships it: each fused 3-D expert parameter becomes its `_blocks` and `_scales`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ from moeprune.quant.fp8 import (
     read_fp8_config,
     scale_name,
 )
+from moeprune.quant.mxfp4 import (
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    dequantize_mxfp4,
+    mxfp4_quantization_config,
+    quantize_mxfp4,
+    read_mxfp4_config,
+)
 
 # Left in full precision, as the releases leave them: the output head, the embeddings and the
 # routers (`mlp.gate`, MiniMax's `block_sparse_moe.gate`, Qwen's `shared_expert_gate`: all end in
 # "gate", and no projection does). Norms and biases are 1-D and never quantized anyway.
 DEFAULT_SKIP = ("lm_head", "embed_tokens", "gate")
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+_FUSED_EXPERTS = re.compile(r"\.experts\.[a-z_]+$")  # gpt-oss's fused `experts.gate_up_proj` [E, in, out]
+# gpt-oss's own skip list: everything but the experts stays in bf16
+MXFP4_SKIP = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 _INDEX = "model.safetensors.index.json"
 
 
@@ -140,31 +152,88 @@ def save_fp8_checkpoint(
     return path
 
 
+def save_mxfp4_checkpoint(
+    model: nn.Module, path: str | Path, tokenizer: Any = None, dtype: torch.dtype | None = None
+) -> Path:
+    """Write `model` (a gpt-oss; any family whose experts are stored fused and 3-D) to `path` as
+    gpt-oss ships it: every fused expert weight `<name>` [E, in, out] (in a multiple of 32) as
+    `quantize_mxfp4`'s `<name>_blocks` and `<name>_scales`, the other tensors as saved (or in
+    `dtype`), config.json with gpt-oss's mxfp4 `quantization_config`. Returns `path`."""
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        stock = Path(tmp)
+        model.save_pretrained(stock)  # type: ignore[operator]  # a transformers model
+        path.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total_size = quantized = 0
+        for file in sorted(stock.glob("*.safetensors")):
+            tensors, metadata = _read(file)
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in tensors.items():
+                if tensor.dim() == 3 and tensor.is_floating_point() and _FUSED_EXPERTS.search(name):
+                    out[name + BLOCKS_SUFFIX], out[name + SCALES_SUFFIX] = quantize_mxfp4(tensor)
+                    quantized += 1
+                else:
+                    cast = dtype is not None and tensor.is_floating_point()
+                    out[name] = tensor.to(dtype) if cast else tensor
+            save_file(out, str(path / file.name), metadata=metadata)
+            weight_map.update(dict.fromkeys(out, file.name))
+            total_size += _nbytes(out)
+        if not quantized:
+            raise MoePruneError(
+                f"this {type(model).__name__} stores no fused 3-D expert weight to make mxfp4"
+            )
+        for file in stock.iterdir():
+            if file.suffix != ".safetensors":
+                shutil.copy2(file, path / file.name)
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = mxfp4_quantization_config(MXFP4_SKIP)
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _rewrite_index(path, weight_map, total_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def _dequantized(
+    tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """One shard's tensors with every quantized weight dequantized to `dtype` under its model name."""
+    fp8, mxfp4 = read_fp8_config(config), read_mxfp4_config(config)
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith((SCALE_SUFFIX, SCALES_SUFFIX)) and (fp8 or mxfp4):
+            continue
+        if fp8 is not None and tensor.dtype == torch.float8_e4m3fn:
+            out[name] = dequantize_blocks(tensor, tensors[scale_name(name)], fp8.block, dtype)
+        elif mxfp4 is not None and name.endswith(BLOCKS_SUFFIX):
+            base = name.removesuffix(BLOCKS_SUFFIX)
+            out[base] = dequantize_mxfp4(tensor, tensors[base + SCALES_SUFFIX], dtype)
+        else:
+            out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return out
+
+
 def save_dequantized_checkpoint(
     source: str | Path, path: str | Path, dtype: torch.dtype = torch.float32
 ) -> Path:
-    """Write the fp8 checkpoint at `source` to `path` with every fp8 weight replaced by
-    `dequantize_blocks(...)` in `dtype`, its scales dropped and no `quantization_config`: the
-    reference a correct FP8 loader must reproduce, in the same on-disk layout (so stock
-    transformers loads it with no quantizer, whatever the family's in-memory fusing)."""
+    """Write the fp8 or mxfp4 checkpoint at `source` to `path` with every quantized weight
+    replaced by its dequantization (`dequantize_blocks`, `dequantize_mxfp4`) in `dtype`, its scales
+    dropped and no `quantization_config`: the reference a correct loader must reproduce, in the
+    same on-disk layout (so stock transformers loads it with no quantizer, whatever the family's
+    in-memory fusing)."""
     source, path = Path(source), Path(path)
     config = json.loads((source / "config.json").read_text())
-    fmt = read_fp8_config(config)
-    if fmt is None:
-        raise MoePruneError(f"{source} has no fp8 quantization_config")
+    if read_fp8_config(config) is None and read_mxfp4_config(config) is None:
+        raise MoePruneError(f"{source} has no fp8 or mxfp4 quantization_config")
     path.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total_size = 0
     for file in sorted(source.glob("*.safetensors")):
         tensors, metadata = _read(file)
-        out = {}
-        for name, tensor in tensors.items():
-            if name.endswith(SCALE_SUFFIX):
-                continue
-            if tensor.dtype == torch.float8_e4m3fn:
-                out[name] = dequantize_blocks(tensor, tensors[scale_name(name)], fmt.block, dtype)
-            else:
-                out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        out = _dequantized(tensors, config, dtype)
         save_file(out, str(path / file.name), metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
         total_size += _nbytes(out)

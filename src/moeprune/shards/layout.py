@@ -41,17 +41,13 @@ from moeprune.checkpoint import (
     load_config,
 )
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, shard_names
-from moeprune.checkpoint.structure import read_config_dict
+from moeprune.checkpoint.quantized import fp8_scales, quantization_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
 from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
-from moeprune.quant.fp8 import SCALE_SUFFIX, Fp8Format, read_fp8_config, scale_shape
-
-SUPPORTED_QUANTIZATION = ("fp8",)  # quant_method values the shard readers and rewrites handle
-_FP8_WEIGHT = "F8_E4M3"
-_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")  # float scales, or ue8m0 exponent bytes
+from moeprune.quant.fp8 import Fp8Format
 
 
 # --------------------------------------------------------------------------- checkpoint naming
@@ -157,63 +153,25 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     Its layers give the MoE layer indices, expert counts, top-k and routing groups the plan and
     allocation code need (`pipeline.build_plan` accepts it), with the same rules as a loaded model.
     """
-    quantization_format(path)  # an unsupported quantization is refused before anything else
+    streamed_format(path)  # a quantization the shard readers cannot read is refused before anything else
     config = config or load_config(path)
     with torch.device("meta"):
         model = model_class(config)._from_config(config)
     return MoEModel(model)
 
 
-def quantization_format(path: str | Path) -> Fp8Format | None:
-    """The checkpoint's block-scaled fp8 format from config.json (None: not quantized); any
-    other `quantization_config` is refused in one line, before a weight is read."""
-    data = read_config_dict(Path(path))
-    quant = data.get("quantization_config")
-    if quant is None:
-        return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if str(method).lower() not in SUPPORTED_QUANTIZATION:
+def streamed_format(path: str | Path) -> Fp8Format | None:
+    """The checkpoint's fp8 format (None: not quantized) for the readers and rewrites of the
+    shards, which handle block-scaled fp8 byte ranges; mxfp4 is refused in one line naming the
+    paths that read it (they load, or observe layer by layer, and dequantize)."""
+    fmt = quantization_format(path)
+    if fmt is not None and not isinstance(fmt, Fp8Format):
         raise MoePruneError(
-            f"{Path(path) / 'config.json'}: quantization_config has quant_method {method!r}; reading the "
-            f"checkpoint files supports {', '.join(SUPPORTED_QUANTIZATION)} (block-scaled) only"
+            f"{path} is quantized ({fmt.saved_as}); streaming and rewriting checkpoint files read fp8 only: "
+            "score it loaded or layer by layer (without --streaming), prune it loaded (without --no-load)",
+            options=("streaming", "no_load"),
         )
-    return read_fp8_config(data)
-
-
-def fp8_scales(path: Path, tensors: dict[str, StoredTensor], fp8: Fp8Format | None) -> dict[str, str]:
-    """fp8 weight key -> its `weight_scale_inv` key, every pair checked against the format: fp8
-    tensors only with an fp8 quantization_config, a scale beside every fp8 weight (and none
-    beside another), each scale of the weight's block grid."""
-    scales = {k.removesuffix(SCALE_SUFFIX): k for k in tensors if k.endswith(SCALE_SUFFIX)}
-    fp8_keys = [k for k, t in tensors.items() if t.dtype.startswith("F8_") and k not in scales.values()]
-    if fp8 is None:
-        if fp8_keys or scales:
-            what = fp8_keys[0] if fp8_keys else next(iter(scales.values()))
-            raise MoePruneError(
-                f"checkpoint {path} stores fp8 weights or scales ({what!r}) but its config.json has no fp8 "
-                "quantization_config: the numbers cannot be read without one"
-            )
-        return {}
-    for key in fp8_keys:
-        if tensors[key].dtype != _FP8_WEIGHT:
-            raise MoePruneError(
-                f"checkpoint tensor {key!r} is {tensors[key].dtype}; fp8 checkpoints store {_FP8_WEIGHT} weights"
-            )
-        if key not in scales:
-            raise MoePruneError(
-                f"checkpoint {path}: fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} (scales missing)"
-            )
-    for weight, scale in scales.items():
-        if weight not in tensors or tensors[weight].dtype != _FP8_WEIGHT:
-            raise MoePruneError(f"checkpoint {path}: scale {scale!r} is not beside an fp8 weight {weight!r}")
-        expected = scale_shape(tensors[weight].shape, fp8.block)
-        stored = tensors[scale]
-        if stored.shape != expected or stored.dtype not in _SCALE_DTYPES:
-            raise MoePruneError(
-                f"checkpoint {path}: scale {scale!r} is {stored.dtype} {list(stored.shape)}, its weight "
-                f"{list(tensors[weight].shape)} in {fp8.block[0]}x{fp8.block[1]} blocks needs {list(expected)}"
-            )
-    return scales
+    return fmt
 
 
 class CheckpointLayout:
@@ -231,7 +189,7 @@ class CheckpointLayout:
                 f"{str(self.path)!r} is in moeprune's own format (per-layer expert counts); streaming reads stock "
                 "checkpoints: load it with moeprune.load_pretrained instead"
             )
-        self.fp8 = quantization_format(self.path)
+        self.fp8 = streamed_format(self.path)
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
         files = shard_names(self.path)

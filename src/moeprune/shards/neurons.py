@@ -39,7 +39,7 @@ from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.plan import Plan
-from moeprune.quant.support import refuse_quantized
+from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
@@ -320,7 +320,7 @@ def rewrite_neuron_checkpoint(
     `plan.json` written; `extra(tmp_dir)` may add files before the folder is renamed into place.
     The result equals `apply_plan_physical` then `save_pretrained`.
     """
-    refuse_quantized(src, read_config_dict(Path(src)), "cutting neurons from the checkpoint files")
+    refuse_quantized(src, read_config_dict(Path(src)), "cutting neurons", NEURON_ROUTE, options=("method",))
     layout = CheckpointLayout(src)
     if Path(dst).resolve() == layout.path.resolve():
         raise MoePruneError(

@@ -17,6 +17,7 @@ from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer, write_json
 from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import stored_dtype
+from moeprune.checkpoint.quantized import check_quantized
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.criteria import (
@@ -31,7 +32,7 @@ from moeprune.criteria import (
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
-from moeprune.quant.support import refuse_quantized
+from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.report.document import PruneReport
 from moeprune.report.parts import DataSummary, DiskBytes, LayerShape, ParameterCounts, Surgery
 from moeprune.report.prune_report import report_markdown, weight_bytes
@@ -73,11 +74,7 @@ def score_without_loading(
     if not crit.needs_data and not observe_for:
         return crit, score_checkpoint(model_path, criterion, seed=seed), [], []
     checked = check_model_path(model_path)
-    refuse_quantized(
-        checked,
-        read_config_dict(checked),
-        f"criterion {crit.name!r} (observed layer by layer)",
-    )
+    check_quantized(checked)  # a format moeprune cannot read, or missing scales: refused before the data
     data = data or DataOptions()
     tokenizer = require_tokenizer(check_model_path(model_path), tokenizer_path)
     placed = Placement.choose(data.device if data.device != "auto" else None, data.dtype)
@@ -143,7 +140,7 @@ def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Pa
     report.save_dtype = str(stored).removeprefix("torch.") if stored is not None else None
     fp8 = quantization_format(tmp)  # fp8 weights copied with their scales: the format, not the scales' dtype
     if fp8 is not None:
-        report.save_dtype = f"float8_e4m3fn (fp8, {fp8.block[0]}x{fp8.block[1]} blocks)"
+        report.save_dtype = fp8.saved_as
     write_json(tmp / "report.json", report.to_json())
     RunLog.join().write(tmp)
     (tmp / "report.md").write_text(report_markdown(report, tmp))
@@ -206,7 +203,13 @@ def _shrink(job: _NoLoadJob) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
     importance = check_importance(config.neuron_importance)
-    refuse_quantized(model_path, read_config_dict(Path(model_path)), "the neurons method without loading")
+    refuse_quantized(
+        model_path,
+        read_config_dict(Path(model_path)),
+        "the neurons method",
+        NEURON_ROUTE,
+        options=("method",),
+    )
     check_stock_shrink(moe)  # before any observation
     uniform_widths(moe, config.sparsity)
     before_layers, before_params = describe_layers(moe), routed_parameters(moe)

@@ -194,6 +194,13 @@ def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
         )
 
 
+def rewrite_supports(method: str, allocation: str) -> bool:
+    """Whether a plan of this method and allocation can be written from the input's bytes: whole
+    experts dropped, the same number in every layer (what a stock config expresses), known before
+    any score. (A global or searched allocation may come out uniform, but only after scoring.)"""
+    return method == "drop" and allocation == "uniform"
+
+
 def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
     """The kept experts per MoE layer of a uniform drop plan, checked like in-memory surgery."""
     if plan.method != "drop":

@@ -21,7 +21,6 @@ one batch is in memory at a time.
 from __future__ import annotations
 
 import ctypes
-import json
 import shutil
 import tempfile
 import time
@@ -34,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
@@ -47,7 +45,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import build_skeleton, check_model_path
-from moeprune.checkpoint.structure import read_config_dict
+from moeprune.checkpoint.quantized import QuantizedSources
 from moeprune.config import split_legacy
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
@@ -56,7 +54,6 @@ from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.distributed import data_parallel
 from moeprune.observe.observer import _Accumulator
 from moeprune.observe.stats import ExpertStats, LayerStats
-from moeprune.quant.support import refuse_quantized
 from moeprune.runtime.device import Placement
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
 from moeprune.runtime.progress import progress_bar
@@ -126,6 +123,7 @@ class _Shards:
 
     def __init__(self, path: Path, model: nn.Module):
         self.path = path
+        self.sources = QuantizedSources.of(path)  # quantized weights are dequantized as they are read
         self.mapping = get_model_conversion_mapping(model)
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
@@ -133,22 +131,23 @@ class _Shards:
         layer_of = _layer_prefixes(model)
         skipped = _output_prefixes(model)
         self.groups: dict[int, dict[str, list[str]]] = {}  # group -> file -> keys
-        for file, keys in _checkpoint_keys(path).items():
-            for key in keys:
-                target = _target_key(key, renamings, converters, model.base_model_prefix, targets)
-                if target is None or target.startswith(skipped):
-                    continue
-                group = next((i for p, i in layer_of.items() if target.startswith(p)), OUTER)
-                self.groups.setdefault(group, {}).setdefault(file, []).append(key)
+        if not self.sources.tensors:
+            raise MoePruneError(
+                f"{path} has no safetensors weights; layer-by-layer observation reads safetensors checkpoints only",
+                options=("sequential",),
+            )
+        for key, file in self.sources.weight_keys().items():  # a quantized weight: its model key
+            target = _target_key(key, renamings, converters, model.base_model_prefix, targets)
+            if target is None or target.startswith(skipped):
+                continue
+            group = next((i for p, i in layer_of.items() if target.startswith(p)), OUTER)
+            self.groups.setdefault(group, {}).setdefault(file, []).append(key)
 
     def load(self, model: nn.Module, group: int, device: torch.device, dtype: torch.dtype) -> None:
         """Materialise one group's weights in `model` (converted exactly as from_pretrained would)."""
         files = self.groups.get(group, {})
         with ExitStack() as stack:
-            handles = [
-                stack.enter_context(safe_open(self.path / f, framework="pt", device="cpu")) for f in files
-            ]
-            state = {k: h.get_slice(k) for h, keys in zip(handles, files.values()) for k in keys}
+            state = self.sources.sources([k for keys in files.values() for k in keys], stack)
             config = LoadStateDictConfig(
                 device_map={"": device},
                 dtype=dtype,
@@ -162,27 +161,6 @@ class _Shards:
                 f"{self.path}: weights do not match the model ({sorted(info.mismatched_keys)[:3]} "
                 f"{list(info.conversion_errors)[:3]})"
             )
-
-
-def _checkpoint_keys(path: Path) -> dict[str, list[str]]:
-    """safetensors file -> tensor names, from the shard index or the single file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        by_file: dict[str, list[str]] = {}
-        for key, file in json.loads(index.read_text())["weight_map"].items():
-            by_file.setdefault(file, []).append(key)
-        return by_file
-    files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise MoePruneError(
-            f"{path} has no safetensors weights; layer-by-layer observation reads safetensors checkpoints only",
-            options=("sequential",),
-        )
-    out = {}
-    for file in files:
-        with safe_open(path / file, framework="pt") as handle:
-            out[file] = list(handle.keys())
-    return out
 
 
 def _target_key(key: str, renamings, converters, prefix: str, targets: dict) -> str | None:
@@ -367,7 +345,6 @@ def observe_sequential(
     options = _placed(options, placed)
     offload_dir = options.offload_dir
     path = check_model_path(checkpoint_path)
-    refuse_quantized(path, read_config_dict(path), "layer-by-layer observation")
     device, dtype = torch.device(options.placement.device), options.placement.dtype
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()

@@ -1,0 +1,203 @@
+"""A quantized checkpoint's tensors, read as the full-precision weights they stand for.
+
+A block-scaled fp8 checkpoint stores each quantized Linear weight as `float8_e4m3fn` beside a
+`weight_scale_inv` grid (moeprune.quant.fp8); an mxfp4 one (gpt-oss) stores each fused expert
+parameter as `<name>_blocks` codes and `<name>_scales` exponents (moeprune.quant.mxfp4). Every stage that runs the model (in-memory
+observation, the search, eval, layer-by-layer observation) needs the dequantized weights in the
+model's fused in-memory layout. transformers' own fp8 loader would give them on a CPU, but it
+reads the block size of a partial last block from the scale grid (wrong when a dimension is not a
+multiple of the block), casts only the quantized weights to the requested dtype, and is missing
+from the oldest transformers moeprune supports. So moeprune pairs each fp8 weight with its scales
+itself, by the stored dtypes and names (no table of module names: whatever is quantized on disk
+is dequantized, whatever is not is read as it is), and hands transformers' conversion mapping
+lazy sources that dequantize when the loader reads them: the model is built exactly as
+`from_pretrained` builds it from the dequantized float32 checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moeprune.checkpoint.files import StoredTensor, stored_tensors
+from moeprune.checkpoint.structure import read_config_dict
+from moeprune.errors import MoePruneError
+from moeprune.quant.fp8 import SCALE_SUFFIX, Fp8Format, dequantize_blocks, read_fp8_config, scale_shape
+from moeprune.quant.mxfp4 import (
+    BLOCKS_SUFFIX,
+    GROUP,
+    SCALES_SUFFIX,
+    Mxfp4Format,
+    dequantize_mxfp4,
+    read_mxfp4_config,
+)
+
+QuantFormat = Fp8Format | Mxfp4Format
+SUPPORTED_QUANTIZATION = ("fp8", "mxfp4")  # quant_method values moeprune reads
+FP8_WEIGHT = "F8_E4M3"  # the safetensors dtype of an fp8 weight
+_SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")  # float scales, or ue8m0 exponent bytes
+
+
+def quantization_format(path: str | Path) -> QuantFormat | None:
+    """The checkpoint's quantization format from config.json (None: not quantized); a
+    `quantization_config` moeprune does not read is refused in one line, before a weight is read."""
+    data = read_config_dict(Path(path))
+    quant = data.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if str(method).lower() not in SUPPORTED_QUANTIZATION:
+        raise MoePruneError(
+            f"{Path(path) / 'config.json'}: quantization_config has quant_method {method!r}; moeprune reads "
+            f"{' and '.join(SUPPORTED_QUANTIZATION)} checkpoints only: dequantize it to bf16 first"
+        )
+    return read_mxfp4_config(data) or read_fp8_config(data)
+
+
+def fp8_scales(path: Path, tensors: dict[str, StoredTensor], fp8: Fp8Format | None) -> dict[str, str]:
+    """fp8 weight key -> its `weight_scale_inv` key, every pair checked against the format: fp8
+    tensors only with an fp8 quantization_config, a scale beside every fp8 weight (and none
+    beside another), each scale of the weight's block grid."""
+    scales = {k.removesuffix(SCALE_SUFFIX): k for k in tensors if k.endswith(SCALE_SUFFIX)}
+    fp8_keys = [k for k, t in tensors.items() if t.dtype.startswith("F8_") and k not in scales.values()]
+    if fp8 is None:
+        if fp8_keys or scales:
+            what = fp8_keys[0] if fp8_keys else next(iter(scales.values()))
+            raise MoePruneError(
+                f"checkpoint {path} stores fp8 weights or scales ({what!r}) but its config.json has no fp8 "
+                "quantization_config: the numbers cannot be read without one"
+            )
+        return {}
+    for key in fp8_keys:
+        if tensors[key].dtype != FP8_WEIGHT:
+            raise MoePruneError(
+                f"checkpoint tensor {key!r} is {tensors[key].dtype}; fp8 checkpoints store {FP8_WEIGHT} weights"
+            )
+        if key not in scales:
+            raise MoePruneError(
+                f"checkpoint {path}: fp8 weight {key!r} has no {key + SCALE_SUFFIX!r} (scales missing)"
+            )
+    for weight, scale in scales.items():
+        if weight not in tensors or tensors[weight].dtype != FP8_WEIGHT:
+            raise MoePruneError(f"checkpoint {path}: scale {scale!r} is not beside an fp8 weight {weight!r}")
+        expected = scale_shape(tensors[weight].shape, fp8.block)
+        stored = tensors[scale]
+        if stored.shape != expected or stored.dtype not in _SCALE_DTYPES:
+            raise MoePruneError(
+                f"checkpoint {path}: scale {scale!r} is {stored.dtype} {list(stored.shape)}, its weight "
+                f"{list(tensors[weight].shape)} in {fp8.block[0]}x{fp8.block[1]} blocks needs {list(expected)}"
+            )
+    return scales
+
+
+def mxfp4_pairs(path: Path, tensors: dict[str, StoredTensor]) -> dict[str, tuple[str, str]]:
+    """Model key -> (`<key>_blocks`, `<key>_scales`) of every mxfp4 weight, each pair checked:
+    uint8 codes [..., rows, groups, 16] beside uint8 exponents [..., rows, groups]."""
+    pairs = {}
+    for key, stored in tensors.items():
+        if not key.endswith(BLOCKS_SUFFIX):
+            continue
+        base = key.removesuffix(BLOCKS_SUFFIX)
+        scale = tensors.get(base + SCALES_SUFFIX)
+        if scale is None:
+            raise MoePruneError(
+                f"checkpoint {path}: mxfp4 codes {key!r} have no {base + SCALES_SUFFIX!r} (scales missing)"
+            )
+        fits = stored.shape[-1:] == (GROUP // 2,) and stored.shape[:-1] == scale.shape
+        if stored.dtype != "U8" or scale.dtype != "U8" or not fits:
+            raise MoePruneError(
+                f"checkpoint {path}: mxfp4 codes {key!r} ({stored.dtype} {list(stored.shape)}) and scales "
+                f"({scale.dtype} {list(scale.shape)}) do not fit: uint8 [..., rows, groups, {GROUP // 2}] "
+                "beside uint8 [..., rows, groups]"
+            )
+        pairs[base] = (key, base + SCALES_SUFFIX)
+    coded = {k for pair in pairs.values() for k in pair}
+    stray = [k for k in tensors if k.endswith(SCALES_SUFFIX) and k not in coded]
+    if stray:
+        raise MoePruneError(f"checkpoint {path}: mxfp4 scales {stray[0]!r} are not beside codes")
+    return pairs
+
+
+class _Dequantized:
+    """A quantized weight (codes and scales), dequantized to float32 when the loader reads it
+    (`x[...]`, what transformers' loader does with a safetensors slice): one tensor at a time."""
+
+    def __init__(self, codes: Any, scales: Any, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.codes, self.scales, self.decode = codes, scales, decode
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        full = self.decode(self.codes[...], self.scales[...])
+        return full if index is Ellipsis else full[index]
+
+
+@dataclass
+class QuantizedSources:
+    """The tensors of one checkpoint folder as full-precision sources for transformers' loader.
+
+    `fmt` is the format (None: not quantized, every tensor is read as stored); `pairs` maps each
+    quantized weight's model key to its (codes, scales) stored keys, checked against the format
+    (fp8: the weight's own key and its `weight_scale_inv`; mxfp4: `_blocks` and `_scales`).
+    """
+
+    path: Path
+    tensors: dict[str, StoredTensor]
+    fmt: QuantFormat | None
+    pairs: dict[str, tuple[str, str]]
+
+    @classmethod
+    def of(cls, path: str | Path) -> QuantizedSources:
+        path = Path(path)
+        fmt = quantization_format(path)
+        tensors = stored_tensors(path)
+        if isinstance(fmt, Mxfp4Format):
+            pairs = mxfp4_pairs(path, tensors)
+        else:
+            pairs = {w: (w, s) for w, s in fp8_scales(path, tensors, fmt).items()}
+        return cls(path, tensors, fmt, pairs)
+
+    def weight_keys(self) -> dict[str, str]:
+        """Every key that loads into the model -> the shard holding it (a quantized weight's: its codes')."""
+        coded = {k for pair in self.pairs.values() for k in pair}
+        keys = {k: t.file for k, t in self.tensors.items() if k not in coded}
+        keys.update({key: self.tensors[codes].file for key, (codes, _) in self.pairs.items()})
+        return keys
+
+    def _decode(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        if isinstance(self.fmt, Fp8Format):
+            return partial(dequantize_blocks, block=self.fmt.block)
+        return dequantize_mxfp4
+
+    def sources(self, keys: list[str], stack: ExitStack) -> dict[str, Any]:
+        """key -> a slice transformers' loader reads (`[...]`), quantized weights dequantized on
+        read; the shards are opened in `stack` (scales may live in another shard)."""
+        handles: dict[str, Any] = {}
+
+        def sliced(key: str) -> Any:
+            file = self.tensors[key].file
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(self.path / file, framework="pt", device="cpu"))
+            return handles[file].get_slice(key)
+
+        out: dict[str, Any] = {}
+        for key in keys:
+            pair = self.pairs.get(key)
+            out[key] = (
+                sliced(key)
+                if pair is None
+                else _Dequantized(sliced(pair[0]), sliced(pair[1]), self._decode())
+            )
+        return out
+
+
+def check_quantized(path: str | Path) -> QuantFormat | None:
+    """The checkpoint's quantization format (None: not quantized), after checking from the shard
+    headers alone that moeprune can read it: a known format, every quantized weight beside
+    scales that fit it."""
+    return QuantizedSources.of(path).fmt

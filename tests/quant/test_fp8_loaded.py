@@ -1,0 +1,195 @@
+"""Block-scaled FP8 checkpoints through the loaded paths: the in-memory model, layer-by-layer
+observation, the in-memory prune (written back as fp8 from the input's bytes) and eval.
+
+The reference is `save_dequantized_checkpoint(fp8, dtype=float32)`: the very float32 numbers the
+format defines, in the same layout, with no quantizer. moeprune's loader dequantizes each fp8
+weight to those numbers and hands them to transformers' own conversion, so the loaded models,
+their scores and the pruned results' logits must be *equal* to the reference's (the same values
+through the same code: bit-exact, no tolerance). Only stock transformers' fp8 loader, a
+different kernel, is compared within a tolerance (helpers.REORDER_RTOL).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from moeprune.checkpoint import load_model, load_pretrained
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.models.factory import tiny_model
+from moeprune.quant.testing import save_dequantized_checkpoint, save_fp8_checkpoint
+
+pytestmark = pytest.mark.integration
+
+BLOCK = (16, 16)
+FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"qk_rope_head_dim": 16}, "minimax_m2": {}}
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoints(request, tmp_path_factory) -> tuple[str, Path, Path, Path]:
+    """(family, fp8 checkpoint, its float32 dequantized reference, calibration data)."""
+    root = tmp_path_factory.mktemp(f"fp8-loaded-{request.param}")
+    tokenizer = byte_tokenizer()
+    model = tiny_model(request.param, vocab_size=len(tokenizer), **FAMILIES[request.param])
+    save_fp8_checkpoint(model, root / "fp8", block=BLOCK, tokenizer=tokenizer)
+    save_dequantized_checkpoint(root / "fp8", root / "ref", dtype=torch.float32)
+    tokenizer.save_pretrained(root / "ref")
+    data = root / "calib.jsonl"
+    rows = [{"text": f"Question {i}: what is {i} plus {i}? It is {2 * i}. " * 3} for i in range(16)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return request.param, root / "fp8", root / "ref", data
+
+
+def logits(model) -> torch.Tensor:
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def stored(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not a dict
+    return out
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# ------------------------------------------------------------------------------------------ loading
+def test_loaded_fp8_model_is_its_dequantized_checkpoint(checkpoints):
+    _, fp8, ref, _ = checkpoints
+    got, _ = load_model(fp8, dtype="float32")
+    expected, _ = load_model(ref, dtype="float32")
+    assert not hasattr(got.config, "quantization_config")  # the model in memory is not quantized
+    a, b = got.state_dict(), expected.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert torch.equal(logits(got), logits(expected))
+
+
+def test_loaded_fp8_model_takes_the_requested_dtype(checkpoints):
+    """Every weight, dequantized or stored in bf16 beside the fp8 ones, in the dtype asked for."""
+    _, fp8, _, _ = checkpoints
+    model, _ = load_model(fp8, dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------- scores
+@pytest.mark.parametrize("mode", [[], ["--sequential"]])
+def test_observed_scores_are_the_dequantized_models(checkpoints, tmp_path, mode):
+    """Calibration statistics of the loaded fp8 model, and of layer-by-layer observation reading
+    fp8 shards, equal the reference's exactly: the same weights through the same code."""
+    _, fp8, ref, data = checkpoints
+    common = ["--criterion", "ean", "--data", data, "--samples", "8", "--quiet", *mode]
+    run("score", fp8, *common, "--output", tmp_path / "fp8.json")
+    run("score", ref, *common, "--output", tmp_path / "ref.json")
+    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fp8", "ref"))
+    assert got["layers"] == expected["layers"] and got["tokens"] == expected["tokens"]
+
+
+# -------------------------------------------------------------------------------------------- prune
+def test_in_memory_drop_keeps_fp8_from_the_input_bytes(checkpoints, tmp_path):
+    family, fp8, ref, data = checkpoints
+    out, ref_out, no_load = tmp_path / "out", tmp_path / "ref_out", tmp_path / "no_load"
+    common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8", "--quiet"]
+    run("prune", fp8, *common, "--output", out)
+    run("prune", ref, *common, "--output", ref_out)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
+
+    # the format: kept as it was, named in the report, the recipe says how to ask for it again
+    source_config = json.loads((fp8 / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == source_config["quantization_config"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["save_dtype"] == "float8_e4m3fn (fp8, 16x16 blocks)" and report["format"] == "stock"
+    assert json.loads((out / "recipe.json").read_text())["save"]["dtype"] == "float8_e4m3fn"
+
+    # every kept fp8 expert tensor and scale is the input's bytes, renumbered
+    before, after = stored(fp8), stored(out)
+    index = {lp["layer"]: lp for lp in plan["layers"]}
+    kept_fp8 = 0
+    for key, tensor in after.items():
+        match, layer = EXPERT.search(key), LAYER.match(key)
+        if match is None or layer is None or int(layer.group(1)) not in index:
+            continue
+        lp = index[int(layer.group(1))]
+        kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
+        source = EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
+        assert raw(tensor) == raw(before[source]), (key, source)
+        kept_fp8 += tensor.dtype == torch.float8_e4m3fn
+    assert kept_fp8 > 0
+    assert report["disk_bytes"]["after"] < report["disk_bytes"]["before"]
+
+    # the same plan without loading writes the very same files
+    run("prune", fp8, "--no-load", "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
+        "--samples", "8", "--quiet", "--output", no_load)  # fmt: skip
+    assert json.loads((no_load / "plan.json").read_text())["layers"] == plan["layers"]
+    for file in out.glob("*.safetensors"):
+        assert file.read_bytes() == (no_load / file.name).read_bytes()
+
+    # reloaded by moeprune, the fp8 result is the pruned dequantized model, exactly
+    assert torch.equal(logits(load_pretrained(out)), logits(load_pretrained(ref_out)))
+
+
+def test_dequantized_save_on_request_runs_every_method(checkpoints, tmp_path):
+    """--save-dtype bf16 is the explicit way to a method fp8 cannot keep (here neurons): the
+    result is a plain bf16 checkpoint, equal to the one pruned from the dequantized reference."""
+    _, fp8, ref, data = checkpoints
+    common = ["--criterion", "frequency", "--method", "neurons", "--sparsity", "0.25", "--data", data,
+              "--samples", "8", "--save-dtype", "bf16", "--quiet"]  # fmt: skip
+    run("prune", fp8, *common, "--output", tmp_path / "out")
+    run("prune", ref, *common, "--output", tmp_path / "ref_out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert {t.dtype for t in stored(tmp_path / "out").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["save_dtype"] == "bfloat16"
+    for file in (tmp_path / "out").glob("*.safetensors"):
+        assert file.read_bytes() == (tmp_path / "ref_out" / file.name).read_bytes()
+
+
+def test_recipe_repeats_an_fp8_prune(checkpoints, tmp_path):
+    _, fp8, _, data = checkpoints
+    first, again = tmp_path / "first", tmp_path / "again"
+    run("prune", fp8, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
+        "--quiet", "--output", first)  # fmt: skip
+    run("prune", fp8, "--config", first / "recipe.json", "--quiet", "--output", again)
+    for file in first.glob("*.safetensors"):
+        assert file.read_bytes() == (again / file.name).read_bytes()
+
+
+def test_eval_of_fp8_models_is_the_dequantized_models(checkpoints, tmp_path):
+    """eval loads both fp8 models dequantized: every figure equals the dequantized pair's."""
+    _, fp8, ref, data = checkpoints
+    figures = {}
+    for name, source in (("fp8", fp8), ("ref", ref)):
+        out = tmp_path / f"{name}_out"
+        run("prune", source, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
+            "--quiet", "--output", out)  # fmt: skip
+        run("eval", out, "-r", source, "--data", data, "--samples", "8", "--metrics", "esap,kl,nll,size",
+            "--no-plots", "--quiet", "--output", tmp_path / f"{name}.json")  # fmt: skip
+        figures[name] = json.loads((tmp_path / f"{name}.json").read_text())["models"][0]
+    assert figures["fp8"]["per_data"] == figures["ref"]["per_data"]
+    assert figures["fp8"]["size"]["quantization"] == "fp8, 16x16 blocks"
+    assert "quantization" not in figures["ref"]["size"]
+    assert figures["fp8"]["size"]["weight_bytes"] < figures["ref"]["size"]["weight_bytes"]

@@ -1,0 +1,126 @@
+"""gpt-oss in its release format (MXFP4 experts) through moeprune: read everywhere it is loaded
+or observed, written back only dequantized and only when asked, refused in one line elsewhere.
+
+The reference is `save_dequantized_checkpoint`: the float32 numbers MXFP4 defines (exact: an e2m1
+value times a power of two), under the parameters' own names, with no quantizer. moeprune's
+loader gives the very same model (bit-exact: the same numbers through the same conversion), and
+so does stock transformers' own MXFP4 loader on CPU (its dequantizer is the same table lookup
+and ldexp), which checks our reading of the format against the library that defines it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import stock_from_pretrained
+from moeprune.checkpoint import load_model, load_pretrained
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.models.factory import tiny_model
+from moeprune.quant.testing import save_dequantized_checkpoint, save_mxfp4_checkpoint
+
+pytestmark = pytest.mark.integration
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(mxfp4 gpt-oss, its float32 dequantized reference, calibration data)."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    tokenizer = byte_tokenizer()
+    # intermediate 32: MXFP4 groups 32 inputs, so down_proj's inputs must be a multiple of 32
+    model = tiny_model("gpt_oss", vocab_size=len(tokenizer), intermediate_size=32)
+    save_mxfp4_checkpoint(model, root / "mxfp4", tokenizer=tokenizer)
+    save_dequantized_checkpoint(root / "mxfp4", root / "ref")
+    data = root / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 3}) + "\n" for i in range(16)))
+    return root / "mxfp4", root / "ref", data
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def test_the_checkpoint_is_gpt_oss_release_layout(checkpoints):
+    mxfp4 = checkpoints[0]
+    config = json.loads((mxfp4 / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    from safetensors import safe_open
+
+    with safe_open(str(mxfp4 / "model.safetensors"), "pt") as f:
+        shapes = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj_blocks"][0] == "U8"
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in shapes
+
+
+def test_loaded_mxfp4_model_is_its_dequantized_checkpoint(checkpoints):
+    mxfp4, ref, _ = checkpoints
+    got, _ = load_model(mxfp4, dtype="float32")
+    expected, _ = load_model(ref, dtype="float32")
+    a, b = got.state_dict(), expected.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(logits(got), logits(expected))
+
+
+def test_stock_transformers_reads_the_format_as_we_do(checkpoints):
+    mxfp4 = checkpoints[0]
+    try:
+        stock = stock_from_pretrained(mxfp4, dtype=torch.float32)
+    except (ImportError, AttributeError, ValueError) as exc:  # an older transformers without a CPU path
+        pytest.skip(f"stock transformers cannot load MXFP4 on CPU here: {exc}")
+    ours, _ = load_model(mxfp4, dtype="float32")
+    theirs = stock.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(theirs[name].float(), tensor), name
+
+
+@pytest.mark.parametrize("mode", [[], ["--sequential"]])
+def test_observed_scores_are_the_dequantized_models(checkpoints, tmp_path, mode):
+    mxfp4, ref, data = checkpoints
+    common = ["--criterion", "ean", "--data", data, "--samples", "8", "--quiet", *mode]
+    run("score", mxfp4, *common, "--output", tmp_path / "q.json")
+    run("score", ref, *common, "--output", tmp_path / "r.json")
+    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
+    assert got["layers"] == expected["layers"]
+
+
+def test_dequantized_save_on_request(checkpoints, tmp_path):
+    mxfp4, ref, data = checkpoints
+    common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
+              "--save-dtype", "fp32", "--quiet"]  # fmt: skip
+    run("prune", mxfp4, *common, "--output", tmp_path / "q")
+    run("prune", ref, *common, "--output", tmp_path / "r")
+    assert "quantization_config" not in json.loads((tmp_path / "q" / "config.json").read_text())
+    assert torch.equal(logits(load_pretrained(tmp_path / "q")), logits(load_pretrained(tmp_path / "r")))
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["prune", "--criterion", "frequency", "--sparsity", "0.25"], "does not write that format yet"),
+        (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--save-dtype", "fp8"], "is mxfp4"),
+        (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--no-load"], "read fp8 only"),
+        (["score", "--criterion", "aimer", "--streaming"], "read fp8 only"),
+    ],
+)
+def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tmp_path, args, expected):
+    mxfp4, _, data = checkpoints
+    out = tmp_path / ("s.json" if args[0] == "score" else "out")
+    extra = [] if "aimer" in args else ["--data", data]
+    done = run(args[0], mxfp4, *args[1:], *extra, "--output", out, "--quiet", ok=False)
+    assert done.exit_code == 2, done.output
+    assert done.output.count("\n") == 1 and expected in done.output, done.output
+    assert not out.exists()
