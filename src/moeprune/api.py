@@ -38,7 +38,7 @@ from moeprune.checkpoint import (
 )
 from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
-from moeprune.checkpoint.quantized import check_quantized
+from moeprune.checkpoint.quantized import QuantFormat, check_quantized
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
 from moeprune.criteria import (
@@ -304,7 +304,7 @@ class PruneJob:
     search_set: CalibrationData | None
     layer_budget: dict  # what is known per layer before scoring
     search_data: list[str] = field(default_factory=list)
-    kept_quantization: Fp8Format | None = None  # the input's fp8, kept: written from the input's bytes
+    kept_quantization: QuantFormat | None = None  # the input's quantization, kept: written from its bytes
 
     @property
     def saved_as(self) -> str:
@@ -488,12 +488,12 @@ def prepare(
     )
 
 
-def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> Fp8Format | None:
-    """The input's fp8 format when the result keeps it: by default for an fp8 input (a smaller
-    model was asked for, never a silently up-cast one), unless a full-precision `save.dtype` asks
-    for dequantized weights; `save.dtype` "float8_e4m3fn" asks for it explicitly.
+def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> QuantFormat | None:
+    """The input's quantization when the result keeps it: by default for a quantized input (a
+    smaller model was asked for, never a silently up-cast one), unless a full-precision
+    `save.dtype` asks for dequantized weights; `save.dtype` "float8_e4m3fn" asks for fp8 explicitly.
 
-    Keeping fp8 means writing the result from the input's bytes (`rewrite_checkpoint`), which
+    Keeping it means writing the result from the input's bytes (`rewrite_checkpoint`), which
     writes what a stock checkpoint expresses: whole experts dropped, the same number per layer.
     Anything else is refused here, before the model is loaded, naming the ways that work.
     """
@@ -508,21 +508,14 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
-    if not isinstance(fmt, Fp8Format):
-        raise MoePruneError(
-            f"{model_path} is quantized ({fmt.saved_as}): moeprune reads it (each weight dequantized as it "
-            "loads) but does not write that format yet, and never up-casts silently: save dequantized weights "
-            "with --save-dtype bf16",
-            options=("save_dtype",),
-        )
     allocation = config.allocation or default_allocation(config.method)
     if not rewrite_supports(config.method, allocation):
         described = quantization_of(read_config_dict(model_path))
         raise MoePruneError(
-            f"{model_path} is quantized ({described}): an fp8 result is written from the input's bytes, which "
-            "expresses the uniform drop only (--method drop --allocation uniform; cutting neurons would split "
-            f"scale blocks, per-layer counts need moeprune's format); for the {config.method} method with the "
-            f"{allocation} allocation, save dequantized weights with --save-dtype bf16 (about twice the fp8 bytes)",
+            f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
+            "which expresses the uniform drop only (--method drop --allocation uniform; cutting neurons would "
+            f"split scale blocks, per-layer counts need moeprune's format); for the {config.method} method with "
+            f"the {allocation} allocation, save dequantized weights with --save-dtype bf16 (larger on disk)",
             options=("method", "allocation", "save_dtype"),
         )
     return fmt
@@ -616,8 +609,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             "seed": data.seed,
             "packing": data.packing,
         },
-        "save": {  # a dtype name --config reads back (fp8 kept: its save dtype, not the report's description)
-            "dtype": FP8_SAVE_DTYPE if job.kept_quantization is not None else report.save_dtype,
+        "save": {  # a dtype --config reads back; None: the input's (a kept quantization is the default)
+            "dtype": None if job.kept_quantization is not None else report.save_dtype,
             "max_shard_size": job.max_shard_size,
         },
     }
@@ -654,9 +647,9 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
         return report.to_json()
-    if job.kept_quantization is not None:  # the kept experts' fp8 bytes and scales, copied as they are
+    if job.kept_quantization is not None:  # the kept experts' quantized bytes and scales, copied as they are
         report.format = "stock"
-        with stage(f"writing {job.output} from the input's fp8 shards", progress):
+        with stage(f"writing {job.output} from the input's quantized shards", progress):
             rewrite_checkpoint(job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence)
     else:
         atomic_write_dir(job.output, write, overwrite=job.run.overwrite)

@@ -1,5 +1,6 @@
 """gpt-oss in its release format (MXFP4 experts) through moeprune: read everywhere it is loaded
-or observed, written back only dequantized and only when asked, refused in one line elsewhere.
+or observed, a uniform drop written back as MXFP4 from the input's bytes, dequantized only when
+asked, refused in one line where it can be neither read nor kept.
 
 The reference is `save_dequantized_checkpoint`: the float32 numbers MXFP4 defines (exact: an e2m1
 value times a power of two), under the parameters' own names, with no quantizer. moeprune's
@@ -107,13 +108,51 @@ def test_dequantized_save_on_request(checkpoints, tmp_path):
     assert torch.equal(logits(load_pretrained(tmp_path / "q")), logits(load_pretrained(tmp_path / "r")))
 
 
+def test_uniform_drop_keeps_mxfp4_from_the_input_bytes(checkpoints, tmp_path):
+    mxfp4, ref, data = checkpoints
+    out, no_load, ref_out = tmp_path / "out", tmp_path / "no_load", tmp_path / "ref_out"
+    common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8", "--quiet"]
+    run("prune", mxfp4, *common, "--output", out)
+    run("prune", mxfp4, *common, "--no-load", "--output", no_load)  # observed layer by layer
+    run("prune", ref, *common, "--output", ref_out)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == json.loads(
+        (mxfp4 / "config.json").read_text()
+    )["quantization_config"]
+    assert json.loads((out / "report.json").read_text())["save_dtype"].startswith("mxfp4")
+    assert (out / "model.safetensors").read_bytes() == (no_load / "model.safetensors").read_bytes()
+
+    from safetensors import safe_open
+
+    def tensors(folder):
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+
+    before, after = tensors(mxfp4), tensors(out)
+    for lp in plan["layers"]:
+        kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
+        for suffix in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"):
+            key = f"model.layers.{lp['layer']}.mlp.experts.{suffix}"
+            assert after[key].dtype == torch.uint8 and torch.equal(after[key], before[key][kept]), key
+    # reloaded, the mxfp4 result is the pruned dequantized model, exactly; stock transformers agrees
+    ours = load_pretrained(out)
+    assert torch.equal(logits(ours), logits(load_pretrained(ref_out)))
+    try:
+        stock = stock_from_pretrained(out, dtype=torch.float32)
+    except (ImportError, AttributeError, ValueError):  # no CPU MXFP4 path in this transformers
+        return
+    assert stock.config.num_local_experts == 6
+    assert torch.equal(logits(stock), logits(ours))
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["prune", "--criterion", "frequency", "--sparsity", "0.25"], "does not write that format yet"),
+        (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--method", "neurons"], "uniform drop only"),
         (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--save-dtype", "fp8"], "is mxfp4"),
-        (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--no-load"], "read fp8 only"),
-        (["score", "--criterion", "aimer", "--streaming"], "read fp8 only"),
+        (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--no-load"], "streamed scores read fp8"),
+        (["score", "--criterion", "aimer", "--streaming"], "streamed scores read fp8"),
     ],
 )
 def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tmp_path, args, expected):

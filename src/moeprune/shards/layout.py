@@ -41,13 +41,14 @@ from moeprune.checkpoint import (
     load_config,
 )
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, shard_names
-from moeprune.checkpoint.quantized import fp8_scales, quantization_format
+from moeprune.checkpoint.quantized import fp8_scales, mxfp4_pairs, quantization_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
 from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
 from moeprune.quant.fp8 import Fp8Format
+from moeprune.quant.mxfp4 import Mxfp4Format, stored_shapes
 
 
 # --------------------------------------------------------------------------- checkpoint naming
@@ -153,25 +154,22 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     Its layers give the MoE layer indices, expert counts, top-k and routing groups the plan and
     allocation code need (`pipeline.build_plan` accepts it), with the same rules as a loaded model.
     """
-    streamed_format(path)  # a quantization the shard readers cannot read is refused before anything else
+    quantization_format(path)  # a quantization moeprune cannot read is refused before anything else
     config = config or load_config(path)
     with torch.device("meta"):
         model = model_class(config)._from_config(config)
     return MoEModel(model)
 
 
-def streamed_format(path: str | Path) -> Fp8Format | None:
-    """The checkpoint's fp8 format (None: not quantized) for the readers and rewrites of the
-    shards, which handle block-scaled fp8 byte ranges; mxfp4 is refused in one line naming the
-    paths that read it (they load, or observe layer by layer, and dequantize)."""
-    fmt = quantization_format(path)
-    if fmt is not None and not isinstance(fmt, Fp8Format):
+def refuse_mxfp4_reading(layout: CheckpointLayout) -> None:
+    """Streamed scores read expert bytes as floats (or fp8 blocks); mxfp4 codes are refused in one
+    line naming the paths that read them (they load, or observe layer by layer, and dequantize)."""
+    if layout.mxfp4:
         raise MoePruneError(
-            f"{path} is quantized ({fmt.saved_as}); streaming and rewriting checkpoint files read fp8 only: "
-            "score it loaded or layer by layer (without --streaming), prune it loaded (without --no-load)",
-            options=("streaming", "no_load"),
+            f"{layout.path} is quantized (mxfp4); streamed scores read fp8 or full-precision weights only: "
+            "score it loaded or layer by layer (a calibration criterion, or without --streaming)",
+            options=("streaming",),
         )
-    return fmt
 
 
 class CheckpointLayout:
@@ -189,7 +187,8 @@ class CheckpointLayout:
                 f"{str(self.path)!r} is in moeprune's own format (per-layer expert counts); streaming reads stock "
                 "checkpoints: load it with moeprune.load_pretrained instead"
             )
-        self.fp8 = streamed_format(self.path)
+        fmt = quantization_format(self.path)
+        self.fp8 = fmt if isinstance(fmt, Fp8Format) else None
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
         files = shard_names(self.path)
@@ -205,9 +204,17 @@ class CheckpointLayout:
             tensors, self.file_metadata[name] = read_header(self.path / name)
             self.tensors.update(tensors)
         self.scales = fp8_scales(self.path, self.tensors, self.fp8)
-        scale_keys = set(self.scales.values())
+        # mxfp4 (gpt-oss): model key -> (`_blocks`, `_scales`); the codes stand for the parameter
+        pairs = mxfp4_pairs(self.path, self.tensors) if isinstance(fmt, Mxfp4Format) else {}
+        self.mxfp4 = {codes: scales for codes, scales in pairs.values()}  # codes key -> scales key
+        self.coded = {codes: base for base, (codes, _) in pairs.items()}  # codes key -> model key
+        scale_keys = set(self.scales.values()) | set(self.mxfp4.values())
         self.naming = Naming(self.moe.model)
-        self.addresses = {key: self.naming.address(key) for key in self.tensors if key not in scale_keys}
+        self.addresses = {
+            key: self.naming.address(self.coded.get(key, key))
+            for key in self.tensors
+            if key not in scale_keys
+        }
         self.stored_as: dict[str, list[str]] = defaultdict(list)  # in-memory name -> checkpoint keys
         for key, addr in self.addresses.items():
             self.stored_as[addr.internal].append(key)
@@ -257,6 +264,14 @@ class CheckpointLayout:
         return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8)
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
+        if param.fused is not None and param.fused in self.mxfp4:  # codes: compared as mxfp4 stores the shape
+            got = self.tensors[param.fused].shape
+            if tuple(got) != stored_shapes(param.shape)[0]:
+                raise MoePruneError(
+                    f"checkpoint {self.path}: {param.fused} is {list(got)}, mxfp4 codes of {param.internal} "
+                    f"{list(param.shape)} are {list(stored_shapes(param.shape)[0])}; is config.json the one of these weights?"
+                )
+            return
         if param.fused is not None:
             got = self.tensors[param.fused].shape
         elif sorted(param.parts) == list(range(n)):

@@ -138,9 +138,9 @@ def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Pa
     report.disk_bytes = DiskBytes(weight_bytes(model_path), weight_bytes(tmp))
     stored = stored_dtype(tmp)  # shards are copied as they are: the input's dtype
     report.save_dtype = str(stored).removeprefix("torch.") if stored is not None else None
-    fp8 = quantization_format(tmp)  # fp8 weights copied with their scales: the format, not the scales' dtype
-    if fp8 is not None:
-        report.save_dtype = fp8.saved_as
+    kept = quantization_format(tmp)  # quantized weights copied with their scales: the format, not a dtype
+    if kept is not None:
+        report.save_dtype = kept.saved_as
     write_json(tmp / "report.json", report.to_json())
     RunLog.join().write(tmp)
     (tmp / "report.md").write_text(report_markdown(report, tmp))

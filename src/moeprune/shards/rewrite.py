@@ -113,6 +113,14 @@ def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str
         else:
             continue
         out[stored.file] += written
+        if key in layout.mxfp4:  # mxfp4 scales: the codes' expert rows (dim 0), under the same name
+            scales = layout.tensors[layout.mxfp4[key]]
+            cut = layer in kept and addr.expert is None
+            out[scales.file].append(
+                _sliced(layout.mxfp4[key], scales, dim, kept[layer])
+                if cut
+                else whole_tensor(layout.mxfp4[key], scales)
+            )
         if key in layout.scales:
             scale = layout.scales[key]
             new_scale = scale_name(written[0].key)
