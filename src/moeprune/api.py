@@ -39,7 +39,7 @@ from moeprune.checkpoint import (
 from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.structure import read_config_dict
-from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size, split_legacy
 from moeprune.criteria import (
     AUTO,
     Criterion,
@@ -69,6 +69,7 @@ from moeprune.report.parts import (
     SearchSummary,
     Serving,
     Surgery,
+    TargetSize,
 )
 from moeprune.report.plots import plot_search_curve
 from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
@@ -81,6 +82,7 @@ from moeprune.search.auto import choose_criterion
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
+from moeprune.shards.size import cast_weight_bytes, stored_format
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.parameters import (
@@ -91,6 +93,7 @@ from moeprune.surgery.parameters import (
     routed_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
+from moeprune.surgery.size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
 
@@ -166,6 +169,12 @@ def prune(
         run=(run or RunOptions(), {"progress": "progress", "resume": "resume"}),
     )
     config = check_config(config)
+    if config.sparsity is None:
+        raise MoePruneError(
+            "prune() of a loaded model takes a sparsity: a target size is solved from a checkpoint's "
+            "files and the format it is saved in (prune_checkpoint, moeprune.pipelines.run_pipeline)",
+            options=("sparsity", "target_size"),
+        )
     moe = MoEModel(model)
     check_not_packed(moe)
     check_feasible(moe, config)
@@ -278,6 +287,70 @@ def prune(
 
 
 # ----------------------------------------------------------------------------- prune a checkpoint
+@dataclass(frozen=True)
+class PlannedSizes:
+    """The input's weights as stored and the result's as planned, in the format each is saved in
+    (the dry run prints them), and the solution of a size target when one was given."""
+
+    input_format: str
+    input_bytes: int
+    output_format: str
+    predicted_bytes: int
+    target: TargetSolution | None = None
+
+    def describe(self) -> dict:
+        out = {
+            "input_format": self.input_format,
+            "input_bytes": self.input_bytes,
+            "output_format": self.output_format,
+            "predicted_bytes": self.predicted_bytes,
+        }
+        if self.target is not None:
+            out |= {
+                "target_bytes": self.target.target_bytes,
+                "solved_sparsity": self.target.sparsity,
+                "step_below": self.target.step_below,
+                "step_below_bytes": self.target.step_below_bytes,
+            }
+        return out
+
+    def report(self, written: int) -> TargetSize | None:
+        """report.json's `target`, once `written` bytes of tensors are on disk (None: no target)."""
+        t = self.target
+        if t is None:
+            return None
+        return TargetSize(
+            t.target_bytes,
+            t.sparsity,
+            self.output_format,
+            t.predicted_bytes,
+            written,
+            t.unpruned_bytes,
+            t.step_below,
+            t.step_below_bytes,
+        )
+
+
+def plan_sizes(
+    model_path: Path, meta: MoEModel, config: PruneConfig, save_dtype: torch.dtype
+) -> tuple[PruneConfig, PlannedSizes]:
+    """The sizes of a job saved in `save_dtype`; a `target_size` is solved here into the config's
+    sparsity (refused in one line when nothing fits, or when the unpruned model already does)."""
+    size = cast_weight_bytes(model_path, meta, save_dtype)
+    solution = None
+    if config.target_size is not None:
+        solution = solve_target(meta, config, size, parse_target_size(config.target_size))
+        config = replace(config, sparsity=solution.sparsity, target_size=None)
+    sizes = PlannedSizes(
+        stored_format(model_path),
+        weight_bytes(model_path),
+        size.format,
+        planned_bytes(meta, config, size),
+        solution,
+    )
+    return config, sizes
+
+
 @dataclass
 class PruneJob:
     """A prune request after every check that needs no weights: what `prune_checkpoint` will do.
@@ -300,6 +373,7 @@ class PruneJob:
     search_set: CalibrationData | None
     layer_budget: dict  # what is known per layer before scoring
     search_data: list[str] = field(default_factory=list)
+    sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -329,6 +403,7 @@ class PruneJob:
             "output": str(self.output),
             "save_dtype": str(self.save_dtype).removeprefix("torch."),
             "resume": self.run.resume,
+            **(self.sizes.describe() if self.sizes is not None else {}),
         }
 
 
@@ -433,6 +508,15 @@ def prepare(
     _check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(model_path, meta=True))
     check_not_packed(meta)
+    stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
+    save_dtype = (
+        resolve_dtype(save.dtype)
+        if save.dtype
+        else (stored if isinstance(stored, torch.dtype) else torch.float32)
+    )
+    if config.target_size is None:
+        check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
+    config, sizes = plan_sizes(model_path, meta, config, save_dtype)
     layer_budget = check_feasible(meta, config)
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
@@ -448,12 +532,6 @@ def prepare(
                 max_length=data.max_length,
                 seed=data.seed,
             )
-    stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
-    save_dtype = (
-        resolve_dtype(save.dtype)
-        if save.dtype
-        else (stored if isinstance(stored, torch.dtype) else torch.float32)
-    )
     lost = precision_lost(placement.dtype, save_dtype)
     if lost:
         _LOG.warning(lost)
@@ -472,6 +550,7 @@ def prepare(
         search_set,
         layer_budget,
         list(search_data),
+        sizes,
     )
 
 
@@ -565,6 +644,11 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         },
         "save": {"dtype": report.save_dtype, "max_shard_size": job.max_shard_size},
     }
+    if job.sizes is not None and job.sizes.target is not None:  # the config holds the solved sparsity
+        recipe["target"] = {
+            "target_size": job.sizes.target.target_bytes,
+            "solved_sparsity": job.config.sparsity,
+        }
 
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
@@ -572,6 +656,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
             )
         report.disk_bytes = DiskBytes(weight_bytes(job.model_path), weight_bytes(tmp))
+        report.target = job.sizes.report(report.disk_bytes.after) if job.sizes is not None else None
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
         if result.search is not None:
