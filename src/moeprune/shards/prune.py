@@ -29,6 +29,7 @@ from moeprune.criteria import (
     unseen_note,
 )
 from moeprune.data.loading import CalibrationData, calibration_sets
+from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.quant.support import refuse_quantized
@@ -43,14 +44,14 @@ from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_fo
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
 from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
-from moeprune.shards.size import stored_weight_bytes
+from moeprune.shards.size import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import check_importance, uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
-from moeprune.surgery.planning import build_plan
+from moeprune.surgery.planning import build_plan, check_feasible
 from moeprune.surgery.plans import resolve_plan
 from moeprune.surgery.registry import METHODS, method_limits
-from moeprune.surgery.size import check_target_config, solve_target
+from moeprune.surgery.size import WeightBytes, check_target_config, planned_bytes, solve_target
 
 
 def score_without_loading(
@@ -133,20 +134,25 @@ def prune_without_loading(
     check_output_dir(output, run.overwrite)
     path = Path(model_path)
     moe = meta_model(path)
-    config, target = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
+    config, target, size = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
+    if run.dry_run:
+        return _plan_of_work(path, Path(output), moe, config, size, target)
     with output_lock(output) if rank_and_world()[0] == 0 else nullcontext(), RunLog.join(run.command_line):
         job = _NoLoadJob(path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target)
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
 
 
-def _solve_target(path: Path, moe: MoEModel, config: PruneConfig) -> tuple[PruneConfig, TargetSize | None]:
+def _solve_target(
+    path: Path, moe: MoEModel, config: PruneConfig
+) -> tuple[PruneConfig, TargetSize | None, WeightBytes]:
     """A `target_size` solved into the sparsity of a uniform plan, counted in the input's stored
-    format (the rewrite copies tensors as they are: fp8 experts with their scales)."""
+    format (the rewrite copies tensors as they are: fp8 experts with their scales); also the sizes
+    a dry run prints."""
+    size = stored_weight_bytes(CheckpointLayout(path))
     target_bytes = check_target_config(config)
     if target_bytes is None:
-        return config, None
+        return config, None, size
     config = replace(config, allocation="uniform")
-    size = stored_weight_bytes(CheckpointLayout(path))
     solution = solve_target(moe, config, size, target_bytes, stock=True)
     target = TargetSize(
         solution.target_bytes,
@@ -158,7 +164,50 @@ def _solve_target(path: Path, moe: MoEModel, config: PruneConfig) -> tuple[Prune
         solution.step_below,
         solution.step_below_bytes,
     )
-    return replace(config, sparsity=solution.sparsity, target_size=None), target
+    return replace(config, sparsity=solution.sparsity, target_size=None), target, size
+
+
+def _plan_of_work(
+    path: Path, output: Path, moe: MoEModel, config: PruneConfig, size: WeightBytes, target: TargetSize | None
+) -> dict:
+    """What a no-load prune would do (`run.dry_run`), in the keys of the in-memory dry run: its
+    structure, the uniform plan's counts, the sizes; nothing is observed, scored or written."""
+    config = replace(config, allocation="uniform")
+    if METHODS.get(config.method).neurons:
+        check_stock_shrink(moe)
+    else:
+        _stock_counts(moe, config)
+    known = check_feasible(moe, config)
+    out = {
+        "model": str(path),
+        "family": moe.model_type,
+        "moe_layers": [m.index for m in moe.layers],
+        "experts_per_layer": [m.num_experts for m in moe.layers],
+        "top_k": [m.top_k for m in moe.layers],
+        "criterion": config.criterion,
+        "allocation": "uniform",
+        "method": config.method,
+        "sparsity": config.sparsity,
+        "sparsity_unit": METHODS.get(config.method).sparsity_unit,
+        **known,
+        "calibration": [],  # read (and counted) when the layers are observed
+        "search_data": None,
+        "output": str(output),
+        "save_dtype": size.format,
+        "resume": False,
+        "input_format": stored_format(path),
+        "input_bytes": weight_bytes(path),
+        "output_format": size.format,
+        "predicted_bytes": planned_bytes(moe, config, size),
+    }
+    if target is not None:
+        out |= {
+            "target_bytes": target.target_bytes,
+            "solved_sparsity": target.sparsity,
+            "step_below": target.step_below,
+            "step_below_bytes": target.step_below_bytes,
+        }
+    return out
 
 
 def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Path) -> None:
@@ -192,12 +241,27 @@ class _NoLoadJob:
     target: TargetSize | None = None  # the size target, when the sparsity was solved for one
 
 
+def _stock_counts(moe: MoEModel, config: PruneConfig) -> list[int]:
+    """Experts each layer loses in the uniform drop; refused before any scoring when the layers
+    would keep different counts (a stock config says one count; the rewrite writes nothing else)."""
+    limits = method_limits(moe, "drop", config.expert_multiple)
+    removed = expert_allocation(
+        moe, get_criterion(config.criterion), [], config.sparsity_value(), "uniform", limits
+    )
+    kept = [n - r for n, r in zip(limits.num_experts, removed)]
+    if len(set(kept)) > 1:
+        raise MoePruneError(
+            f"sparsity {config.sparsity} keeps {kept} experts per layer, different counts a stock config "
+            "cannot express; without loading, every layer must keep the same count: choose a sparsity "
+            "that removes the same share of every layer, or prune the loaded model",
+            options=("sparsity", "no_load"),
+        )
+    return removed
+
+
 def _drop(job: _NoLoadJob) -> dict:
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
-    limits = method_limits(moe, "drop", config.expert_multiple)
-    expert_allocation(
-        moe, get_criterion(config.criterion), [], config.sparsity_value(), "uniform", limits
-    )  # before scoring
+    _stock_counts(moe, config)  # before scoring
     crit, scores, stats, sets = score_without_loading(
         model_path,
         config.criterion,

@@ -3,9 +3,9 @@
 A size target is met before any weight is read, so the bytes come from the safetensors headers
 (every stored tensor's dtype and shape) and the model on the meta device (which tensors are
 routed experts and router rows, and how an expert's size grows with its width). The files'
-headers count too, as the input's: the result's headers list fewer or the same tensors, under
-the same names or fewer of them, so the input's are a bound (exact tensor bytes plus that bound
-is what a target is met with; for a real checkpoint the headers are well under 0.1 %). Two formats:
+headers count too, bounded by the input's (`header_bound`): the result's headers list fewer or
+the same tensors under the same names, or fewer packed ones; so a target is met with the exact
+tensor bytes plus that bound (for a real checkpoint the headers are well under 0.1 %). Two formats:
 
 - cast to a floating dtype (the in-memory pipeline saves every floating tensor in `--save-dtype`,
   else the stored dtype): bytes are elements times that dtype's size, other tensors as stored;
@@ -31,11 +31,20 @@ from moeprune.surgery.neurons import shared_multiplier
 from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.size import LayerBytes, WeightBytes
 
+HEADER_SLACK = 8  # bytes per tensor a result's header may add to the input's (longer offsets, dtype names)
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtypes a save casts, and their sizes
 
 
 def _nbytes(t: StoredTensor) -> int:
     return t.end - t.start
+
+
+def header_bound(path: Path) -> int:
+    """A bound on the headers of a result made of (some of) this checkpoint's tensors: the input's
+    headers plus `HEADER_SLACK` bytes per tensor and 8 per file (headers are padded to 8 bytes)."""
+    tensors = stored_tensors(path)
+    files = {t.file for t in tensors.values()}
+    return header_bytes(path) + HEADER_SLACK * (len(tensors) + len(files))
 
 
 def _routing_elements(layer: MoELayer) -> int:
@@ -64,7 +73,7 @@ def _shared(moe: MoEModel, layer: MoELayer) -> tuple[int, int]:
 def cast_weight_bytes(path: str | Path, moe: MoEModel, dtype: torch.dtype) -> WeightBytes:
     """The checkpoint's weights with every floating tensor saved as `dtype` (the in-memory pipeline)."""
     size = torch.empty((), dtype=dtype).element_size()
-    total = header_bytes(Path(path))  # the result's headers name at most these tensors: a bound
+    total = header_bound(Path(path))  # the result's headers name at most these tensors
     for t in stored_tensors(Path(path)).values():
         total += math.prod(t.shape) * size if t.dtype in _FLOATS else _nbytes(t)
     layers = []
@@ -90,7 +99,7 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
     """The checkpoint's weights as stored (the no-load pipeline copies them byte for byte): an fp8
     expert weighs its fp8 tensors and their scales, exactly as the headers say."""
     tensors = layout.tensors
-    total = header_bytes(layout.path) + sum(_nbytes(t) for t in tensors.values())
+    total = header_bound(layout.path) + sum(_nbytes(t) for t in tensors.values())
     layers = []
     for lay, m in zip(layout.layers, layout.moe.layers):
         keys = [k for p in lay.experts.values() for k in ([p.fused] if p.fused else [])]
