@@ -82,7 +82,7 @@ from moeprune.search.auto import choose_criterion
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
-from moeprune.shards.size import cast_weight_bytes, stored_format
+from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.parameters import (
@@ -93,7 +93,7 @@ from moeprune.surgery.parameters import (
     routed_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
-from moeprune.surgery.size import TargetSolution, planned_bytes, solve_target
+from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
 

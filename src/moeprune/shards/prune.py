@@ -44,14 +44,14 @@ from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_fo
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
 from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
-from moeprune.shards.size import stored_format, stored_weight_bytes
+from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import check_importance, uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
 from moeprune.surgery.planning import build_plan, check_feasible
 from moeprune.surgery.plans import resolve_plan
 from moeprune.surgery.registry import METHODS, method_limits
-from moeprune.surgery.size import WeightBytes, check_target_config, planned_bytes, solve_target
+from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
 
 
 def score_without_loading(

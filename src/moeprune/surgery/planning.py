@@ -34,7 +34,7 @@ from moeprune.surgery.registry import (
     default_allocation,
     method_limits,
 )
-from moeprune.surgery.size import check_target_config
+from moeprune.surgery.target_size import check_target_config
 
 # build_plan's former keywords -> the PruneConfig fields that replaced them (still accepted, with a warning)
 _CONFIG_KEYWORDS = {
@@ -173,7 +173,9 @@ def check_config(config: PruneConfig) -> PruneConfig:
     `target_size` has no sparsity yet: the checkpoint's sizes solve it (`solve_target`)."""
     if config.criterion != AUTO:
         get_criterion(config.criterion)
-    if check_target_config(config) is None:  # a target size solves the sparsity later (surgery/size.py)
+    if (
+        check_target_config(config) is None
+    ):  # a target size solves the sparsity later (surgery/target_size.py)
         check_sparsity(config.sparsity)
     allocation = config.allocation or default_allocation(config.method)
     check_method(config.method, allocation)

@@ -6,7 +6,7 @@ any weight is read: drop and novice take per-layer expert counts (`check_feasibl
 and allocation), neurons one width per layer (`uniform_widths`), TENP whole experts and one
 neuron share (`trapezoid_allocation`). So a `WeightBytes` (the unpruned model's bytes in the
 format the result is saved in, and what one expert, one neuron, one router row weigh there; made
-from the checkpoint's headers by moeprune.shards.size) and the config give the planned bytes, and
+from the checkpoint's headers by moeprune.shards.weight_bytes) and the config give the planned bytes, and
 the smallest sparsity whose planned bytes fit is found by walking the plans in order.
 
 The planned size never grows with the sparsity, and it moves in steps, because plans are made of
@@ -159,8 +159,8 @@ class TargetSolution:
     sparsity: float
     predicted_bytes: int  # the planned weights at `sparsity`
     unpruned_bytes: int  # the same model unpruned, in the output's format
-    step_below: float | None  # the next lower sparsity step (its plan does not fit), None at the first
-    step_below_bytes: int | None
+    step_below: float  # the next lower sparsity step, whose plan does not fit (0: the unpruned model)
+    step_below_bytes: int
 
 
 def _human(n: int) -> str:
@@ -216,18 +216,24 @@ def _tenp_solve(
     """TENP: the smallest grid sparsity that fits, by bisection (its size falls with the sparsity),
     and the grid point below it; [] when not even the highest one fits."""
 
+    grid = round(1 / TENP_STEP)
+
     def at(i: int) -> int | None:
         try:
-            return _tenp_plan_bytes(moe, config, size, i * TENP_STEP)
+            return _tenp_plan_bytes(moe, config, size, i / grid)
         except MoePruneError:  # the others would keep less than one neuron
             return None
 
-    top = round(1 / TENP_STEP) - 1
-    while top > 0 and at(top) is None:
-        top -= 1
-    high = at(top)
+    top = grid - 1
+    if at(top) is None:  # plans stop being possible above some sparsity: find the last one
+        feasible, infeasible = 0, top
+        while infeasible - feasible > 1:
+            mid = (feasible + infeasible) // 2
+            feasible, infeasible = (mid, infeasible) if at(mid) is not None else (feasible, mid)
+        top = feasible
+    high = at(top) if top else None
     if high is None or high > target:
-        return [(top * TENP_STEP, high)] if high is not None else []
+        return [(top / grid, high)] if high is not None else []
     low_i, high_i = 0, top  # at(low_i) does not fit (0: the unpruned model), at(high_i) does
     while high_i - low_i > 1:
         mid = (low_i + high_i) // 2
@@ -236,8 +242,8 @@ def _tenp_solve(
             high_i = mid
         else:
             low_i = mid
-    below = [(low_i * TENP_STEP, at(low_i) or size.total)] if low_i else []
-    return [*below, (high_i * TENP_STEP, at(high_i) or 0)]
+    below = [(low_i / grid, at(low_i) or size.total)] if low_i else []
+    return [*below, (high_i / grid, at(high_i) or 0)]
 
 
 def solve_target(
@@ -280,15 +286,8 @@ def solve_target(
             options=TARGET,
         )
     sparsity, predicted = steps[fitting]
-    below = steps[fitting - 1] if fitting else None
-    return TargetSolution(
-        target,
-        sparsity,
-        predicted,
-        size.total,
-        below[0] if below else None,
-        below[1] if below else None,
-    )
+    below = steps[fitting - 1] if fitting else (0.0, size.total)  # below the first step: unpruned
+    return TargetSolution(target, sparsity, predicted, size.total, below[0], below[1])
 
 
 def _what_stays(config: PruneConfig) -> str:
