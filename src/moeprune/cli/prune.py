@@ -172,8 +172,9 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
-    "no weight is loaded, nothing is written.",
+    help="Check everything, print the plan of work (model, budget per layer, data, output, the weight "
+    "bytes in and predicted out, a size target's solved sparsity) and stop: no weight is loaded, nothing is "
+    "written.",
 )
 @registry_option("--pipeline", PIPELINES, "How the job runs:", default="in-memory", show_default=True)
 @click.option(
