@@ -322,6 +322,8 @@ class PruneConfig:
         if not isinstance(search, dict):
             raise MoePruneError(f"the config's 'search' must be an object, got {search!r}")
         values = _read(cls, {k: v for k, v in data.items() if k != "search"}, "config")
+        if values.get("sparsity") is None and values.get("target_size") is None:
+            raise MoePruneError("config lacks sparsity (or target_size, which solves it)")
         return cls(**values, search=SearchConfig(**_read(SearchConfig, search, "config.search")))
 
 
