@@ -40,7 +40,7 @@ from moeprune.checkpoint.atomic import check_creatable, check_not_inside, output
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
 from moeprune.checkpoint.structure import read_config_dict
-from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, split_legacy
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size, split_legacy
 from moeprune.criteria import (
     AUTO,
     Criterion,
@@ -71,6 +71,7 @@ from moeprune.report.parts import (
     SearchSummary,
     Serving,
     Surgery,
+    TargetSize,
 )
 from moeprune.report.plots import plot_search_curve
 from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
@@ -83,7 +84,9 @@ from moeprune.search.auto import choose_criterion
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
-from moeprune.shards.rewrite import rewrite_checkpoint, rewrite_supports
+from moeprune.shards.layout import CheckpointLayout
+from moeprune.shards.rewrite import rewrite_checkpoint, rewrite_supports, stock_counts
+from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.parameters import (
@@ -95,10 +98,16 @@ from moeprune.surgery.parameters import (
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
 from moeprune.surgery.registry import default_allocation
+from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
 
 RECIPE = "recipe.json"
+KEPT_COUNTS = (
+    "to keep the input's quantization (written from its bytes)",
+    "or save dequantized weights with --save-dtype bf16",
+    ("sparsity", "save_dtype"),
+)
 
 
 # ----------------------------------------------------------------------------- the one verb
@@ -170,6 +179,12 @@ def prune(
         run=(run or RunOptions(), {"progress": "progress", "resume": "resume"}),
     )
     config = check_config(config)
+    if config.sparsity is None:
+        raise MoePruneError(
+            "prune() of a loaded model takes a sparsity: a target size is solved from a checkpoint's "
+            "files and the format it is saved in (prune_checkpoint, moeprune.pipelines.run_pipeline)",
+            options=("sparsity", "target_size"),
+        )
     moe = MoEModel(model)
     check_not_packed(moe)
     check_feasible(moe, config)
@@ -282,6 +297,75 @@ def prune(
 
 
 # ----------------------------------------------------------------------------- prune a checkpoint
+@dataclass(frozen=True)
+class PlannedSizes:
+    """The input's weights as stored and the result's as planned, in the format each is saved in
+    (the dry run prints them), and the solution of a size target when one was given."""
+
+    input_format: str
+    input_bytes: int
+    output_format: str
+    predicted_bytes: int
+    target: TargetSolution | None = None
+
+    def describe(self) -> dict:
+        out = {
+            "input_format": self.input_format,
+            "input_bytes": self.input_bytes,
+            "output_format": self.output_format,
+            "predicted_bytes": self.predicted_bytes,
+        }
+        if self.target is not None:
+            out |= {
+                "target_bytes": self.target.target_bytes,
+                "solved_sparsity": self.target.sparsity,
+                "step_below": self.target.step_below,
+                "step_below_bytes": self.target.step_below_bytes,
+            }
+        return out
+
+    def report(self, written: int) -> TargetSize | None:
+        """report.json's `target`, once `written` bytes of tensors are on disk (None: no target)."""
+        t = self.target
+        if t is None:
+            return None
+        return TargetSize(
+            t.target_bytes,
+            t.sparsity,
+            self.output_format,
+            t.predicted_bytes,
+            written,
+            t.unpruned_bytes,
+            t.step_below,
+            t.step_below_bytes,
+        )
+
+
+def plan_sizes(
+    model_path: Path, meta: MoEModel, config: PruneConfig, save_dtype: torch.dtype | None
+) -> tuple[PruneConfig, PlannedSizes]:
+    """The sizes of a job saved in `save_dtype` (None: as stored, a kept quantization's bytes and
+    scales); a `target_size` is solved here into the config's sparsity (refused in one line when
+    nothing fits, or when the unpruned model already does)."""
+    if save_dtype is None:
+        size = stored_weight_bytes(CheckpointLayout(model_path))
+    else:
+        size = cast_weight_bytes(model_path, meta, save_dtype)
+    solution = None
+    if config.target_size is not None:  # as stored: the rewrite writes one count in every layer
+        target = parse_target_size(config.target_size)
+        solution = solve_target(meta, config, size, target, stock=save_dtype is None)
+        config = replace(config, sparsity=solution.sparsity, target_size=None)
+    sizes = PlannedSizes(
+        stored_format(model_path),
+        weight_bytes(model_path),
+        size.format,
+        planned_bytes(meta, config, size),
+        solution,
+    )
+    return config, sizes
+
+
 @dataclass
 class PruneJob:
     """A prune request after every check that needs no weights: what `prune_checkpoint` will do.
@@ -313,6 +397,8 @@ class PruneJob:
             return self.kept_quantization.saved_as
         return str(self.save_dtype).removeprefix("torch.")
 
+    sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
+
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
 
@@ -341,6 +427,7 @@ class PruneJob:
             "output": str(self.output),
             "save_dtype": self.saved_as,
             "resume": self.run.resume,
+            **(self.sizes.describe() if self.sizes is not None else {}),
         }
 
 
@@ -445,6 +532,17 @@ def prepare(
     _check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(model_path, meta=True))
     check_not_packed(meta)
+    stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
+    save_dtype = (
+        resolve_dtype(save.dtype)
+        if save.dtype and kept_quantization is None
+        else (stored if isinstance(stored, torch.dtype) else torch.float32)
+    )
+    if config.target_size is None:
+        check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
+    config, sizes = plan_sizes(model_path, meta, config, None if kept_quantization else save_dtype)
+    if kept_quantization is not None:  # written from the input's bytes: one count in every layer
+        stock_counts(meta, config, KEPT_COUNTS)
     layer_budget = check_feasible(meta, config)
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
@@ -460,14 +558,8 @@ def prepare(
                 max_length=data.max_length,
                 seed=data.seed,
             )
-    stored = stored_dtype(model_path) or getattr(model_config, "dtype", None)
-    save_dtype = (
-        resolve_dtype(save.dtype)
-        if save.dtype and kept_quantization is None
-        else (stored if isinstance(stored, torch.dtype) else torch.float32)
-    )
     lost = precision_lost(placement.dtype, save_dtype) if kept_quantization is None else None
-    if lost:  # (kept fp8 is written from the input's bytes: nothing of the compute dtype reaches the disk)
+    if lost:  # (a kept quantization is written from the input's bytes: no compute dtype reaches the disk)
         _LOG.warning(lost)
     return PruneJob(
         model_path,
@@ -485,6 +577,7 @@ def prepare(
         layer_budget,
         list(search_data),
         kept_quantization,
+        sizes,
     )
 
 
@@ -614,6 +707,11 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             "max_shard_size": job.max_shard_size,
         },
     }
+    if job.sizes is not None and job.sizes.target is not None:  # the config holds the solved sparsity
+        recipe["target"] = {
+            "target_size": job.sizes.target.target_bytes,
+            "solved_sparsity": job.config.sparsity,
+        }
 
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
@@ -624,6 +722,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
 
     def evidence(tmp: Path) -> None:
         report.disk_bytes = DiskBytes(weight_bytes(job.model_path), weight_bytes(tmp))
+        report.target = job.sizes.report(report.disk_bytes.after) if job.sizes is not None else None
         result.plan.save(tmp / "plan.json")
         write_json(tmp / RECIPE, recipe)
         if result.search is not None:

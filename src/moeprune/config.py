@@ -12,8 +12,10 @@ it back. This module imports nothing of moeprune but its errors, so every stage 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from decimal import Decimal
 from typing import Any, Generic, TypeVar
 
 from moeprune.errors import MoePruneError
@@ -78,6 +80,50 @@ class Registry(Generic[T]):
         return len(self._specs)
 
 
+# ----------------------------------------------------------------------------- sizes
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(B|[KMGT]I?B)?\s*")  # a number, then B, kB..TB or KiB..TiB
+
+
+def parse_bytes(size: int | str, what: str) -> int | None:
+    """Bytes in "5GB", "500mb", "2GiB", "1.5 TB" or a plain number of bytes, or None when `size`
+    is not written like that. Decimal units are powers of 10 (GB = 10^9, save_pretrained's and
+    the disk makers'), binary ones powers of 2 (GiB = 2^30); case does not matter; a fraction of
+    a byte is dropped. `what` only names the value in the error for a size that is not positive."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str) and (match := _SIZE.fullmatch(size.upper())):
+        value = int(Decimal(match.group(1)) * _UNITS[match.group(2) or ""])
+    else:
+        return None
+    if value <= 0:
+        raise MoePruneError(f"{what} must be positive, got {size!r}")
+    return value
+
+
+def parse_target_size(size: int | str) -> int:
+    """The bytes a `target_size` asks for (see `parse_bytes`), or a one-line refusal."""
+    value = parse_bytes(size, "the target size")
+    if value is None:
+        raise MoePruneError(
+            f"target size {size!r} is not a size; write bytes (123456) or a number with a unit: "
+            "B, kB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. 40GiB or 500MB",
+            options=("target_size",),
+        )
+    return value
+
+
 # ----------------------------------------------------------------------------- data and saving
 @dataclass
 class DataOptions:
@@ -140,15 +186,17 @@ def split_legacy(legacy: dict[str, Any], where: str, **targets: tuple[Any, dict[
 
 
 # ----------------------------------------------------------------------------- the recipe
-def _check_type(value: Any, kind: type, where: str) -> None:
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
+def _check_type(value: Any, kinds: tuple[type, ...], where: str) -> None:
+    ok = False
+    for kind in kinds:
+        ok |= isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
     if not ok:
-        raise MoePruneError(f"{where} must be {kind.__name__}, got {value!r}")
+        raise MoePruneError(f"{where} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
 
 
-_TYPES: dict[str, tuple[type, bool]] = {}  # field name -> (type, optional), filled below
+_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {}  # field name -> (types, optional), filled below
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, minimum: int | None = None) -> Any:
@@ -232,7 +280,9 @@ class PruneConfig:
     """What to prune and how; see docs/python-api.md. Round-trips through JSON."""
 
     criterion: str  # a registered criterion, or "auto" (the best uniform plan on the search data)
-    sparsity: float  # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters
+    # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters. None only
+    # with `target_size`, which solves it (api.prepare / the no-load pipeline, before any weight loads)
+    sparsity: float | None = None
     allocation: str | None = None  # None: the method's default (uniform; trapezoid for tenp)
     method: str = "drop"
     expert_multiple: int = 1  # every layer keeps a multiple of this many experts
@@ -241,9 +291,26 @@ class PruneConfig:
     slope: float = 0.5  # tenp: how fast the number of whole experts grows with depth
     seed: int = 0  # the random criterion's permutation
     search: SearchConfig = field(default_factory=SearchConfig)
+    # instead of `sparsity`: the weights' bytes on disk the result must fit in ("40GiB", "500MB",
+    # or bytes as an int), in the format it is saved in; the smallest sparsity that fits is solved
+    target_size: int | str | None = None
+
+    def sparsity_value(self) -> float:
+        """The sparsity, given or solved from the target size (a stage that plans needs one)."""
+        if self.sparsity is None:
+            raise MoePruneError(
+                "no sparsity: give one, or a target size to solve it from a checkpoint",
+                options=("sparsity", "target_size"),
+            )
+        return self.sparsity
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The config as JSON; `target_size` only when set, so a recipe of a run with a given
+        sparsity keeps exactly the keys it always had."""
+        out = asdict(self)
+        if out["target_size"] is None:
+            del out["target_size"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PruneConfig:
@@ -255,6 +322,8 @@ class PruneConfig:
         if not isinstance(search, dict):
             raise MoePruneError(f"the config's 'search' must be an object, got {search!r}")
         values = _read(cls, {k: v for k, v in data.items() if k != "search"}, "config")
+        if values.get("sparsity") is None and values.get("target_size") is None:
+            raise MoePruneError("config lacks sparsity (or target_size, which solves it)")
         return cls(**values, search=SearchConfig(**_read(SearchConfig, search, "config.search")))
 
 
@@ -287,9 +356,9 @@ def _field_types() -> None:
         for f in fields(cls):
             if f.name == "search":
                 continue
-            text = str(f.type)
-            base = text.split("|")[0].strip()
-            _TYPES[f"{cls.__name__}.{f.name}"] = (names[base], "None" in text)
+            parts = [part.strip() for part in str(f.type).split("|")]
+            kinds = tuple(names[part] for part in parts if part != "None")
+            _TYPES[f"{cls.__name__}.{f.name}"] = (kinds, "None" in parts)
 
 
 _field_types()

@@ -139,7 +139,6 @@ def _in_memory(request: PruneRequest) -> dict:
             (
                 (
                     "resume",
-                    "dry_run",
                     "save_dtype",
                     "max_shard_size",
                     "expert_multiple",

@@ -193,3 +193,25 @@ def test_eval_of_fp8_models_is_the_dequantized_models(checkpoints, tmp_path):
     assert figures["fp8"]["size"]["quantization"] == "fp8, 16x16 blocks"
     assert "quantization" not in figures["ref"]["size"]
     assert figures["fp8"]["size"]["weight_bytes"] < figures["ref"]["size"]["weight_bytes"]
+
+
+def test_target_size_on_fp8_counts_fp8_bytes_and_keeps_the_format(checkpoints, tmp_path):
+    """A size target for a kept fp8 result is solved in fp8 bytes and scales, with one count in
+    every layer (the rewrite's rule): the loaded and no-load pipelines pick the same sparsity and
+    write the same files, under the target."""
+    _, fp8, _, data = checkpoints
+    weights = sum(f.stat().st_size for f in fp8.glob("*.safetensors"))
+    target = int(weights * 0.97)  # within reach of every family (deepseek_v3 routes a small share of its bytes)
+    common = ["--criterion", "frequency", "--target-size", target, "--data", data, "--samples", "8", "--quiet"]
+    run("prune", fp8, *common, "--output", tmp_path / "loaded")
+    run("prune", fp8, *common, "--no-load", "--output", tmp_path / "no_load")
+    reports = [json.loads((tmp_path / n / "report.json").read_text()) for n in ("loaded", "no_load")]
+    assert reports[0]["sparsity"] == reports[1]["sparsity"] > 0
+    assert reports[0]["save_dtype"].startswith("float8_e4m3fn")
+    written = sum(f.stat().st_size for f in (tmp_path / "loaded").glob("*.safetensors"))
+    assert written <= target
+    kept = {len(range(lp["num_experts"])) - len(lp["dropped"]) for lp in json.loads(
+        (tmp_path / "loaded" / "plan.json").read_text())["layers"]}  # fmt: skip
+    assert len(kept) == 1
+    for file in (tmp_path / "loaded").glob("*.safetensors"):
+        assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()

@@ -73,6 +73,8 @@ NO_LOAD_DROP = {
     "data": DATA, "unseen": {}, "scores": {}, "timing_s": {"total": 1.0},
     "disk_bytes": {"before": 4000, "after": 3000}, "save_dtype": "float32",
 }  # fmt: skip
+TARGET = {"target_bytes": 3500, "sparsity": 0.25, "format": "bfloat16", "predicted_bytes": 3100,
+          "written_bytes": 3000, "unpruned_bytes": 4100, "step_below": 0.125, "step_below_bytes": 3600}  # fmt: skip
 
 
 def _without(document: dict, *keys: str) -> dict:
@@ -98,6 +100,12 @@ STAGES = {
         NO_LOAD_NEURONS, "layers_after", "parameters_after", "timing_s", "disk_bytes", "save_dtype"
     ),
     "a newer report's unknown keys": {**HEAD, **FACTS, **TAIL, "future": {"x": [1]}},
+    "a size target, in memory": {**HEAD, **FACTS, **TAIL, "target": TARGET},
+    "a size target, no-load drop": {**NO_LOAD_DROP, "target": TARGET},
+    "a size target, no-load drop, before the rewrite": {
+        **_without(NO_LOAD_DROP, "timing_s", "disk_bytes", "save_dtype"),
+        "target": _without(TARGET, "written_bytes"),
+    },
 }
 
 
@@ -145,6 +153,16 @@ def test_parts_are_typed_and_empty_parts_are_false():
     assert report.disk_bytes == DiskBytes(4000, 3000) and report.layers_after[0].experts == 6
     assert report.serving.vllm_refused and report.serving.vllm_padded_parameters is None
     assert not DiskBytes() and DiskBytes(before=1) and not SearchSummary.from_json({})
+
+
+def test_a_target_is_the_last_key_and_every_reader_gives_it():
+    document = {**HEAD, **FACTS, **TAIL, "target": TARGET}
+    assert list(PruneReport.from_json(document).to_json())[-1] == "target"
+    assert "target" not in PruneReport.from_json({**HEAD, **FACTS, **TAIL}).to_json()  # old keys only
+    line = "  target size     3.50 kB: 3.00 kB of bfloat16 weights written, sparsity 0.25 solved; 0.125 would need 3.60 kB"
+    assert line in format_lines(prune_facts(document))
+    assert "- Size target: 0.0 MiB (3,500 bytes) of weights; 0.0 MiB (3,000 bytes) of bfloat16 weights written; " \
+        "sparsity 0.25 solved for it" in model_card(document, "out")  # fmt: skip
 
 
 def test_the_search_summary_picks_its_keys_from_search_json():

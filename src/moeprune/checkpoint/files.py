@@ -8,7 +8,6 @@ refused in milliseconds, before any model is built or any calibration runs.
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -20,6 +19,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moeprune.config import parse_bytes
 from moeprune.errors import MoePruneError
 
 SINGLE = "model.safetensors"
@@ -30,18 +30,6 @@ _SAFETENSORS_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
-}
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
 }
 
 
@@ -153,16 +141,22 @@ def iter_tensors(folder: Path, names: list[str] | None = None) -> Iterator[tuple
 
 def parse_size(size: int | str) -> int:
     """Bytes in "5GB", "500MB", "2GiB" or a plain number (save_pretrained's units: GB = 10^9)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
-        if not match:
-            raise MoePruneError(f"shard size {size!r} is not a size; write it like 5GB, 500MB or 2GiB")
-        value = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if value <= 0:
-        raise MoePruneError(f"shard size must be positive, got {size!r}")
+    value = parse_bytes(size, "shard size")
+    if value is None:
+        raise MoePruneError(f"shard size {size!r} is not a size; write it like 5GB, 500MB or 2GiB")
     return value
+
+
+def tensor_bytes(folder: Path) -> int:
+    """Bytes of the checkpoint's stored tensors, from the headers (what `total_size` in an index
+    counts); the files add their headers to it."""
+    return sum(t.end - t.start for t in stored_tensors(folder).values())
+
+
+def header_bytes(folder: Path) -> int:
+    """Bytes of the safetensors files that are not tensors: each file's length field and JSON header."""
+    files = sum((folder / name).stat().st_size for name in shard_names(folder))
+    return files - tensor_bytes(folder)
 
 
 def write_shards(

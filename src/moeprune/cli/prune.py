@@ -96,9 +96,16 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 )
 @click.option(
     "--sparsity",
-    required=True,
     type=click.FloatRange(0, 1, min_open=True, max_open=True),
-    help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters.",
+    help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters. "
+    "Give it or --target-size.",
+)
+@click.option(
+    "--target-size",
+    metavar="SIZE",
+    help="Instead of --sparsity: the bytes of weights the result may hold on disk, in the format it is saved "
+    "in (e.g. 40GiB, 500MB, 123456; kB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of 2); the smallest "
+    "sparsity that fits is solved before any weight is loaded.",
 )
 @registry_option(
     "--allocation",
@@ -169,8 +176,9 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Check everything, print the plan of work (model, budget per layer, data, output) and stop: "
-    "no weight is loaded, nothing is written.",
+    help="Check everything, print the plan of work (model, budget per layer, data, output, the weight "
+    "bytes in and predicted out, a size target's solved sparsity) and stop: no weight is loaded, nothing is "
+    "written.",
 )
 @registry_option("--pipeline", PIPELINES, "How the job runs:", default="in-memory", show_default=True)
 @click.option(
@@ -189,13 +197,15 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 def prune(model: str, output: str, **options) -> None:
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
+    ctx = click.get_current_context()
+    if options["target_size"] is not None and _from_recipe(ctx, "sparsity"):
+        options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
     config = PruneConfig(
         **{f.name: options[f.name] for f in fields(PruneConfig) if f.name != "search"},
         search=config_from_options(SearchConfig, options),
     )
     pipeline = PIPELINES.get("no-load" if options["no_load"] else options["pipeline"])
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
-    ctx = click.get_current_context()
     pipeline.check(config)
     refuse_unread(ctx, unread_settings(pipeline, config))  # typed but never read: refused
     request = PruneRequest(
@@ -224,6 +234,39 @@ def prune(model: str, output: str, **options) -> None:
         click.echo(format_plan_of_work(report))
         return
     click.echo("\n".join(format_lines(prune_facts(report, output))))
+
+
+def _from_recipe(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT_MAP
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def size_lines(plan: dict) -> list[str]:
+    """The dry run's sizes: the input's weights as stored, the output's as planned, and the target."""
+    if "input_bytes" not in plan:
+        return []
+    lines = [
+        f"input     {plan['input_format']}, {_bytes(plan['input_bytes'])} of weights ({plan['input_bytes']:,} bytes)",
+        f"output    {plan['output_format']}, predicted {_bytes(plan['predicted_bytes'])} of weights "
+        f"({plan['predicted_bytes']:,} bytes)",
+    ]
+    if plan.get("target_bytes") is not None:
+        below = (
+            f"; {plan['step_below']:.6g} would predict {_bytes(plan['step_below_bytes'])}"
+            if plan.get("step_below") is not None
+            else ""
+        )
+        lines.append(
+            f"target    {_bytes(plan['target_bytes'])} ({plan['target_bytes']:,} bytes): sparsity "
+            f"{plan['solved_sparsity']:.6g} solved, the smallest step that fits{below}"
+        )
+    return lines
 
 
 def format_plan_of_work(plan: dict) -> str:
@@ -258,5 +301,6 @@ def format_plan_of_work(plan: dict) -> str:
     lines.append(
         f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}"
     )
+    lines += size_lines(plan)
     lines.append("dry run: nothing was loaded or written")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from moeprune.report.parts import (
     SearchSummary,
     Serving,
     Surgery,
+    TargetSize,
 )
 
 PRUNE = "prune"  # `command` of a prune of the loaded model
@@ -43,10 +44,10 @@ _IN_MEMORY = (
     *("budget_experts_removed", "removed_per_layer", "surgery", "layers_before", "layers_after"),
     *("parameters_before", "parameters_after", "kept_per_layer", "data", "unseen_experts", "unseen"),
     *("scores", "serving", "criterion_auto", "search"),
-    *("save_dtype", "command_line", "format", "disk_bytes", "timing_s"),
+    *("save_dtype", "command_line", "format", "disk_bytes", "timing_s", "target"),
 )
 _NO_LOAD_HEAD = (*_HEAD, "criterion", "allocation", "method", "sparsity", "format")
-_EVIDENCE = ("timing_s", "disk_bytes", "save_dtype")  # written with the rewritten shards
+_EVIDENCE = ("timing_s", "disk_bytes", "save_dtype", "target")  # written with the rewritten shards
 _NO_LOAD_DROP = (
     *_NO_LOAD_HEAD,
     *("budget_experts_removed", "removed_per_layer", "data", "unseen", "scores"),
@@ -77,6 +78,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "criterion_auto": _part(CriterionAuto),
     "search": _part(SearchSummary),
     "disk_bytes": _part(DiskBytes),
+    "target": _part(TargetSize),
 }
 
 
@@ -130,6 +132,7 @@ class PruneReport:
     format: str | None = None  # "stock" or "moeprune"
     disk_bytes: DiskBytes | None = None
     timing_s: dict[str, float] | None = None
+    target: TargetSize | None = None  # with a size target: it, the solved sparsity, the bytes written
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @classmethod

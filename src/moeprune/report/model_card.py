@@ -141,6 +141,18 @@ def how_to_load(report: PruneReport, name: str) -> list[str]:
     return lines
 
 
+def _target(report: PruneReport) -> list[str]:
+    """The size target's line: what was asked, what was written, the sparsity solved for it."""
+    t = report.target
+    if not t:
+        return []
+    return [
+        f"- Size target: {_mib(t.target_bytes)} ({_n(t.target_bytes)} bytes) of weights; "
+        f"{_mib(t.written_bytes)} ({_n(t.written_bytes)} bytes) of {t.format} weights written; "
+        f"sparsity {t.sparsity:.6g} solved for it"
+    ]
+
+
 def model_card(report: PruneReport | Mapping, name: str = ".") -> str:
     """README.md of a pruned output folder."""
     report = as_report(report)
@@ -157,6 +169,7 @@ def model_card(report: PruneReport | Mapping, name: str = ".") -> str:
         f"- Criterion: {report.criterion}; allocation: {report.allocation}; method: {report.method}",
         f"- Sparsity: {report.sparsity} {unit}{multiple}",
         f"- Saved as: {report.format} format, {report.save_dtype}",
+        *_target(report),
         "",
         "## Size",
         "",

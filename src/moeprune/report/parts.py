@@ -73,6 +73,23 @@ class DiskBytes(Part):
     after: int | None = None
 
 
+@dataclass
+class TargetSize(Part):
+    """`target`: a size target and the sparsity solved for it. Bytes are the safetensors files'
+    (`disk_bytes`): `predicted_bytes` the planned result's (its tensors exactly, its headers
+    bounded by the input's), `written_bytes` the files written; `step_below` the next lower
+    sparsity step, whose plan (`step_below_bytes`) would not fit."""
+
+    target_bytes: int | None = None
+    sparsity: float | None = None
+    format: str | None = None  # the format the bytes are counted in ("bfloat16", fp8 ...)
+    predicted_bytes: int | None = None
+    written_bytes: int | None = None
+    unpruned_bytes: int | None = None
+    step_below: float | None = None
+    step_below_bytes: int | None = None
+
+
 @dataclass(kw_only=True)
 class LayerShape(Part):
     """One row of `layers_before` / `layers_after`: a MoE layer's experts, novices, top-k, widths."""

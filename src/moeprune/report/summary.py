@@ -113,6 +113,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "model_type": report.model_type,
         "save_dtype": report.save_dtype,
         "format": report.format,
+        "target": report.target.to_json() if report.target else None,
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -180,6 +181,9 @@ def format_lines(facts: dict) -> list[str]:
             f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
             f"saved as {facts['save_dtype']} ({facts['format']} format)"
         )
+    target = facts.get("target")
+    if target:
+        lines.append(target_line(target))
     if facts["vllm_padded_parameters"]:
         padded, before = facts["vllm_padded_parameters"], facts["parameters"]["before"]
         versus = f"{change(before, padded):+.1f}% vs before; " if before else ""
@@ -196,6 +200,19 @@ def format_lines(facts: dict) -> list[str]:
         if names:
             lines.append(f"    {kind:<14}{', '.join(names)}")
     return lines
+
+
+def target_line(target: dict) -> str:
+    """The size target, what was written for it and the sparsity solved (and the step below it)."""
+    below = (
+        f"; {target['step_below']:.6g} would need {_size(target['step_below_bytes'])}"
+        if target.get("step_below") is not None
+        else ""
+    )
+    return (
+        f"  target size     {_size(target['target_bytes'])}: {_size(target['written_bytes'])} of "
+        f"{target['format']} weights written, sparsity {target['sparsity']:.6g} solved{below}"
+    )
 
 
 def score_lines(document: dict, output: str | Path) -> list[str]:

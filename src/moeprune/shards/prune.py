@@ -13,7 +13,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer, write_json
 from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import stored_dtype
@@ -34,22 +33,26 @@ from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.report.document import PruneReport
-from moeprune.report.parts import DataSummary, DiskBytes, LayerShape, ParameterCounts, Surgery
+from moeprune.report.parts import DataSummary, DiskBytes, LayerShape, ParameterCounts, Surgery, TargetSize
 from moeprune.report.prune_report import report_markdown, weight_bytes
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
-from moeprune.shards.layout import meta_model, quantization_format
+from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_format
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
-from moeprune.shards.rewrite import rewrite_checkpoint
+from moeprune.shards.rewrite import rewrite_checkpoint, stock_counts
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
+from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import check_importance, uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
-from moeprune.surgery.planning import build_plan
+from moeprune.surgery.planning import build_plan, check_feasible
 from moeprune.surgery.plans import resolve_plan
-from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.registry import METHODS
+from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
+
+NO_LOAD_COUNTS = ("without loading", "or prune the loaded model", ("sparsity", "no_load"))
 
 
 def score_without_loading(
@@ -126,16 +129,90 @@ def prune_without_loading(
     check_not_inside(output, [model_path])
     recover(Path(output))
     check_output_dir(output, run.overwrite)
+    path = Path(model_path)
+    moe = meta_model(path)
+    config, target, size = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
+    if run.dry_run:
+        return _plan_of_work(path, Path(output), moe, config, size, target)
     with output_lock(output) if rank_and_world()[0] == 0 else nullcontext(), RunLog.join(run.command_line):
-        path = Path(model_path)
-        job = _NoLoadJob(path, Path(output), meta_model(path), Timer(), config, data, tokenizer_path, run)
+        job = _NoLoadJob(path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target)
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
+
+
+def _solve_target(
+    path: Path, moe: MoEModel, config: PruneConfig
+) -> tuple[PruneConfig, TargetSize | None, WeightBytes]:
+    """A `target_size` solved into the sparsity of a uniform plan, counted in the input's stored
+    format (the rewrite copies tensors as they are: fp8 experts with their scales); also the sizes
+    a dry run prints."""
+    size = stored_weight_bytes(CheckpointLayout(path))
+    target_bytes = check_target_config(config)
+    if target_bytes is None:
+        return config, None, size
+    config = replace(config, allocation="uniform")
+    solution = solve_target(moe, config, size, target_bytes, stock=True)
+    target = TargetSize(
+        solution.target_bytes,
+        solution.sparsity,
+        size.format,
+        solution.predicted_bytes,
+        None,
+        solution.unpruned_bytes,
+        solution.step_below,
+        solution.step_below_bytes,
+    )
+    return replace(config, sparsity=solution.sparsity, target_size=None), target, size
+
+
+def _plan_of_work(
+    path: Path, output: Path, moe: MoEModel, config: PruneConfig, size: WeightBytes, target: TargetSize | None
+) -> dict:
+    """What a no-load prune would do (`run.dry_run`), in the keys of the in-memory dry run: its
+    structure, the uniform plan's counts, the sizes; nothing is observed, scored or written."""
+    config = replace(config, allocation="uniform")
+    if METHODS.get(config.method).neurons:
+        check_stock_shrink(moe)
+    else:
+        stock_counts(moe, config, NO_LOAD_COUNTS)
+    known = check_feasible(moe, config)
+    out = {
+        "model": str(path),
+        "family": moe.model_type,
+        "moe_layers": [m.index for m in moe.layers],
+        "experts_per_layer": [m.num_experts for m in moe.layers],
+        "top_k": [m.top_k for m in moe.layers],
+        "criterion": config.criterion,
+        "allocation": "uniform",
+        "method": config.method,
+        "sparsity": config.sparsity,
+        "sparsity_unit": METHODS.get(config.method).sparsity_unit,
+        **known,
+        "calibration": [],  # read (and counted) when the layers are observed
+        "search_data": None,
+        "output": str(output),
+        "save_dtype": size.format,
+        "resume": False,
+        "input_format": stored_format(path),
+        "input_bytes": weight_bytes(path),
+        "output_format": size.format,
+        "predicted_bytes": planned_bytes(moe, config, size),
+    }
+    if target is not None:
+        out |= {
+            "target_bytes": target.target_bytes,
+            "solved_sparsity": target.sparsity,
+            "step_below": target.step_below,
+            "step_below_bytes": target.step_below_bytes,
+        }
+    return out
 
 
 def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Path) -> None:
     """report.json, the run log and report.md into the folder about to be published."""
     report.timing_s = timer.total()
     report.disk_bytes = DiskBytes(weight_bytes(model_path), weight_bytes(tmp))
+    if report.target is not None:
+        report.target = replace(report.target, written_bytes=report.disk_bytes.after)
     stored = stored_dtype(tmp)  # shards are copied as they are: the input's dtype
     report.save_dtype = str(stored).removeprefix("torch.") if stored is not None else None
     kept = quantization_format(tmp)  # quantized weights copied with their scales: the format, not a dtype
@@ -158,14 +235,12 @@ class _NoLoadJob:
     data: DataOptions | None
     tokenizer_path: str | Path | None
     run: RunOptions
+    target: TargetSize | None = None  # the size target, when the sparsity was solved for one
 
 
 def _drop(job: _NoLoadJob) -> dict:
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
-    limits = method_limits(moe, "drop", config.expert_multiple)
-    expert_allocation(
-        moe, get_criterion(config.criterion), [], config.sparsity, "uniform", limits
-    )  # before scoring
+    stock_counts(moe, config, NO_LOAD_COUNTS)  # before scoring
     crit, scores, stats, sets = score_without_loading(
         model_path,
         config.criterion,
@@ -182,12 +257,13 @@ def _drop(job: _NoLoadJob) -> dict:
         moe.model_type,
         crit.name,
         "drop",
-        config.sparsity,
+        config.sparsity_value(),
         budget_experts_removed=plan.extra.get("budget"),
         removed_per_layer={str(lp.layer): len(lp.dropped) for lp in plan.layers},
         data=DataSummary.of(sets, stats),
         unseen=unseen_experts(stats) if stats else {},
         scores=scores_document(crit, scores, stats),
+        target=job.target,
     )
 
     def extra(tmp: Path) -> None:
@@ -211,7 +287,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         options=("method",),
     )
     check_stock_shrink(moe)  # before any observation
-    uniform_widths(moe, config.sparsity)
+    uniform_widths(moe, config.sparsity_value())
     before_layers, before_params = describe_layers(moe), routed_parameters(moe)
     crit, scores, stats, sets = score_without_loading(
         model_path,
@@ -241,7 +317,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         moe.model_type,
         crit.name,
         "neurons",
-        config.sparsity,
+        config.sparsity_value(),
         prune_first=crit.prune_first,
         sparsity_unit="routed-expert parameters",
         surgery=Surgery(form="rectangular", intermediate_size=width)
@@ -254,6 +330,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         unseen_experts=unseen_note(stats),
         unseen=unseen_experts(stats),
         scores=scores_document(crit, scores, stats),
+        target=job.target,
     )
 
     def extra(tmp: Path) -> None:

@@ -18,18 +18,22 @@ from typing import BinaryIO
 import torch
 from transformers import PretrainedConfig
 
+from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import (
     LEGACY_FILE,
     atomic_write_dir,
     write_json,
 )
 from moeprune.checkpoint.files import INDEX, StoredTensor
+from moeprune.config import PruneConfig
+from moeprune.criteria import get_criterion
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.drop import kept_experts
+from moeprune.surgery.registry import method_limits
 
 PLAN = "plan.json"
 # Top-level files a rewrite does not copy: rewritten ones, stale weights, the source's own evidence.
@@ -207,6 +211,26 @@ def rewrite_supports(method: str, allocation: str) -> bool:
     experts dropped, the same number in every layer (what a stock config expresses), known before
     any score. (A global or searched allocation may come out uniform, but only after scoring.)"""
     return method == "drop" and allocation == "uniform"
+
+
+def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
+    """Experts each layer loses in the uniform drop, refused before any scoring when the layers
+    would keep different counts: a stock config says one count, and the rewrite writes nothing
+    else. `why` = (when the rule holds, the other way out, the options that fix it)."""
+    when, instead, options = why
+    limits = method_limits(moe, "drop", config.expert_multiple)
+    removed = expert_allocation(
+        moe, get_criterion(config.criterion), [], config.sparsity_value(), "uniform", limits
+    )
+    kept = [n - r for n, r in zip(limits.num_experts, removed)]
+    if len(set(kept)) > 1:
+        raise MoePruneError(
+            f"sparsity {config.sparsity} keeps {kept} experts per layer, different counts a stock config "
+            f"cannot express; {when}, every layer must keep the same count: choose a sparsity that removes "
+            f"the same share of every layer, {instead}",
+            options=options,
+        )
+    return removed
 
 
 def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:

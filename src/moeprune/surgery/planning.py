@@ -34,6 +34,7 @@ from moeprune.surgery.registry import (
     default_allocation,
     method_limits,
 )
+from moeprune.surgery.target_size import check_target_config
 
 # build_plan's former keywords -> the PruneConfig fields that replaced them (still accepted, with a warning)
 _CONFIG_KEYWORDS = {
@@ -76,7 +77,7 @@ def build_plan(
     with a DeprecationWarning, filling `config` (or a PruneConfig named after `criterion`).
     """
     if config is None:
-        config = PruneConfig(criterion.name, sparsity=None)  # type: ignore[arg-type]  # set from `legacy`
+        config = PruneConfig(criterion.name, sparsity=None)  # its sparsity is set from `legacy`
     (config,) = split_legacy(legacy, "build_plan", config=(config, _CONFIG_KEYWORDS))
     if config.sparsity is None:
         raise TypeError("build_plan() missing its settings: pass config=PruneConfig(...)")
@@ -168,10 +169,14 @@ def requirements(config: PruneConfig) -> Requirements:
 
 def check_config(config: PruneConfig) -> PruneConfig:
     """Every name and number of a config checked (before anything runs); returns it with the
-    allocation resolved to the method's default when it was left unset."""
+    allocation resolved to the method's default when it was left unset. A config with a
+    `target_size` has no sparsity yet: the checkpoint's sizes solve it (`solve_target`)."""
     if config.criterion != AUTO:
         get_criterion(config.criterion)
-    check_sparsity(config.sparsity)
+    if (
+        check_target_config(config) is None
+    ):  # a target size solves the sparsity later (surgery/target_size.py)
+        check_sparsity(config.sparsity)
     allocation = config.allocation or default_allocation(config.method)
     check_method(config.method, allocation)
     if (
@@ -198,7 +203,7 @@ def check_config(config: PruneConfig) -> PruneConfig:
     return replace(config, allocation=allocation)
 
 
-def check_sparsity(sparsity: float) -> None:
+def check_sparsity(sparsity: float | None) -> None:
     if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0 < sparsity < 1:
         raise MoePruneError(
             f"sparsity must be a number strictly between 0 and 1, got {sparsity!r}", options=("sparsity",)
@@ -212,7 +217,7 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     layers = [m.index for m in moe.layers]
     if method.sparsity_unit == EXPERTS:
         limits = method_limits(moe, config.method, config.expert_multiple)
-        budget = budget_from_sparsity(config.sparsity, limits.num_experts, limits.top_k)
+        budget = budget_from_sparsity(config.sparsity_value(), limits.num_experts, limits.top_k)
         uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
         known: dict = {"budget_experts_removed": budget}
         if config.allocation == "uniform":
@@ -221,9 +226,11 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
     check_neuron_prunable(moe)
     if config.method == "neurons":
-        return {"neurons_per_expert": dict(zip(layers, uniform_widths(moe, config.sparsity)))}
+        return {"neurons_per_expert": dict(zip(layers, uniform_widths(moe, config.sparsity_value())))}
     trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(trapezoid, 1 - config.sparsity, config.important_fraction, config.slope)
+    alloc = trapezoid_allocation(
+        trapezoid, 1 - config.sparsity_value(), config.important_fraction, config.slope
+    )
     return {
         "whole_experts_per_layer": dict(zip(layers, alloc.important)),
         "neuron_keep_ratio": alloc.neuron_ratio,

@@ -1,0 +1,334 @@
+"""The bytes a prune will write, from the model's structure alone, and the sparsity a size target asks for.
+
+`--target-size` names what a user has (a disk, a GPU), not a sparsity. Every method's result is
+the unpruned weights minus what its plan removes, and what each plan removes is known before
+any weight is read: drop and novice take per-layer expert counts (`check_feasible`'s budget
+and allocation), neurons one width per layer (`uniform_widths`), TENP whole experts and one
+neuron share (`trapezoid_allocation`). So a `WeightBytes` (the unpruned model's bytes in the
+format the result is saved in, and what one expert, one neuron, one router row weigh there; made
+from the checkpoint's headers by moeprune.shards.weight_bytes) and the config give the planned bytes, and
+the smallest sparsity whose planned bytes fit is found by walking the plans in order.
+
+The planned size never grows with the sparsity, and it moves in steps, because plans are made of
+whole experts and whole neurons:
+
+- drop/novice: sparsity B / N for B experts removed of N (the budget `round(S * N)` then is B);
+  the solved B is the smallest feasible budget that fits, and B - 1 (or the next feasible budget
+  below) does not. The global and evo allocations choose per-layer counts from scores; where
+  experts weigh differently per layer, their size is bounded by the worst case (the cheapest
+  experts removed first), so the result fits whatever the scores say.
+- neurons: the widths are multiples of 8 neurons (`uniform_keep`); the solved sparsity is the
+  share of routed-expert parameters the chosen width removes, and one width step (8 neurons)
+  wider does not fit.
+- tenp: the sparsity is continuous (the kept parameters meet it within one neuron); it is solved
+  on a grid of 1e-4 and 1e-4 lower does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.limits import LayerLimits
+from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+from moeprune.config import PruneConfig, parse_target_size
+from moeprune.errors import InfeasibleBudgetError, MoePruneError
+from moeprune.models import MoEModel
+from moeprune.surgery.neurons import STOCK_MULTIPLE, check_neuron_prunable, uniform_widths
+from moeprune.surgery.packed import layer_cost
+from moeprune.surgery.registry import EXPERTS, METHODS, method_limits
+
+TARGET = ("target_size",)
+TENP_STEP = 1e-4  # the grid TENP's continuous sparsity is solved on
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """What the parts of one MoE layer weigh in the output's format."""
+
+    experts: int
+    width: int  # neurons of each routed expert
+    per_neuron: int  # bytes one neuron adds to one routed expert (0: not linear, e.g. fp8 blocks)
+    per_expert: int  # bytes of one routed expert besides its neurons (all of it when per_neuron is 0)
+    router_row: int  # bytes of one expert's router rows and per-expert routing tensors
+    novice: int = 0  # bytes of a novice's mean output vector
+    shared_width: int = 0  # neurons of a shared expert whose width derives from the routed width
+    shared_per_neuron: int = 0  # bytes per neuron of that shared expert (it is zero-padded: neurons.py)
+
+    def expert(self, width: int | None = None) -> int:
+        return self.per_neuron * (self.width if width is None else width) + self.per_expert
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """The unpruned model's weights in the output's format, and what each MoE layer's parts weigh."""
+
+    format: str  # "bfloat16", "float8_e4m3fn (fp8, 128x128 blocks)", ...
+    total: int  # bytes of every tensor the result is saved with, before pruning
+    layers: tuple[LayerBytes, ...]
+    linear_neurons: bool = True  # False: an expert's bytes are not linear in its width (fp8 blocks)
+
+
+def _check_layers(moe: MoEModel, size: WeightBytes) -> None:
+    if len(size.layers) != len(moe.layers):
+        raise MoePruneError(
+            f"the size model has {len(size.layers)} MoE layers, the model {len(moe.layers)}"
+        )  # pragma: no cover - both are read off the same checkpoint
+
+
+def _expert_bytes(size: WeightBytes, removed: list[int], novice: bool) -> int:
+    """Bytes removed with `removed[l]` experts per layer (novices keep their router row and a vector)."""
+    return sum(
+        r * (lay.expert() - lay.novice if novice else lay.expert() + lay.router_row)
+        for r, lay in zip(removed, size.layers)
+    )
+
+
+def _worst_removal(size: WeightBytes, budget: int, limits: LayerLimits, novice: bool) -> int:
+    """The fewest bytes any allocation of `budget` experts within the caps removes (the cheapest
+    experts first): a bound that holds whatever per-layer counts the scores or a search pick."""
+    saved = [lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers]
+    left, out = budget, 0
+    for pos in sorted(range(len(saved)), key=lambda p: saved[p]):
+        take = min(left, limits.caps[pos])
+        out, left = out + take * saved[pos], left - take
+    return out
+
+
+def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, budget: int) -> int:
+    """Planned bytes of an expert method removing `budget` experts (InfeasibleBudgetError when
+    no allocation can remove exactly that many under the per-layer limits)."""
+    method = METHODS.get(config.method)
+    limits = method_limits(moe, config.method, config.expert_multiple)
+    removed = uniform_allocation(
+        budget, limits.num_experts, limits.top_k, **limits.as_kwargs()
+    )  # also refuses an unreachable budget
+    if config.allocation == "uniform":
+        return size.total - _expert_bytes(size, removed, method.keeps_routing)
+    return size.total - _worst_removal(size, budget, limits, method.keeps_routing)
+
+
+def _neuron_plan_bytes(moe: MoEModel, size: WeightBytes, widths: list[int]) -> int:
+    out = size.total
+    for lay, k in zip(size.layers, widths):
+        if k >= lay.width:
+            continue
+        out -= lay.experts * (lay.expert() - lay.expert(k))
+        if lay.shared_width:  # zero-padded to a whole number of new widths (neurons.py)
+            out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
+    return out
+
+
+def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(layers, 1 - sparsity, config.important_fraction, config.slope)
+    out = size.total
+    for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
+        out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
+    return out
+
+
+def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
+    """Bytes of weights the plan of `config` (its sparsity set) leaves, in `size`'s format: exact
+    for the uniform allocation and the neuron methods, an upper bound for global and evo."""
+    _check_layers(moe, size)
+    assert config.sparsity is not None, "planned_bytes needs a sparsity"
+    method = METHODS.get(config.method)
+    if method.sparsity_unit == EXPERTS:
+        limits = method_limits(moe, config.method, config.expert_multiple)
+        budget = budget_from_sparsity(config.sparsity, limits.num_experts, limits.top_k)
+        return expert_plan_bytes(moe, config, size, budget)
+    if not size.linear_neurons:
+        raise MoePruneError(
+            f"the {config.method} method narrows experts; this checkpoint's {size.format} weights "
+            "are stored in blocks, so their narrowed size is not planned here",
+            options=("method",),
+        )
+    if config.method == "neurons":
+        return _neuron_plan_bytes(moe, size, uniform_widths(moe, config.sparsity))
+    return _tenp_plan_bytes(moe, config, size, config.sparsity)
+
+
+@dataclass(frozen=True)
+class TargetSolution:
+    """The solved sparsity of a target size, and the sizes around it (report.json's `target`)."""
+
+    target_bytes: int
+    sparsity: float
+    predicted_bytes: int  # the planned weights at `sparsity`
+    unpruned_bytes: int  # the same model unpruned, in the output's format
+    step_below: float  # the next lower sparsity step, whose plan does not fit (0: the unpruned model)
+    step_below_bytes: int
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _expert_search(
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int, stock: bool
+) -> list[tuple[float, int]]:
+    """(sparsity B / N, planned bytes) of the smallest feasible budget B that fits, preceded by the
+    feasible budget below it (which does not); [the largest feasible budget] when none fits.
+
+    With `stock` only budgets whose uniform plan keeps the same count in every layer (what a
+    stock config expresses: the no-load rewrite writes nothing else). The planned bytes never
+    grow with B, and no budget below `(total - target) / (the heaviest expert)` can fit, so the
+    walk starts there instead of at 1 (a 58 x 256-expert model has 14,848 budgets; starting there, 48 x 128 solves in 10 ms instead of 15 s).
+    """
+    limits = method_limits(moe, config.method, config.expert_multiple)
+    experts, most = sum(limits.num_experts), sum(limits.caps)
+
+    def planned(budget: int) -> int | None:
+        try:
+            value = expert_plan_bytes(moe, config, size, budget)
+        except InfeasibleBudgetError:  # not a sum of per-layer multiples within the caps
+            return None
+        if stock:
+            removed = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+            if len({n - r for n, r in zip(limits.num_experts, removed)}) > 1:
+                return None
+        return value
+
+    novice = METHODS.get(config.method).keeps_routing
+    heaviest = max(
+        lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers
+    )
+    start = max(1, math.ceil((size.total - target) / heaviest)) if heaviest > 0 else most + 1
+    for budget in range(start, most + 1):
+        value = planned(budget)
+        if value is not None and value <= target:
+            below = next(((b, v) for b in range(budget - 1, 0, -1) if (v := planned(b)) is not None), None)
+            return [*([(below[0] / experts, below[1])] if below else []), (budget / experts, value)]
+    last = next(((b, v) for b in range(most, 0, -1) if (v := planned(b)) is not None), None)
+    return [(last[0] / experts, last[1])] if last else []
+
+
+def _neuron_steps(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> list[tuple[float, int]]:
+    """(sparsity, planned bytes) of every width step below the full width: the sparsity each width
+    keeps exactly (1 - params(K) / params(I)), from the widest step down."""
+    candidates = set()
+    for m in moe.layers:
+        cost, full = layer_cost(m), m.intermediate_size
+        step = STOCK_MULTIPLE if full % STOCK_MULTIPLE == 0 else 1
+        for k in range(full - step, 0, -step):
+            candidates.add(1 - cost.params(k) / cost.params(full))
+    out = []
+    for sparsity in sorted(candidates):
+        try:
+            out.append((sparsity, _neuron_plan_bytes(moe, size, uniform_widths(moe, sparsity))))
+        except MoePruneError:  # less than one block of neurons left
+            continue
+    return out
+
+
+def _tenp_solve(
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
+) -> list[tuple[float, int]]:
+    """TENP: the smallest grid sparsity that fits, by bisection (its size falls with the sparsity),
+    and the grid point below it; [] when not even the highest one fits."""
+
+    grid = round(1 / TENP_STEP)
+
+    def at(i: int) -> int | None:
+        try:
+            return _tenp_plan_bytes(moe, config, size, i / grid)
+        except MoePruneError:  # the others would keep less than one neuron
+            return None
+
+    top = grid - 1
+    if at(top) is None:  # plans stop being possible above some sparsity: find the last one
+        feasible, infeasible = 0, top
+        while infeasible - feasible > 1:
+            mid = (feasible + infeasible) // 2
+            feasible, infeasible = (mid, infeasible) if at(mid) is not None else (feasible, mid)
+        top = feasible
+    high = at(top) if top else None
+    if high is None or high > target:
+        return [(top / grid, high)] if high is not None else []
+    low_i, high_i = 0, top  # at(low_i) does not fit (0: the unpruned model), at(high_i) does
+    while high_i - low_i > 1:
+        mid = (low_i + high_i) // 2
+        value = at(mid)
+        if value is not None and value <= target:
+            high_i = mid
+        else:
+            low_i = mid
+    below = [(low_i / grid, at(low_i) or size.total)] if low_i else []
+    return [*below, (high_i / grid, at(high_i) or 0)]
+
+
+def solve_target(
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int, *, stock: bool = False
+) -> TargetSolution:
+    """The smallest sparsity step whose planned weights fit in `target` bytes; refused in one line
+    (before any weight is read) when the unpruned model already fits or no plan is small enough.
+    `stock`: only plans a stock config expresses (the same expert count in every layer)."""
+    _check_layers(moe, size)
+    if target >= size.total:
+        raise MoePruneError(
+            f"the unpruned model already fits: {_human(size.total)} ({size.total:,} bytes) of "
+            f"{size.format} weights <= the target {_human(target)} ({target:,} bytes); nothing needs "
+            "pruning (lower the target size, or give a sparsity)",
+            options=TARGET,
+        )
+    method = METHODS.get(config.method)
+    steps: list[tuple[float, int]]
+    if method.sparsity_unit == EXPERTS:
+        steps = _expert_search(moe, config, size, target, stock)
+    elif not size.linear_neurons:
+        raise MoePruneError(
+            f"the {config.method} method narrows experts; a target size for {size.format} weights "
+            "is planned for the drop method only",
+            options=("method", *TARGET),
+        )
+    elif config.method == "neurons":
+        check_neuron_prunable(moe)
+        steps = _neuron_steps(moe, config, size)
+    else:
+        check_neuron_prunable(moe)
+        steps = _tenp_solve(moe, config, size, target)
+    fitting = next((i for i, (_, b) in enumerate(steps) if b <= target), None)
+    if fitting is None:
+        smallest = min((b for _, b in steps), default=size.total)
+        what = _what_stays(config)
+        raise MoePruneError(
+            f"no {config.method} plan fits in {_human(target)} ({target:,} bytes): the smallest "
+            f"reachable is {_human(smallest)} ({smallest:,} bytes) of {size.format} weights ({what})",
+            options=TARGET,
+        )
+    sparsity, predicted = steps[fitting]
+    below = steps[fitting - 1] if fitting else (0.0, size.total)  # below the first step: unpruned
+    return TargetSolution(target, sparsity, predicted, size.total, below[0], below[1])
+
+
+def _what_stays(config: PruneConfig) -> str:
+    what: dict[str, Callable[[], str]] = {
+        EXPERTS: lambda: (
+            "every layer keeps at least its top-k experts"
+            + (f" in multiples of {config.expert_multiple}" if config.expert_multiple > 1 else "")
+        ),
+    }
+    unit = METHODS.get(config.method).sparsity_unit
+    return what.get(unit, lambda: "every routed expert keeps at least one block of neurons")()
+
+
+def check_target_config(config: PruneConfig) -> int | None:
+    """The target's bytes, or None without one; both a sparsity and a target is refused, and a
+    config with neither says what to give. Before anything runs."""
+    if config.target_size is None:
+        if config.sparsity is None:
+            raise MoePruneError("give a sparsity or a target size", options=("sparsity", *TARGET))
+        return None
+    if config.sparsity is not None:
+        raise MoePruneError(
+            f"give a sparsity ({config.sparsity}) or a target size ({config.target_size}), not both: "
+            "the target size solves the sparsity",
+            options=("sparsity", *TARGET),
+        )
+    return parse_target_size(config.target_size)
