@@ -29,6 +29,7 @@ from moeprune.report.parts import (
     ParameterCounts,
     Part,
     SearchSummary,
+    ServeCheck,
     Serving,
     Surgery,
 )
@@ -77,6 +78,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "criterion_auto": _part(CriterionAuto),
     "search": _part(SearchSummary),
     "disk_bytes": _part(DiskBytes),
+    "serve_check": _part(ServeCheck),
 }
 
 
@@ -130,6 +132,8 @@ class PruneReport:
     format: str | None = None  # "stock" or "moeprune"
     disk_bytes: DiskBytes | None = None
     timing_s: dict[str, float] | None = None
+    # checked afterwards: `moeprune serve-check` (written after the keys above)
+    serve_check: ServeCheck | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @classmethod
