@@ -88,3 +88,27 @@ def test_moeprune_report_leaves_a_no_load_outputs_readme_alone(tmp_path):
     result = CliRunner().invoke(main, ["report", str(tmp_path)])  # nothing else to draw: exit 2
     assert (tmp_path / "README.md").read_text() == "the base model's card\n"
     assert "README.md" not in result.output
+
+
+CHECK = {"verdict": "match", "vllm_version": "0.32.0", "dtype": "float32", "prompt_sources": ["p.jsonl"],
+         "prompts": 8, "new_tokens": 16, "top_k": 5, "tokens_compared": 128, "ties": 0,
+         "max_logprob_difference": 3.1e-06, "logprob_atol": 0.0002, "vllm_tokens_per_s": 1315.1,
+         "reference": "base", "reference_tokens_per_s": 1356.1, "throughput_ratio": 0.97}  # fmt: skip
+
+
+def test_a_serve_check_round_trips_and_is_in_the_card():
+    document = {**HEAD, **FACTS, **TAIL, "serve_check": CHECK}
+    assert json.dumps(PruneReport.from_json(document).to_json()) == json.dumps(document)
+    card = model_card(document, "out")
+    line = next(line for line in card.splitlines() if "serve-check" in line)
+    assert line.startswith("- Served by vLLM as moeprune loads it (`moeprune serve-check`, float32, vLLM 0.32.0)")
+    assert "128 compared, all equal" in line and "within 3.1e-06" in line and "(tolerance 0.0002)" in line
+    assert "0.97x the base model's 1,356.1" in line
+
+
+def test_a_failed_serve_check_says_where_in_the_card():
+    failed = {**CHECK, "verdict": "mismatch", "first_difference": "prompt 2, generated token 5: ...",
+              "first_difference_at": [2, 5], "max_logprob_difference": 0.4}  # fmt: skip
+    card = model_card({**HEAD, **FACTS, **TAIL, "serve_check": failed}, "out")
+    assert "vLLM does NOT serve it as moeprune loads it" in card
+    assert "first difference at prompt 2, generated token 5" in card
