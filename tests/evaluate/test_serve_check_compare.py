@@ -84,7 +84,9 @@ def test_a_logprob_outside_the_tolerance_fails_and_the_earliest_difference_is_na
     assert tally.first is not None and tally.first["kind"] == "logprob"
     assert (tally.first["prompt"], tally.first["position"]) == (1, 0)
     assert tally.max_difference == pytest.approx(3 * ATOL, rel=1e-4)  # moeprune's side is float32
-    assert describe_difference(tally.first, ATOL).startswith("prompt 1, generated token 0: vLLM's logprob of token 2")
+    assert describe_difference(tally.first, ATOL).startswith(
+        "prompt 1, generated token 0: vLLM's logprob of token 2"
+    )
     # a token difference in an earlier prompt comes first
     nudged["tokens"][0][1] = 0
     tally = compare(nudged, PROMPTS, MODEL, ATOL)

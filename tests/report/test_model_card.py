@@ -101,7 +101,9 @@ def test_a_serve_check_round_trips_and_is_in_the_card():
     assert json.dumps(PruneReport.from_json(document).to_json()) == json.dumps(document)
     card = model_card(document, "out")
     line = next(line for line in card.splitlines() if "serve-check" in line)
-    assert line.startswith("- Served by vLLM as moeprune loads it (`moeprune serve-check`, float32, vLLM 0.32.0)")
+    assert line.startswith(
+        "- Served by vLLM as moeprune loads it (`moeprune serve-check`, float32, vLLM 0.32.0)"
+    )
     assert "128 compared, all equal" in line and "within 3.1e-06" in line and "(tolerance 0.0002)" in line
     assert "0.97x the base model's 1,356.1" in line
 

@@ -3,7 +3,7 @@ the first differing prompt and token, where it does not.
 
 The command runs here (.venv) as a user runs it, in a subprocess, with `--vllm-python` pointing at
 .venv-vllm (vLLM's CPU build with moeprune beside it), once per output: four vLLM start-ups in
-all. Tiny OLMoE models as in test_serve_vllm.py: a stock result (drop, timed against its base
+all (and a fifth process that loads two models in vLLM posing as an untested release). Tiny OLMoE models as in test_serve_vllm.py: a stock result (drop, timed against its base
 with --reference), per-layer expert counts (global) and per-expert widths (TENP), both in
 moeprune's format through the plugin.
 
@@ -30,6 +30,7 @@ from moeprune.api import prune_checkpoint
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
+from moeprune.serve.vllm.version import untested_refusal
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
 
@@ -55,7 +56,9 @@ def made(tmp_path_factory) -> dict[str, Path]:
     rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prompts = root / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"text": t}) for t in ("The cat", "x = [i * i for i in", "1 + 2 =")))
+    prompts.write_text(
+        "\n".join(json.dumps({"text": t}) for t in ("The cat", "x = [i * i for i in", "1 + 2 ="))
+    )
     base = root / "base"
     _reference(FAMILY, base, len(tokenizer))
     tokenizer.save_pretrained(base)
@@ -139,7 +142,9 @@ def test_an_altered_checkpoint_fails_naming_the_position(made, vllm_python, stoc
     check = _check(altered)
     prompt, position = check["first_difference_at"]
     first = done.stdout.splitlines()[0]
-    assert first.startswith(f"serve-check {altered}: MISMATCH at prompt {prompt}, generated token {position}: ")
+    assert first.startswith(
+        f"serve-check {altered}: MISMATCH at prompt {prompt}, generated token {position}: "
+    )
     assert check["verdict"] == "mismatch" and check["max_logprob_difference"] > 100 * LOGPROB_ATOL
     assert "does NOT serve it" in (altered / "README.md").read_text()
     assert _check(made["drop"])["verdict"] == "match"  # the same prompts, unaltered
@@ -158,6 +163,47 @@ def test_bad_input_is_one_line_and_exit_2(made, tmp_path):
     for name, (args, needle) in cases.items():
         done = serve_check(*args)
         lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("moeprune: error:"), (name, done.stderr)
+        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("moeprune: error:"), (
+            name,
+            done.stderr,
+        )
         assert needle in lines[0], (name, lines[0])
     assert (made["tenp"] / "report.json").read_text() == before
+
+
+UNTESTED = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm
+vllm.__version__ = "0.33.0"  # what the plugin reads: an untested release, as far as it can tell
+from vllm import LLM
+
+def llm(path):
+    return LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64,
+               kv_cache_memory_bytes=1 << 26, distributed_executor_backend="uni")
+
+if __name__ == "__main__":
+    out = {"stock": llm(sys.argv[1]).llm_engine.model_config.architectures[0]}
+    try:
+        llm(sys.argv[2])
+        out["refused"] = None
+    except Exception as exc:
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def test_an_untested_vllm_refuses_moeprune_models_and_serves_stock_ones(made, vllm_python, tmp_path):
+    """In real vLLM, told it is 0.33.0: the stock result still loads (vLLM loads the plugin in every
+    run), the moeprune-format one is refused with the one sentence, also logged at start-up."""
+    (tmp_path / "untested.py").write_text(UNTESTED)
+    done = subprocess.run([str(vllm_python), str(tmp_path / "untested.py"), str(made["drop"]), str(made["global"])],
+                          capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+    log = "\n".join(
+        line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("RESULT ")
+    )
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    sentence = untested_refusal("0.33.0")
+    assert result["stock"] == "OlmoeForCausalLM"
+    assert result["refused"] is not None and sentence in result["refused"], result["refused"]
+    assert sentence in log  # the warning at start-up, in vLLM's log
