@@ -348,6 +348,7 @@ def test_serving_imports_nothing_heavy_from_moeprune(served):
     allowed = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
                "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading",
                "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
+               "moeprune.serve.vllm.version",
                "moeprune.serve.vllm.models"}  # fmt: skip
     assert set(served["moeprune_modules"]) <= allowed, sorted(set(served["moeprune_modules"]) - allowed)
 

@@ -128,6 +128,7 @@ def _write(doc: dict, output: Path, plots: bool) -> list[Path]:
 @main.command("report")
 @click.argument("folder", type=click.Path())
 def report_command(folder: str) -> None:
-    """(Re)draw plots and Markdown summaries from the JSON files in FOLDER (eval, plan, scores, search)."""
+    """(Re)draw plots and Markdown summaries from the JSON files in FOLDER (eval, plan, scores, search),
+    and a pruned output's model card (README.md) from its report.json."""
     for path in draw_directory(folder):
         click.echo(f"wrote {path}")

@@ -13,8 +13,11 @@ import click
 
 from moeprune.cli.main import main
 from moeprune.report.tables import fill_family_table, fill_tables
+from moeprune.serve.vllm.version import vllm_requirement
 
 _BLOCK = re.compile(r"(<!-- cli -->\n)(.*?)(<!-- /cli -->)", re.S)
+# the tested vLLM range, inline in a sentence: <!-- vllm-range -->`vllm>=0.32,<0.33`<!-- /vllm-range -->
+_RANGE = re.compile(r"(<!-- vllm-range -->)(.*?)(<!-- /vllm-range -->)")
 WIDTH = 100  # the help's line width in the docs (a terminal's varies; the docs' must not)
 
 
@@ -44,7 +47,12 @@ def fill_cli_reference(text: str) -> str:
     return _BLOCK.sub(lambda m: m.group(1) + cli_reference_markdown() + m.group(3), text)
 
 
+def fill_vllm_range(text: str) -> str:
+    """`text` with every inline vllm-range block set to the range the plugin checks."""
+    return _RANGE.sub(lambda m: f"{m.group(1)}`{vllm_requirement()}`{m.group(3)}", text)
+
+
 def fill_generated(text: str) -> str:
     """`text` (README.md or a page of docs/) with every generated block rewritten: the registry
-    tables, the family table and summary, the command-line reference."""
-    return fill_cli_reference(fill_family_table(fill_tables(text)))
+    tables, the family table and summary, the command-line reference, the tested vLLM range."""
+    return fill_vllm_range(fill_cli_reference(fill_family_table(fill_tables(text))))

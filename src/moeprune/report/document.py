@@ -29,6 +29,7 @@ from moeprune.report.parts import (
     ParameterCounts,
     Part,
     SearchSummary,
+    ServeCheck,
     Serving,
     Surgery,
     TargetSize,
@@ -79,6 +80,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "search": _part(SearchSummary),
     "disk_bytes": _part(DiskBytes),
     "target": _part(TargetSize),
+    "serve_check": _part(ServeCheck),
 }
 
 
@@ -133,6 +135,8 @@ class PruneReport:
     disk_bytes: DiskBytes | None = None
     timing_s: dict[str, float] | None = None
     target: TargetSize | None = None  # with a size target: it, the solved sparsity, the bytes written
+    # checked afterwards: `moeprune serve-check` (written after the keys above)
+    serve_check: ServeCheck | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @classmethod

@@ -1,4 +1,5 @@
-"""Evaluation plots (PNG, headless) and `moeprune report DIR`, which redraws everything from JSON.
+"""Evaluation plots (PNG, headless) and `moeprune report DIR`, which redraws everything from JSON
+(a pruned output's model card included).
 
 Why from JSON only: plots are cheap to redraw and easy to restyle, the measurements are not;
 nothing here loads a model. Density and search curves reuse moeprune.plots (the search's own
@@ -15,9 +16,12 @@ from typing import Any
 
 from matplotlib.ticker import MaxNLocator
 
+from moeprune.checkpoint.atomic import write_text
 from moeprune.errors import MoePruneError
 from moeprune.plan import Plan
+from moeprune.report.document import NO_LOAD, PruneReport
 from moeprune.report.eval_report import is_eval_report, markdown_path, to_markdown
+from moeprune.report.model_card import model_card
 from moeprune.report.plots import PathLike, plot_layer_density, plot_search_curve, plt, save_figure
 
 PLAN_FILE = "plan.json"
@@ -185,6 +189,22 @@ def _draw_searches(docs: Mapping[Path, Any]) -> list[Path]:
     ]
 
 
+def _draw_card(folder: Path, docs: Mapping[Path, Any]) -> list[Path]:
+    """README.md (the model card) from a prune's report.json, as the prune drew it. Not for a
+    prune without loading: it writes no card, and its README.md is the base model's, copied."""
+    document = docs.get(folder / "report.json")
+    if not isinstance(document, dict) or not all(k in document for k in _PRUNE_KEYS):
+        return []
+    report = PruneReport.from_json(document)
+    if report.command == NO_LOAD:
+        return []
+    write_text(folder / "README.md", model_card(report, report.output or str(folder)))
+    return [folder / "README.md"]
+
+
+_PRUNE_KEYS = ("criterion", "allocation", "method", "sparsity")
+
+
 def draw_directory(folder: str | Path) -> list[Path]:
     """(Re)draw every plot and Markdown summary the JSON files in `folder` allow; the files written."""
     folder = Path(folder)
@@ -196,7 +216,7 @@ def draw_directory(folder: str | Path) -> list[Path]:
     plans = _plans(folder, docs, reports)
     if plans:
         written.append(plot_plan_density(folder / "density.png", plans))
-    written += _draw_scores(folder, docs) + _draw_searches(docs)
+    written += _draw_scores(folder, docs) + _draw_searches(docs) + _draw_card(folder, docs)
     if not written:
         raise MoePruneError(
             f"nothing to draw in {folder}: expected an eval report (what moeprune eval writes), plan.json, "

@@ -4,15 +4,36 @@ Derived, never edited by hand: `moeprune report OUT` redraws it from the JSON at
 says what the model is (base, criterion, allocation, method, sparsity), what it kept per layer,
 what it costs (parameters and bytes before and after), what was measured, how to load it in
 transformers, moeprune and vLLM, and the exact command that reproduces it.
+
+It opens with the Hub's YAML metadata (`front_matter`), so that a pushed result is found by its
+tags and listed under its base model like other compressed releases:
+
+- `base_model`: the base's Hub id, only when it is known for certain: the input was a model of the
+  Hugging Face cache (moeprune records the snapshot's path, `.../models--ORG--NAME/snapshots/REV`,
+  and the Hub forbids `--` inside ids, so `ORG/NAME` is recovered exactly). A local folder is no
+  Hub id (`models/qwen` looks like one and is not), and config.json's `_name_or_path` records
+  whatever path the base was last loaded from, so both give no `base_model`: a wrong link is
+  worse than none (add it by hand before pushing).
+- no `base_model_relation`: the Hub knows `adapter`, `merge`, `quantized` and `finetune` only;
+  pruning is none of them and the weights are not quantized, so the key is left out rather than
+  chosen falsely (the Hub then files the model under its base's fine-tunes, as it does other
+  pruned releases); the `pruned` tag says what it is.
+- `library_name: transformers`: a stock result loads with `AutoModelForCausalLM`; a
+  moeprune-format one too, with `trust_remote_code=True` (its own modeling files), which the
+  `custom_code` tag tells the Hub.
+- `tags`: `moe`, `pruned`, `moeprune`, then the criterion, allocation and method names.
+- `pipeline_tag: text-generation`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from moeprune.report.document import PruneReport, as_report
-from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, Serving
+from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, ServeCheck, Serving
 
 _UNIT = {"experts": "of the routed experts", "routed-expert parameters": "of the routed-expert parameters"}
 _DASH = "—"
@@ -39,6 +60,47 @@ def _widths(row: LayerShape) -> str:
 
 def _or_dash(value: Any) -> Any:
     return _DASH if value is None else value
+
+
+# `.../models--ORG--NAME/snapshots/REVISION`: the Hugging Face cache's folder of a model
+_HUB_SNAPSHOT = re.compile(r"(?:^|[/\\])models--([^/\\]+)[/\\]snapshots[/\\][^/\\]+[/\\]?$")
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9._/-]*")  # a YAML scalar that needs no quotes
+_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "~"}
+
+
+def hub_id(model: str | None) -> str | None:
+    """The Hub id of the base model when its recorded path is a Hugging Face cache snapshot."""
+    match = _HUB_SNAPSHOT.search(model or "")
+    return match.group(1).replace("--", "/") if match else None
+
+
+def _yaml(value: str) -> str:
+    """A YAML scalar: plain where that reads back as the same string, else double-quoted (JSON's
+    escapes are YAML's)."""
+    if _PLAIN.fullmatch(value) and value.lower() not in _YAML_WORDS:
+        return value
+    return json.dumps(value)
+
+
+def front_matter(report: PruneReport) -> list[str]:
+    """The Hub's metadata block that opens README.md (the module docstring says why each key)."""
+    base = hub_id(report.model)
+    tags = ["moe", "pruned", "moeprune"]
+    for name in (report.criterion, report.allocation, report.method):
+        if name and name not in tags:
+            tags.append(name)
+    if report.format == "moeprune":
+        tags.append("custom_code")
+    return [
+        "---",
+        *([f"base_model: {_yaml(base)}"] if base else []),
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags:",
+        *(f"- {_yaml(tag)}" for tag in tags),
+        "---",
+        "",
+    ]
 
 
 def layer_table(report: PruneReport) -> list[str]:
@@ -90,9 +152,36 @@ def measured(report: PruneReport) -> list[str]:
         lines.append(f"- Criterion chosen automatically by {auto.fitness} of its uniform plan: {shown}.")
     for note in report.unseen_experts or []:
         lines.append(f"- {note}")
+    if report.serve_check:
+        lines.append(serve_check_line(report.serve_check))
     return lines or [
         "- Nothing beyond the sizes above (run `moeprune eval` to measure divergence and acceptance)."
     ]
+
+
+def serve_check_line(check: ServeCheck) -> str:
+    """What `moeprune serve-check` found, as one line of the card's "Measured"."""
+    how = f"`moeprune serve-check`, {check.dtype}, vLLM {check.vllm_version}"
+    speed = f"vLLM generated {check.vllm_tokens_per_s:,.1f} tokens/s" if check.vllm_tokens_per_s else ""
+    if check.throughput_ratio is not None and check.reference_tokens_per_s is not None:
+        speed += (
+            f", {check.throughput_ratio:.2f}x the base model's {check.reference_tokens_per_s:,.1f} "
+            "(same prompts, same vLLM)"
+        )
+    logprobs = (
+        f"top-{check.top_k} logprobs within {check.max_logprob_difference:.2g} of moeprune's "
+        f"(tolerance {check.logprob_atol:g})"
+    )
+    if check.verdict == "match":
+        ties = f", {check.ties} ties within rounding" if check.ties else ""
+        return (
+            f"- Served by vLLM as moeprune loads it ({how}): {check.prompts} prompts x {check.new_tokens} "
+            f"greedy tokens, {check.tokens_compared} compared, all equal{ties}; {logprobs}; {speed}."
+        )
+    return (
+        f"- vLLM does NOT serve it as moeprune loads it ({how}): first difference at {check.first_difference}; "
+        f"largest logprob difference {check.max_logprob_difference:.3g}; {speed}."
+    )
 
 
 def how_to_load(report: PruneReport, name: str) -> list[str]:
@@ -163,6 +252,7 @@ def model_card(report: PruneReport | Mapping, name: str = ".") -> str:
         else ""
     )
     lines = [
+        *front_matter(report),
         f"# {name}: {report.model_type} pruned with moeprune",
         "",
         f"- Base model: `{report.model}` ({report.model_type})",

@@ -202,3 +202,28 @@ class SearchSummary(Part):
     stopped: SearchStop | None = None
     teacher_cache: dict[str, Any] | None = None
     notes: list[str] | None = None
+
+
+@dataclass
+class ServeCheck(Part):
+    """`serve_check`: what `moeprune serve-check` measured (moeprune.evaluate.serve_check): vLLM's
+    greedy tokens and top-k logprobs against `moeprune.load_pretrained`'s on the same prompts,
+    both in float32, and vLLM's generation speed (and the base model's, with a reference)."""
+
+    verdict: str | None = None  # "match" or "mismatch"
+    vllm_version: str | None = None
+    dtype: str | None = None
+    prompt_sources: list[str] | None = None
+    prompts: int | None = None
+    new_tokens: int | None = None  # generated per prompt
+    top_k: int | None = None  # logprobs compared per position
+    tokens_compared: int | None = None
+    ties: int | None = None  # positions where the engines' tokens differ within rounding
+    max_logprob_difference: float | None = None
+    logprob_atol: float | None = None
+    first_difference: str | None = None  # in words: prompt, generated token, what differs
+    first_difference_at: list[int] | None = None  # [prompt, generated token], 0-based
+    vllm_tokens_per_s: float | None = None
+    reference: str | None = None
+    reference_tokens_per_s: float | None = None
+    throughput_ratio: float | None = None  # vllm_tokens_per_s / reference_tokens_per_s

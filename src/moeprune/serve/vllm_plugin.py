@@ -15,6 +15,12 @@ declared in pyproject.toml). It tells vLLM three things:
    speculative drafts, DeepSeek-V3.2/V4 indexers, GLM-5 router dtype) concern features or
    families a moeprune result does not have.
 
+On a vLLM release outside the tested range (serve/vllm/version.py) it registers none of this:
+every `moeprune_<family>` config type refuses with one sentence naming the range, and vLLM's log
+says it once at start-up. It does not raise from `register()`, because vLLM loads every plugin
+in every run: a raise would stop the user's stock models too, which the plugin does not touch.
+`MOEPRUNE_ALLOW_UNTESTED_VLLM=1` registers everything anyway (logged as a warning).
+
 Importing this module costs nothing beyond moeprune's package root and the layout table:
 no torch, no vLLM, none of moeprune's pipeline (tested).
 """
@@ -22,6 +28,8 @@ no torch, no vLLM, none of moeprune's pipeline (tested).
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 
 from moeprune.serve.vllm.layout import (
     ARCHITECTURE_PREFIX,
@@ -30,19 +38,35 @@ from moeprune.serve.vllm.layout import (
     refusal,
     refused_families,
 )
+from moeprune.serve.vllm.version import ALLOW_UNTESTED_ENV, is_tested, untested_refusal
 
 MODELS_MODULE = "moeprune.serve.vllm.models"
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _registered = False
+# a child of vLLM's own logger, so the line appears in vLLM's log with its format
+logger = logging.getLogger("vllm.moeprune_plugin")
 
 
 def register() -> None:
-    """Entry point: register moeprune's architectures, config types and MLA convertors (idempotent)."""
+    """Entry point: register moeprune's architectures, config types and MLA convertors (idempotent);
+    on an untested vLLM, only config types that refuse in one sentence."""
     global _registered
     if _registered:
         return
+    import vllm
     from vllm import ModelRegistry
 
+    version = str(vllm.__version__)
+    if not is_tested(version):
+        if os.environ.get(ALLOW_UNTESTED_ENV, "") in ("", "0"):
+            message = untested_refusal(version)
+            logger.warning(message)
+            _register_refusals(message)
+            _registered = True
+            return
+        logger.warning(
+            "moeprune's vLLM plugin runs on untested vLLM %s because %s is set", version, ALLOW_UNTESTED_ENV
+        )
     for arch in SERVED_FAMILIES.values():
         name = ARCHITECTURE_PREFIX + arch
         ModelRegistry.register_model(name, f"{MODELS_MODULE}:{name}")
@@ -69,11 +93,15 @@ def config_class(family: str) -> type:
     return type(name, (stock,), {"model_type": MODEL_TYPE_PREFIX + family, "__module__": __name__})
 
 
-def _refusing_config(family: str) -> type:
+def _refusing_config(family: str, message: str | None = None) -> type:
+    """A config type `moeprune_<family>` that raises `message` (default: why the family is not
+    served) when vLLM reads such a config.json, before anything is loaded."""
     from transformers import PretrainedConfig
 
+    sentence = message or refusal(family)
+
     def __init__(self, *args, **kwargs):
-        raise ValueError(refusal(family))
+        raise ValueError(sentence)
 
     name = f"MoePruneUnservedConfig_{family}"
     return type(
@@ -91,6 +119,16 @@ def _register_configs() -> None:
         _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = config_class(family)
     for family in refused_families(CONFIG_MAPPING_NAMES):
         _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = _refusing_config(family)
+
+
+def _register_refusals(message: str) -> None:
+    """Every `moeprune_<family>` of the installed transformers refuses with `message`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+
+    for family in CONFIG_MAPPING_NAMES:
+        if not family.startswith(MODEL_TYPE_PREFIX):
+            _CONFIG_REGISTRY[MODEL_TYPE_PREFIX + family] = _refusing_config(family, message)
 
 
 def _register_mla() -> None:
