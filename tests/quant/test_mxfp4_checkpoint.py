@@ -143,7 +143,9 @@ def test_uniform_drop_keeps_mxfp4_from_the_input_bytes(checkpoints, tmp_path):
     except (ImportError, AttributeError, ValueError):  # no CPU MXFP4 path in this transformers
         return
     assert stock.config.num_local_experts == 6
-    assert torch.equal(logits(stock), logits(ours))
+    theirs = stock.state_dict()  # the weights: transformers 5.16's MXFP4 forward rounds through bf16
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(theirs[name].float(), tensor), name
 
 
 @pytest.mark.parametrize(

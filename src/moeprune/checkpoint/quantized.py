@@ -29,6 +29,16 @@ from safetensors import safe_open
 from moeprune.checkpoint.files import StoredTensor, stored_tensors
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
+from moeprune.quant.compressed import (
+    PACKED,
+    SCALE,
+    SHAPE,
+    ZERO,
+    CompressedFormat,
+    dequantize_float,
+    dequantize_packed,
+    read_compressed_config,
+)
 from moeprune.quant.fp8 import SCALE_SUFFIX, Fp8Format, dequantize_blocks, read_fp8_config, scale_shape
 from moeprune.quant.mxfp4 import (
     BLOCKS_SUFFIX,
@@ -39,8 +49,8 @@ from moeprune.quant.mxfp4 import (
     read_mxfp4_config,
 )
 
-QuantFormat = Fp8Format | Mxfp4Format
-SUPPORTED_QUANTIZATION = ("fp8", "mxfp4")  # quant_method values moeprune reads
+QuantFormat = Fp8Format | Mxfp4Format | CompressedFormat
+SUPPORTED_QUANTIZATION = ("fp8", "mxfp4", "compressed-tensors")  # quant_method values moeprune reads
 FP8_WEIGHT = "F8_E4M3"  # the safetensors dtype of an fp8 weight
 _SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0", "U8")  # float scales, or ue8m0 exponent bytes
 
@@ -56,9 +66,9 @@ def quantization_format(path: str | Path) -> QuantFormat | None:
     if str(method).lower() not in SUPPORTED_QUANTIZATION:
         raise MoePruneError(
             f"{Path(path) / 'config.json'}: quantization_config has quant_method {method!r}; moeprune reads "
-            f"{' and '.join(SUPPORTED_QUANTIZATION)} checkpoints only: dequantize it to bf16 first"
+            f"{', '.join(SUPPORTED_QUANTIZATION)} checkpoints only: dequantize it to bf16 first"
         )
-    return read_mxfp4_config(data) or read_fp8_config(data)
+    return read_mxfp4_config(data) or read_compressed_config(data) or read_fp8_config(data)
 
 
 def fp8_scales(path: Path, tensors: dict[str, StoredTensor], fp8: Fp8Format | None) -> dict[str, str]:
@@ -125,15 +135,71 @@ def mxfp4_pairs(path: Path, tensors: dict[str, StoredTensor]) -> dict[str, tuple
     return pairs
 
 
+def compressed_pairs(
+    path: Path, tensors: dict[str, StoredTensor], fmt: CompressedFormat
+) -> dict[str, tuple[str, ...]]:
+    """Model key `<m>.weight` -> the stored keys it is decoded from, for compressed-tensors:
+    `weight_packed`, `weight_scale`, `weight_shape` (and `weight_zero_point`) of pack-quantized
+    modules, the fp8 `weight` and its `weight_scale` of float-quantized ones; each checked."""
+    pairs: dict[str, tuple[str, ...]] = {}
+    for key, stored in tensors.items():
+        module, _, name = key.rpartition(".")
+        if name == PACKED:
+            needed = [f"{module}.{n}" for n in (PACKED, SCALE, SHAPE)]
+            zero = f"{module}.{ZERO}"
+            if not fmt.scheme_of(module).symmetric:
+                needed.append(zero)
+        elif name == "weight" and stored.dtype.startswith("F8_"):
+            needed = [key, f"{module}.{SCALE}"]
+        else:
+            continue
+        missing = [k for k in needed if k not in tensors]
+        if missing:
+            raise MoePruneError(
+                f"checkpoint {path}: compressed-tensors weight of {module!r} has no {missing[0]!r}"
+            )
+        if name == PACKED and stored.dtype != "I32":
+            raise MoePruneError(
+                f"checkpoint {path}: {key!r} is {stored.dtype}; compressed-tensors packs into int32"
+            )
+        pairs[f"{module}.weight"] = tuple(needed)
+    return pairs
+
+
+def coded_pairs(
+    path: Path, tensors: dict[str, StoredTensor], fmt: QuantFormat | None
+) -> dict[str, tuple[str, ...]]:
+    """Model key -> its stored keys (the codes first) for formats whose codes are not the
+    weight's own key and dtype (mxfp4, compressed-tensors); fp8 pairs are `fp8_scales`."""
+    if isinstance(fmt, Mxfp4Format):
+        return dict(mxfp4_pairs(path, tensors))
+    if isinstance(fmt, CompressedFormat):
+        return compressed_pairs(path, tensors, fmt)
+    return {}
+
+
+def logical_shape(fmt: QuantFormat | None, codes: str, stored: StoredTensor) -> tuple[int, ...]:
+    """The shape of the parameter stored codes stand for, from the header alone: mxfp4's blocks
+    [..., rows, groups, 16] hold the transposed [..., groups * 32, rows]; pack-quantized int32
+    words [out, w] hold [out, w * 32 / bits] (exact for the multiples of 32 / bits models use)."""
+    if isinstance(fmt, Mxfp4Format) and codes.endswith(BLOCKS_SUFFIX):
+        *lead, rows, groups, _ = stored.shape
+        return (*lead, groups * GROUP, rows)
+    if isinstance(fmt, CompressedFormat) and codes.endswith(PACKED):
+        bits = fmt.scheme_of(codes.rpartition(".")[0]).num_bits
+        return (*stored.shape[:-1], stored.shape[-1] * 32 // bits)
+    return stored.shape
+
+
 class _Dequantized:
-    """A quantized weight (codes and scales), dequantized to float32 when the loader reads it
+    """A quantized weight (its stored tensors), dequantized to float32 when the loader reads it
     (`x[...]`, what transformers' loader does with a safetensors slice): one tensor at a time."""
 
-    def __init__(self, codes: Any, scales: Any, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        self.codes, self.scales, self.decode = codes, scales, decode
+    def __init__(self, parts: tuple[Any, ...], decode: Callable[..., torch.Tensor]):
+        self.parts, self.decode = parts, decode
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        full = self.decode(self.codes[...], self.scales[...])
+        full = self.decode(*(part[...] for part in self.parts))
         return full if index is Ellipsis else full[index]
 
 
@@ -142,23 +208,23 @@ class QuantizedSources:
     """The tensors of one checkpoint folder as full-precision sources for transformers' loader.
 
     `fmt` is the format (None: not quantized, every tensor is read as stored); `pairs` maps each
-    quantized weight's model key to its (codes, scales) stored keys, checked against the format
-    (fp8: the weight's own key and its `weight_scale_inv`; mxfp4: `_blocks` and `_scales`).
+    quantized weight's model key to the stored keys it is decoded from, checked against the
+    format (fp8: the weight and its `weight_scale_inv`; mxfp4: `_blocks` and `_scales`;
+    compressed-tensors: see `compressed_pairs`). The first stored key holds the codes.
     """
 
     path: Path
     tensors: dict[str, StoredTensor]
     fmt: QuantFormat | None
-    pairs: dict[str, tuple[str, str]]
+    pairs: dict[str, tuple[str, ...]]
 
     @classmethod
     def of(cls, path: str | Path) -> QuantizedSources:
         path = Path(path)
         fmt = quantization_format(path)
         tensors = stored_tensors(path)
-        if isinstance(fmt, Mxfp4Format):
-            pairs = mxfp4_pairs(path, tensors)
-        else:
+        pairs = coded_pairs(path, tensors, fmt)
+        if fmt is None or isinstance(fmt, Fp8Format):  # fp8 weights keep their own key and dtype
             pairs = {w: (w, s) for w, s in fp8_scales(path, tensors, fmt).items()}
         return cls(path, tensors, fmt, pairs)
 
@@ -166,12 +232,20 @@ class QuantizedSources:
         """Every key that loads into the model -> the shard holding it (a quantized weight's: its codes')."""
         coded = {k for pair in self.pairs.values() for k in pair}
         keys = {k: t.file for k, t in self.tensors.items() if k not in coded}
-        keys.update({key: self.tensors[codes].file for key, (codes, _) in self.pairs.items()})
+        keys.update({key: self.tensors[stored[0]].file for key, stored in self.pairs.items()})
         return keys
 
-    def _decode(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        if isinstance(self.fmt, Fp8Format):
-            return partial(dequantize_blocks, block=self.fmt.block)
+    def _decode(self, key: str) -> Callable[..., torch.Tensor]:
+        fmt = self.fmt
+        if isinstance(fmt, Fp8Format):
+            return partial(dequantize_blocks, block=fmt.block)
+        if isinstance(fmt, CompressedFormat):
+            module = key.rpartition(".")[0]
+            scheme = fmt.scheme_of(module)
+            if scheme.format == "float-quantized":
+                return partial(dequantize_float, scheme=scheme)
+            names = (PACKED, SCALE, SHAPE, ZERO)
+            return lambda *parts: dequantize_packed(dict(zip(names, parts)), scheme)
         return dequantize_mxfp4
 
     def sources(self, keys: list[str], stack: ExitStack) -> dict[str, Any]:
@@ -187,11 +261,9 @@ class QuantizedSources:
 
         out: dict[str, Any] = {}
         for key in keys:
-            pair = self.pairs.get(key)
+            stored = self.pairs.get(key)
             out[key] = (
-                sliced(key)
-                if pair is None
-                else _Dequantized(sliced(pair[0]), sliced(pair[1]), self._decode())
+                sliced(key) if stored is None else _Dequantized(tuple(map(sliced, stored)), self._decode(key))
             )
         return out
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.errors import MoePruneError
+from moeprune.quant.compressed import read_compressed_config
 from moeprune.quant.fp8 import read_fp8_config
 
 KEEP_FP8_ROUTE = (
@@ -38,6 +39,10 @@ def quantization_of(config: dict[str, Any]) -> str | None:
         fmt = read_fp8_config(config)  # a malformed fp8 config is refused there, in one line
         if fmt is not None:
             return f"fp8, {fmt.block[0]}x{fmt.block[1]} blocks"
+    if method == "compressed-tensors":
+        compressed = read_compressed_config(config)  # a format moeprune does not decode: refused there
+        if compressed is not None:
+            return compressed.saved_as
     return str(method)
 
 

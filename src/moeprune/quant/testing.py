@@ -24,7 +24,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moeprune.errors import MoePruneError
+from moeprune.quant.compressed import (
+    PACKED,
+    SCALE,
+    SHAPE,
+    ZERO,
+    dequantize_float,
+    dequantize_packed,
+    quantize_int,
+    read_compressed_config,
+)
 from moeprune.quant.fp8 import (
+    FP8_MAX,
     SCALE_SUFFIX,
     dequantize_blocks,
     fp8_quantization_config,
@@ -197,13 +208,135 @@ def save_mxfp4_checkpoint(
     return path
 
 
+def compressed_quantization_config(scheme: str, group_size: int, ignore: Sequence[str]) -> dict[str, Any]:
+    """The `quantization_config` compressed-tensors writes for W4A16 (`scheme="w4a16"`: 4-bit
+    symmetric integers per group, pack-quantized) or FP8 weights per channel (`"fp8"`,
+    float-quantized, dynamic per-token activations)."""
+    if scheme == "w4a16":
+        fmt = "pack-quantized"
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": group_size,
+        }
+        activations = None
+    elif scheme == "fp8":
+        fmt = "float-quantized"
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+        activations = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": "token",
+            "dynamic": True,
+        }
+    else:
+        raise MoePruneError(f"unknown compressed-tensors test scheme {scheme!r}: w4a16 or fp8")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**weights, "dynamic": False, "observer": "minmax"},
+                "input_activations": activations,
+                "output_activations": None,
+            }
+        },
+        "ignore": list(ignore),
+    }
+
+
+def _compressed(tensor: torch.Tensor, scheme: str, group_size: int) -> dict[str, torch.Tensor]:
+    if scheme == "w4a16":
+        return quantize_int(tensor, 4, group_size)
+    w = tensor.detach().to(torch.float32)
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    fp8 = (w / scale.to(torch.float32)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"weight": fp8, SCALE: scale}
+
+
+def save_compressed_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    scheme: str = "w4a16",
+    group_size: int = 32,
+    tokenizer: Any = None,
+) -> Path:
+    """Write `model` to `path` as compressed-tensors writes it (`scheme`: "w4a16" or "fp8", see
+    `compressed_quantization_config`): every eligible Linear and per-expert weight (`_eligible`,
+    skipping the head, embeddings and routers) replaced by its compressed tensors under
+    `<module>.weight_*`, the rest as saved. Returns `path`."""
+    path = Path(path)
+    linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    with tempfile.TemporaryDirectory() as tmp:
+        stock = Path(tmp)
+        model.save_pretrained(stock)  # type: ignore[operator]  # a transformers model
+        path.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total_size = quantized = 0
+        for file in sorted(stock.glob("*.safetensors")):
+            tensors, metadata = _read(file)
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in tensors.items():
+                if _eligible(name, tensor, linear, DEFAULT_SKIP):
+                    module = name.removesuffix(".weight")
+                    out.update(
+                        {f"{module}.{k}": v for k, v in _compressed(tensor, scheme, group_size).items()}
+                    )
+                    quantized += 1
+                else:
+                    out[name] = tensor
+            save_file(out, str(path / file.name), metadata=metadata)
+            weight_map.update(dict.fromkeys(out, file.name))
+            total_size += _nbytes(out)
+        if not quantized:
+            raise MoePruneError(
+                f"no weight of this {type(model).__name__} is eligible for compressed-tensors"
+            )
+        for file in stock.iterdir():
+            if file.suffix != ".safetensors":
+                shutil.copy2(file, path / file.name)
+        config = json.loads((path / "config.json").read_text())
+        ignore = ["lm_head", *(f"re:.*{s}$" for s in DEFAULT_SKIP if s != "lm_head")]
+        config["quantization_config"] = compressed_quantization_config(scheme, group_size, ignore)
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _rewrite_index(path, weight_map, total_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
 def _dequantized(
     tensors: dict[str, torch.Tensor], config: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """One shard's tensors with every quantized weight dequantized to `dtype` under its model name."""
-    fp8, mxfp4 = read_fp8_config(config), read_mxfp4_config(config)
+    fp8, mxfp4, compressed = (
+        read_fp8_config(config),
+        read_mxfp4_config(config),
+        read_compressed_config(config),
+    )
     out = {}
     for name, tensor in tensors.items():
+        module, _, last = name.rpartition(".")
+        if compressed is not None and last in (PACKED, SCALE, SHAPE, ZERO, "weight"):
+            if last == PACKED:
+                parts = {
+                    k: tensors[f"{module}.{k}"]
+                    for k in (PACKED, SCALE, SHAPE, ZERO)
+                    if f"{module}.{k}" in tensors
+                }
+                out[f"{module}.weight"] = dequantize_packed(parts, compressed.scheme_of(module)).to(dtype)
+            elif last == "weight" and tensor.dtype == torch.float8_e4m3fn:
+                scheme = compressed.scheme_of(module)
+                out[name] = dequantize_float(tensor, tensors[f"{module}.{SCALE}"], scheme).to(dtype)
+            elif last == "weight":
+                out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            continue
         if name.endswith((SCALE_SUFFIX, SCALES_SUFFIX)) and (fp8 or mxfp4):
             continue
         if fp8 is not None and tensor.dtype == torch.float8_e4m3fn:
@@ -226,8 +359,12 @@ def save_dequantized_checkpoint(
     in-memory fusing)."""
     source, path = Path(source), Path(path)
     config = json.loads((source / "config.json").read_text())
-    if read_fp8_config(config) is None and read_mxfp4_config(config) is None:
-        raise MoePruneError(f"{source} has no fp8 or mxfp4 quantization_config")
+    if (
+        read_fp8_config(config) is None
+        and read_mxfp4_config(config) is None
+        and read_compressed_config(config) is None
+    ):
+        raise MoePruneError(f"{source} has no fp8, mxfp4 or compressed-tensors quantization_config")
     path.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total_size = 0

@@ -41,14 +41,15 @@ from moeprune.checkpoint import (
     load_config,
 )
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, shard_names
-from moeprune.checkpoint.quantized import fp8_scales, mxfp4_pairs, quantization_format
+from moeprune.checkpoint.quantized import coded_pairs, fp8_scales, logical_shape, quantization_format
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
 from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
 from moeprune.quant.fp8 import Fp8Format
-from moeprune.quant.mxfp4 import Mxfp4Format, stored_shapes
+from moeprune.quant.support import quantization_of
 
 
 # --------------------------------------------------------------------------- checkpoint naming
@@ -161,12 +162,14 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     return MoEModel(model)
 
 
-def refuse_mxfp4_reading(layout: CheckpointLayout) -> None:
-    """Streamed scores read expert bytes as floats (or fp8 blocks); mxfp4 codes are refused in one
-    line naming the paths that read them (they load, or observe layer by layer, and dequantize)."""
-    if layout.mxfp4:
+def refuse_coded_reading(layout: CheckpointLayout) -> None:
+    """Streamed scores read expert bytes as floats (or fp8 blocks); mxfp4 and compressed-tensors
+    codes are refused in one line naming the paths that read them (they load, or observe layer by
+    layer, and dequantize)."""
+    if layout.companions:
+        described = quantization_of(read_config_dict(layout.path))
         raise MoePruneError(
-            f"{layout.path} is quantized (mxfp4); streamed scores read fp8 or full-precision weights only: "
+            f"{layout.path} is quantized ({described}); streamed scores read fp8 or full-precision weights only: "
             "score it loaded or layer by layer (a calibration criterion, or without --streaming)",
             options=("streaming",),
         )
@@ -203,12 +206,15 @@ class CheckpointLayout:
         for name in files:
             tensors, self.file_metadata[name] = read_header(self.path / name)
             self.tensors.update(tensors)
-        self.scales = fp8_scales(self.path, self.tensors, self.fp8)
-        # mxfp4 (gpt-oss): model key -> (`_blocks`, `_scales`); the codes stand for the parameter
-        pairs = mxfp4_pairs(self.path, self.tensors) if isinstance(fmt, Mxfp4Format) else {}
-        self.mxfp4 = {codes: scales for codes, scales in pairs.values()}  # codes key -> scales key
-        self.coded = {codes: base for base, (codes, _) in pairs.items()}  # codes key -> model key
-        scale_keys = set(self.scales.values()) | set(self.mxfp4.values())
+        plain_or_fp8 = fmt is None or isinstance(fmt, Fp8Format)  # other formats pair their own tensors
+        self.scales = fp8_scales(self.path, self.tensors, self.fp8) if plain_or_fp8 else {}
+        # mxfp4 and compressed-tensors: the codes stand for the parameter, their companions (scales,
+        # shapes, zero points) travel with them and are never addresses of their own
+        pairs = coded_pairs(self.path, self.tensors, fmt)
+        self.companions = {stored[0]: stored[1:] for stored in pairs.values()}  # codes key -> the others
+        self.coded = {stored[0]: base for base, stored in pairs.items()}  # codes key -> model key
+        self.shapes = {codes: logical_shape(fmt, codes, self.tensors[codes]) for codes in self.coded}
+        scale_keys = set(self.scales.values()) | {k for others in self.companions.values() for k in others}
         self.naming = Naming(self.moe.model)
         self.addresses = {
             key: self.naming.address(self.coded.get(key, key))
@@ -264,16 +270,8 @@ class CheckpointLayout:
         return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8)
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
-        if param.fused is not None and param.fused in self.mxfp4:  # codes: compared as mxfp4 stores the shape
-            got = self.tensors[param.fused].shape
-            if tuple(got) != stored_shapes(param.shape)[0]:
-                raise MoePruneError(
-                    f"checkpoint {self.path}: {param.fused} is {list(got)}, mxfp4 codes of {param.internal} "
-                    f"{list(param.shape)} are {list(stored_shapes(param.shape)[0])}; is config.json the one of these weights?"
-                )
-            return
         if param.fused is not None:
-            got = self.tensors[param.fused].shape
+            got = self.shape_of(param.fused)
         elif sorted(param.parts) == list(range(n)):
             got = (n, *self.expert_shape(param, 0))
             if any(self.expert_shape(param, e) != got[1:] for e in range(n)):
@@ -289,9 +287,13 @@ class CheckpointLayout:
                 f"{list(param.shape)}; is config.json the one of these weights?"
             )
 
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The shape of the parameter a stored tensor holds (quantized codes: what they decode to)."""
+        return self.shapes.get(key, self.tensors[key].shape)
+
     def expert_shape(self, param: ExpertParam, expert: int) -> tuple[int, ...]:
         """Shape of one expert's slice of `param`, once its parts are concatenated."""
-        shapes = [self.tensors[k].shape for k in param.keys(expert)]
+        shapes = [self.shape_of(k) for k in param.keys(expert)]
         d = param.cat_dim
         return (*shapes[0][:d], sum(s[d] for s in shapes), *shapes[0][d + 1 :])
 

@@ -17,7 +17,7 @@ from moeprune.checkpoint.files import StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer
 from moeprune.quant.fp8 import dequantize_blocks
-from moeprune.shards.layout import CheckpointLayout, LayerLayout, refuse_mxfp4_reading
+from moeprune.shards.layout import CheckpointLayout, LayerLayout, refuse_coded_reading
 
 SUMMED = ("gate_up_proj", "up_proj", "down_proj")  # the expert parameters gate, up and down come from
 
@@ -168,6 +168,6 @@ class SafetensorsExperts:
 def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:
     """One lazy expert-weight source per MoE layer of a checkpoint folder (weights stay on disk)."""
     layout = CheckpointLayout(path)
-    refuse_mxfp4_reading(layout)
+    refuse_coded_reading(layout)
     shards = ShardReader(layout.path, layout.tensors)
     return [SafetensorsExperts(lay, shards) for lay in layout.layers]

@@ -113,17 +113,24 @@ def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str
         elif addr.expert is None:
             written = [_sliced(key, stored, dim, kept[layer])]
         elif addr.expert in kept[layer]:
-            written = [whole_tensor(layout.naming.renumber(key, kept[layer].index(addr.expert)), stored)]
+            model_key = layout.coded.get(key, key)  # codes are renumbered as the weight they stand for
+            renamed = layout.naming.renumber(model_key, kept[layer].index(addr.expert))
+            written = [whole_tensor(_renamed(model_key, key, renamed), stored)]
         else:
             continue
         out[stored.file] += written
-        if key in layout.mxfp4:  # mxfp4 scales: the codes' expert rows (dim 0), under the same name
-            scales = layout.tensors[layout.mxfp4[key]]
-            cut = layer in kept and addr.expert is None
-            out[scales.file].append(
-                _sliced(layout.mxfp4[key], scales, dim, kept[layer])
+        cut = layer in kept and addr.expert is None
+        for companion in layout.companions.get(key, ()):  # mxfp4 / compressed-tensors scales, shapes...
+            moved = _renamed(key, companion, written[0].key)
+            stored_companion = layout.tensors[companion]
+            if cut and stored_companion.shape[: dim + 1] != stored.shape[: dim + 1]:
+                raise MoePruneError(
+                    f"cannot cut expert rows of {companion!r}: it is not laid out by expert like {key!r}"
+                )
+            out[stored_companion.file].append(
+                _sliced(moved, stored_companion, dim, kept[layer])
                 if cut
-                else whole_tensor(layout.mxfp4[key], scales)
+                else whole_tensor(moved, stored_companion)
             )
         if key in layout.scales:
             scale = layout.scales[key]
@@ -138,6 +145,13 @@ def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str
                 scaled = whole_tensor(new_scale, layout.tensors[scale])
             out[layout.tensors[scale].file].append(scaled)
     return out
+
+
+def _renamed(old: str, other: str, new: str) -> str:
+    """The name `other` (a tensor of `old`'s module: codes, scales, shapes, zero points) takes
+    when `old` is renumbered to `new`: the same suffix under `new`'s module."""
+    old_module, new_module = old.rpartition(".")[0], new.rpartition(".")[0]
+    return new_module + other[len(old_module) :]
 
 
 def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, length: int) -> None:

@@ -106,7 +106,7 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
         keys = [k for p in lay.experts.values() for k in ([p.fused] if p.fused else [])]
         keys += [k for p in lay.experts.values() for e in p.parts for k in p.keys(e)]
         scales = [s for p in lay.experts.values() for s in p.scales.values()]
-        scales += [layout.mxfp4[k] for k in keys if k in layout.mxfp4]  # mxfp4 codes' exponents
+        scales += [c for k in keys for c in layout.companions.get(k, ())]  # mxfp4 / compressed-tensors
         routed = sum(_nbytes(tensors[k]) for k in keys + scales)
         router = sum(_nbytes(tensors[key]) for key, _ in lay.router.values())
         per_expert = routed // lay.num_experts
@@ -125,7 +125,7 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
                 shared_per_neuron=shared_per_neuron * item,
             )
         )
-    quantized = layout.fp8 is not None or bool(layout.mxfp4)
+    quantized = layout.fp8 is not None or bool(layout.companions)
     return WeightBytes(stored_format(layout.path), total, tuple(layers), linear_neurons=not quantized)
 
 

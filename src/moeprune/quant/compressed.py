@@ -1,0 +1,195 @@
+"""compressed-tensors checkpoints (Kimi-K2, most published W4A16 and FP8 releases), read with torch
+alone from the format's own definition, for the two formats MoE releases use:
+
+- `pack-quantized` (integer weights of 4 or 8 bits, e.g. W4A16): each quantized Linear `<m>`
+  stores `<m>.weight_packed` int32 (the values offset by 2^(bits-1) to unsigned, packed densely
+  from the lowest bits: value i at bit i*bits of its row), `<m>.weight_scale` [out, in/group]
+  (or [out, 1] per channel), `<m>.weight_shape` [out, in], and for asymmetric schemes
+  `<m>.weight_zero_point` packed the same way along the output dimension. The weight is
+  `(q - zero_point) * scale` per group of `group_size` inputs.
+- `float-quantized` (FP8 weights): `<m>.weight` float8_e4m3fn beside `<m>.weight_scale`, one per
+  tensor, per output channel or per block (`block_structure`); the weight is `fp8 * scale`.
+
+Which modules are quantized and how is `quantization_config.config_groups` (each with `targets`:
+module class names such as "Linear", or "re:" regular expressions on module names) minus
+`ignore`. On disk the class is unknown, but every quantized tensor carries its suffix, so a module
+is read as the group whose targets name it, or, with one group (the common case), as that group.
+The products are computed in float32: exact for 4- and 8-bit integers times a bf16 or fp32 scale.
+compressed-tensors itself is not needed to read (it is the oracle of tests/quant); formats
+moeprune does not decode (nvfp4, mxfp4-pack, sparse ones) are refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moeprune.errors import MoePruneError
+
+READ_FORMATS = ("pack-quantized", "float-quantized")
+PACKED, SCALE, SHAPE, ZERO = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one group of modules stores its weights."""
+
+    format: str
+    num_bits: int
+    type: str  # "int" or "float"
+    symmetric: bool = True
+    strategy: str = "group"  # "tensor", "channel", "group" or "block"
+    group_size: int | None = None
+    block_structure: tuple[int, int] | None = None
+    targets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompressedFormat:
+    """A compressed-tensors `quantization_config` as moeprune needs it (`raw`: as config.json has it)."""
+
+    schemes: tuple[WeightScheme, ...]
+    ignore: tuple[str, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def saved_as(self) -> str:
+        """How reports name weights kept in this format ("compressed-tensors pack-quantized int4 ...")."""
+        kinds = sorted({f"{s.format} {s.type}{s.num_bits}" for s in self.schemes})
+        return f"compressed-tensors ({', '.join(kinds)})"
+
+    def scheme_of(self, module: str) -> WeightScheme:
+        """The scheme a stored module was quantized with (see the module docstring)."""
+        named = [s for s in self.schemes if any(_matches(t, module) for t in s.targets)]
+        if len(named) == 1 or (not named and len(self.schemes) == 1):
+            return (named or list(self.schemes))[0]
+        raise MoePruneError(
+            f"compressed-tensors: cannot tell which of {len(self.schemes)} config groups quantized {module!r} "
+            "from its name; moeprune reads checkpoints whose groups name their modules by regex, or have one group"
+        )
+
+
+def _matches(target: str, module: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def read_compressed_config(config_dict: dict[str, Any]) -> CompressedFormat | None:
+    """The compressed-tensors format of a checkpoint (None: another method or none), refused in
+    one line when it uses a format moeprune does not decode."""
+    quant = config_dict.get("quantization_config")
+    if not isinstance(quant, dict) or str(quant.get("quant_method", "")).lower() != "compressed-tensors":
+        return None
+    default = quant.get("format", "dense")
+    schemes = []
+    for name, group in (quant.get("config_groups") or {}).items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not weights:
+            continue
+        fmt = group.get("format") or default
+        if fmt not in READ_FORMATS:
+            raise MoePruneError(
+                f"this compressed-tensors checkpoint stores group {name!r} as {fmt!r}; moeprune reads "
+                f"{' and '.join(READ_FORMATS)} weights: dequantize it to bf16 first"
+            )
+        block = weights.get("block_structure")
+        schemes.append(
+            WeightScheme(
+                format=fmt,
+                num_bits=int(weights.get("num_bits", 8)),
+                type=str(weights.get("type", "int")),
+                symmetric=bool(weights.get("symmetric", True)),
+                strategy=str(weights.get("strategy", "tensor")),
+                group_size=weights.get("group_size"),
+                block_structure=tuple(block) if block else None,
+                targets=tuple(group.get("targets") or ()),
+            )
+        )
+    if not schemes:
+        raise MoePruneError("this compressed-tensors checkpoint has no config group with quantized weights")
+    return CompressedFormat(tuple(schemes), tuple(quant.get("ignore") or ()), dict(quant))
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
+    """The `count` signed integers of each row of `packed` (int32, dense packing from bit 0)."""
+    if packed.dtype != torch.int32:
+        raise MoePruneError(f"compressed-tensors packs into int32, got {packed.dtype}")
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # the unsigned bits
+    start = torch.arange(count) * num_bits
+    word, offset = start // 32, start % 32
+    bits = (words[..., word] >> offset) & ((1 << num_bits) - 1)
+    spill = offset + num_bits - 32  # a value split across two words (3, 5, 6, 7 bits)
+    if bool((spill > 0).any()):
+        high = (words[..., (word + 1).clamp(max=words.shape[-1] - 1)] << (num_bits - spill).clamp(min=0)) & (
+            (1 << num_bits) - 1
+        )
+        bits = torch.where(spill > 0, bits | high, bits)
+    return bits - (1 << (num_bits - 1))
+
+
+def dequantize_packed(tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
+    """The float32 weight [out, in] of one pack-quantized module from its stored tensors."""
+    shape = tuple(int(s) for s in tensors[SHAPE].tolist())
+    out, cols = shape
+    q = unpack_int32(tensors[PACKED], scheme.num_bits, cols).to(torch.float32)
+    scale = tensors[SCALE].to(torch.float32)
+    if scale.dim() == 1:
+        scale = scale[:, None]
+    zero = tensors.get(ZERO)
+    if zero is not None and not scheme.symmetric:  # packed along the output dimension
+        zero = unpack_int32(zero.transpose(0, 1).contiguous(), scheme.num_bits, out).transpose(0, 1)
+        q = q - zero.to(torch.float32).repeat_interleave(cols // zero.shape[-1], dim=-1)[..., :cols]
+    groups = scale.shape[-1]
+    size = -(-cols // groups)  # group_size; one column for a channel scale
+    return q * scale.repeat_interleave(size, dim=-1)[..., :cols]
+
+
+def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """The float32 weight of one float-quantized (fp8) module: `fp8 * scale`, the scale per
+    tensor, per output channel, per group or per block."""
+    w = weight.to(torch.float32)
+    scale = scale.to(torch.float32)
+    rows, cols = w.shape
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if scheme.strategy == "block" and scheme.block_structure:
+        b0, b1 = scheme.block_structure
+        full = scale.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+        return w * full
+    if scale.dim() == 1:
+        scale = scale[:, None]
+    return w * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
+
+
+def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Signed integers [rows, n] packed as compressed-tensors packs them (for writing test
+    checkpoints): offset to unsigned, value i at bit i*bits of its row's int32 words."""
+    rows, count = values.shape
+    unsigned = (values.to(torch.int64) + (1 << (num_bits - 1))) & ((1 << num_bits) - 1)
+    words = torch.zeros(rows, -(-count * num_bits // 32), dtype=torch.int64)
+    for i in range(count):
+        start = i * num_bits
+        words[:, start // 32] |= unsigned[:, i] << (start % 32)
+        if start % 32 + num_bits > 32:
+            words[:, start // 32 + 1] |= unsigned[:, i] >> (32 - start % 32)
+    words &= 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_int(w: torch.Tensor, num_bits: int, group_size: int) -> dict[str, torch.Tensor]:
+    """A float weight [out, in] as symmetric pack-quantized tensors (for tests): per group of
+    `group_size` inputs, `scale = amax / (2^(bits-1) - 1)` (1 for an all-zero group) in bf16, the
+    values rounded to the nearest integer and clamped to the signed range."""
+    out, cols = w.shape
+    if cols % group_size:
+        raise MoePruneError(f"{cols} inputs do not split into groups of {group_size}")
+    grouped = w.detach().to(torch.float32).reshape(out, cols // group_size, group_size)
+    top = (1 << (num_bits - 1)) - 1
+    scale = (grouped.abs().amax(dim=-1) / top).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(grouped / scale.to(torch.float32)[..., None]).clamp(-top - 1, top).reshape(out, cols)
+    return {PACKED: pack_int32(q, num_bits), SCALE: scale, SHAPE: torch.tensor([out, cols])}
