@@ -85,7 +85,7 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation, search_state_path
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.shards.rewrite import rewrite_checkpoint, rewrite_supports, stock_counts
+from moeprune.shards.rewrite import rewrite_checkpoint, rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
 from moeprune.surgery.drop import check_not_packed
@@ -97,17 +97,11 @@ from moeprune.surgery.parameters import (
     routed_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
-from moeprune.surgery.registry import default_allocation
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
 
 RECIPE = "recipe.json"
-KEPT_COUNTS = (
-    "to keep the input's quantization (written from its bytes)",
-    "or save dequantized weights with --save-dtype bf16",
-    ("sparsity", "save_dtype"),
-)
 
 
 # ----------------------------------------------------------------------------- the one verb
@@ -352,9 +346,8 @@ def plan_sizes(
     else:
         size = cast_weight_bytes(model_path, meta, save_dtype)
     solution = None
-    if config.target_size is not None:  # as stored: the rewrite writes one count in every layer
-        target = parse_target_size(config.target_size)
-        solution = solve_target(meta, config, size, target, stock=save_dtype is None)
+    if config.target_size is not None:
+        solution = solve_target(meta, config, size, parse_target_size(config.target_size))
         config = replace(config, sparsity=solution.sparsity, target_size=None)
     sizes = PlannedSizes(
         stored_format(model_path),
@@ -541,8 +534,6 @@ def prepare(
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(model_path, meta, config, None if kept_quantization else save_dtype)
-    if kept_quantization is not None:  # written from the input's bytes: one count in every layer
-        stock_counts(meta, config, KEPT_COUNTS)
     layer_budget = check_feasible(meta, config)
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
@@ -601,15 +592,14 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
-    allocation = config.allocation or default_allocation(config.method)
-    if not rewrite_supports(config.method, allocation):
+    if not rewrite_supports(config.method):
         described = quantization_of(read_config_dict(model_path))
         raise MoePruneError(
             f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
-            "which expresses the uniform drop only (--method drop --allocation uniform; cutting neurons would "
-            f"split scale blocks, per-layer counts need moeprune's format); for the {config.method} method with "
-            f"the {allocation} allocation, save dequantized weights with --save-dtype bf16 (larger on disk)",
-            options=("method", "allocation", "save_dtype"),
+            f"which holds whole experts (--method drop, any allocation); the {config.method} method would cut "
+            "scale groups or add vectors the input does not have: save dequantized weights with --save-dtype "
+            "bf16 (larger on disk), or drop whole experts",
+            options=("method", "save_dtype"),
         )
     return fmt
 
@@ -747,9 +737,11 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
         return report.to_json()
     if job.kept_quantization is not None:  # the kept experts' quantized bytes and scales, copied as they are
-        report.format = "stock"
+        report.format = "stock" if result.plan.is_uniform() else "moeprune"
         with stage(f"writing {job.output} from the input's quantized shards", progress):
-            rewrite_checkpoint(job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence)
+            rewrite_checkpoint(
+                job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence, stock=False
+            )
     else:
         atomic_write_dir(job.output, write, overwrite=job.run.overwrite)
     state = search_state_path(job.output)  # the search's state and race log are done with

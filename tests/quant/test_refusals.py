@@ -47,13 +47,12 @@ def refused(args: list, out, expected: str) -> None:
     assert not out.exists()
 
 
-KEEP_FP8 = "a result in that format is written from the input's bytes, which expresses the uniform drop only"
+KEEP_FP8 = "a result in that format is written from the input's bytes, which holds whole experts"
 
 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--criterion", "reap", "--allocation", "global"], KEEP_FP8),
         (["--criterion", "reap", "--method", "neurons"], KEEP_FP8),
         (["--criterion", "reap", "--method", "novice"], KEEP_FP8),
         (["--criterion", "reap", "--method", "neurons", "--no-load"], "the neurons method would split its scale blocks"),
@@ -62,16 +61,6 @@ KEEP_FP8 = "a result in that format is written from the input's bytes, which exp
 def test_what_cannot_keep_fp8_is_refused_before_any_weight(fp8_checkpoint, tmp_path, args, expected):
     path, data = fp8_checkpoint
     refused(["prune", path, *args, "--sparsity", "0.25", "--data", data], tmp_path / "out", expected)
-
-
-def test_kept_fp8_needs_one_count_in_every_layer(fp8_checkpoint, tmp_path):
-    """4 layers of 8 experts: 0.28125 removes 9, so one layer would keep 5 and the others 6."""
-    path, data = fp8_checkpoint
-    refused(
-        ["prune", path, "--criterion", "frequency", "--sparsity", "0.28125", "--data", data],
-        tmp_path / "out",
-        "to keep the input's quantization (written from its bytes), every layer must keep the same count",
-    )
 
 
 def test_fp8_is_not_made_from_full_precision(fp8_checkpoint, tmp_path):

@@ -308,17 +308,20 @@ def _has_accelerate() -> bool:
 
 
 def fill_from_disk(moe: MoEModel, path: Path) -> None:
-    """Copy every stored tensor into the model by its on-disk name; strict both ways."""
+    """Copy every stored tensor into the model by its on-disk name; strict both ways. Quantized
+    weights (a result that kept its input's quantization) are dequantized as they are read."""
     targets = disk_tensors(moe)
-    stored = files.stored_tensors(path)
+    sources = QuantizedSources.of(path)
+    stored = sources.weight_keys()
     missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
     if missing or unexpected:
         problems = {"missing_keys": missing, "unexpected_keys": unexpected}
         raise MoePruneError(
             f"{path} does not match its structure: {_describe(problems)}; the checkpoint is damaged"
         )
-    with torch.no_grad():
-        for name, value in files.iter_tensors(path):
+    with torch.no_grad(), ExitStack() as stack:
+        for name, source in sources.sources(list(stored), stack).items():
+            value = source[...]
             target = targets[name]
             if tuple(target.shape) != tuple(value.shape):
                 raise MoePruneError(

@@ -91,18 +91,23 @@ def write_checkpoint(
         (folder / structure.CONFIG).write_text(
             json.dumps(moeprune_config(moe, config), indent=2, sort_keys=True) + "\n"
         )
-        for name in MODELING_FILES:
-            if not (MODELING_SOURCE / name).is_file():  # pragma: no cover - a broken installation
-                raise MoePruneError(
-                    f"moeprune's modeling file {MODELING_SOURCE / name} is missing; reinstall moeprune"
-                )
-            shutil.copyfile(MODELING_SOURCE / name, folder / name)
+        copy_modeling_files(folder)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
     files.write_shards(folder, disk_tensors(moe, stock=stock), max_shard_size=max_shard_size, dtype=dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return "stock" if stock else "moeprune"
+
+
+def copy_modeling_files(folder: Path) -> None:
+    """The self-contained modeling files a moeprune-format result carries (trust_remote_code)."""
+    for name in MODELING_FILES:
+        if not (MODELING_SOURCE / name).is_file():  # pragma: no cover - a broken installation
+            raise MoePruneError(
+                f"moeprune's modeling file {MODELING_SOURCE / name} is missing; reinstall moeprune"
+            )
+        shutil.copyfile(MODELING_SOURCE / name, folder / name)
 
 
 def moeprune_config(moe: MoEModel, config) -> dict:

@@ -165,8 +165,22 @@ def listed(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def refuse_quantized(folder: str) -> None:
+    """A result that kept its input's quantization (fp8 blocks, MXFP4, compressed-tensors) holds
+    codes and scales these files do not decode: refused in one sentence naming what loads it."""
+    with open(os.path.join(folder, "config.json")) as handle:
+        quant = json.load(handle).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+        raise fail(
+            f"{folder} keeps its input's {method} weights (codes and scales), which these self-contained modeling "
+            "files do not decode: load it with moeprune.load_pretrained(path), or prune with --save-dtype bf16"
+        )
+
+
 def load_weights(model: DiskTensors, folder: str) -> None:
     """Copy every stored tensor into the model by its on-disk name; strict both ways."""
+    refuse_quantized(folder)
     targets, aliases = model.moeprune_disk_tensors()
     shards = shard_files(folder)
     stored: dict[str, str] = {}

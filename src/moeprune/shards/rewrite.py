@@ -25,6 +25,8 @@ from moeprune.checkpoint import (
     write_json,
 )
 from moeprune.checkpoint.files import INDEX, StoredTensor
+from moeprune.checkpoint.save import copy_modeling_files, moeprune_config
+from moeprune.checkpoint.structure import CONFIG
 from moeprune.config import PruneConfig
 from moeprune.criteria import get_criterion
 from moeprune.errors import MoePruneError
@@ -32,7 +34,7 @@ from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.surgery.drop import kept_experts
+from moeprune.surgery.drop import drop_experts, kept_experts
 from moeprune.surgery.registry import method_limits
 
 PLAN = "plan.json"
@@ -220,11 +222,10 @@ def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
         )
 
 
-def rewrite_supports(method: str, allocation: str) -> bool:
-    """Whether a plan of this method and allocation can be written from the input's bytes: whole
-    experts dropped, the same number in every layer (what a stock config expresses), known before
-    any score. (A global or searched allocation may come out uniform, but only after scoring.)"""
-    return method == "drop" and allocation == "uniform"
+def rewrite_supports(method: str) -> bool:
+    """Whether plans of this method can be written from the input's bytes: whole experts
+    dropped (any counts per layer; different ones are written in moeprune's format)."""
+    return method == "drop"
 
 
 def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
@@ -249,15 +250,20 @@ def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[
 
 def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
     """The kept experts per MoE layer of a uniform drop plan, checked like in-memory surgery."""
+    if plan.method == "drop" and not plan.is_uniform():
+        raise MoePruneError(
+            "this plan keeps different expert counts per layer, which a stock config cannot express; "
+            "rewriting checkpoint files supports uniform drop plans only: use the in-memory `moeprune prune`"
+        )
+    return plan_kept(plan, moe)
+
+
+def plan_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
+    """The kept experts per MoE layer of a drop plan (any counts), checked like in-memory surgery."""
     if plan.method != "drop":
         raise MoePruneError(
             f"rewriting checkpoint files supports 'drop' plans, not {plan.method!r}: use the in-memory "
             "`moeprune prune` (it loads the model)"
-        )
-    if not plan.is_uniform():
-        raise MoePruneError(
-            "this plan keeps different expert counts per layer, which a stock config cannot express; "
-            "rewriting checkpoint files supports uniform drop plans only: use the in-memory `moeprune prune`"
         )
     check_plan_matches(plan, moe)
     kept = {}
@@ -285,12 +291,29 @@ def _write_config(config: PretrainedConfig, dst: Path, field_name: str, count: i
     config.save_pretrained(dst)
 
 
+def _write_moeprune_config(layout: CheckpointLayout, kept: dict[int, list[int]], dst: Path) -> None:
+    """config.json and modeling files of a result with different expert counts per layer: the
+    structure moeprune's format records (the kept original ids per layer), computed by dropping the
+    same experts from the model on the meta device, and the input's own fields, its
+    `quantization_config` included (the kept experts are the input's bytes)."""
+    moe = layout.moe
+    drop_experts(
+        moe,
+        {lay.index: [e for e in range(lay.num_experts) if e not in kept[lay.index]] for lay in layout.layers},
+    )
+    data = moeprune_config(moe, layout.config)
+    (dst / CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    copy_modeling_files(dst)
+
+
 def rewrite_checkpoint(
     src: str | Path,
     dst: str | Path,
     plan: Plan,
     overwrite: bool = False,
     extra: Callable[[Path], None] | None = None,
+    *,
+    stock: bool = True,
 ) -> Path:
     """Write the checkpoint `plan` prunes, shard by shard, without loading the model.
 
@@ -298,23 +321,28 @@ def rewrite_checkpoint(
     cut; per-expert keys of kept experts are renumbered 0..n-1; the index and the config's count
     field are updated, other files copied and `plan.json` written. The result equals in-memory
     `drop_experts` then `save_pretrained`. Only uniform drop plans (what a stock config can
-    express). `extra(tmp_dir)` may add files (a report) before the folder is renamed into place.
+    express), unless `stock=False` allows different counts per layer, written in moeprune's format
+    (the same tensors, the structure in config.json, the modeling files). `extra(tmp_dir)` may add
+    files (a report) before the folder is renamed into place.
     """
     layout = CheckpointLayout(src)
     if Path(dst).resolve() == layout.path.resolve():
         raise MoePruneError(
             "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
         )
-    kept = uniform_kept(plan, layout.moe)
+    kept = uniform_kept(plan, layout.moe) if stock else plan_kept(plan, layout.moe)
     shards = {f: ts for f, ts in _rewritten(layout, kept).items() if ts}
-    count = len(next(iter(kept.values())))
+    counts = {len(k) for k in kept.values()}
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
             write_shard(layout.path / file, tmp / file, tensors, layout.file_metadata[file])
         if layout.index is not None:
             write_json(tmp / INDEX, index_json(layout.index, shards))
-        _write_config(layout.config, tmp, layout.moe.spec.count_field, count)
+        if len(counts) == 1:
+            _write_config(layout.config, tmp, layout.moe.spec.count_field, counts.pop())
+        else:  # moeprune's format: per-layer counts (the in-memory pipeline asks for it, stock=False)
+            _write_moeprune_config(layout, kept, tmp)
         copy_other_files(layout.path, tmp)
         plan.save(tmp / PLAN)
         if extra is not None:

@@ -41,6 +41,13 @@ class _MoePruneForCausalLM(_VllmCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         config = vllm_config.model_config.hf_config
         where = f"{getattr(config, 'name_or_path', '') or 'the checkpoint'}/config.json"
+        quant = getattr(config, "quantization_config", None)
+        if quant:  # kept codes and scales: the per-layer fused MoE here is built in full precision
+            method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+            raise FormatError(
+                f"{where} keeps its input's {method} weights, which moeprune's vLLM plugin does not serve in "
+                "moeprune's format yet: load it with moeprune.load_pretrained(path), or prune with --save-dtype bf16"
+            )
         layout = read_layout({"moeprune": getattr(config, "moeprune", None)}, where)
         if not layout:
             raise FormatError(
