@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "tests" / "serve"))
 import test_serve_vllm as serving  # noqa: E402  (the driver, prompts and comparison of the tests)
 
 import moeprune  # noqa: E402
-from moeprune.api import prune_checkpoint  # noqa: E402
 from moeprune.config import DataOptions, PruneConfig, RunOptions  # noqa: E402
 from moeprune.data.tokenizer import byte_tokenizer  # noqa: E402
+from moeprune.job import prune_checkpoint  # noqa: E402
 from moeprune.models.factory import tiny_model  # noqa: E402
 
 VLLM_SIZES = dict(

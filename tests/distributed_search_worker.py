@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from moeprune import api as pipeline
-from moeprune.config import PruneConfig, SearchConfig
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.errors import MoePruneError
+from moeprune.job import (
+    run as pipeline,  # the module that writes the output (its atomic_write_dir is spied on)
+)
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
 from moeprune.search import auto, evo
@@ -165,9 +167,9 @@ def main(out: Path, checkpoint: Path, calibration: Path) -> None:
     pipeline.atomic_write_dir = spy_write_dir
     try:
         report = pipeline.prune_checkpoint(
-            checkpoint, out / "uniform", pipeline.PruneConfig(criterion="frequency", sparsity=0.5),
-            run=pipeline.RunOptions(progress=False),
-            data=pipeline.DataOptions(sources=[str(calibration)], batch_size=2),
+            checkpoint, out / "uniform", PruneConfig(criterion="frequency", sparsity=0.5),
+            run=RunOptions(progress=False),
+            data=DataOptions(sources=[str(calibration)], batch_size=2),
         )  # fmt: skip
     finally:
         pipeline.atomic_write_dir = write_dir

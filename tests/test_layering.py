@@ -29,7 +29,8 @@ STAGES = (
     ("evaluate",),
     ("report",),
     ("shards",),  # the no-load pipeline's body: layer-by-layer observation, shard rewrites, reports
-    ("api", "demo"),
+    ("api",),  # the one verb on a loaded model
+    ("job", "demo"),  # the file-level jobs around it (prepare, run, score); the demo
     ("pipelines",),
     ("cli", "__main__"),
 )

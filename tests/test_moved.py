@@ -33,3 +33,27 @@ def test_names_users_import_from_former_paths_still_resolve(monkeypatch):
     from moeprune.search.run import run_evo_search as moved
 
     assert run_evo_search is moved
+
+
+JOB_NAMES = ("prepare", "PruneJob", "plan_sizes", "PlannedSizes", "check_resume", "prune_checkpoint", "run_job",
+             "RECIPE", "prepare_score", "score_loaded")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", JOB_NAMES)
+def test_file_jobs_still_import_from_the_api_module(name):
+    """The file-level jobs moved from moeprune.api to moeprune.job: the former names warn and are
+    the very same objects; the one verb stays where it was, without a warning."""
+    import warnings
+
+    import moeprune.api as api
+    import moeprune.job as job
+
+    with pytest.warns(DeprecationWarning, match=f"moeprune.api.{name} moved to moeprune.job"):
+        old = getattr(api, name)
+    assert old is getattr(job, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from moeprune import prune_checkpoint  # noqa: F401  (the package's lazy name, no warning)
+        from moeprune.api import prune  # noqa: F401
+    with pytest.raises(AttributeError):
+        api.no_such_name  # noqa: B018

@@ -281,7 +281,7 @@ class PruneConfig:
 
     criterion: str  # a registered criterion, or "auto" (the best uniform plan on the search data)
     # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters. None only
-    # with `target_size`, which solves it (api.prepare / the no-load pipeline, before any weight loads)
+    # with `target_size`, which solves it (job.prepare / the no-load pipeline, before any weight loads)
     sparsity: float | None = None
     allocation: str | None = None  # None: the method's default (uniform; trapezoid for tenp)
     method: str = "drop"

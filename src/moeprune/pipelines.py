@@ -1,7 +1,7 @@
 """How a prune runs: pipelines by execution mode, registered like criteria and methods.
 
 - `in-memory`: load the model (one GPU, several with `device="auto"`, or the CPU), observe, search,
-  cut, save (`api.prune_checkpoint`). Every criterion, allocation and method.
+  cut, save (`job.prune_checkpoint`). Every criterion, allocation and method.
 - `no-load`: never hold the whole model: weight-only scores streamed from the shards or statistics
   observed one decoder layer at a time, then the shards rewritten one tensor at a time
   (`shards.prune.prune_without_loading`). What a stock checkpoint can express without the loaded
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moeprune.api import prepare_score, prune_checkpoint, score_loaded
 from moeprune.checkpoint import write_json
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
+from moeprune.job import prepare_score, prune_checkpoint, score_loaded
 from moeprune.runtime.distributed import init_distributed
 from moeprune.shards.prune import prune_without_loading, score_without_loading
 from moeprune.surgery.planning import requirements

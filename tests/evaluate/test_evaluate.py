@@ -14,10 +14,9 @@ from click.testing import CliRunner
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from moeprune.api import PruneConfig, prune_checkpoint
 from moeprune.checkpoint import load_model, save_pretrained
 from moeprune.cli.main import main
-from moeprune.config import DataOptions, RunOptions
+from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.criteria import score_experts
 from moeprune.data.loading import calibration_sets
 from moeprune.data.tokenizer import byte_tokenizer
@@ -25,6 +24,7 @@ from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded, parse_metrics
 from moeprune.evaluate.routing import original_ids
 from moeprune.evaluate.size import disk_bytes, measure_peak
+from moeprune.job import prune_checkpoint
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan

@@ -17,9 +17,9 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from moeprune import api
 from moeprune.cli.main import main
 from moeprune.criteria import unseen_experts
+from moeprune.job import run as job_run
 from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.report.kept import kept_series
 from moeprune.report.prune_report import draw_kept
@@ -129,13 +129,13 @@ def test_plot_data_is_the_kept_parameters_of_the_saved_model(tiny_checkpoint, ev
 
 
 def test_run_log_records_command_versions_stages_and_warnings(tiny_checkpoint, data, tmp_path, monkeypatch):
-    load = api.load_placed
+    load = job_run.load_placed
 
     def loud(*args, **kwargs):
         warnings.warn("a warning raised while loading", UserWarning, stacklevel=1)
         return load(*args, **kwargs)
 
-    monkeypatch.setattr(api, "load_placed", loud)
+    monkeypatch.setattr(job_run, "load_placed", loud)
     out = tmp_path / "out"
     with pytest.warns(UserWarning):  # the log records warnings; it does not swallow them
         run("prune", tiny_checkpoint, "--output", out, "--criterion", "frequency", "--sparsity", "0.25",

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from test_observe import calibration
 
 from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
-from moeprune.api import DataOptions
 from moeprune.cli.main import main
+from moeprune.config import DataOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, evaluate_models, parse_metrics

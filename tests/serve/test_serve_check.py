@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from test_serve_vllm import KINDS, _reference
 
-from moeprune.api import prune_checkpoint
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
+from moeprune.job import prune_checkpoint
 from moeprune.serve.vllm.version import untested_refusal
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)

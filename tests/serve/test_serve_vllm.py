@@ -37,9 +37,9 @@ import pytest
 import torch
 
 import moeprune
-from moeprune.api import prune_checkpoint
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.job import prune_checkpoint
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 
@@ -361,7 +361,7 @@ def test_plugin_import_is_light():
     )
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                            check=True).stdout))  # fmt: skip
-    heavy = {"torch", "transformers", "vllm", "numpy", "moeprune.api", "moeprune.observe", "moeprune.allocate",
+    heavy = {"torch", "transformers", "vllm", "numpy", "moeprune.api", "moeprune.job", "moeprune.observe", "moeprune.allocate",
              "moeprune.evaluate", "moeprune.data", "moeprune.models", "moeprune.checkpoint.load"}  # fmt: skip
     assert not loaded & heavy, sorted(loaded & heavy)
 

@@ -1,0 +1,359 @@
+"""Every check of a prune request that needs no weights (`prepare`), and what it plans: the job,
+its sizes (a size target solved into a sparsity), and whether a quantized input's format is kept."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from moeprune.allocate.registry import searches
+from moeprune.checkpoint import (
+    build_skeleton,
+    check_model_path,
+    check_output_dir,
+    load_config,
+    require_tokenizer,
+)
+from moeprune.checkpoint.atomic import check_not_inside, recover
+from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
+from moeprune.checkpoint.quantized import QuantFormat, check_quantized
+from moeprune.checkpoint.structure import read_config_dict
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size, split_legacy
+from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
+from moeprune.errors import DataError, MoePruneError
+from moeprune.models import MoEModel
+from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
+from moeprune.quant.support import quantization_of
+from moeprune.report.parts import (
+    TargetSize,
+)
+from moeprune.report.prune_report import weight_bytes
+from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
+from moeprune.search.run import search_state_path
+from moeprune.shards.layout import CheckpointLayout
+from moeprune.shards.rewrite import rewrite_supports
+from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
+from moeprune.surgery import METHODS
+from moeprune.surgery.drop import check_not_packed
+from moeprune.surgery.planning import check_config, check_feasible, requirements
+from moeprune.surgery.registry import default_allocation
+from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannedSizes:
+    """The input's weights as stored and the result's as planned, in the format each is saved in
+    (the dry run prints them), and the solution of a size target when one was given."""
+
+    input_format: str
+    input_bytes: int
+    output_format: str
+    predicted_bytes: int
+    target: TargetSolution | None = None
+
+    def describe(self) -> dict:
+        out = {
+            "input_format": self.input_format,
+            "input_bytes": self.input_bytes,
+            "output_format": self.output_format,
+            "predicted_bytes": self.predicted_bytes,
+        }
+        if self.target is not None:
+            out |= {
+                "target_bytes": self.target.target_bytes,
+                "solved_sparsity": self.target.sparsity,
+                "step_below": self.target.step_below,
+                "step_below_bytes": self.target.step_below_bytes,
+            }
+        return out
+
+    def report(self, written: int) -> TargetSize | None:
+        """report.json's `target`, once `written` bytes of tensors are on disk (None: no target)."""
+        t = self.target
+        if t is None:
+            return None
+        return TargetSize(
+            t.target_bytes,
+            t.sparsity,
+            self.output_format,
+            t.predicted_bytes,
+            written,
+            t.unpruned_bytes,
+            t.step_below,
+            t.step_below_bytes,
+        )
+
+
+def plan_sizes(
+    model_path: Path, meta: MoEModel, config: PruneConfig, save_dtype: torch.dtype | None
+) -> tuple[PruneConfig, PlannedSizes]:
+    """The sizes of a job saved in `save_dtype` (None: as stored, a kept quantization's bytes and
+    scales); a `target_size` is solved here into the config's sparsity (refused in one line when
+    nothing fits, or when the unpruned model already does)."""
+    if save_dtype is None:
+        size = stored_weight_bytes(CheckpointLayout(model_path))
+    else:
+        size = cast_weight_bytes(model_path, meta, save_dtype)
+    solution = None
+    if config.target_size is not None:
+        solution = solve_target(meta, config, size, parse_target_size(config.target_size))
+        config = replace(config, sparsity=solution.sparsity, target_size=None)
+    sizes = PlannedSizes(
+        stored_format(model_path),
+        weight_bytes(model_path),
+        size.format,
+        planned_bytes(meta, config, size),
+        solution,
+    )
+    return config, sizes
+
+
+@dataclass
+class PruneJob:
+    """A prune request after every check that needs no weights: what `prune_checkpoint` will do.
+
+    Built by `prepare` in seconds (config, file headers, a model on the meta device, tokenized
+    data), so that bad input fails before the expensive part; a dry run stops here.
+    """
+
+    model_path: Path
+    output: Path
+    config: PruneConfig
+    data: DataOptions
+    placement: Placement
+    save_dtype: torch.dtype
+    max_shard_size: int | str
+    run: RunOptions
+    meta: MoEModel  # the model on the meta device: structure only
+    tokenizer: object | None
+    calibration: list[CalibrationData]
+    search_set: CalibrationData | None
+    layer_budget: dict  # what is known per layer before scoring
+    search_data: list[str] = field(default_factory=list)
+    kept_quantization: QuantFormat | None = None  # the input's quantization, kept: written from its bytes
+
+    @property
+    def saved_as(self) -> str:
+        """The saved weights' format, as the report names it."""
+        if self.kept_quantization is not None:
+            return self.kept_quantization.saved_as
+        return str(self.save_dtype).removeprefix("torch.")
+
+    sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
+
+    def describe(self) -> dict:
+        """The plan of work, for a dry run and the log."""
+
+        def counts(d) -> dict:
+            return {
+                "sources": list(d.sources),
+                "samples": len(d.samples),
+                "tokens": sum(len(s.input_ids) for s in d.samples),
+                "truncated": d.truncated,
+            }
+
+        return {
+            "model": str(self.model_path),
+            "family": self.meta.model_type,
+            "moe_layers": [m.index for m in self.meta.layers],
+            "experts_per_layer": [m.num_experts for m in self.meta.layers],
+            "top_k": [m.top_k for m in self.meta.layers],
+            "criterion": self.config.criterion,
+            "allocation": self.config.allocation,
+            "method": self.config.method,
+            "sparsity": self.config.sparsity,
+            "sparsity_unit": METHODS.get(self.config.method).sparsity_unit,
+            **self.layer_budget,
+            "calibration": [counts(d) for d in self.calibration],
+            "search_data": counts(self.search_set) if self.search_set is not None else None,
+            "output": str(self.output),
+            "save_dtype": self.saved_as,
+            "resume": self.run.resume,
+            **(self.sizes.describe() if self.sizes is not None else {}),
+        }
+
+
+def check_resume(output: Path, allocation: str, resume: bool, overwrite: bool) -> None:
+    """Resuming continues an interrupted EvoESAP search; it never deletes or replaces anything."""
+    if not resume:
+        return
+    if not searches(allocation):
+        raise MoePruneError(
+            "resuming continues an interrupted EvoESAP search; it needs the evo allocation",
+            options=("resume", "allocation"),
+        )
+    if overwrite:
+        raise MoePruneError(
+            "resuming continues a search into a new output; it cannot also replace an existing one",
+            options=("resume", "overwrite"),
+        )
+    if output.exists():
+        raise MoePruneError(
+            f"{str(output)!r} already exists and holds a finished result, not a search in progress: "
+            "nothing to resume; choose another output",
+            options=("resume",),
+        )
+    state = search_state_path(output)
+    if not state.is_file():
+        raise MoePruneError(
+            f"nothing to resume: no search in progress for {str(output)!r} (no {state.name})",
+            options=("resume",),
+        )
+
+
+def check_sources(sources: Sequence[str], what: str) -> None:
+    for source in sources:
+        path = parse_source(source)[0]
+        if not Path(path).exists():
+            raise DataError(
+                f"{what} path {path} does not exist", options=("search_data" if "search" in what else "data",)
+            )
+
+
+_JOB_LEGACY = {  # prune_checkpoint's and prepare's former keywords -> (parameter, field)
+    "dtype": ("data", "dtype"),
+    **{
+        name: ("run", name)
+        for name in ("overwrite", "resume", "dry_run", "trust_remote_code", "progress", "command_line")
+    },
+}
+
+
+def job_options(legacy: dict, where: str, data, run) -> tuple[DataOptions, RunOptions]:
+    """The data and run options of a checkpoint job, the former keywords folded in."""
+    return tuple(
+        split_legacy(
+            legacy,
+            where,
+            **{
+                name: (obj, {k: f for k, (owner, f) in _JOB_LEGACY.items() if owner == name})
+                for name, obj in (("data", data or DataOptions()), ("run", run or RunOptions()))
+            },
+        )
+    )
+
+
+def prepare(
+    model_path: str | Path,
+    output: str | Path,
+    config: PruneConfig,
+    *,
+    data: DataOptions | None = None,
+    search_data: Sequence[str] = (),
+    tokenizer_path: str | Path | None = None,
+    save: SaveOptions | None = None,
+    run: RunOptions | None = None,
+    **legacy,
+) -> PruneJob:
+    """Every check of a prune request that needs no weights, in the order a user would fix them."""
+    data, run = job_options(legacy, "prepare", data, run)
+    save = save or SaveOptions()
+    overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
+    config = check_config(config)
+    if data.sequential:
+        raise MoePruneError(
+            "sequential (layer-by-layer) observation never loads the whole model: use it to score, "
+            "or to prune without loading",
+            options=("sequential",),
+        )
+    placement = Placement.choose(data.device, data.dtype)  # an unknown or absent device fails now
+    checked, output = check_model_path(model_path), Path(output)
+    model_config = load_config(
+        checked, trust_remote_code
+    )  # damaged, dense or unsupported: before anything else
+    kept_quantization = _kept_quantization(checked, config, save)
+    check_weights(checked)  # empty, truncated or missing shards
+    check_not_inside(output, [checked])
+    recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
+    check_resume(output, config.allocation or default_allocation(config.method), resume, overwrite)
+    check_output_dir(output, overwrite)
+    needs = requirements(config)  # also refuses an unknown criterion or method
+    needs.check(search=bool(search_data))
+    check_sources(search_data, "search data")
+    needs.check(calibration=bool(data.sources))
+    check_sources(data.sources, "calibration data")
+    meta = MoEModel(build_skeleton(checked, meta=True))
+    check_not_packed(meta)
+    stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
+    save_dtype = (
+        resolve_dtype(save.dtype)
+        if save.dtype and kept_quantization is None
+        else (stored if isinstance(stored, torch.dtype) else torch.float32)
+    )
+    if config.target_size is None:
+        check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
+    config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype)
+    layer_budget = check_feasible(meta, config)
+    parse_size(save.max_shard_size)
+    tokenizer, calibration, search_set = None, [], None
+    if needs.calibration or needs.search:
+        tokenizer = require_tokenizer(checked, tokenizer_path, trust_remote_code)
+        if needs.calibration:
+            calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
+        if needs.search:
+            search_set = load_data(
+                list(search_data),
+                tokenizer,
+                num_samples=config.search.samples or None,
+                max_length=data.max_length,
+                seed=data.seed,
+            )
+    lost = precision_lost(placement.dtype, save_dtype) if kept_quantization is None else None
+    if lost:  # (a kept quantization is written from the input's bytes: no compute dtype reaches the disk)
+        _LOG.warning(lost)
+    return PruneJob(
+        checked,
+        output,
+        config,
+        data,
+        placement,
+        save_dtype,
+        save.max_shard_size,
+        run,
+        meta,
+        tokenizer,
+        calibration,
+        search_set,
+        layer_budget,
+        list(search_data),
+        kept_quantization,
+        sizes,
+    )
+
+
+def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> QuantFormat | None:
+    """The input's quantization when the result keeps it: by default for a quantized input (a
+    smaller model was asked for, never a silently up-cast one), unless a full-precision
+    `save.dtype` asks for dequantized weights; `save.dtype` "float8_e4m3fn" asks for fp8 explicitly.
+
+    Keeping it means writing the result from the input's bytes (`rewrite_checkpoint`), which
+    writes what a stock checkpoint expresses: whole experts dropped, the same number per layer.
+    Anything else is refused here, before the model is loaded, naming the ways that work.
+    """
+    fmt = check_quantized(model_path)  # a format moeprune cannot read, or missing scales, fail here
+    asked = save.dtype is not None and str(save.dtype).removeprefix("torch.") == FP8_SAVE_DTYPE
+    if asked and not isinstance(fmt, Fp8Format):
+        raise MoePruneError(
+            f"saving as fp8 keeps an fp8 input's blocks, and {model_path} is "
+            f"{'not quantized' if fmt is None else fmt.saved_as} (moeprune does not quantize): save as fp32, "
+            "bf16 or fp16",
+            options=("save_dtype",),
+        )
+    if fmt is None or (save.dtype is not None and not asked):
+        return None  # full precision in, or dequantized weights asked for
+    if not rewrite_supports(config.method):
+        described = quantization_of(read_config_dict(model_path))
+        raise MoePruneError(
+            f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
+            f"which holds whole experts (--method drop, any allocation); the {config.method} method would cut "
+            "scale groups or add vectors the input does not have: save dequantized weights with --save-dtype "
+            "bf16 (larger on disk), or drop whole experts",
+            options=("method", "save_dtype"),
+        )
+    return fmt

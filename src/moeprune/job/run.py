@@ -1,0 +1,185 @@
+"""`moeprune prune` on a checkpoint folder: the checked job loaded, pruned by `moeprune.api.prune`,
+and saved with its evidence (report, plan, recipe, plots, model card, run log), atomically."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+from moeprune import __version__
+from moeprune.api import prune
+from moeprune.checkpoint import (
+    atomic_write_dir,
+    load_placed,
+    write_checkpoint,
+    write_json,
+)
+from moeprune.checkpoint.atomic import output_lock
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions
+from moeprune.job.prepare import PruneJob, job_options, prepare
+from moeprune.models import MoEModel
+from moeprune.report.document import PRUNE
+from moeprune.report.model_card import model_card
+from moeprune.report.parts import (
+    DiskBytes,
+)
+from moeprune.report.plots import plot_search_curve
+from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
+from moeprune.runtime.distributed import barrier, rank_and_world
+from moeprune.runtime.progress import stage, transformers_bars_off
+from moeprune.runtime.runlog import RunLog
+from moeprune.runtime.timer import Timer
+from moeprune.search.run import search_state_path
+from moeprune.shards.rewrite import rewrite_checkpoint
+from moeprune.surgery import METHODS
+
+RECIPE = "recipe.json"
+
+
+def prune_checkpoint(
+    model_path: str | Path,
+    output: str | Path,
+    config: PruneConfig,
+    *,
+    data: DataOptions | None = None,
+    search_data: Sequence[str] = (),
+    tokenizer_path: str | Path | None = None,
+    save: SaveOptions | None = None,
+    run: RunOptions | None = None,
+    **legacy,
+) -> dict:
+    """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with
+    `run.dry_run`, the plan of work: nothing is loaded or written).
+
+    `data` says where calibration data comes from and where the model runs (device, dtype); `run`
+    what the job may overwrite, whether it resumes a search, what it prints. The former keywords
+    (`dtype=`, `overwrite=`, `resume=`, `dry_run=`, `trust_remote_code=`, `progress=`,
+    `command_line=`) still work, with a warning.
+
+    Under torchrun every rank runs this with the same arguments: observation and the search are
+    data-parallel, and rank 0 alone writes OUTPUT.
+    """
+    data, run = job_options(legacy, "prune_checkpoint", data, run)
+    job = prepare(
+        model_path,
+        output,
+        config,
+        data=data,
+        search_data=search_data,
+        tokenizer_path=tokenizer_path,
+        save=save,
+        run=run,
+    )
+    if run.dry_run:
+        return job.describe()
+    rank, _ = rank_and_world()
+    barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
+    with output_lock(job.output) if rank == 0 else nullcontext():
+        return run_job(job)
+
+
+def run_job(job: PruneJob) -> dict:
+    """The expensive part of `prune_checkpoint`, on a checked job."""
+    with RunLog.join(job.run.command_line) as log:
+        return _run(job, log, job.run.progress)
+
+
+def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
+    timer = Timer()
+    with stage(f"loading {job.model_path}", progress), transformers_bars_off():
+        model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
+    timer.lap("load")
+    data = job.data
+    result = prune(
+        model,
+        job.config,
+        data=job.calibration or None,
+        tokenizer=job.tokenizer,
+        search_data=job.search_set,
+        options=data,
+        run=job.run,
+        search_state=search_state_path(job.output),
+    )
+    timer.lap("prune")
+    moe = MoEModel(model)
+    report = replace(
+        result.report,
+        command=PRUNE,
+        moeprune_version=__version__,
+        model=str(job.model_path),
+        output=str(job.output),
+        model_type=moe.model_type,
+        save_dtype=job.saved_as,
+        command_line=job.run.command_line,
+    )
+    recipe = {
+        "moeprune_version": __version__,
+        "config": job.config.to_dict(),
+        "data": {
+            "calibration": list(data.sources),
+            "search": job.search_data,
+            "samples": data.samples,
+            "max_length": data.max_length,
+            "batch_size": data.batch_size,
+            "seed": data.seed,
+            "packing": data.packing,
+        },
+        "save": {  # a dtype --config reads back; None: the input's (a kept quantization is the default)
+            "dtype": None if job.kept_quantization is not None else report.save_dtype,
+            "max_shard_size": job.max_shard_size,
+        },
+    }
+    if job.sizes is not None and job.sizes.target is not None:  # the config holds the solved sparsity
+        recipe["target"] = {
+            "target_size": job.sizes.target.target_bytes,
+            "solved_sparsity": job.config.sparsity,
+        }
+
+    def write(tmp: Path) -> None:
+        with stage(f"saving to {job.output}", progress), transformers_bars_off():
+            report.format = write_checkpoint(
+                model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
+            )
+        evidence(tmp)
+
+    def evidence(tmp: Path) -> None:
+        written = weight_bytes(tmp)
+        report.disk_bytes = DiskBytes(weight_bytes(job.model_path), written)
+        report.target = job.sizes.report(written) if job.sizes is not None else None
+        result.plan.save(tmp / "plan.json")
+        write_json(tmp / RECIPE, recipe)
+        if result.search is not None:
+            write_json(tmp / "search.json", result.search)
+            plot_search_curve(
+                tmp / "search_curve.png", result.search["generations"], result.search["fitness"]
+            )
+        draw_kept(
+            tmp / "density.png",
+            report,
+            result.search,
+            [m.hidden_size for m in moe.layers],
+            expert_unit=METHODS.get(job.config.method).sparsity_unit == "experts",
+        )
+        timer.lap("save")
+        report.timing_s = timer.total()
+        write_json(tmp / "report.json", report.to_json())
+        (tmp / "README.md").write_text(model_card(report, str(job.output)))
+        log.write(tmp)  # before report.md, so that its file list names the log
+        (tmp / "report.md").write_text(report_markdown(report, tmp))
+
+    if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
+        return report.to_json()
+    if job.kept_quantization is not None:  # the kept experts' quantized bytes and scales, copied as they are
+        report.format = "stock" if result.plan.is_uniform() else "moeprune"
+        with stage(f"writing {job.output} from the input's quantized shards", progress):
+            rewrite_checkpoint(
+                job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence, stock=False
+            )
+    else:
+        atomic_write_dir(job.output, write, overwrite=job.run.overwrite)
+    state = search_state_path(job.output)  # the search's state and race log are done with
+    state.unlink(missing_ok=True)
+    state.with_name(state.name + ".raced.json").unlink(missing_ok=True)
+    return report.to_json()
