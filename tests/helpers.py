@@ -36,3 +36,60 @@ def stock_from_pretrained(path, **kwargs):
     from moeprune.models.classes import model_class
 
     return model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, **kwargs).eval()
+
+
+def run_cli(*args, ok: bool = True):
+    """`moeprune ARGS` in-process; with `ok`, exit code 0 is asserted (the output shown if not)."""
+    from click.testing import CliRunner
+
+    from moeprune.cli.main import main
+
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def stored_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder's safetensors, as stored (dtype and all)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not a dict
+    return out
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes as stored: compares fp8 and packed codes byte for byte (-0 differs from +0)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def fixed_logits(model) -> torch.Tensor:
+    """The model's float32 logits on a fixed batch of token ids (2 x 12, seed 0, ids >= 3)."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def kept_expert_sources(plan: dict, after: dict[str, torch.Tensor]) -> dict[str, str]:
+    """For every per-expert tensor of a pruned checkpoint (`after`, on-disk names
+    `model.layers.L.<block>.experts.E.<...>`), the input key it must be a copy of: expert E of
+    layer L is the E-th expert that `plan` (plan.json) keeps there."""
+    import re
+
+    expert, layer_of = re.compile(r"\.experts\.(\d+)\."), re.compile(r"^model\.layers\.(\d+)\.")
+    index = {lp["layer"]: lp for lp in plan["layers"]}
+    sources = {}
+    for key in after:
+        match, layer = expert.search(key), layer_of.match(key)
+        if match is None or layer is None or int(layer.group(1)) not in index:
+            continue
+        lp = index[int(layer.group(1))]
+        kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
+        sources[key] = expert.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
+    return sources

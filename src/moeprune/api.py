@@ -64,7 +64,6 @@ from moeprune.surgery.planning import apply_plan, build_plan, check_config, chec
 _LOG = logging.getLogger(__name__)
 
 
-
 # ----------------------------------------------------------------------------- the one verb
 @dataclass
 class PruneResult:

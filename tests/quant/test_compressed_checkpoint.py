@@ -13,16 +13,13 @@ the dtype compressed-tensors dequantizes to).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors import safe_open
 
+from helpers import fixed_logits, kept_expert_sources, run_cli, stock_from_pretrained, stored_tensors
 from moeprune.checkpoint import load_model, load_pretrained
-from moeprune.cli.main import main
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_compressed_checkpoint, save_dequantized_checkpoint
@@ -31,15 +28,8 @@ pytestmark = pytest.mark.integration
 
 FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"qk_rope_head_dim": 16}, "minimax_m2": {}}
 SCHEMES = ("w4a16", "fp8")
-EXPERT = re.compile(r"\.experts\.(\d+)\.")
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def run(*args, ok: bool = True):
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    if ok:
-        assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module", params=[(f, s) for f in sorted(FAMILIES) for s in SCHEMES], ids=lambda p: "-".join(p))
@@ -57,19 +47,8 @@ def checkpoints(request, tmp_path_factory) -> tuple[Path, Path, Path]:
     return root / "ct", root / "ref", data
 
 
-def logits(model) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(ids).logits.float()
 
 
-def stored(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not a dict
-    return out
 
 
 def test_loaded_model_is_its_dequantized_checkpoint(checkpoints):
@@ -78,14 +57,13 @@ def test_loaded_model_is_its_dequantized_checkpoint(checkpoints):
     expected, _ = load_model(ref, dtype="float32")
     a, b = got.state_dict(), expected.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(logits(got), logits(expected))
+    assert torch.equal(fixed_logits(got), fixed_logits(expected))
 
 
 def test_the_library_reads_the_checkpoint_as_we_do(checkpoints):
     pytest.importorskip("compressed_tensors")
     from transformers import CompressedTensorsConfig
 
-    from helpers import stock_from_pretrained
 
     ct = checkpoints[0]
     config = CompressedTensorsConfig(dequantize=True) if "dequantize" in CompressedTensorsConfig.__init__.__code__.co_varnames \
@@ -103,8 +81,8 @@ def test_the_library_reads_the_checkpoint_as_we_do(checkpoints):
 def test_observed_scores_are_the_dequantized_models(checkpoints, tmp_path, mode):
     ct, ref, data = checkpoints
     common = ["--criterion", "ean", "--data", data, "--samples", "8", "--quiet", *mode]
-    run("score", ct, *common, "--output", tmp_path / "q.json")
-    run("score", ref, *common, "--output", tmp_path / "r.json")
+    run_cli("score", ct, *common, "--output", tmp_path / "q.json")
+    run_cli("score", ref, *common, "--output", tmp_path / "r.json")
     got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
     assert got["layers"] == expected["layers"]
 
@@ -113,9 +91,9 @@ def test_uniform_drop_keeps_the_format_from_the_input_bytes(checkpoints, tmp_pat
     ct, ref, data = checkpoints
     out, no_load, ref_out = tmp_path / "out", tmp_path / "no_load", tmp_path / "ref_out"
     common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8", "--quiet"]
-    run("prune", ct, *common, "--output", out)
-    run("prune", ct, *common, "--no-load", "--output", no_load)
-    run("prune", ref, *common, "--output", ref_out)
+    run_cli("prune", ct, *common, "--output", out)
+    run_cli("prune", ct, *common, "--no-load", "--output", no_load)
+    run_cli("prune", ref, *common, "--output", ref_out)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
     config = json.loads((out / "config.json").read_text())
@@ -124,20 +102,13 @@ def test_uniform_drop_keeps_the_format_from_the_input_bytes(checkpoints, tmp_pat
     for file in out.glob("*.safetensors"):
         assert file.read_bytes() == (no_load / file.name).read_bytes()
 
-    before, after = stored(ct), stored(out)
-    index = {lp["layer"]: lp for lp in plan["layers"]}
-    compared = 0
-    for key, tensor in after.items():
-        match, layer = EXPERT.search(key), LAYER.match(key)
-        if match is None or layer is None or int(layer.group(1)) not in index:
-            continue
-        lp = index[int(layer.group(1))]
-        kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
-        source = EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
-        assert tensor.dtype == before[source].dtype and torch.equal(tensor, before[source]), (key, source)
-        compared += not key.endswith(".weight")  # the companions: scales, shapes
+    before, after = stored_tensors(ct), stored_tensors(out)
+    sources = kept_expert_sources(plan, after)
+    for key, source in sources.items():
+        assert after[key].dtype == before[source].dtype and torch.equal(after[key], before[source]), (key, source)
+    compared = sum(not key.endswith(".weight") for key in sources)  # the companions: scales, shapes
     assert compared > 0
-    assert torch.equal(logits(load_pretrained(out)), logits(load_pretrained(ref_out)))
+    assert torch.equal(fixed_logits(load_pretrained(out)), fixed_logits(load_pretrained(ref_out)))
 
 
 @pytest.mark.parametrize(
@@ -152,7 +123,7 @@ def test_what_cannot_read_or_keep_it_is_refused_in_one_line(checkpoints, tmp_pat
     ct, _, data = checkpoints
     out = tmp_path / ("s.json" if args[0] == "score" else "out")
     extra = [] if "aimer" in args else ["--data", data]
-    done = run(args[0], ct, *args[1:], *extra, "--output", out, "--quiet", ok=False)
+    done = run_cli(args[0], ct, *args[1:], *extra, "--output", out, "--quiet", ok=False)
     assert done.exit_code == 2 and done.output.count("\n") == 1 and expected in done.output, done.output
     assert not out.exists()
 
@@ -166,7 +137,7 @@ def test_a_compressed_format_moeprune_does_not_decode_is_refused_by_name(checkpo
     config = json.loads((other / "config.json").read_text())
     config["quantization_config"]["format"] = "nvfp4-pack-quantized"
     (other / "config.json").write_text(json.dumps(config))
-    done = run("prune", other, "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
+    done = run_cli("prune", other, "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
                "--output", tmp_path / "out", "--quiet", ok=False)  # fmt: skip
     assert done.exit_code == 2 and done.output.count("\n") == 1
     assert "'nvfp4-pack-quantized'; moeprune reads pack-quantized and float-quantized" in done.output

@@ -12,16 +12,13 @@ different kernel, is compared within a tolerance (helpers.REORDER_RTOL).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from safetensors import safe_open
 
+from helpers import fixed_logits, kept_expert_sources, raw_bytes, run_cli, stored_tensors
 from moeprune.checkpoint import load_model, load_pretrained
-from moeprune.cli.main import main
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_dequantized_checkpoint, save_fp8_checkpoint
@@ -30,15 +27,8 @@ pytestmark = pytest.mark.integration
 
 BLOCK = (16, 16)
 FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"qk_rope_head_dim": 16}, "minimax_m2": {}}
-EXPERT = re.compile(r"\.experts\.(\d+)\.")
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def run(*args, ok: bool = True):
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    if ok:
-        assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -56,23 +46,10 @@ def checkpoints(request, tmp_path_factory) -> tuple[str, Path, Path, Path]:
     return request.param, root / "fp8", root / "ref", data
 
 
-def logits(model) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(ids).logits.float()
 
 
-def stored(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not a dict
-    return out
 
 
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -85,7 +62,7 @@ def test_loaded_fp8_model_is_its_dequantized_checkpoint(checkpoints):
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-    assert torch.equal(logits(got), logits(expected))
+    assert torch.equal(fixed_logits(got), fixed_logits(expected))
 
 
 def test_loaded_fp8_model_takes_the_requested_dtype(checkpoints):
@@ -102,8 +79,8 @@ def test_observed_scores_are_the_dequantized_models(checkpoints, tmp_path, mode)
     fp8 shards, equal the reference's exactly: the same weights through the same code."""
     _, fp8, ref, data = checkpoints
     common = ["--criterion", "ean", "--data", data, "--samples", "8", "--quiet", *mode]
-    run("score", fp8, *common, "--output", tmp_path / "fp8.json")
-    run("score", ref, *common, "--output", tmp_path / "ref.json")
+    run_cli("score", fp8, *common, "--output", tmp_path / "fp8.json")
+    run_cli("score", ref, *common, "--output", tmp_path / "ref.json")
     got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fp8", "ref"))
     assert got["layers"] == expected["layers"] and got["tokens"] == expected["tokens"]
 
@@ -113,8 +90,8 @@ def test_in_memory_drop_keeps_fp8_from_the_input_bytes(checkpoints, tmp_path):
     family, fp8, ref, data = checkpoints
     out, ref_out, no_load = tmp_path / "out", tmp_path / "ref_out", tmp_path / "no_load"
     common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8", "--quiet"]
-    run("prune", fp8, *common, "--output", out)
-    run("prune", ref, *common, "--output", ref_out)
+    run_cli("prune", fp8, *common, "--output", out)
+    run_cli("prune", ref, *common, "--output", ref_out)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
 
@@ -126,30 +103,23 @@ def test_in_memory_drop_keeps_fp8_from_the_input_bytes(checkpoints, tmp_path):
     assert json.loads((out / "recipe.json").read_text())["save"]["dtype"] is None  # the input's: fp8
 
     # every kept fp8 expert tensor and scale is the input's bytes, renumbered
-    before, after = stored(fp8), stored(out)
-    index = {lp["layer"]: lp for lp in plan["layers"]}
-    kept_fp8 = 0
-    for key, tensor in after.items():
-        match, layer = EXPERT.search(key), LAYER.match(key)
-        if match is None or layer is None or int(layer.group(1)) not in index:
-            continue
-        lp = index[int(layer.group(1))]
-        kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
-        source = EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
-        assert raw(tensor) == raw(before[source]), (key, source)
-        kept_fp8 += tensor.dtype == torch.float8_e4m3fn
+    before, after = stored_tensors(fp8), stored_tensors(out)
+    sources = kept_expert_sources(plan, after)
+    for key, source in sources.items():
+        assert raw_bytes(after[key]) == raw_bytes(before[source]), (key, source)
+    kept_fp8 = sum(after[key].dtype == torch.float8_e4m3fn for key in sources)
     assert kept_fp8 > 0
     assert report["disk_bytes"]["after"] < report["disk_bytes"]["before"]
 
     # the same plan without loading writes the very same files
-    run("prune", fp8, "--no-load", "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
+    run_cli("prune", fp8, "--no-load", "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
         "--samples", "8", "--quiet", "--output", no_load)  # fmt: skip
     assert json.loads((no_load / "plan.json").read_text())["layers"] == plan["layers"]
     for file in out.glob("*.safetensors"):
         assert file.read_bytes() == (no_load / file.name).read_bytes()
 
     # reloaded by moeprune, the fp8 result is the pruned dequantized model, exactly
-    assert torch.equal(logits(load_pretrained(out)), logits(load_pretrained(ref_out)))
+    assert torch.equal(fixed_logits(load_pretrained(out)), fixed_logits(load_pretrained(ref_out)))
 
 
 def test_dequantized_save_on_request_runs_every_method(checkpoints, tmp_path):
@@ -158,11 +128,11 @@ def test_dequantized_save_on_request_runs_every_method(checkpoints, tmp_path):
     _, fp8, ref, data = checkpoints
     common = ["--criterion", "frequency", "--method", "neurons", "--sparsity", "0.25", "--data", data,
               "--samples", "8", "--save-dtype", "bf16", "--quiet"]  # fmt: skip
-    run("prune", fp8, *common, "--output", tmp_path / "out")
-    run("prune", ref, *common, "--output", tmp_path / "ref_out")
+    run_cli("prune", fp8, *common, "--output", tmp_path / "out")
+    run_cli("prune", ref, *common, "--output", tmp_path / "ref_out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in config
-    assert {t.dtype for t in stored(tmp_path / "out").values()} == {torch.bfloat16}
+    assert {t.dtype for t in stored_tensors(tmp_path / "out").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "out" / "report.json").read_text())["save_dtype"] == "bfloat16"
     for file in (tmp_path / "out").glob("*.safetensors"):
         assert file.read_bytes() == (tmp_path / "ref_out" / file.name).read_bytes()
@@ -171,9 +141,9 @@ def test_dequantized_save_on_request_runs_every_method(checkpoints, tmp_path):
 def test_recipe_repeats_an_fp8_prune(checkpoints, tmp_path):
     _, fp8, _, data = checkpoints
     first, again = tmp_path / "first", tmp_path / "again"
-    run("prune", fp8, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
+    run_cli("prune", fp8, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
         "--quiet", "--output", first)  # fmt: skip
-    run("prune", fp8, "--config", first / "recipe.json", "--quiet", "--output", again)
+    run_cli("prune", fp8, "--config", first / "recipe.json", "--quiet", "--output", again)
     for file in first.glob("*.safetensors"):
         assert file.read_bytes() == (again / file.name).read_bytes()
 
@@ -184,9 +154,9 @@ def test_eval_of_fp8_models_is_the_dequantized_models(checkpoints, tmp_path):
     figures = {}
     for name, source in (("fp8", fp8), ("ref", ref)):
         out = tmp_path / f"{name}_out"
-        run("prune", source, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
+        run_cli("prune", source, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
             "--quiet", "--output", out)  # fmt: skip
-        run("eval", out, "-r", source, "--data", data, "--samples", "8", "--metrics", "esap,kl,nll,size",
+        run_cli("eval", out, "-r", source, "--data", data, "--samples", "8", "--metrics", "esap,kl,nll,size",
             "--no-plots", "--quiet", "--output", tmp_path / f"{name}.json")  # fmt: skip
         figures[name] = json.loads((tmp_path / f"{name}.json").read_text())["models"][0]
     assert figures["fp8"]["per_data"] == figures["ref"]["per_data"]
@@ -204,8 +174,8 @@ def test_target_size_on_fp8_counts_fp8_bytes_and_keeps_the_format(checkpoints, t
     weights = sum(f.stat().st_size for f in fp8.glob("*.safetensors"))
     target = int(weights * 0.97)  # within reach of every family (deepseek_v3 routes a small share of its bytes)
     common = ["--criterion", "frequency", "--target-size", target, "--data", data, "--samples", "8", "--quiet"]
-    run("prune", fp8, *common, "--output", tmp_path / "loaded")
-    run("prune", fp8, *common, "--no-load", "--output", tmp_path / "no_load")
+    run_cli("prune", fp8, *common, "--output", tmp_path / "loaded")
+    run_cli("prune", fp8, *common, "--no-load", "--output", tmp_path / "no_load")
     loaded, no_load = (json.loads((tmp_path / n / "report.json").read_text()) for n in ("loaded", "no_load"))
     assert 0 < loaded["sparsity"] <= no_load["sparsity"]
     for name in ("loaded", "no_load"):
@@ -227,8 +197,8 @@ def test_per_layer_counts_keep_fp8_in_moeprune_format(checkpoints, tmp_path, all
         pytest.skip("0.28125 splits unevenly over qwen3_moe's 4 layers of 8 experts only")
     sparsity = [] if "--sparsity" in allocation else ["--sparsity", "0.25"]
     common = ["--criterion", "frequency", *sparsity, *allocation, "--data", data, "--samples", "8", "--quiet"]
-    run("prune", fp8, *common, "--output", tmp_path / "out")
-    run("prune", ref, *common, "--output", tmp_path / "ref_out")
+    run_cli("prune", fp8, *common, "--output", tmp_path / "out")
+    run_cli("prune", ref, *common, "--output", tmp_path / "ref_out")
     out, ref_out = tmp_path / "out", tmp_path / "ref_out"
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
@@ -239,10 +209,10 @@ def test_per_layer_counts_keep_fp8_in_moeprune_format(checkpoints, tmp_path, all
         pytest.skip(f"this family's plan came out uniform ({counts}): a stock result, tested above")
     assert report["format"] == "moeprune" and config["model_type"].startswith("moeprune_")
     assert config["quantization_config"] == json.loads((fp8 / "config.json").read_text())["quantization_config"]
-    fp8_tensors = [t for t in stored(out).values() if t.dtype == torch.float8_e4m3fn]
-    source = {raw(t) for t in stored(fp8).values() if t.dtype == torch.float8_e4m3fn}
-    assert fp8_tensors and all(raw(t) in source for t in fp8_tensors)  # the input's bytes
-    assert torch.equal(logits(load_pretrained(out)), logits(load_pretrained(ref_out)))
+    fp8_tensors = [t for t in stored_tensors(out).values() if t.dtype == torch.float8_e4m3fn]
+    source = {raw_bytes(t) for t in stored_tensors(fp8).values() if t.dtype == torch.float8_e4m3fn}
+    assert fp8_tensors and all(raw_bytes(t) in source for t in fp8_tensors)  # the input's bytes
+    assert torch.equal(fixed_logits(load_pretrained(out)), fixed_logits(load_pretrained(ref_out)))
 
     from transformers import AutoModelForCausalLM
 

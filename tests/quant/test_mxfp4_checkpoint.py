@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from helpers import stock_from_pretrained
+from helpers import fixed_logits, run_cli, stock_from_pretrained
 from moeprune.checkpoint import load_model, load_pretrained
-from moeprune.cli.main import main
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_dequantized_checkpoint, save_mxfp4_checkpoint
@@ -28,11 +26,6 @@ from moeprune.quant.testing import save_dequantized_checkpoint, save_mxfp4_check
 pytestmark = pytest.mark.integration
 
 
-def run(*args, ok: bool = True):
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    if ok:
-        assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +42,6 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path, Path]:
     return root / "mxfp4", root / "ref", data
 
 
-def logits(model) -> torch.Tensor:
-    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(ids).logits.float()
 
 
 def test_the_checkpoint_is_gpt_oss_release_layout(checkpoints):
@@ -73,7 +62,7 @@ def test_loaded_mxfp4_model_is_its_dequantized_checkpoint(checkpoints):
     expected, _ = load_model(ref, dtype="float32")
     a, b = got.state_dict(), expected.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(logits(got), logits(expected))
+    assert torch.equal(fixed_logits(got), fixed_logits(expected))
 
 
 def test_stock_transformers_reads_the_format_as_we_do(checkpoints):
@@ -92,8 +81,8 @@ def test_stock_transformers_reads_the_format_as_we_do(checkpoints):
 def test_observed_scores_are_the_dequantized_models(checkpoints, tmp_path, mode):
     mxfp4, ref, data = checkpoints
     common = ["--criterion", "ean", "--data", data, "--samples", "8", "--quiet", *mode]
-    run("score", mxfp4, *common, "--output", tmp_path / "q.json")
-    run("score", ref, *common, "--output", tmp_path / "r.json")
+    run_cli("score", mxfp4, *common, "--output", tmp_path / "q.json")
+    run_cli("score", ref, *common, "--output", tmp_path / "r.json")
     got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
     assert got["layers"] == expected["layers"]
 
@@ -102,19 +91,19 @@ def test_dequantized_save_on_request(checkpoints, tmp_path):
     mxfp4, ref, data = checkpoints
     common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8",
               "--save-dtype", "fp32", "--quiet"]  # fmt: skip
-    run("prune", mxfp4, *common, "--output", tmp_path / "q")
-    run("prune", ref, *common, "--output", tmp_path / "r")
+    run_cli("prune", mxfp4, *common, "--output", tmp_path / "q")
+    run_cli("prune", ref, *common, "--output", tmp_path / "r")
     assert "quantization_config" not in json.loads((tmp_path / "q" / "config.json").read_text())
-    assert torch.equal(logits(load_pretrained(tmp_path / "q")), logits(load_pretrained(tmp_path / "r")))
+    assert torch.equal(fixed_logits(load_pretrained(tmp_path / "q")), fixed_logits(load_pretrained(tmp_path / "r")))
 
 
 def test_uniform_drop_keeps_mxfp4_from_the_input_bytes(checkpoints, tmp_path):
     mxfp4, ref, data = checkpoints
     out, no_load, ref_out = tmp_path / "out", tmp_path / "no_load", tmp_path / "ref_out"
     common = ["--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--samples", "8", "--quiet"]
-    run("prune", mxfp4, *common, "--output", out)
-    run("prune", mxfp4, *common, "--no-load", "--output", no_load)  # observed layer by layer
-    run("prune", ref, *common, "--output", ref_out)
+    run_cli("prune", mxfp4, *common, "--output", out)
+    run_cli("prune", mxfp4, *common, "--no-load", "--output", no_load)  # observed layer by layer
+    run_cli("prune", ref, *common, "--output", ref_out)
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
     assert json.loads((out / "config.json").read_text())["quantization_config"] == json.loads(
@@ -137,7 +126,7 @@ def test_uniform_drop_keeps_mxfp4_from_the_input_bytes(checkpoints, tmp_path):
             assert after[key].dtype == torch.uint8 and torch.equal(after[key], before[key][kept]), key
     # reloaded, the mxfp4 result is the pruned dequantized model, exactly; stock transformers agrees
     ours = load_pretrained(out)
-    assert torch.equal(logits(ours), logits(load_pretrained(ref_out)))
+    assert torch.equal(fixed_logits(ours), fixed_logits(load_pretrained(ref_out)))
     try:
         stock = stock_from_pretrained(out, dtype=torch.float32)
     except (ImportError, AttributeError, ValueError):  # no CPU MXFP4 path in this transformers
@@ -161,7 +150,7 @@ def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tm
     mxfp4, _, data = checkpoints
     out = tmp_path / ("s.json" if args[0] == "score" else "out")
     extra = [] if "aimer" in args else ["--data", data]
-    done = run(args[0], mxfp4, *args[1:], *extra, "--output", out, "--quiet", ok=False)
+    done = run_cli(args[0], mxfp4, *args[1:], *extra, "--output", out, "--quiet", ok=False)
     assert done.exit_code == 2, done.output
     assert done.output.count("\n") == 1 and expected in done.output, done.output
     assert not out.exists()

@@ -22,9 +22,10 @@ import torch
 import transformers
 from click.testing import CliRunner
 from packaging.version import Version
-from safetensors import safe_open
 
 from helpers import assert_logits_close, stock_from_pretrained
+from helpers import raw_bytes as raw
+from helpers import stored_tensors as stored
 from moeprune.cli.main import main
 from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_dequantized_checkpoint, save_fp8_checkpoint
@@ -64,17 +65,8 @@ def checkpoints(request, tmp_path_factory) -> tuple[str, Path, Path]:
     return request.param, root / "fp8", root / "ref"
 
 
-def stored(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a folder, as raw bytes (uint8) with its dtype name and shape."""
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - not a dict
-    return out
 
 
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def load_fp8(path):

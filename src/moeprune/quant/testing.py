@@ -14,7 +14,8 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,65 @@ def _rewrite_index(folder: Path, weight_map: dict[str, str], total_size: int) ->
     index_file.write_text(json.dumps(index, indent=2) + "\n")
 
 
+@dataclass
+class _Quantizer:
+    """What one format's writer does: `encode(name, tensor)` gives the stored tensors of an
+    eligible weight (None: not quantized), `config` the quantization_config written beside them."""
+
+    encode: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None]
+    config: dict[str, Any]
+    what: str  # for the error when nothing was eligible
+
+
+def _write_quantized(
+    model: nn.Module,
+    path: Path,
+    quantizer: _Quantizer,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+) -> Path:
+    """Save `model` normally (its family's on-disk names), then rewrite every shard with each
+    eligible weight replaced by its encoded tensors in the same shard (the others as saved, or in
+    `dtype`), config.json with the quantization_config (and `dtype`), and the index naming exactly
+    the tensors written. `path` is created if need be; files of the same names are replaced."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stock = Path(tmp)
+        sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(stock, **sharding)  # type: ignore[operator]  # a transformers model
+        path.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total_size = quantized = 0
+        for file in sorted(stock.glob("*.safetensors")):
+            tensors, metadata = _read(file)
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in tensors.items():
+                encoded = quantizer.encode(name, tensor)
+                if encoded is not None:
+                    out.update(encoded)
+                    quantized += 1
+                else:
+                    cast = dtype is not None and tensor.is_floating_point()
+                    out[name] = tensor.to(dtype) if cast else tensor
+            save_file(out, str(path / file.name), metadata=metadata)
+            weight_map.update(dict.fromkeys(out, file.name))
+            total_size += _nbytes(out)
+        if not quantized:
+            raise MoePruneError(f"no weight of this {type(model).__name__} is eligible for {quantizer.what}")
+        for file in stock.iterdir():
+            if file.suffix != ".safetensors":
+                shutil.copy2(file, path / file.name)
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = quantizer.config
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _rewrite_index(path, weight_map, total_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
 def save_fp8_checkpoint(
     model: nn.Module,
     path: str | Path,
@@ -123,44 +183,16 @@ def save_fp8_checkpoint(
     names both). `tokenizer` (anything with `save_pretrained`) is saved beside it. `path` is
     created if need be; files of the same names in it are replaced. Returns `path`.
     """
-    path = Path(path)
     linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    with tempfile.TemporaryDirectory() as tmp:
-        stock = Path(tmp)
-        sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-        model.save_pretrained(stock, **sharding)  # type: ignore[operator]  # a transformers model
-        path.mkdir(parents=True, exist_ok=True)
-        weight_map: dict[str, str] = {}
-        total_size = quantized = 0
-        for file in sorted(stock.glob("*.safetensors")):
-            tensors, metadata = _read(file)
-            out: dict[str, torch.Tensor] = {}
-            for name, tensor in tensors.items():
-                if _eligible(name, tensor, linear, skip):
-                    out[name], out[scale_name(name)] = quantize_blocks(tensor, block)
-                    quantized += 1
-                else:
-                    cast = dtype is not None and tensor.is_floating_point()
-                    out[name] = tensor.to(dtype) if cast else tensor
-            save_file(out, str(path / file.name), metadata=metadata)
-            weight_map.update(dict.fromkeys(out, file.name))
-            total_size += _nbytes(out)
-        if not quantized:
-            raise MoePruneError(
-                f"no weight of this {type(model).__name__} is eligible for fp8 (skip={skip!r})"
-            )
-        for file in stock.iterdir():
-            if file.suffix != ".safetensors":
-                shutil.copy2(file, path / file.name)
-        config = json.loads((path / "config.json").read_text())
-        config["quantization_config"] = fp8_quantization_config(block, tuple(skip))
-        if dtype is not None:
-            config["dtype"] = str(dtype).removeprefix("torch.")
-        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _rewrite_index(path, weight_map, total_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path
+
+    def encode(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not _eligible(name, tensor, linear, skip):
+            return None
+        fp8, scale = quantize_blocks(tensor, block)
+        return {name: fp8, scale_name(name): scale}
+
+    quantizer = _Quantizer(encode, fp8_quantization_config(block, tuple(skip)), f"fp8 (skip={skip!r})")
+    return _write_quantized(model, Path(path), quantizer, tokenizer, dtype, max_shard_size)
 
 
 def save_mxfp4_checkpoint(
@@ -170,42 +202,17 @@ def save_mxfp4_checkpoint(
     gpt-oss ships it: every fused expert weight `<name>` [E, in, out] (in a multiple of 32) as
     `quantize_mxfp4`'s `<name>_blocks` and `<name>_scales`, the other tensors as saved (or in
     `dtype`), config.json with gpt-oss's mxfp4 `quantization_config`. Returns `path`."""
-    path = Path(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        stock = Path(tmp)
-        model.save_pretrained(stock)  # type: ignore[operator]  # a transformers model
-        path.mkdir(parents=True, exist_ok=True)
-        weight_map: dict[str, str] = {}
-        total_size = quantized = 0
-        for file in sorted(stock.glob("*.safetensors")):
-            tensors, metadata = _read(file)
-            out: dict[str, torch.Tensor] = {}
-            for name, tensor in tensors.items():
-                if tensor.dim() == 3 and tensor.is_floating_point() and _FUSED_EXPERTS.search(name):
-                    out[name + BLOCKS_SUFFIX], out[name + SCALES_SUFFIX] = quantize_mxfp4(tensor)
-                    quantized += 1
-                else:
-                    cast = dtype is not None and tensor.is_floating_point()
-                    out[name] = tensor.to(dtype) if cast else tensor
-            save_file(out, str(path / file.name), metadata=metadata)
-            weight_map.update(dict.fromkeys(out, file.name))
-            total_size += _nbytes(out)
-        if not quantized:
-            raise MoePruneError(
-                f"this {type(model).__name__} stores no fused 3-D expert weight to make mxfp4"
-            )
-        for file in stock.iterdir():
-            if file.suffix != ".safetensors":
-                shutil.copy2(file, path / file.name)
-        config = json.loads((path / "config.json").read_text())
-        config["quantization_config"] = mxfp4_quantization_config(MXFP4_SKIP)
-        if dtype is not None:
-            config["dtype"] = str(dtype).removeprefix("torch.")
-        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _rewrite_index(path, weight_map, total_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path
+
+    def encode(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if tensor.dim() != 3 or not tensor.is_floating_point() or not _FUSED_EXPERTS.search(name):
+            return None
+        blocks, scales = quantize_mxfp4(tensor)
+        return {name + BLOCKS_SUFFIX: blocks, name + SCALES_SUFFIX: scales}
+
+    quantizer = _Quantizer(
+        encode, mxfp4_quantization_config(MXFP4_SKIP), "mxfp4 (no fused 3-D expert weight)"
+    )
+    return _write_quantized(model, Path(path), quantizer, tokenizer, dtype)
 
 
 def compressed_quantization_config(scheme: str, group_size: int, ignore: Sequence[str]) -> dict[str, Any]:
@@ -271,44 +278,17 @@ def save_compressed_checkpoint(
     `compressed_quantization_config`): every eligible Linear and per-expert weight (`_eligible`,
     skipping the head, embeddings and routers) replaced by its compressed tensors under
     `<module>.weight_*`, the rest as saved. Returns `path`."""
-    path = Path(path)
     linear = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    with tempfile.TemporaryDirectory() as tmp:
-        stock = Path(tmp)
-        model.save_pretrained(stock)  # type: ignore[operator]  # a transformers model
-        path.mkdir(parents=True, exist_ok=True)
-        weight_map: dict[str, str] = {}
-        total_size = quantized = 0
-        for file in sorted(stock.glob("*.safetensors")):
-            tensors, metadata = _read(file)
-            out: dict[str, torch.Tensor] = {}
-            for name, tensor in tensors.items():
-                if _eligible(name, tensor, linear, DEFAULT_SKIP):
-                    module = name.removesuffix(".weight")
-                    out.update(
-                        {f"{module}.{k}": v for k, v in _compressed(tensor, scheme, group_size).items()}
-                    )
-                    quantized += 1
-                else:
-                    out[name] = tensor
-            save_file(out, str(path / file.name), metadata=metadata)
-            weight_map.update(dict.fromkeys(out, file.name))
-            total_size += _nbytes(out)
-        if not quantized:
-            raise MoePruneError(
-                f"no weight of this {type(model).__name__} is eligible for compressed-tensors"
-            )
-        for file in stock.iterdir():
-            if file.suffix != ".safetensors":
-                shutil.copy2(file, path / file.name)
-        config = json.loads((path / "config.json").read_text())
-        ignore = ["lm_head", *(f"re:.*{s}$" for s in DEFAULT_SKIP if s != "lm_head")]
-        config["quantization_config"] = compressed_quantization_config(scheme, group_size, ignore)
-        (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _rewrite_index(path, weight_map, total_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path
+
+    def encode(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not _eligible(name, tensor, linear, DEFAULT_SKIP):
+            return None
+        module = name.removesuffix(".weight")
+        return {f"{module}.{k}": v for k, v in _compressed(tensor, scheme, group_size).items()}
+
+    ignore = ["lm_head", *(f"re:.*{s}$" for s in DEFAULT_SKIP if s != "lm_head")]
+    config = compressed_quantization_config(scheme, group_size, ignore)
+    return _write_quantized(model, Path(path), _Quantizer(encode, config, "compressed-tensors"), tokenizer)
 
 
 def _dequantized(
