@@ -142,8 +142,6 @@ def test_uniform_drop_keeps_mxfp4_from_the_input_bytes(checkpoints, tmp_path):
     [
         (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--method", "neurons"], "holds whole experts"),
         (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--save-dtype", "fp8"], "is mxfp4"),
-        (["prune", "--criterion", "aimer", "--sparsity", "0.25", "--no-load"], "streamed scores read fp8"),
-        (["score", "--criterion", "aimer", "--streaming"], "streamed scores read fp8"),
     ],
 )
 def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tmp_path, args, expected):
@@ -154,3 +152,20 @@ def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tm
     assert done.exit_code == 2, done.output
     assert done.output.count("\n") == 1 and expected in done.output, done.output
     assert not out.exists()
+
+
+def test_streamed_weight_scores_and_the_no_load_drop(checkpoints, tmp_path):
+    """Weight-only scores streamed from the shards decode each expert's codes with their
+    companions: the dequantized checkpoint's streamed scores (the same values summed in the same
+    order: equal to the last bit); the no-load drop they drive writes the loaded pipeline's files."""
+    mxfp4, ref = checkpoints[0], checkpoints[1]
+    run_cli("score", mxfp4, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "q.json")
+    run_cli("score", ref, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "r.json")
+    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
+    assert got["layers"] == expected["layers"]
+    common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
+    run_cli("prune", mxfp4, *common, "--no-load", "--output", tmp_path / "no_load")
+    run_cli("prune", mxfp4, *common, "--output", tmp_path / "loaded")
+    assert json.loads((tmp_path / "no_load" / "config.json").read_text())["quantization_config"]
+    for file in (tmp_path / "loaded").glob("*.safetensors"):
+        assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()

@@ -191,6 +191,20 @@ def logical_shape(fmt: QuantFormat | None, codes: str, stored: StoredTensor) -> 
     return stored.shape
 
 
+def decoder(fmt: QuantFormat | None, key: str) -> Callable[..., torch.Tensor]:
+    """The function that turns the stored tensors of quantized weight `key` (in `pairs` order:
+    the codes first) into its float32 values."""
+    if isinstance(fmt, Fp8Format):
+        return partial(dequantize_blocks, block=fmt.block)
+    if isinstance(fmt, CompressedFormat):
+        scheme = fmt.scheme_of(key.rpartition(".")[0])
+        if scheme.format == "float-quantized":
+            return partial(dequantize_float, scheme=scheme)
+        names = (PACKED, SCALE, SHAPE, ZERO)
+        return lambda *parts: dequantize_packed(dict(zip(names, parts)), scheme)
+    return dequantize_mxfp4
+
+
 class _Dequantized:
     """A quantized weight (its stored tensors), dequantized to float32 when the loader reads it
     (`x[...]`, what transformers' loader does with a safetensors slice): one tensor at a time."""
@@ -236,17 +250,7 @@ class QuantizedSources:
         return keys
 
     def _decode(self, key: str) -> Callable[..., torch.Tensor]:
-        fmt = self.fmt
-        if isinstance(fmt, Fp8Format):
-            return partial(dequantize_blocks, block=fmt.block)
-        if isinstance(fmt, CompressedFormat):
-            module = key.rpartition(".")[0]
-            scheme = fmt.scheme_of(module)
-            if scheme.format == "float-quantized":
-                return partial(dequantize_float, scheme=scheme)
-            names = (PACKED, SCALE, SHAPE, ZERO)
-            return lambda *parts: dequantize_packed(dict(zip(names, parts)), scheme)
-        return dequantize_mxfp4
+        return decoder(self.fmt, key)
 
     def sources(self, keys: list[str], stack: ExitStack) -> dict[str, Any]:
         """key -> a slice transformers' loader reads (`[...]`), quantized weights dequantized on

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,15 +42,13 @@ from moeprune.checkpoint import (
     load_config,
 )
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header, shard_names
-from moeprune.checkpoint.quantized import coded_pairs, fp8_scales, logical_shape, quantization_format
-from moeprune.checkpoint.structure import read_config_dict
+from moeprune.checkpoint.quantized import coded_pairs, decoder, fp8_scales, logical_shape, quantization_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer
 from moeprune.models.classes import model_class
 from moeprune.models.spec import FamilySpec
 from moeprune.quant.fp8 import Fp8Format
-from moeprune.quant.support import quantization_of
 
 
 # --------------------------------------------------------------------------- checkpoint naming
@@ -147,6 +146,8 @@ class LayerLayout:
     experts: dict[str, ExpertParam]  # by parameter name on the experts module
     router: dict[str, tuple[str, int]]  # router tensor path -> (checkpoint key, expert dim)
     fp8: Fp8Format | None = None  # the checkpoint's block-scaled fp8 format, when it has one
+    # codes key -> (companion keys, the function decoding codes + companions): mxfp4, compressed-tensors
+    coded: dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]] = field(default_factory=dict)
 
 
 def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEModel:
@@ -160,19 +161,6 @@ def meta_model(path: str | Path, config: PretrainedConfig | None = None) -> MoEM
     with torch.device("meta"):
         model = model_class(config)._from_config(config)
     return MoEModel(model)
-
-
-def refuse_coded_reading(layout: CheckpointLayout) -> None:
-    """Streamed scores read expert bytes as floats (or fp8 blocks); mxfp4 and compressed-tensors
-    codes are refused in one line naming the paths that read them (they load, or observe layer by
-    layer, and dequantize)."""
-    if layout.companions:
-        described = quantization_of(read_config_dict(layout.path))
-        raise MoePruneError(
-            f"{layout.path} is quantized ({described}); streamed scores read fp8 or full-precision weights only: "
-            "score it loaded or layer by layer (a calibration criterion, or without --streaming)",
-            options=("streaming",),
-        )
 
 
 class CheckpointLayout:
@@ -190,7 +178,7 @@ class CheckpointLayout:
                 f"{str(self.path)!r} is in moeprune's own format (per-layer expert counts); streaming reads stock "
                 "checkpoints: load it with moeprune.load_pretrained instead"
             )
-        fmt = quantization_format(self.path)
+        fmt = self.fmt = quantization_format(self.path)
         self.fp8 = fmt if isinstance(fmt, Fp8Format) else None
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
@@ -267,7 +255,9 @@ class CheckpointLayout:
             if not keys:
                 raise MoePruneError(f"checkpoint {self.path} has no tensor for router parameter {internal}")
             router[path] = (keys[0], dim)
-        return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8)
+        keys = {k for p in params.values() for k in ([p.fused] if p.fused else [k for e in p.parts for k in p.keys(e)])}
+        coded = {k: (self.companions[k], decoder(self.fmt, self.coded[k])) for k in keys if k in self.companions}
+        return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8, coded)
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
         if param.fused is not None:

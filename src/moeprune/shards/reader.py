@@ -17,7 +17,7 @@ from moeprune.checkpoint.files import StoredTensor
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer
 from moeprune.quant.fp8 import dequantize_blocks
-from moeprune.shards.layout import CheckpointLayout, LayerLayout, refuse_coded_reading
+from moeprune.shards.layout import CheckpointLayout, LayerLayout
 
 SUMMED = ("gate_up_proj", "up_proj", "down_proj")  # the expert parameters gate, up and down come from
 
@@ -103,8 +103,24 @@ class SafetensorsExperts:
         dequantized (float32, the spec's numbers), as transformers holds them after loading."""
         param = self.layout.experts[name]
         if param.fused is not None:
+            if param.fused in self.layout.coded:
+                return [self.decoded(name, param.fused, expert)]
             return [self._dequantized(param.fused, self._shards.row(param.fused, expert), name, expert)]
-        return [self._dequantized(k, self._shards.tensor(k), name, expert) for k in param.keys(expert)]
+        return [
+            self.decoded(name, k, expert)
+            if k in self.layout.coded
+            else self._dequantized(k, self._shards.tensor(k), name, expert)
+            for k in param.keys(expert)
+        ]
+
+    def decoded(self, name: str, key: str, expert: int) -> torch.Tensor:
+        """Stored piece `key` of `experts.<name>[expert]` kept as codes with companions (mxfp4,
+        compressed-tensors), decoded to float32: the expert's row of fused codes and of their
+        companions, or its own tensors; only that expert's bytes are read."""
+        companions, decode = self.layout.coded[key]
+        if key == self.layout.experts[name].fused:
+            return decode(*(self._shards.row(k, expert) for k in (key, *companions)))
+        return decode(*(self._shards.tensor(k) for k in (key, *companions)))
 
     def scale_grid(self, name: str, key: str, expert: int) -> torch.Tensor | None:
         """The fp8 scale grid of stored piece `key` of `experts.<name>[expert]` (its expert's row
@@ -168,6 +184,5 @@ class SafetensorsExperts:
 def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:
     """One lazy expert-weight source per MoE layer of a checkpoint folder (weights stay on disk)."""
     layout = CheckpointLayout(path)
-    refuse_coded_reading(layout)
     shards = ShardReader(layout.path, layout.tensors)
     return [SafetensorsExperts(lay, shards) for lay in layout.layers]

@@ -94,6 +94,10 @@ class _Sums:
         pieces are dequantized block-row by block-row)."""
         for name in source.summed_names:
             for key, start, length in source.stored_ranges(name, expert):
+                if key in source.layout.coded:  # mxfp4 / compressed-tensors: the expert's piece decoded
+                    for chunk in source.decoded(name, key, expert).reshape(-1).split(_BLOCK):
+                        self._add(chunk)
+                    continue
                 scale = source.scale_grid(name, key, expert)
                 if scale is not None:
                     self._add_fp8(source, key, start, scale)
