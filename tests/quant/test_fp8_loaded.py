@@ -219,3 +219,38 @@ def test_per_layer_counts_keep_fp8_in_moeprune_format(checkpoints, tmp_path, all
     with pytest.raises(Exception, match="keeps its input's fp8 weights") as caught:
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert "moeprune.load_pretrained" in str(caught.value)
+
+
+def test_sharded_fp8_with_scales_in_their_own_shard(tmp_path):
+    """Releases are sharded, and a scale need not sit in its weight's shard: here every
+    `weight_scale_inv` is moved to a shard of its own. The loaded model is still the dequantized
+    checkpoint's, and a drop writes a sharded fp8 result whose index names every tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer))
+    fp8, ref = tmp_path / "fp8", tmp_path / "ref"
+    save_fp8_checkpoint(model, fp8, block=BLOCK, tokenizer=tokenizer, max_shard_size="20KB")
+    save_dequantized_checkpoint(fp8, ref, dtype=torch.float32)
+    index_file = fp8 / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    scales = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(fp8 / shard)
+        scales.update({k: tensors.pop(k) for k in list(tensors) if k.endswith("_scale_inv")})
+        save_file(tensors, str(fp8 / shard), metadata={"format": "pt"})
+    save_file(scales, str(fp8 / "model-scales.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(scales, "model-scales.safetensors"))
+    index_file.write_text(json.dumps(index))
+
+    got, _ = load_model(fp8, dtype="float32")
+    expected, _ = load_model(ref, dtype="float32")
+    assert torch.equal(fixed_logits(got), fixed_logits(expected))
+    out = tmp_path / "out"
+    run_cli("prune", fp8, "--criterion", "aimer", "--sparsity", "0.25", "--quiet", "--output", out)
+    written = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(written) == set(stored_tensors(out)) and any(k.endswith("_scale_inv") for k in written)
+    ref_out = tmp_path / "ref_out"
+    run_cli("prune", ref, "--criterion", "aimer", "--sparsity", "0.25", "--quiet", "--output", ref_out)
+    assert torch.equal(fixed_logits(load_pretrained(out)), fixed_logits(load_pretrained(ref_out)))
