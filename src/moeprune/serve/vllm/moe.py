@@ -113,13 +113,13 @@ class GroupTable(nn.Module):
 
     def __init__(self, layer: LayerStructure, groups: tuple[WidthGroup, ...]):
         super().__init__()
-        group = torch.full((layer.num_experts,), -1, dtype=torch.long)
-        local = torch.zeros(layer.num_experts, dtype=torch.long)
+        group, local = [-1] * layer.num_experts, [0] * layer.num_experts
         for g, members in enumerate(groups):
             for index, position in enumerate(members.positions):
                 group[position], local[position] = g, index
-        self.register_buffer("group", group, persistent=False)
-        self.register_buffer("local", local, persistent=False)
+        # built in Python and made tensors at once: vLLM constructs models on the target device
+        self.register_buffer("group", torch.tensor(group, dtype=torch.long), persistent=False)
+        self.register_buffer("local", torch.tensor(local, dtype=torch.long), persistent=False)
 
     def split(
         self, weights: torch.Tensor, positions: torch.Tensor, group: int
@@ -174,7 +174,8 @@ class PrunedMoERunner(MoERunner):
         super().__init__(*args, **kwargs)
         self.novices = novices
         self.groups = groups
-        self.width_groups = nn.ModuleList(width_groups)
+        self.width_groups = nn.ModuleList(width_groups)  # registered: named, loaded and processed by vLLM
+        self._blocks = tuple(width_groups)  # the same modules, typed
         if (
             novices is not None and self.moe_config.skip_final_all_reduce
         ):  # pragma: no cover - none of the served families asks for it
@@ -198,7 +199,7 @@ class PrunedMoERunner(MoERunner):
         shared, fused = super()._apply_quant_method(
             hidden_states, router_logits, shared_experts_input, input_ids, shared_experts_overlapping
         )
-        if not self.width_groups:
+        if not self._blocks:
             return shared, fused
         if not isinstance(fused, torch.Tensor):
             raise FormatError(
@@ -206,7 +207,7 @@ class PrunedMoERunner(MoERunner):
             )
         assert isinstance(self.router, GroupRouter) and self.groups is not None
         weights, positions = self.router.route(hidden_states, router_logits, None, input_ids)
-        for g, experts in enumerate(self.width_groups, start=1):
+        for g, experts in enumerate(self._blocks, start=1):
             experts._ensure_moe_quant_config_init()
             group_weights, ids = self.groups.split(weights, positions, g)
             dtype = experts.quant_method.topk_indices_dtype
