@@ -12,7 +12,13 @@ LOGPROB_ATOL is 2e-4: vLLM's fused-MoE, attention and MLA kernels sum in other o
 transformers (the worst difference measured on these models is 1.9e-5), while a plugin bug moves
 logprobs by far more. Checked by breaking the plugin on purpose while writing this test: without
 the novice term the novice outputs moved by 0.5 to 1.4; with the novice term missing DeepSeek's
-routed_scaling_factor, by 0.2 to 0.5; with the padding neurons non-zero, the TENP output by 0.9.
+routed_scaling_factor, by 0.2 to 0.5; with the padding neurons non-zero, the TENP output by 0.9;
+with width groups not masking the other groups' picks, the TENP output's greedy tokens differ.
+
+Mixed-width outputs (TENP, and "widths": TENP cut further to many widths per layer) are served
+as width groups; the driver also counts the parameters of the model vLLM built (when its loader
+starts, before the CPU build repacks weights for its kernels), which must be the packed size
+plus the padding inside the groups, `served_parameter_count`.
 
 The tiny models respect the CPU build's limits (attention head_dim 64, DeepSeek MLA with
 kv_lora_rank 512 and qk_rope_head_dim 64). Six of the first MoE layer's experts get weights of
