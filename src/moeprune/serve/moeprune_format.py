@@ -154,7 +154,7 @@ class LayerStructure:
 
     @property
     def width(self) -> int:
-        """The widest expert of the layer (what one fused block of the layer must hold)."""
+        """The widest expert of the layer (its first width group's width)."""
         return max(w for w in self.widths if w is not None)
 
     def fused_index(self, position: int) -> int:

@@ -77,7 +77,9 @@ class _MoePruneForCausalLM(_VllmCausalLM):
     def _fused_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Router positions -> fused expert indices, narrow experts zero-padded, novices taken out."""
+        """Experts zero-padded to their width group's width: the first group's renamed to their
+        index in the layer's own block (for the family's loader), the others' put into their
+        blocks here; novices taken out."""
         for name, tensor in weights:
             match = _EXPERT.search(name)
             layer = self._moeprune_layout.get(int(match.group(1))) if match else None
