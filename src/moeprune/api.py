@@ -56,8 +56,8 @@ from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,
     kept_rows,
-    padded_parameters,
     routed_parameters,
+    served_parameters,
 )
 from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
 
@@ -239,7 +239,7 @@ def prune(
     )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin
         report.serving = (
-            Serving(vllm_padded_parameters=padded_parameters(moe)["total"])
+            Serving.of(served_parameters(moe)["total"])
             if moe.model_type in SERVED_FAMILIES
             else Serving(vllm_refused=refusal(moe.model_type))
         )

@@ -12,7 +12,13 @@ LOGPROB_ATOL is 2e-4: vLLM's fused-MoE, attention and MLA kernels sum in other o
 transformers (the worst difference measured on these models is 1.9e-5), while a plugin bug moves
 logprobs by far more. Checked by breaking the plugin on purpose while writing this test: without
 the novice term the novice outputs moved by 0.5 to 1.4; with the novice term missing DeepSeek's
-routed_scaling_factor, by 0.2 to 0.5; with the padding neurons non-zero, the TENP output by 0.9.
+routed_scaling_factor, by 0.2 to 0.5; with the padding neurons non-zero, the TENP output by 0.9;
+with width groups not masking the other groups' picks, the TENP output's greedy tokens differ.
+
+Mixed-width outputs (TENP, and "widths": TENP cut further to many widths per layer) are served
+as width groups; the driver also counts the parameters of the model vLLM built (when its loader
+starts, before the CPU build repacks weights for its kernels), which must be the packed size
+plus the padding inside the groups, `served_parameter_count`.
 
 The tiny models respect the CPU build's limits (attention head_dim 64, DeepSeek MLA with
 kv_lora_rank 512 and qk_rope_head_dim 64). Six of the first MoE layer's experts get weights of
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,7 +92,14 @@ KINDS = {  # kind: (prune arguments, expected format)
     "tenp": (dict(criterion="tenp", sparsity=0.25, method="tenp"), "moeprune"),
 }
 EXTRA_KINDS = ("global", "novice", "tenp")  # per-layer counts, novices and widths for the other families
+# "widths": the TENP output with each expert cut further to its own width (WIDTH_FACTORS in turn),
+# so a layer has more distinct widths than MAX_WIDTH_GROUPS: some merge within the tolerance
+# (32 and 31), the rest by the cap. A moeprune-format folder as `save_pretrained` would write it
+# for per-expert neuron widths, which no surgery method makes on its own today.
+WIDTH_FACTORS = (1.0, 0.97, 0.75, 0.5, 0.3, 0.15)
+WIDTH_KINDS = ("tenp", "widths")  # outputs whose layers mix widths: served as width groups
 CASES = [(f, k) for f in FAMILIES for k in KINDS if f in TESTED or k in EXTRA_KINDS]
+CASES += [(f, "widths") for f in TESTED]
 # vLLM 0.32's CPU rotary kernel (_C.rotary_embedding) rotates a 3-D query [tokens, heads, dim]
 # wrongly (2-D input is right); DeepSeek's MLA passes one, so its stock models run the kernel off
 # here (the Python path is exact). Not moeprune's to fix: see the plugin's report.
@@ -100,8 +114,33 @@ import gc, json, os, sys, time
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # an explicit, small KV cache is passed below
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+ALLOCATED = {}
+
+def record_allocation():
+    # Parameters of the model vLLM built, counted when its loader starts (after construction,
+    # before the weights arrive): vLLM's CPU build repacks linear layers and aligns fused-MoE
+    # widths to 32 after loading, a kernel layout that is not the model's.
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    original = DefaultModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        params = dict(model.named_parameters())
+        config = model_config.hf_text_config
+        vocab, hidden = config.vocab_size, config.hidden_size
+        ALLOCATED[model_config.model] = {
+            "parameters": sum(p.numel() for p in params.values()),
+            # vLLM pads the vocabulary of embed_tokens / lm_head to a multiple of 64
+            "vocab_padding": sum((p.shape[0] - vocab) * hidden for n, p in params.items()
+                                 if n.endswith(("embed_tokens.weight", "lm_head.weight"))),
+            "width_group_blocks": sum(".width_groups." in n and n.endswith("w2_weight") for n in params),
+        }
+        return original(self, model, model_config)
+
+    DefaultModelLoader.load_weights = load_weights
+
 def main():
     from vllm import LLM, SamplingParams
+    record_allocation()
     spec = json.load(open(sys.argv[1]))
     params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, logprobs=spec["logprobs"],
                             ignore_eos=True)
@@ -117,6 +156,7 @@ def main():
         out["models"][path] = {
             "seconds": time.time() - start,
             "architecture": engine.llm_engine.model_config.architectures[0],
+            "allocated": ALLOCATED.get(path),
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "logprobs": [[{str(t): lp.logprob for t, lp in step.items()} for step in r.outputs[0].logprobs]
                          for r in results],
@@ -185,7 +225,35 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 config = json.loads(config_path.read_text())
                 assert config.pop("scoring_func") == "sigmoid" and config.pop("topk_method") == "noaux_tc"
                 config_path.write_text(json.dumps(config, indent=2))
+        if (family, "widths") in CASES:
+            made[family, "widths"] = _narrowed(made[family, "tenp"], root / family / "widths")
     return made
+
+
+def _narrowed(source: Path, folder: Path) -> Path:
+    """`source` (moeprune's format) with router position p of every layer cut to its first
+    round(width * WIDTH_FACTORS[p % 6]) neurons: gate and up rows, down columns, config widths."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    cut = {}
+    for entry in config["moeprune"]["layers"]:
+        entry["widths"] = [None if w is None else max(1, round(w * WIDTH_FACTORS[p % len(WIDTH_FACTORS)]))
+                           for p, w in enumerate(entry["widths"])]  # fmt: skip
+        cut.update({(entry["layer"], p): w for p, w in enumerate(entry["widths"]) if w is not None})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    expert = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(\w+)\.weight$")
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, tensor in tensors.items():
+            match = expert.search(name)
+            if match and (int(match.group(1)), int(match.group(2))) in cut:
+                width = cut[int(match.group(1)), int(match.group(2))]
+                down = match.group(3) in ("down_proj", "w2")
+                tensors[name] = (tensor[:, :width] if down else tensor[:width]).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return folder
 
 
 def _unserved(tmp_path_factory, family: str, architecture: str) -> Path:
@@ -275,7 +343,7 @@ def _greedy_and_logprobs(model, prompt: list[int], continuation: list[int]) -> t
 @pytest.mark.parametrize("family,kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_vllm_serves_like_moeprune(family, kind, served, outputs):
     path = outputs[family, kind]
-    expected_format = KINDS[kind][1]
+    expected_format = KINDS[kind][1] if kind in KINDS else "moeprune"
     assert _is_moeprune_format(path) == (expected_format == "moeprune"), (
         f"{family} {kind} was expected to give a {expected_format} checkpoint; change the test model or settings"
     )
@@ -382,28 +450,72 @@ def test_without_the_plugin_vllm_refuses(outputs, vllm_python, tmp_path):
     assert "moeprune_qwen3_moe" in log or "trust_remote_code" in log, _tail(tmp_path / "log.txt")
 
 
-def test_padded_parameter_count(outputs):
-    """What vLLM holds for a result: what is stored plus the zero neurons padding each layer to its
-    widest expert; the same figure the pipeline writes into report.json for the model card."""
+def _stored(path: Path, experts_only: bool = False) -> int:
     from safetensors.torch import load_file
 
-    from moeprune.serve.vllm.layout import padded_parameter_count
+    return sum(t.numel() for shard in path.glob("*.safetensors") for name, t in load_file(shard).items()
+               if not experts_only or ".experts." in name)  # fmt: skip
 
-    def stored(path: Path) -> int:
-        return sum(t.numel() for shard in path.glob("*.safetensors") for t in load_file(shard).values())
+
+def _group_padding(path: Path, **rule) -> int:
+    """Zero-neuron parameters (gate, up and down) padding each expert to its width group's width."""
+    from moeprune.serve.moeprune_format import width_groups
+
+    config = json.loads((path / "config.json").read_text())
+    padding = 0
+    for entry in config["moeprune"]["layers"]:
+        widths = entry["widths"]
+        for group in width_groups(widths, **rule):
+            padding += sum(3 * config["hidden_size"] * (group.width - widths[p]) for p in group.positions)
+    return padding
+
+
+def test_served_parameter_count(outputs):
+    """What vLLM holds for a result: what is stored plus the zero neurons padding each expert to
+    its width group's width; the same figure the pipeline writes into report.json for the model
+    card (under both names)."""
+    from safetensors.torch import load_file
+
+    from moeprune.serve.vllm.layout import padded_parameter_count, served_parameter_count
 
     path = outputs["qwen3_moe", "tenp"]
-    config = json.loads((path / "config.json").read_text())
-    widths = [[w for w in entry["widths"] if w] for entry in config["moeprune"]["layers"]]
-    padding = sum(3 * config["hidden_size"] * (max(layer) - w) for layer in widths for w in layer)
-    assert padding > 0
-    assert padded_parameter_count(path) == stored(path) + padding
+    assert served_parameter_count(path) == padded_parameter_count(path) == _stored(path) + _group_padding(path)
+    assert _group_padding(path, max_groups=1) > _group_padding(path)  # one block per layer padded more
     stock = outputs["qwen3_moe", "drop"]
-    assert padded_parameter_count(stock) == stored(stock)
-    for path in outputs.values():
+    assert served_parameter_count(stock) == _stored(stock)
+    for (_, kind), path in outputs.items():
         serving = json.loads((path / "report.json").read_text()).get("serving")
-        if serving is not None:  # report.json counts model.parameters(): transformers keeps the
-            # selection bias (DeepSeek-V3, GLM-4) as a buffer, vLLM as a parameter
+        if serving is not None and kind in KINDS:  # report.json counts model.parameters(): transformers
+            # keeps the selection bias (DeepSeek-V3, GLM-4) as a buffer, vLLM as a parameter
             biases = sum(t.numel() for shard in path.glob("*.safetensors")
                          for name, t in load_file(shard).items() if name.endswith("e_score_correction_bias"))  # fmt: skip
-            assert padded_parameter_count(path) == serving["vllm_padded_parameters"] + biases, path
+            assert serving["vllm_parameters"] == serving["vllm_padded_parameters"], path
+            assert served_parameter_count(path) == serving["vllm_parameters"] + biases, path
+
+
+WIDTH_CASES = [(f, k) for f in TESTED for k in WIDTH_KINDS]
+
+
+@pytest.mark.parametrize("family,kind", WIDTH_CASES, ids=[f"{f}-{k}" for f, k in WIDTH_CASES])
+def test_vllm_holds_the_width_grouped_size(family, kind, served, outputs):
+    """The model vLLM built for a mixed-width result holds the packed size plus the padding
+    inside width groups (nothing else, apart from vLLM's own vocabulary padding), with one extra
+    fused block per extra group; TENP results within WIDTH_MERGE_TOLERANCE of the packed experts."""
+    from moeprune.serve.moeprune_format import WIDTH_MERGE_TOLERANCE, width_groups
+    from moeprune.serve.vllm.layout import served_parameter_count
+
+    path = outputs[family, kind]
+    allocated = served["models"][str(path)]["allocated"]
+    assert allocated is not None, "the driver did not see vLLM load this model"
+    held = allocated["parameters"] - allocated["vocab_padding"]
+    assert held == served_parameter_count(path) == _stored(path) + _group_padding(path), (
+        f"{family} {kind}: vLLM holds {held:,} parameters, the width groups give {served_parameter_count(path):,}"
+    )
+    layers = json.loads((path / "config.json").read_text())["moeprune"]["layers"]
+    assert allocated["width_group_blocks"] == sum(len(width_groups(entry["widths"])) - 1 for entry in layers)
+    widest = _group_padding(path, max_groups=1)  # what one block per layer, padded to its widest, held
+    print(f"{family}-{kind}: vLLM holds {held:,} parameters ({_stored(path):,} stored; "
+          f"{_stored(path) + widest:,} with one block per layer)")  # fmt: skip
+    assert _group_padding(path) < widest
+    if kind == "tenp":
+        assert _group_padding(path) <= WIDTH_MERGE_TOLERANCE * _stored(path, experts_only=True)

@@ -197,7 +197,7 @@ def how_to_load(report: PruneReport, name: str) -> list[str]:
             f"```bash\nvllm serve {name}\n```",
         ]
     serving = report.serving or Serving()
-    padded, refused = serving.vllm_padded_parameters, serving.vllm_refused
+    served, refused = serving.parameters, serving.vllm_refused
     lines = [
         "moeprune's format (per-layer expert counts, novices or per-expert widths; "
         "docs/checkpoint-format.md in moeprune): tensors keep the family's usual names.",
@@ -221,11 +221,12 @@ def how_to_load(report: PruneReport, name: str) -> list[str]:
             ]
         ),
     ]
-    if padded:
+    if served:
         lines += [
             "",
-            f"vLLM pads each layer's experts to the widest one with zero neurons: it holds {_n(padded)} "
-            f"parameters, against {_n((report.parameters_after or ParameterCounts()).total)} stored here.",
+            "vLLM serves each layer's experts as a few fused blocks of one width each (experts within 5% "
+            f"of a block's width share it, padded with zero neurons): it holds {_n(served)} parameters, "
+            f"against {_n((report.parameters_after or ParameterCounts()).total)} stored here.",
         ]
     return lines
 

@@ -108,7 +108,8 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
             "change_pct": change(disk.before, disk.after) if disk else None,
         },
         "neurons_per_expert": report.surgery.intermediate_size if report.surgery else None,
-        "vllm_padded_parameters": serving.vllm_padded_parameters,
+        "vllm_parameters": serving.parameters,
+        "vllm_padded_parameters": serving.parameters,  # the former name
         "vllm_refused": serving.vllm_refused,
         "model_type": report.model_type,
         "save_dtype": report.save_dtype,
@@ -184,12 +185,10 @@ def format_lines(facts: dict) -> list[str]:
     target = facts.get("target")
     if target:
         lines.append(target_line(target))
-    if facts["vllm_padded_parameters"]:
-        padded, before = facts["vllm_padded_parameters"], facts["parameters"]["before"]
-        versus = f"{change(before, padded):+.1f}% vs before; " if before else ""
-        lines.append(
-            f"  in vLLM         {padded:,} parameters ({versus}each layer's experts padded to its widest)"
-        )
+    if facts["vllm_parameters"]:
+        served, before = facts["vllm_parameters"], facts["parameters"]["before"]
+        versus = f"{change(before, served):+.1f}% vs before; " if before else ""
+        lines.append(f"  in vLLM         {served:,} parameters ({versus}experts served in width groups)")
     elif facts.get("vllm_refused"):
         lines.append(
             f"  in vLLM         not served: moeprune's plugin does not serve {facts['model_type']} in this format "

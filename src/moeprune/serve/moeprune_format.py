@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
 from numbers import Integral
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -31,6 +33,101 @@ REMAKE = "re-create it with moeprune prune"
 
 class FormatError(ValueError):
     """A moeprune section (or config.json) that cannot be read; the message says what to do."""
+
+
+WIDTH_MERGE_TOLERANCE = Fraction(1, 20)
+"""How much zero-padding an expert may take to share a fused block with wider experts.
+
+An engine whose fused-MoE kernel holds one width per block (vLLM) serves a layer with mixed
+widths as a few blocks ("width groups"), one kernel call each. Every extra group costs a kernel
+launch per layer and token step; every padded neuron costs memory and compute. An expert joins a
+group whose widest expert is at most this fraction of that width wider than it (its padding
+<= 5% of the group's width), so a group's padding adds at most 5% to its bytes while near-equal
+widths (TP-rounded, or a few neurons apart) share one kernel. Exact: the group's widest width
+over the tolerance is compared in integers, so the rule never depends on float rounding."""
+
+MAX_WIDTH_GROUPS = 4
+"""The most width groups (fused blocks) one layer is served as. TENP gives two (whole experts and
+narrowed ones); per-expert neuron widths can give one per expert, which would launch one kernel
+per expert. Past this cap the groups the tolerance found are merged where that adds the fewest
+padded neurons (an exact partition of the sorted widths), trading memory for launches."""
+
+
+@dataclass(frozen=True)
+class WidthGroup:
+    """Weight-holding router positions served as one fused block `width` neurons wide (its widest
+    member; narrower members are padded with zero neurons, exact for the served gated MLPs)."""
+
+    width: int
+    positions: tuple[int, ...]  # router positions, ascending
+
+
+def width_groups(
+    widths: tuple[int | None, ...] | list[int | None],
+    tolerance: Fraction = WIDTH_MERGE_TOLERANCE,
+    max_groups: int = MAX_WIDTH_GROUPS,
+) -> tuple[WidthGroup, ...]:
+    """A layer's weight-holding positions (None widths, novices, hold no weights) split into the
+    fewest width groups such that each expert is padded by at most `tolerance` of its group's
+    width, widest group first; merged further, with the least padding, when more than
+    `max_groups` are needed.
+
+    Greedy from the widest is the fewest groups: each group must start at the widest expert not
+    yet placed and can reach down to (1 - tolerance) of it (covering sorted points with intervals).
+    """
+    if max_groups < 1:
+        raise ValueError("max_groups must be at least 1")
+    counts: dict[int, int] = {}
+    for w in widths:
+        if w is not None:
+            counts[w] = counts.get(w, 0) + 1
+    distinct = sorted(counts, reverse=True)
+    if not distinct:
+        return ()
+    bounds: list[tuple[int, int]] = []  # [start, end) into `distinct`
+    start = 0
+    for i, w in enumerate(distinct):
+        if (distinct[start] - w) > tolerance * distinct[start]:
+            bounds.append((start, i))
+            start = i
+    bounds.append((start, len(distinct)))
+    if len(bounds) > max_groups:
+        bounds = _least_padding_split(distinct, counts, max_groups)
+    groups = []
+    for lo, hi in bounds:
+        members = set(distinct[lo:hi])
+        groups.append(
+            WidthGroup(distinct[lo], tuple(p for p, w in enumerate(widths) if w is not None and w in members))
+        )
+    return tuple(groups)
+
+
+def _least_padding_split(distinct: list[int], counts: dict[int, int], parts: int) -> list[tuple[int, int]]:
+    """The split of `distinct` (descending) into at most `parts` runs with the fewest padded
+    neurons, sum over members of (run's widest - width): dynamic programming over run ends
+    (contiguous runs are optimal: a member padded to a wider group's top never pads less)."""
+    n = len(distinct)
+    members, neurons = [0], [0]  # prefix sums of experts and of their neurons
+    for w in distinct:
+        members.append(members[-1] + counts[w])
+        neurons.append(neurons[-1] + counts[w] * w)
+
+    def cost(lo: int, hi: int) -> int:
+        return distinct[lo] * (members[hi] - members[lo]) - (neurons[hi] - neurons[lo])
+
+    best: dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] = {(0, 0): (0, [])}
+    for k in range(1, parts + 1):
+        for end in range(1, n + 1):
+            options = [
+                (best[k - 1, start][0] + cost(start, end), best[k - 1, start][1] + [(start, end)])
+                for start in range(end)
+                if (k - 1, start) in best
+            ]
+            if options:
+                best[k, end] = min(options, key=lambda o: o[0])
+    return min((best[k, n] for k in range(1, parts + 1) if (k, n) in best), key=lambda o: (o[0], len(o[1])))[
+        1
+    ]
 
 
 @dataclass(frozen=True)
@@ -57,11 +154,17 @@ class LayerStructure:
 
     @property
     def width(self) -> int:
-        """The widest expert of the layer (what one fused block of the layer must hold)."""
+        """The widest expert of the layer (its first width group's width)."""
         return max(w for w in self.widths if w is not None)
 
     def fused_index(self, position: int) -> int:
         return self.weighted.index(position)
+
+    @cached_property
+    def groups(self) -> tuple[WidthGroup, ...]:
+        """The fused blocks an engine with one width per block serves this layer as (width_groups;
+        computed once: loaders ask for every tensor)."""
+        return width_groups(self.widths)
 
     def is_stock(self, full_width: int) -> bool:
         """Whether the stock experts module holds this layer: no novice, every expert at full width."""

@@ -9,7 +9,7 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - packed.py    the storage of layers whose experts differ (novices, per-expert widths)
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
-- parameters.py  parameters kept, per layer and in total, and what serving pads to
+- parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
 """
 
 from __future__ import annotations

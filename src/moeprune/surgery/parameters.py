@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.plan import Plan
+from moeprune.serve.moeprune_format import width_groups
 from moeprune.surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
 
 
@@ -82,18 +83,24 @@ def plan_kept_rows(moe: MoEModel, plan: Plan) -> list[dict]:
     return kept_rows(kept_per_layer(moe), after)
 
 
-def padded_parameters(moe: MoEModel) -> dict[str, int]:
-    """Parameters once each layer's experts are padded to its widest one (what vLLM holds: its
-    fused-MoE kernels need one width per layer; a zero neuron changes no output). Novices hold
+def served_parameters(moe: MoEModel) -> dict[str, int]:
+    """Parameters once each layer's experts are grouped by width and padded to their group's
+    widest (what vLLM holds: its fused-MoE kernel takes one width per block, and the plugin builds
+    one block per width group, `width_groups`; a zero neuron changes no output). Novices hold
     their d-vector, as in moeprune."""
     now = routed_parameters(moe)
     routed = 0
     for m in moe.layers:
         widths = layer_widths(m)
-        holders = [w for w in widths if w is not None]
-        routed += len(holders) * layer_cost(m).params(max(holders, default=0))
-        routed += (len(widths) - len(holders)) * layer_hidden(m)
+        cost = layer_cost(m)
+        routed += sum(len(g.positions) * cost.params(g.width) for g in width_groups(widths))
+        routed += sum(w is None for w in widths) * layer_hidden(m)
     return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}
+
+
+def padded_parameters(moe: MoEModel) -> dict[str, int]:
+    """The former name of `served_parameters` (vLLM padded each layer to its widest expert then)."""
+    return served_parameters(moe)
 
 
 def kept_per_layer(moe: MoEModel) -> list[dict]:

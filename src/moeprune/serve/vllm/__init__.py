@@ -1,8 +1,8 @@
 """Serving moeprune's checkpoint format (docs/checkpoint-format.md) with stock vLLM.
 
-- layout.py   the per-layer structure read from config.json, and the padded parameter count;
+- layout.py   the per-layer structure read from config.json, and the parameters vLLM holds;
               imports neither vLLM nor torch, so moeprune's model card can use it anywhere
-- moe.py      the fused-MoE pieces: per-layer expert counts and widths, the MoNE novice term
+- moe.py      the fused-MoE pieces: per-layer expert counts, width groups, the MoNE novice term
 - models.py   the `MoePrune*ForCausalLM` classes vLLM builds (subclasses of vLLM's own)
 
 moeprune.serve.vllm_plugin registers the classes with vLLM; nothing here is imported until vLLM

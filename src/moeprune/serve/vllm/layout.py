@@ -2,15 +2,17 @@
 
 The `moeprune` section of config.json (docs/checkpoint-format.md, version 3) lists, per MoE
 layer, one width per router position (null for a MoNE novice). vLLM's fused-MoE module holds
-one [experts, 2 * width, hidden] block per layer, so each layer is built with
+one [experts, 2 * width, hidden] block of one width, so each layer is built with
 
-- as many fused experts as it has weight-holding positions (novices hold no expert weights:
-  they are a d-vector each, added outside the fused kernel), and
-- the width of its widest expert, the narrower ones padded with zero neurons. For the gated
-  MLPs of every served family this is exact: silu(0) * 0 = 0 and a zero down-projection
-  column adds nothing.
+- one fused block per width group (`moeprune_format.width_groups`): experts whose widths are
+  within WIDTH_MERGE_TOLERANCE (5%) of the group's widest share a block, at most
+  MAX_WIDTH_GROUPS (4) per layer; a TENP layer is two blocks (whole and narrowed experts);
+- in each block, the group's experts, the narrower ones padded with zero neurons to its width.
+  For the gated MLPs of every served family this is exact: silu(0) * 0 = 0 and a zero
+  down-projection column adds nothing;
+- novices hold no expert weights: a d-vector each, added outside the fused kernel.
 
-This module imports neither torch nor vLLM: moeprune's model card uses `padded_parameter_count`
+This module imports neither torch nor vLLM: moeprune's model card uses `served_parameter_count`
 to print what serving costs next to the packed size on disk.
 """
 
@@ -26,7 +28,9 @@ from moeprune.serve.moeprune_format import (  # noqa: F401  (FORMAT: the plugin'
     ARCHITECTURE_PREFIX,
     FORMAT,
     FORMAT_VERSION,
+    MAX_WIDTH_GROUPS,
     MODEL_TYPE_PREFIX,
+    WIDTH_MERGE_TOLERANCE,
     FormatError,
     LayerStructure,
     parse_section,
@@ -133,17 +137,26 @@ def _decoder_layers(config: dict[str, Any]) -> int | None:
 _EXPERT_TENSOR = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
 
 
-def padded_parameter_count(path: str | Path) -> int:
+def served_parameter_count(path: str | Path) -> int:
     """Parameters vLLM holds for the checkpoint in `path`: what is stored, plus the zero neurons
-    that pad each layer's narrower experts to its widest one (gate, up and down rows/columns).
+    that pad each expert to its width group's width (gate, up and down rows/columns), i.e. the
+    packed size up to WIDTH_MERGE_TOLERANCE per group (more only where MAX_WIDTH_GROUPS merged
+    groups further).
 
-    A stock checkpoint, or a moeprune one without per-expert widths, holds exactly what it
-    stores. (vLLM's CPU kernel further rounds widths up to a multiple of 32; that is the
-    kernel's own alignment, not counted here.)
+    A stock checkpoint, or a moeprune one with one width per layer, holds exactly what it
+    stores. Counted for one GPU: under tensor parallelism each group's width is rounded up to a
+    multiple of the TP size. (vLLM's CPU kernel aligns widths to 32 inside its own
+    computation; its parameters keep the group widths, which is what is counted here.)
     """
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     layout = read_layout(config, str(path / "config.json"))
+    group_width = {
+        (layer.layer, position): group.width
+        for layer in layout.values()
+        for group in layer.groups
+        for position in group.positions
+    }
     total = 0
     for name, shape in _stored_shapes(path).items():
         numel = 1
@@ -151,11 +164,17 @@ def padded_parameter_count(path: str | Path) -> int:
             numel *= size
         total += numel
         match = _EXPERT_TENSOR.search(name)
-        layer = layout.get(int(match.group(1))) if match else None
-        if match and layer is not None:
+        width = group_width.get((int(match.group(1)), int(match.group(2)))) if match else None
+        if match and width is not None:
             narrow = shape[1] if match.group(3) in DOWN_PROJECTIONS else shape[0]
-            total += (numel // narrow) * (layer.width - narrow)
+            total += (numel // narrow) * (width - narrow)
     return total
+
+
+def padded_parameter_count(path: str | Path) -> int:
+    """The former name of `served_parameter_count` (vLLM padded every layer to its widest expert
+    then; it pads within width groups now), kept so existing callers keep working."""
+    return served_parameter_count(path)
 
 
 def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:

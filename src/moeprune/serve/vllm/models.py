@@ -3,11 +3,13 @@
 Each is vLLM's own class for the base family with two additions, shared by every family:
 
 - construction runs inside `per_layer_moe` (moe.py), so every MoE layer gets the checkpoint's
-  expert count, width and novices; everything else (attention, norms, the decoder loop,
+  expert count, width groups and novices; everything else (attention, norms, the decoder loop,
   parallelism, the family's own weight loader) is vLLM's unchanged code;
-- loading renames each weight-holding router position to its fused expert index, pads the
-  narrower experts with zero neurons to the layer's width, and copies novices' mean_output
-  vectors into their layer's table; every novice must be found, like every other weight.
+- loading pads each expert with zero neurons to its width group's width; the first group's
+  experts go to the family's own loader renamed to their index in the layer's fused block, the
+  other groups' into their blocks through vLLM's fused-MoE weight loader (which shards them for
+  tensor parallelism), and novices' mean_output vectors into their layer's table; every novice
+  and every expert of the other groups must be found, like every other weight.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vllm import ModelRegistry
 
 from moeprune.serve.moeprune_format import ARCHITECTURE_PREFIX, FormatError, LayerStructure
 from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, SERVED_FAMILIES, read_layout
-from moeprune.serve.vllm.moe import NoviceTable, per_layer_moe
+from moeprune.serve.vllm.moe import BuiltLayer, per_layer_moe
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
 MEAN_OUTPUT = "mean_output"
@@ -66,20 +68,25 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                 "moeprune's plugin does not know (it was written for vLLM 0.32)"
             )
         self._moeprune_layout = layout
-        self._moeprune_novices = {i: t for i, t in built.items() if t is not None}
+        self._moeprune_built = built
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = set(super().load_weights(self._fused_weights(weights)))
         names = {id(p): n for n, p in self.named_parameters()}
-        for table in self._moeprune_novices.values():
-            table.check_loaded()
-            loaded.add(names[id(table.mean_output)])
+        for record in self._moeprune_built.values():
+            if record.novices is not None:
+                record.novices.check_loaded()
+                loaded.add(names[id(record.novices.mean_output)])
+            _check_blocks_loaded(record)
+            loaded.update(names[id(p)] for block in record.blocks for p in block.parameters())
         return loaded
 
     def _fused_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Router positions -> fused expert indices, narrow experts zero-padded, novices taken out."""
+        """Experts zero-padded to their width group's width: the first group's renamed to their
+        index in the layer's own block (for the family's loader), the others' put into their
+        blocks here; novices taken out."""
         for name, tensor in weights:
             match = _EXPERT.search(name)
             layer = self._moeprune_layout.get(int(match.group(1))) if match else None
@@ -91,16 +98,21 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                 raise FormatError(
                     f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged"
                 )
+            record = self._moeprune_built.get(layer.layer)  # None: the layer lives on another pipeline stage
             if rest == MEAN_OUTPUT:
-                _load_novice(self._moeprune_novices, layer, position, name, tensor)
+                _load_novice(record, layer, position, name, tensor)
                 continue
             if layer.widths[position] is None:
                 raise FormatError(
                     f"{name}: position {position} of layer {layer.layer} is a novice and holds no "
                     "expert weights; the checkpoint is damaged, re-create it with moeprune"
                 )
-            fused = name[: match.start(2)] + str(layer.fused_index(position)) + name[match.end(2) :]
-            yield fused, _padded(tensor, layer, position, rest, name)
+            group, index = _group_of(layer, position)
+            padded = _padded(tensor, layer, position, rest, name, layer.groups[group].width)
+            if group == 0:  # the family's own block: its loader takes it, named by the block's index
+                yield name[: match.start(2)] + str(index) + name[match.end(2) :], padded
+            elif record is not None:
+                _load_into_block(record, group, index, position, rest, name, padded)
 
 
 def _route_like_transformers(family: str, config) -> None:
@@ -122,20 +134,56 @@ def _route_like_transformers(family: str, config) -> None:
             config.n_group, config.topk_group = 1, 1
 
 
-def _load_novice(
-    tables: dict[int, NoviceTable], layer: LayerStructure, position: int, name: str, tensor
-) -> None:
+def _load_novice(record: BuiltLayer | None, layer: LayerStructure, position: int, name: str, tensor) -> None:
     if position not in layer.novices:
         raise FormatError(
             f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged"
         )
-    table = tables.get(layer.layer)
-    if table is not None:  # None: the layer lives on another pipeline stage
-        table.load(position, tensor)
+    if record is not None and record.novices is not None:
+        record.novices.load(position, tensor)
 
 
-def _padded(tensor: torch.Tensor, layer: LayerStructure, position: int, rest: str, name: str) -> torch.Tensor:
-    """An expert matrix widened to the layer's width with zero neurons (exact for gated MLPs)."""
+def _group_of(layer: LayerStructure, position: int) -> tuple[int, int]:
+    """(width group, index inside the group's block) of a weight-holding router position."""
+    for g, group in enumerate(layer.groups):
+        if position in group.positions:
+            return g, group.positions.index(position)
+    raise AssertionError(f"position {position} of layer {layer.layer} holds weights but is in no width group")
+
+
+def _load_into_block(
+    record: BuiltLayer, group: int, index: int, position: int, rest: str, name: str, tensor: torch.Tensor
+) -> None:
+    """One expert matrix of a width group past the first into its block, through vLLM's fused-MoE
+    weight loader (it picks this rank's tensor-parallel slice)."""
+    block = record.blocks[group - 1]
+    projection = rest.split(".")[0]
+    shards = {block.ckpt_gate_proj_name: "w1", block.ckpt_up_proj_name: "w3", block.ckpt_down_proj_name: "w2"}
+    if projection not in shards or not rest.endswith(".weight"):
+        raise FormatError(f"{name}: moeprune's plugin does not know where an expert's {rest!r} goes in vLLM")
+    shard = shards[projection]
+    param = block.w2_weight if shard == "w2" else block.w13_weight
+    block.weight_loader(param, tensor, name, shard_id=shard, expert_id=index)
+    record.loaded.add((position, shard))
+
+
+def _check_blocks_loaded(record: BuiltLayer) -> None:
+    """Every expert of every width group past the first was found, each of its three matrices."""
+    expected = {
+        (p, shard) for group in record.groups[1:] for p in group.positions for shard in ("w1", "w2", "w3")
+    }
+    missing = sorted(expected - record.loaded)
+    if missing:
+        raise FormatError(
+            f"layer {record.layer}: the checkpoint lacks expert weights {missing} (router position, vLLM shard); "
+            "it is incomplete, re-create it with moeprune"
+        )
+
+
+def _padded(
+    tensor: torch.Tensor, layer: LayerStructure, position: int, rest: str, name: str, target: int
+) -> torch.Tensor:
+    """An expert matrix widened to its block's width with zero neurons (exact for gated MLPs)."""
     dim = 1 if rest.split(".")[0] in DOWN_PROJECTIONS else 0
     width = layer.widths[position]
     if tensor.dim() != 2 or tensor.shape[dim] != width:
@@ -143,10 +191,10 @@ def _padded(tensor: torch.Tensor, layer: LayerStructure, position: int, rest: st
             f"{name} has shape {tuple(tensor.shape)} but the moeprune section gives expert {position} of "
             f"layer {layer.layer} {width} neurons; the checkpoint is damaged"
         )
-    if width == layer.width:
+    if width == target:
         return tensor
     shape = list(tensor.shape)
-    shape[dim] = layer.width
+    shape[dim] = target
     padded = tensor.new_zeros(shape)
     padded.narrow(dim, 0, width).copy_(tensor)
     return padded

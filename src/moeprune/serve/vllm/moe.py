@@ -6,18 +6,29 @@ family's vLLM module while moeprune's model class is being constructed, so each 
 
 - a router with one row per router position (novices included), and a selection bias resized
   to match (DeepSeek-V3, GLM-4);
-- fused experts for its weight-holding positions only, as wide as its widest expert (the
-  loader pads the narrower ones with zero neurons);
-- for layers with MoNE novices, a `NoviceRouter` and a `NoviceMoERunner`: the router applies
-  the family's own routing rule (the router vLLM would have built for all positions) and hands
-  the fused kernel only the weighted experts, novice picks becoming expert 0 with weight 0;
-  the runner adds sum over picked novices of g_p(t) * mean_output_p to the block's output, g
-  being exactly the weight the model applies (softmax, top-k, renormalisation, DeepSeek's
-  sigmoid, selection bias, group-limited top-k and routed_scaling_factor included).
+- one fused block per width group of its weight-holding experts (`LayerStructure.groups`:
+  experts within 5% of a group's width share it, zero-padded; at most 4 groups). The block the
+  family built (`routed_experts` of its runner) holds the widest group; the others are vLLM
+  `RoutedExperts` of their own width, built by the same factory, held by the runner
+  (`PrunedMoERunner.width_groups`) and run inside the same fused-MoE op, so the layer's output is
+  reduced across tensor-parallel ranks once, shared experts and output scaling untouched;
+- for layers with novices or several width groups, a `GroupRouter`: it applies the family's own
+  routing rule over all router positions (the router vLLM would have built for all of them),
+  and hands each block the top-k positions as the block's local expert ids, the weights of
+  positions outside the block (other groups, novices) set to zero. Top-k stays the model's, so
+  shapes are static; a block computes its zero-weighted slots too (vLLM's CPU kernel has no
+  expert map to skip them), so a layer of G groups costs G kernel calls of top-k slots each;
+- for layers with MoNE novices, a `NoviceTable`: the runner adds sum over picked novices of
+  g_p(t) * mean_output_p to the block's output, g being exactly the weight the model applies
+  (softmax, top-k, renormalisation, DeepSeek's sigmoid, selection bias, group-limited top-k and
+  routed_scaling_factor included).
 
-Novices therefore cost one d-vector each and no expert memory. The routing runs twice for
-novice layers (once inside the fused op, once for the novice term, on the same logits): cheap,
-and free of hidden state, so it stays correct under torch.compile and CUDA graphs.
+Novices therefore cost one d-vector each and no expert memory, and width groups hold the
+packed size up to the 5% padding. The routing is recomputed on the same logits for the other
+groups and for novices: cheap, and free of hidden state, data-dependent Python control flow and
+host synchronisation (gathers and masks on fixed shapes only), so it stays correct under
+torch.compile and CUDA graphs; each block's weights are sharded by vLLM's own loader, so tensor
+parallelism splits every group (its width rounded up to a multiple of the TP size).
 
 The swap lasts only for the constructor (model construction is single-threaded) and checks
 afterwards that every MoE layer of the checkpoint went through it.
@@ -30,25 +41,27 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 from torch import nn
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-from moeprune.serve.moeprune_format import FormatError, LayerStructure
+from moeprune.serve.moeprune_format import FormatError, LayerStructure, WidthGroup
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class NoviceTable(nn.Module):
-    """A layer's novice vectors and the maps from router position to fused expert / novice row."""
+    """A layer's novice vectors and the map from router position to novice row."""
 
     slot: torch.Tensor  # buffers registered in __init__, declared for the type checker
-    fused: torch.Tensor
     is_novice: torch.Tensor
 
     def __init__(self, layer: LayerStructure, hidden_size: int, dtype: torch.dtype):
@@ -56,15 +69,11 @@ class NoviceTable(nn.Module):
         self.layer = layer.layer
         self.positions = layer.novices
         slot = torch.zeros(layer.num_experts, dtype=torch.long)
-        fused = torch.zeros(layer.num_experts, dtype=torch.long)
         for row, position in enumerate(layer.novices):
             slot[position] = row
-        for index, position in enumerate(layer.weighted):
-            fused[position] = index
         novice = torch.zeros(layer.num_experts)
         novice[list(layer.novices)] = 1.0
         self.register_buffer("slot", slot, persistent=False)
-        self.register_buffer("fused", fused, persistent=False)
         self.register_buffer("is_novice", novice, persistent=False)
         self.mean_output = nn.Parameter(
             torch.empty(len(layer.novices), hidden_size, dtype=dtype), requires_grad=False
@@ -95,13 +104,43 @@ class NoviceTable(nn.Module):
         return torch.einsum("tk,tkd->td", gates, self.mean_output[self.slot[ids]])
 
 
-class NoviceRouter(BaseRouter):
-    """The family's router over all positions; the fused kernel sees weighted experts only."""
+class GroupTable(nn.Module):
+    """Router position -> (width group, expert index inside the group's fused block); novices
+    belong to no group (-1)."""
 
-    def __init__(self, inner: BaseRouter, table: NoviceTable):
+    group: torch.Tensor  # buffers registered in __init__, declared for the type checker
+    local: torch.Tensor
+
+    def __init__(self, layer: LayerStructure, groups: tuple[WidthGroup, ...]):
+        super().__init__()
+        group, local = [-1] * layer.num_experts, [0] * layer.num_experts
+        for g, members in enumerate(groups):
+            for index, position in enumerate(members.positions):
+                group[position], local[position] = g, index
+        # built in Python and made tensors at once: vLLM constructs models on the target device
+        self.register_buffer("group", torch.tensor(group, dtype=torch.long), persistent=False)
+        self.register_buffer("local", torch.tensor(local, dtype=torch.long), persistent=False)
+
+    def split(
+        self, weights: torch.Tensor, positions: torch.Tensor, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group `group`'s view of the top-k picks: its local expert ids, and the weights with
+        every pick outside the group zeroed (its slot then points at local expert 0 and adds
+        0 * expert_0(x), which is exact for finite activations)."""
+        picked = positions.long()
+        outside = self.group[picked] != group
+        ids = self.local[picked].masked_fill(outside, 0)
+        return weights.masked_fill(outside, 0.0).contiguous(), ids.to(positions.dtype).contiguous()
+
+
+class GroupRouter(BaseRouter):
+    """The family's router over all positions; the fused block sees its own group's experts only."""
+
+    def __init__(self, inner: BaseRouter, table: GroupTable, group: int = 0):
         super().__init__(top_k=inner.top_k, global_num_experts=inner.global_num_experts)
         self.inner = inner
         self.table = table
+        self.group = group
 
     @property
     def routing_method_type(self) -> RoutingMethodType:
@@ -113,31 +152,82 @@ class NoviceRouter(BaseRouter):
         return self.inner._compute_routing(hidden_states, router_logits, indices_type, input_ids=input_ids)
 
     def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
-        weights, ids = self.route(hidden_states, router_logits, indices_type, input_ids)
-        picked = ids.long()
-        weights = weights.masked_fill(self.table.is_novice[picked].bool(), 0.0)
-        return weights.contiguous(), self.table.fused[picked].to(ids.dtype).contiguous()
+        weights, positions = self.route(hidden_states, router_logits, indices_type, input_ids)
+        return self.table.split(weights, positions, self.group)
 
 
-class NoviceMoERunner(MoERunner):
-    """vLLM's runner plus the novice term, added outside the fused op."""
+NoviceRouter = GroupRouter  # its former name (novice layers were the only routed-over-all-positions ones)
 
-    def __init__(self, *args, novices: NoviceTable, **kwargs):
+
+class PrunedMoERunner(MoERunner):
+    """vLLM's runner plus the layer's other width groups (inside the fused op, before the
+    reduction) and the novice term (added after it, being the same on every rank)."""
+
+    def __init__(
+        self,
+        *args,
+        novices: NoviceTable | None = None,
+        groups: GroupTable | None = None,
+        width_groups: tuple[RoutedExperts, ...] = (),
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.novices = novices
+        self.groups = groups
+        self.width_groups = nn.ModuleList(width_groups)  # registered: named, loaded and processed by vLLM
+        self._blocks = tuple(width_groups)  # the same modules, typed
         if (
-            self.moe_config.skip_final_all_reduce
+            novices is not None and self.moe_config.skip_final_all_reduce
         ):  # pragma: no cover - none of the served families asks for it
             raise FormatError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
+
+    def _apply_quant_method(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_experts_input: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
+        shared_experts_overlapping: bool = False,
+    ):
+        """The first group (and the shared experts) as vLLM runs them, plus every other group's
+        block on the same input with its share of the same routing."""
+        if self.routed_experts.quant_method.is_monolithic:
+            raise FormatError(
+                f"{self.layer_name}: vLLM picked a fused-MoE kernel that routes internally, which cannot "
+                "run moeprune's width groups or novices; serve this checkpoint unquantized or with another MoE backend"
+            )
+        shared, fused = super()._apply_quant_method(
+            hidden_states, router_logits, shared_experts_input, input_ids, shared_experts_overlapping
+        )
+        if not self._blocks:
+            return shared, fused
+        if not isinstance(fused, torch.Tensor):
+            raise FormatError(
+                f"{self.layer_name}: this vLLM kernel defers the MoE output, which moeprune's width groups cannot sum"
+            )
+        assert isinstance(self.router, GroupRouter) and self.groups is not None
+        weights, positions = self.router.route(hidden_states, router_logits, None, input_ids)
+        for g, experts in enumerate(self._blocks, start=1):
+            experts._ensure_moe_quant_config_init()
+            group_weights, ids = self.groups.split(weights, positions, g)
+            dtype = experts.quant_method.topk_indices_dtype
+            out = experts.forward_modular(
+                x=hidden_states, topk_weights=group_weights, topk_ids=ids if dtype is None else ids.to(dtype)
+            )
+            assert isinstance(out, torch.Tensor)
+            fused = fused + out
+        return shared, fused
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
         out = super().forward(
             hidden_states, router_logits, input_ids=input_ids, shared_experts_input=shared_experts_input
         )
+        if self.novices is None:
+            return out
         if self.gate is not None:  # the runner computes the logits itself (router_logits is a placeholder)
             router_logits = self.gate(hidden_states)
             router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
-        assert isinstance(self.router, NoviceRouter)
+        assert isinstance(self.router, GroupRouter)
         weights, ids = self.router.route(hidden_states, router_logits, None, input_ids)
         extra = self.novices(weights, ids)
         # The same scaling MoERunner applies to the routed output (routed_scaling_factor on the
@@ -146,6 +236,21 @@ class NoviceMoERunner(MoERunner):
         if self.routed_scaling_factor != 1.0 and (out.dtype != torch.float16 or self.shared_experts is None):
             extra = extra * self.routed_scaling_factor
         return out + extra.to(out.dtype)
+
+
+NoviceMoERunner = PrunedMoERunner  # its former name
+
+
+@dataclass
+class BuiltLayer:
+    """What `per_layer_moe` built for one MoE layer: its width groups (the first in the runner's
+    own block), the blocks of the others, and its novice table."""
+
+    layer: int  # decoder layer index
+    groups: tuple[WidthGroup, ...]
+    blocks: tuple[RoutedExperts, ...] = ()  # groups[1:]'s fused blocks
+    novices: NoviceTable | None = None
+    loaded: set[tuple[int, str]] = field(default_factory=set)  # (position, projection) put into blocks
 
 
 def layer_of(prefix: str, layout: dict[int, LayerStructure], family: str) -> LayerStructure:
@@ -172,7 +277,7 @@ def _sized_gate(original: Callable, layout: dict[int, LayerStructure], family: s
 
 
 def _sized_factory(
-    original: Callable, layout: dict[int, LayerStructure], family: str, built: dict[int, NoviceTable | None]
+    original: Callable, layout: dict[int, LayerStructure], family: str, built: dict[int, BuiltLayer]
 ) -> Callable:
     signature = inspect.signature(original)
 
@@ -201,10 +306,11 @@ def _sized_factory(
         if bias is not None and bias.shape[0] != layer.num_experts:  # built from the config's largest count
             bias.data = torch.empty(layer.num_experts, dtype=bias.dtype, device=bias.device)
         tp = a["tp_size"] or _tp_size()
-        a["intermediate_size"] = -(-layer.width // tp) * tp  # zero neurons also make it divisible by TP
-        a["num_experts"] = len(layer.weighted)
-        table = None
-        if layer.novices:
+        groups = layer.groups
+        record = BuiltLayer(layer.layer, groups)
+        a["intermediate_size"] = _tp_width(groups[0].width, tp)
+        a["num_experts"] = len(groups[0].positions)
+        if layer.novices or len(groups) > 1:
             scale = 1.0 if a["apply_routed_scale_to_output"] else a["routed_scaling_factor"]
             inner = create_fused_moe_router(
                 top_k=a["top_k"],
@@ -218,15 +324,70 @@ def _sized_factory(
                 e_score_correction_bias=bias,
                 num_logical_experts=layer.num_experts,
             )
-            dtype = a["params_dtype"] or torch.get_default_dtype()
-            table = NoviceTable(layer, a["hidden_size"], dtype)
-            a["router"] = NoviceRouter(inner, table)
-            a["runner_cls"] = NoviceMoERunner
-            a["runner_args"] = {**(a["runner_args"] or {}), "novices": table}
-        built[layer.layer] = table
+            table = GroupTable(layer, groups)
+            record.blocks = tuple(
+                _group_block(original, bound, GroupRouter(inner, table, g), group, tp, g)
+                for g, group in enumerate(groups)
+                if g > 0
+            )
+            if layer.novices:
+                dtype = a["params_dtype"] or torch.get_default_dtype()
+                record.novices = NoviceTable(layer, a["hidden_size"], dtype)
+            a["router"] = GroupRouter(inner, table, 0)
+            a["runner_cls"] = PrunedMoERunner
+            a["runner_args"] = {
+                **(a["runner_args"] or {}),
+                "novices": record.novices,
+                "groups": table,
+                "width_groups": record.blocks,
+            }
+        built[layer.layer] = record
         return original(*bound.args, **bound.kwargs)
 
     return factory
+
+
+def _tp_width(width: int, tp: int) -> int:
+    """A block's width rounded up to a multiple of the TP size (zero neurons make it divisible)."""
+    return -(-width // tp) * tp
+
+
+def _group_block(
+    original: Callable,
+    bound: inspect.BoundArguments,
+    router: GroupRouter,
+    group: WidthGroup,
+    tp: int,
+    index: int,
+) -> RoutedExperts:
+    """The fused block (vLLM `RoutedExperts`: weights, kernel, weight loader, TP sharding) of one
+    more width group, built by vLLM's own factory with the layer's arguments, its own count and
+    width, and nothing the layer's first block already does (shared experts, gate, transforms).
+    The factory's runner around it is dropped and taken out of vLLM's registry of MoE layers
+    (which maps the fused-MoE op's calls to layers in order): only the layer's runner calls it."""
+    a = dict(bound.arguments)
+    prefix = f"{a['prefix']}.width_groups.{index - 1}"  # where it sits under the layer's runner
+    a.update(
+        prefix=prefix,
+        num_experts=len(group.positions),
+        intermediate_size=_tp_width(group.width, tp),
+        router=router,
+        e_score_correction_bias=None,
+        gate=None,
+        shared_experts=None,
+        shared_expert_gate=None,
+        routed_input_transform=None,
+        routed_output_transform=None,
+        runner_cls=None,
+        runner_args=None,
+        n_shared_experts=None,
+    )
+    runner = original(**a)
+    compilation = get_current_vllm_config().compilation_config
+    compilation.static_forward_context.pop(runner.layer_name, None)
+    if runner.layer_name in compilation.static_all_moe_layers:
+        compilation.static_all_moe_layers.remove(runner.layer_name)
+    return runner.routed_experts
 
 
 def _tp_size() -> int:
@@ -247,10 +408,10 @@ def _model_modules(names: tuple[str, ...]) -> list[ModuleType]:
 
 
 @contextmanager
-def per_layer_moe(layout: dict[int, LayerStructure], family: str) -> Iterator[dict[int, NoviceTable | None]]:
+def per_layer_moe(layout: dict[int, LayerStructure], family: str) -> Iterator[dict[int, BuiltLayer]]:
     """While active, vLLM's MoE blocks are built with the checkpoint's per-layer shapes;
-    yields {layer: its NoviceTable or None} for every MoE layer built."""
-    built: dict[int, NoviceTable | None] = {}
+    yields {layer: what was built for it} for every MoE layer built."""
+    built: dict[int, BuiltLayer] = {}
     wrappers = {
         "FusedMoEFactory": lambda original: _sized_factory(original, layout, family, built),
         "GateLinear": lambda original: _sized_gate(original, layout, family),
