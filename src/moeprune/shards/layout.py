@@ -255,8 +255,14 @@ class CheckpointLayout:
             if not keys:
                 raise MoePruneError(f"checkpoint {self.path} has no tensor for router parameter {internal}")
             router[path] = (keys[0], dim)
-        keys = {k for p in params.values() for k in ([p.fused] if p.fused else [k for e in p.parts for k in p.keys(e)])}
-        coded = {k: (self.companions[k], decoder(self.fmt, self.coded[k])) for k in keys if k in self.companions}
+        keys = {
+            k
+            for p in params.values()
+            for k in ([p.fused] if p.fused else [k for e in p.parts for k in p.keys(e)])
+        }
+        coded = {
+            k: (self.companions[k], decoder(self.fmt, self.coded[k])) for k in keys if k in self.companions
+        }
         return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8, coded)
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
