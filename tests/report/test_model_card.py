@@ -114,3 +114,15 @@ def test_a_failed_serve_check_says_where_in_the_card():
     card = model_card({**HEAD, **FACTS, **TAIL, "serve_check": failed}, "out")
     assert "vLLM does NOT serve it as moeprune loads it" in card
     assert "first difference at prompt 2, generated token 5" in card
+
+
+def test_the_card_gives_what_vllm_holds_in_bytes_of_the_saved_dtype():
+    """Parameters times the saved dtype's size: 1,048,576 bf16 parameters are 2.0 MiB; a dtype
+    without a fixed size per parameter (a kept quantization) gives the parameters alone."""
+    base = {**HEAD, **FACTS, **TAIL, "serving": {"vllm_parameters": 1_048_576}}
+    card = model_card(PruneReport.from_json({**base, "save_dtype": "bfloat16"}), "out")
+    assert "it holds 1,048,576 parameters (2.0 MiB in bfloat16)" in card
+    card = model_card(PruneReport.from_json({**base, "save_dtype": "float32"}), "out")
+    assert "it holds 1,048,576 parameters (4.0 MiB in float32)" in card
+    card = model_card(PruneReport.from_json({**base, "save_dtype": "float8_e4m3fn (fp8, 128x128 blocks)"}), "out")
+    assert "it holds 1,048,576 parameters, against" in card

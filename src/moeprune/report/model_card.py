@@ -37,6 +37,11 @@ from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, Se
 
 _UNIT = {"experts": "of the routed experts", "routed-expert parameters": "of the routed-expert parameters"}
 _DASH = "—"
+ELEMENT_BYTES = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+}  # a full-precision save dtype's bytes per parameter
 
 
 def _n(value: Any) -> str:
@@ -222,10 +227,12 @@ def how_to_load(report: PruneReport, name: str) -> list[str]:
         ),
     ]
     if served:
+        size = ELEMENT_BYTES.get(report.save_dtype or "")
+        in_bytes = f" ({_mib(served * size)} in {report.save_dtype})" if size else ""
         lines += [
             "",
             "vLLM serves each layer's experts as a few fused blocks of one width each (experts within 5% "
-            f"of a block's width share it, padded with zero neurons): it holds {_n(served)} parameters, "
+            f"of a block's width share it, padded with zero neurons): it holds {_n(served)} parameters{in_bytes}, "
             f"against {_n((report.parameters_after or ParameterCounts()).total)} stored here.",
         ]
     return lines
