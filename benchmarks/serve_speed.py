@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         f"\nvLLM {table['vllm_version']}, {what}, sparsity {args.sparsity}, dtype {args.dtype}; prompts of "
         f"{args.prompt_length} tokens, {args.new_tokens} greedy tokens each (EOS ignored); after a warm-up, "
         f"{args.repeats} {'interleaved ' if not args.one_at_a_time else ''}rounds: tokens/s median (best); "
-        f"ratios are medians of per-round ratios, for b={'/'.join(map(str, batch_sizes))}\n"
+        f"ratios of the bests, for b={'/'.join(map(str, batch_sizes))}\n"
     )
     print(markdown(table))
     busy = min(t["median"] / t["best"] for row in table["rows"] for t in row["tokens_per_second"].values())
