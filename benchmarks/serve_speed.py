@@ -50,6 +50,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -468,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if done.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        sys.exit(f"vLLM failed (exit {done.returncode}); the end of its log:\n{tail}")
+        sys.exit(
+            f"vLLM failed (exit {done.returncode}); its log and spec are kept in {work}; the end of it:\n{tail}"
+        )
     served = json.loads((work / "served.json").read_text())
     spec["settings"] = settings
     table = summarize(spec, served, facts)
@@ -488,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
+    shutil.rmtree(work)  # the pruned results too, unless --outputs kept them elsewhere; a failure keeps it
 
 
 if __name__ == "__main__":
