@@ -8,10 +8,10 @@ import click
 
 from moeprune.checkpoint.atomic import write_text
 from moeprune.cli.main import command_line, main
-from moeprune.cli.options import data_from_options, data_options, registry_help
+from moeprune.cli.options import data_from_options, data_options, registry_help, vllm_options
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
-from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, parse_tasks, task_manager
+from moeprune.evaluate.lm_eval_bridge import ENGINES, LmEvalOptions, check_engine, parse_tasks, task_manager
 from moeprune.report.eval_plots import draw_directory, plot_acceptance
 from moeprune.report.eval_report import to_markdown, write_report
 from moeprune.report.summary import eval_lines
@@ -20,11 +20,19 @@ from moeprune.runtime.runlog import RunLog
 _SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}
 
 
-def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None, batch_size: int):
-    """None without --lm-eval-tasks; else checked options (lm-eval installed, tasks known)."""
+def _lm_eval_options(
+    tasks: str | None, include: str | None, limit: float | None, batch_size: int, kwargs: dict
+):
+    """None without --lm-eval-tasks; else checked options (lm-eval installed, tasks known, and for
+    --engine vllm a Python with vLLM and lm-eval), all before any model is loaded."""
+    engine, vllm_python, vllm_option = kwargs["engine"], kwargs["vllm_python"], kwargs["vllm_option"]
     if not tasks:
         if include or limit is not None:
             raise MoePruneError("--lm-eval-include and --limit need --lm-eval-tasks")
+        if engine != "hf" or vllm_python or vllm_option:
+            raise MoePruneError(
+                "--engine, --vllm-python and --vllm-option choose lm-eval's backend: they need --lm-eval-tasks"
+            )
         return None
     if include and not Path(include).is_dir():
         raise MoePruneError(f"--lm-eval-include {include!r} is not a folder")
@@ -35,7 +43,11 @@ def _lm_eval_options(tasks: str | None, include: str | None, limit: float | None
         include=include,
         batch_size=batch_size,
         limit=None if limit is None else (limit if limit < 1 else int(limit)),
+        engine=engine,
+        vllm_python=vllm_python,
+        vllm_options=vllm_options(vllm_option),
     )
+    check_engine(options)
     task_manager(options)  # fails now, before any model is loaded
     return options
 
@@ -80,6 +92,27 @@ def _check_output(output: str | None, overwrite: bool) -> None:
     "--lm-eval-include", type=click.Path(), default=None, help="Folder of extra lm-eval task YAMLs."
 )
 @click.option("--limit", type=float, default=None, help="lm-eval documents per task (< 1: a fraction).")
+@click.option(
+    "--engine",
+    type=click.Choice(list(ENGINES)),
+    default="hf",
+    show_default=True,
+    help="lm-eval backend: hf runs the loaded models here; vllm serves each folder in vLLM "
+    "(moeprune's plugin), in a subprocess of --vllm-python.",
+)
+@click.option(
+    "--vllm-python",
+    type=click.Path(),
+    default=None,
+    help="--engine vllm: Python of an environment with vLLM, lm-eval and moeprune. Default: this one.",
+)
+@click.option(
+    "--vllm-option",
+    "vllm_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="--engine vllm: extra vllm.LLM keyword (VALUE as JSON), e.g. max_model_len=2048 (repeatable).",
+)
 @data_options
 def eval_command(models: tuple[str, ...], reference: str, **kwargs) -> None:
     """Evaluate pruned MODEL(s) against REFERENCE: esap, kl, nll, ppl, accept, routing, layer-error, size.
@@ -102,7 +135,7 @@ def eval_command(models: tuple[str, ...], reference: str, **kwargs) -> None:
         spec_tokens=kwargs["spec_tokens"],
         temperature=kwargs["temperature"],
         lm_eval=_lm_eval_options(
-            kwargs["lm_eval_tasks"], kwargs["lm_eval_include"], kwargs["limit"], kwargs["batch_size"]
+            kwargs["lm_eval_tasks"], kwargs["lm_eval_include"], kwargs["limit"], kwargs["batch_size"], kwargs
         ),
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
         progress=not kwargs["quiet"],

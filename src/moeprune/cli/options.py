@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import Field, fields
 from typing import Any
@@ -187,3 +188,18 @@ def setting_options(cls: type) -> list[str]:
 def setting_help(cls: type, name: str) -> str:
     """The help a config field carries."""
     return next(f for f in fields(cls) if f.name == name).metadata["help"]
+
+
+def vllm_options(pairs: tuple[str, ...]) -> dict:
+    """--vllm-option KEY=VALUE pairs (VALUE read as JSON, else taken as a string) for vllm.LLM
+    (serve-check and eval --engine vllm)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise MoePruneError(f"--vllm-option {pair!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options

@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
 from moeprune.cli.main import main
-from moeprune.errors import MoePruneError
+from moeprune.cli.options import vllm_options
 from moeprune.evaluate.serve_check import LOGPROB_ATOL, ServeCheckOptions, serve_check
 from moeprune.report.serve_check import record_serve_check, serve_check_lines
-
-
-def _vllm_options(pairs: tuple[str, ...]) -> dict:
-    """KEY=VALUE pairs (VALUE read as JSON, else taken as a string) for vllm.LLM."""
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.isidentifier():
-            raise MoePruneError(f"--vllm-option {pair!r} is not KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
 
 
 @main.command("serve-check")
@@ -89,7 +74,7 @@ def serve_check_command(output: str, **kwargs) -> None:
         atol=kwargs["atol"],
         reference=kwargs["reference"],
         vllm_python=kwargs["vllm_python"],
-        vllm_options=_vllm_options(kwargs["vllm_option"]),
+        vllm_options=vllm_options(kwargs["vllm_option"]),
     )
     document = serve_check(output, options)
     files = record_serve_check(output, document)

@@ -312,6 +312,7 @@ def _document(ctx: Context, entries: list[dict]) -> dict:
             doc[f"reference_{metric.report_key or name}"] = _fn(metric)(ctx.reference, ctx)
     if opts.lm_eval is not None:
         doc["reference_lm_eval"] = reference_entry(ctx)
+        doc["lm_eval_engine"] = opts.lm_eval.engine  # hf or vllm: the scores' kernels differ
     return doc
 
 

@@ -170,7 +170,8 @@ def _lm_eval_section(doc: dict) -> list[str]:
     header = ["task", "metric", "reference"] + [
         c for m in models for c in (m["label"], f"{m['label']} / ref")
     ]
-    return ["## lm-eval-harness", "", *_table(header, rows)]
+    engine = f"lm-eval's {doc['lm_eval_engine']} backend" if doc.get("lm_eval_engine") else None
+    return ["## lm-eval-harness", "", *([engine, ""] if engine else []), *_table(header, rows)]
 
 
 def to_markdown(doc: dict) -> str:
