@@ -240,8 +240,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, list[str], list[str], str]:
 
 def prune_all(args: argparse.Namespace, model: Path, data: list[str], search: list[str], root: Path) -> dict:
     """Every requested kind pruned into root/<kind>, reusing a finished one (report.json present)."""
-    from moeprune.api import prune_checkpoint
     from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
+    from moeprune.job import prune_checkpoint
 
     options = DataOptions(sources=data, samples=args.samples, max_length=args.max_length)
     evo = SearchConfig(
