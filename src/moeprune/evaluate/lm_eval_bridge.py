@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Real
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.errors import MoePruneError
+from moeprune.evaluate.driver import find_vllm_python, run_driver
 
 EXTRA = "moeprune[eval]"
 ENGINES = ("hf", "vllm")
@@ -89,8 +89,6 @@ def check_engine(options: LmEvalOptions) -> None:
         if options.vllm_python or options.vllm_options:
             raise MoePruneError("--vllm-python and --vllm-option need --engine vllm", options=("lm_eval",))
         return
-    from moeprune.evaluate.serve_check import find_vllm_python
-
     python = find_vllm_python(options.vllm_python)
     probe = "import importlib.util as u; print(','.join(m for m in ('vllm', 'lm_eval') if u.find_spec(m) is None))"
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
@@ -175,8 +173,6 @@ def run_tasks_vllm(
     `trust_remote_code`: lm-eval reads config.json with transformers' AutoConfig, which knows the
     `moeprune_<family>` type only from the folder's own self-contained modeling file (vLLM itself
     builds the model through moeprune's plugin)."""
-    from moeprune.evaluate.serve_check import find_vllm_python
-
     python = find_vllm_python(options.vllm_python)
     config = json.loads((Path(folder) / "config.json").read_text())
     spec = {
@@ -191,29 +187,7 @@ def run_tasks_vllm(
         "trust_remote_code": "moeprune" in config,
         "llm": options.vllm_options,
     }
-    with tempfile.TemporaryDirectory(prefix="moeprune-lm-eval-vllm-") as work:
-        spec_path, out_path, log_path = (Path(work) / n for n in ("spec.json", "out.json", "vllm.log"))
-        spec_path.write_text(json.dumps(spec))
-        with log_path.open("w") as log:
-            try:
-                done = subprocess.run(
-                    [python, str(VLLM_DRIVER), str(spec_path), str(out_path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=options.timeout_s,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise MoePruneError(
-                    f"lm-eval on vLLM did not finish within {options.timeout_s:.0f} s"
-                ) from exc
-        if done.returncode != 0 or not out_path.is_file():
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-            raise MoePruneError(
-                f"lm-eval on vLLM ({python}) stopped with exit code {done.returncode} on {folder}: "
-                f"{lines[-1] if lines else 'no output'}"
-            )
-        out = json.loads(out_path.read_text())
+    out = run_driver(python, VLLM_DRIVER, spec, options.timeout_s, "lm-eval on vLLM", f" on {folder}")
     if "error" in out:
         raise MoePruneError(out["error"], options=("lm_eval_tasks", "lm_eval_include"))
     if not out["results"]:

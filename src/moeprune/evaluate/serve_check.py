@@ -27,12 +27,7 @@ raises the bound, and the report records the one used.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +39,7 @@ from moeprune.checkpoint.load import check_model_path, load_pretrained, load_tok
 from moeprune.data.files import parse_source
 from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
+from moeprune.evaluate.driver import find_vllm_python, run_driver
 
 LOGPROB_ATOL = 2e-4
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -65,21 +61,6 @@ class ServeCheckOptions:
     vllm_python: str | None = None  # None: this interpreter, if it has vLLM
     vllm_options: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM keywords
     timeout_s: float = 3600.0
-
-
-def find_vllm_python(given: str | None) -> str:
-    """The Python that runs vLLM: the one given, else this one when it can import vllm."""
-    if given:
-        if not Path(given).is_file() or not os.access(given, os.X_OK):
-            raise MoePruneError(f"{given!r} is not an executable Python", options=("vllm_python",))
-        return given
-    if importlib.util.find_spec("vllm") is None:
-        raise MoePruneError(
-            f"vLLM is not installed in this Python ({sys.executable}); give the Python of an environment "
-            "with vLLM and moeprune installed",
-            options=("vllm_python",),
-        )
-    return sys.executable
 
 
 def prompt_sources(folder: Path, given: Sequence[str]) -> list[str]:
@@ -146,26 +127,7 @@ def run_vllm(
         "logprobs": options.top_k,
         "llm": options.vllm_options,
     }
-    with tempfile.TemporaryDirectory(prefix="moeprune-serve-check-") as work:
-        spec_path, out_path, log_path = (Path(work) / n for n in ("spec.json", "out.json", "vllm.log"))
-        spec_path.write_text(json.dumps(spec))
-        with log_path.open("w") as log:
-            try:
-                done = subprocess.run(
-                    [python, str(DRIVER), str(spec_path), str(out_path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    timeout=options.timeout_s,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise MoePruneError(f"vLLM did not finish within {options.timeout_s:.0f} s") from exc
-        if done.returncode != 0 or not out_path.is_file():
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-            raise MoePruneError(
-                f"vLLM ({python}) stopped with exit code {done.returncode}: {lines[-1] if lines else 'no output'}"
-            )
-        return json.loads(out_path.read_text())
+    return run_driver(python, DRIVER, spec, options.timeout_s, "vLLM")
 
 
 @torch.no_grad()
