@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    from moeprune.serve.vllm.layout import padded_parameter_count
+    from moeprune.serve.vllm.layout import CPU_MOE_ALIGNMENT, served_parameter_count
 
     model, data, search, what = _inputs(args)
     work = Path(tempfile.mkdtemp(prefix="serve_speed_"))
@@ -433,7 +433,9 @@ def main(argv: list[str] | None = None) -> None:
             "path": str(path),
             "shape": describe(path),
             "stored": stored(path),
-            "predicted_parameters": padded_parameter_count(path),
+            "predicted_parameters": served_parameter_count(path),  # what the plugin allocates
+            # once loaded, vLLM's CPU kernel pads every expert width to a multiple of 32
+            "predicted_cpu_parameters": served_parameter_count(path, alignment=CPU_MOE_ALIGNMENT),
         }
         for name, path in paths.items()
     }

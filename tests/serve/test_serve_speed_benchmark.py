@@ -97,7 +97,8 @@ def test_vllm_holds_the_predicted_parameters(measured):
     rows = {row["result"]: row for row in table["rows"]}
     for name, row in rows.items():
         assert row["held"]["repacked_parameters"] > 0, "vLLM's CPU build repacks attention: counted"
-        assert row["held"]["parameters"] == row["predicted_parameters"], name
+        # the plugin allocates the prediction; vLLM's CPU kernel then pads widths to 32 neurons
+        assert row["predicted_parameters"] <= row["held"]["parameters"] == row["predicted_cpu_parameters"], name
         assert row["held"]["bytes"] == 4 * row["held"]["parameters"] and row["held"]["dtype"] == "float32"
     for name in ("base", "uniform", "global"):  # nothing padded: what vLLM holds is what is stored
         assert rows[name]["held"]["parameters"] == rows[name]["stored"]["parameters"], name

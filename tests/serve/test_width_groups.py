@@ -117,3 +117,6 @@ def test_served_parameter_count_pads_within_groups(tmp_path):
     stored = sum(t.numel() for t in tensors.values())
     # groups: {20, 19} padded by one neuron, {10} alone; a single block would pad 1 + 10
     assert served_parameter_count(tmp_path) == padded_parameter_count(tmp_path) == stored + 3 * hidden * 1
+    # a kernel that aligns widths to 8 once loaded (vLLM's CPU build: 32): the group of 20 becomes 24
+    # (20 + 4 and 19 + 5 neurons), the expert of 10 becomes 16 (+ 6)
+    assert served_parameter_count(tmp_path, alignment=8) == stored + 3 * hidden * (4 + 5 + 6)

@@ -137,7 +137,10 @@ def _decoder_layers(config: dict[str, Any]) -> int | None:
 _EXPERT_TENSOR = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
 
 
-def served_parameter_count(path: str | Path) -> int:
+CPU_MOE_ALIGNMENT = 32  # vLLM 0.32's CPU fused-MoE kernel pads every expert width to this multiple
+
+
+def served_parameter_count(path: str | Path, alignment: int = 1) -> int:
     """Parameters vLLM holds for the checkpoint in `path`: what is stored, plus the zero neurons
     that pad each expert to its width group's width (gate, up and down rows/columns), i.e. the
     packed size up to WIDTH_MERGE_TOLERANCE per group (more only where MAX_WIDTH_GROUPS merged
@@ -145,8 +148,10 @@ def served_parameter_count(path: str | Path) -> int:
 
     A stock checkpoint, or a moeprune one with one width per layer, holds exactly what it
     stores. Counted for one GPU: under tensor parallelism each group's width is rounded up to a
-    multiple of the TP size. (vLLM's CPU kernel aligns widths to 32 inside its own
-    computation; its parameters keep the group widths, which is what is counted here.)
+    multiple of the TP size. `alignment` rounds every expert width up to a multiple, as a kernel
+    that pads after loading does: vLLM's CPU build pads each fused block to CPU_MOE_ALIGNMENT
+    neurons (`experts/cpu_moe.py`), so what it holds once loaded is this count with
+    `alignment=CPU_MOE_ALIGNMENT`; the plugin allocates the count with 1.
     """
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -164,10 +169,12 @@ def served_parameter_count(path: str | Path) -> int:
             numel *= size
         total += numel
         match = _EXPERT_TENSOR.search(name)
-        width = group_width.get((int(match.group(1)), int(match.group(2)))) if match else None
-        if match and width is not None:
-            narrow = shape[1] if match.group(3) in DOWN_PROJECTIONS else shape[0]
-            total += (numel // narrow) * (width - narrow)
+        if match is None:
+            continue
+        narrow = shape[1] if match.group(3) in DOWN_PROJECTIONS else shape[0]
+        width = group_width.get((int(match.group(1)), int(match.group(2))), narrow)
+        width = -(-width // alignment) * alignment
+        total += (numel // narrow) * (width - narrow)
     return total
 
 
