@@ -14,4 +14,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/mypy   # types of src/moeprune, as pyproject's [tool.mypy] says (modules not yet typed are listed there)
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
-.venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py "$@"
+# (the modules that drive .venv-vllm's vLLM in a subprocess ran in the first pass already)
+.venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py --ignore=tests/serve/test_serve_check.py \
+  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/evaluate/test_lm_eval_vllm.py "$@"
