@@ -15,9 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moeprune"
 STAGES = (
     ("errors", "config", "plan"),  # the vocabulary every stage shares
     ("models",),  # structure discovery, the MoEModel view
-    ("quant",),  # quantized checkpoints' formats (block-scaled FP8): torch arithmetic and config
     ("serve",),  # the on-disk format's reader and the engines' modeling code: copied into outputs,
-    # they import no other stage of moeprune
+    # they import no other stage of moeprune (the decoding of quantized weights lives there too)
+    ("quant",),  # quantized checkpoints' formats (fp8, MXFP4, compressed-tensors): config and checks
     ("runtime",),  # devices, torchrun, progress, run log, finite checks
     ("data",),
     ("observe",),

@@ -36,10 +36,12 @@ from typing import Any
 import torch
 
 from moeprune.checkpoint.load import check_model_path, load_pretrained, load_tokenizer, require_tokenizer
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.data.files import parse_source
 from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.driver import find_vllm_python, run_driver
+from moeprune.serve.vllm.layout import quantized_refusal
 
 LOGPROB_ATOL = 2e-4
 DRIVER = Path(__file__).with_name("vllm_driver.py")
@@ -213,11 +215,22 @@ def describe_difference(first: dict[str, Any], atol: float) -> str:
     )
 
 
+def _refuse_unservable(folder: Path) -> None:
+    """A folder the plugin refuses by its config alone (a moeprune-format result that kept quantized
+    weights) is refused here, in the plugin's sentence, before vLLM takes its 20 s to start."""
+    config = read_config_dict(folder)
+    quant = config.get("quantization_config")
+    if quant and config.get("moeprune"):  # the section moeprune-format configs carry
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+        raise MoePruneError(quantized_refusal(str(method)))
+
+
 def serve_check(folder: str | Path, options: ServeCheckOptions) -> dict[str, Any]:
     """Serve `folder` in vLLM and compare with `moeprune.load_pretrained(folder)`; the document that
     report.json keeps under `serve_check` (moeprune.report.parts.ServeCheck)."""
     _check_options(options)
     folder = check_model_path(folder)
+    _refuse_unservable(folder)
     reference = str(check_model_path(options.reference)) if options.reference else None
     python = find_vllm_python(options.vllm_python)
     token_ids, sources = prompts(folder, options)

@@ -24,6 +24,7 @@ from moeprune.report.document import PRUNE
 from moeprune.report.model_card import model_card
 from moeprune.report.parts import (
     DiskBytes,
+    Serving,
 )
 from moeprune.report.plots import plot_search_curve
 from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
@@ -32,6 +33,7 @@ from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
+from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.surgery import METHODS
 
@@ -173,6 +175,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         return report.to_json()
     if job.kept_quantization is not None:  # the kept experts' quantized bytes and scales, copied as they are
         report.format = "stock" if result.plan.is_uniform() else "moeprune"
+        if report.format == "moeprune":
+            report.serving = Serving(vllm_refused=quantized_refusal(job.kept_quantization.saved_as))
         with stage(f"writing {job.output} from the input's quantized shards", progress):
             rewrite_checkpoint(
                 job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence, stock=False

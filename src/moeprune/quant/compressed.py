@@ -21,16 +21,18 @@ moeprune does not decode (nvfp4, mxfp4-pack, sparse ones) are refused by name.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moeprune.errors import MoePruneError
+from moeprune.serve.moeprune_quantized import PACKED, SCALE, SHAPE, ZERO, target_matches
+from moeprune.serve.moeprune_quantized import dequantize_float as decode_float
+from moeprune.serve.moeprune_quantized import dequantize_packed as decode_packed
+from moeprune.serve.moeprune_quantized import unpack_int32 as unpack_words
 
 READ_FORMATS = ("pack-quantized", "float-quantized")
-PACKED, SCALE, SHAPE, ZERO = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
 
 
 @dataclass(frozen=True)
@@ -63,19 +65,13 @@ class CompressedFormat:
 
     def scheme_of(self, module: str) -> WeightScheme:
         """The scheme a stored module was quantized with (see the module docstring)."""
-        named = [s for s in self.schemes if any(_matches(t, module) for t in s.targets)]
+        named = [s for s in self.schemes if any(target_matches(t, module) for t in s.targets)]
         if len(named) == 1 or (not named and len(self.schemes) == 1):
             return (named or list(self.schemes))[0]
         raise MoePruneError(
             f"compressed-tensors: cannot tell which of {len(self.schemes)} config groups quantized {module!r} "
             "from its name; moeprune reads checkpoints whose groups name their modules by regex, or have one group"
         )
-
-
-def _matches(target: str, module: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return module == target or module.endswith("." + target)
 
 
 def read_compressed_config(config_dict: dict[str, Any]) -> CompressedFormat | None:
@@ -118,51 +114,22 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tenso
     """The `count` signed integers of each row of `packed` (int32, dense packing from bit 0)."""
     if packed.dtype != torch.int32:
         raise MoePruneError(f"compressed-tensors packs into int32, got {packed.dtype}")
-    words = packed.to(torch.int64) & 0xFFFFFFFF  # the unsigned bits
-    start = torch.arange(count) * num_bits
-    word, offset = start // 32, start % 32
-    bits = (words[..., word] >> offset) & ((1 << num_bits) - 1)
-    spill = offset + num_bits - 32  # a value split across two words (3, 5, 6, 7 bits)
-    if bool((spill > 0).any()):
-        high = (words[..., (word + 1).clamp(max=words.shape[-1] - 1)] << (num_bits - spill).clamp(min=0)) & (
-            (1 << num_bits) - 1
-        )
-        bits = torch.where(spill > 0, bits | high, bits)
-    return bits - (1 << (num_bits - 1))
+    return unpack_words(packed, num_bits, count)
 
 
 def dequantize_packed(tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
     """The float32 weight [out, in] of one pack-quantized module from its stored tensors."""
-    shape = tuple(int(s) for s in tensors[SHAPE].tolist())
-    out, cols = shape
-    q = unpack_int32(tensors[PACKED], scheme.num_bits, cols).to(torch.float32)
-    scale = tensors[SCALE].to(torch.float32)
-    if scale.dim() == 1:
-        scale = scale[:, None]
-    zero = tensors.get(ZERO)
-    if zero is not None and not scheme.symmetric:  # packed along the output dimension
-        zero = unpack_int32(zero.transpose(0, 1).contiguous(), scheme.num_bits, out).transpose(0, 1)
-        q = q - zero.to(torch.float32).repeat_interleave(cols // zero.shape[-1], dim=-1)[..., :cols]
-    groups = scale.shape[-1]
-    size = -(-cols // groups)  # group_size; one column for a channel scale
-    return q * scale.repeat_interleave(size, dim=-1)[..., :cols]
+    if tensors[PACKED].dtype != torch.int32:
+        raise MoePruneError(f"compressed-tensors packs into int32, got {tensors[PACKED].dtype}")
+    zero = tensors.get(ZERO) if not scheme.symmetric else None
+    return decode_packed(tensors[PACKED], tensors[SCALE], tensors[SHAPE], scheme.num_bits, zero)
 
 
 def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
     """The float32 weight of one float-quantized (fp8) module: `fp8 * scale`, the scale per
     tensor, per output channel, per group or per block."""
-    w = weight.to(torch.float32)
-    scale = scale.to(torch.float32)
-    rows, cols = w.shape
-    if scale.numel() == 1:
-        return w * scale.reshape(())
-    if scheme.strategy == "block" and scheme.block_structure:
-        b0, b1 = scheme.block_structure
-        full = scale.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
-        return w * full
-    if scale.dim() == 1:
-        scale = scale[:, None]
-    return w * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
+    block = scheme.block_structure if scheme.strategy == "block" else None
+    return decode_float(weight, scale, block)
 
 
 def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:

@@ -25,11 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from moeprune.errors import MoePruneError
+from moeprune.serve.moeprune_quantized import FP8_SCALE_SUFFIX, dequantize_fp8_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_SAVE_DTYPE = "float8_e4m3fn"  # the save dtype that keeps an fp8 input's blocks (--save-dtype fp8)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: the largest finite e4m3fn value
-SCALE_SUFFIX = "_scale_inv"  # `<name>.weight` -> `<name>.weight_scale_inv`, as the releases name it
+SCALE_SUFFIX = FP8_SCALE_SUFFIX  # `<name>.weight` -> `<name>.weight_scale_inv`, as the releases name it
 # `fmt` spellings the releases use for e4m3fn (DeepSeek and Qwen write "e4m3", MiniMax the dtype)
 _E4M3_NAMES = ("e4m3", "e4m3fn", "float8_e4m3fn")
 _SCALE_FORMATS = ("float", "ue8m0")  # transformers' `scale_fmt`: fp32 scales, or powers of two
@@ -118,16 +119,6 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return fp8, scale_inv.contiguous()
 
 
-def _scales_as_float(scale_inv: torch.Tensor) -> torch.Tensor:
-    """float32 scales: fp32/bf16 ones as they are, ue8m0 ones (`float8_e8m0fnu`, or raw exponent
-    bytes as uint8, as MXFP8 checkpoints store them) decoded to their powers of two."""
-    if scale_inv.dtype == torch.uint8:
-        return torch.exp2(scale_inv.to(torch.float32) - 127.0)
-    if not scale_inv.is_floating_point():
-        raise MoePruneError(f"fp8 scales are floats (or ue8m0 bytes), got {scale_inv.dtype}")
-    return scale_inv.to(torch.float32)
-
-
 def dequantize_blocks(
     fp8: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -153,11 +144,9 @@ def dequantize_blocks(
             f"fp8 scales of shape {tuple(scale_inv.shape)} do not fit a {tuple(fp8.shape)} weight in "
             f"{block[0]}x{block[1]} blocks (expected {expected})"
         )
-    rows, cols = fp8.shape[-2:]
-    blocks = _padded_blocks(fp8.to(torch.float32), block)  # [..., R, B0, C, B1]
-    blocks.mul_(_scales_as_float(scale_inv)[..., :, None, :, None])  # a fresh copy: in place
-    out = blocks.flatten(-2).flatten(-3, -2)[..., :rows, :cols]
-    return out.to(dtype).contiguous()
+    if scale_inv.dtype != torch.uint8 and not scale_inv.is_floating_point():
+        raise MoePruneError(f"fp8 scales are floats (or ue8m0 bytes), got {scale_inv.dtype}")
+    return dequantize_fp8_blocks(fp8, scale_inv, block).to(dtype).contiguous()
 
 
 def _block_size(value: Any) -> tuple[int, int]:

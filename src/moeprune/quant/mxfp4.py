@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from moeprune.errors import MoePruneError
+from moeprune.serve.moeprune_quantized import E2M1_VALUES, MXFP4_BLOCKS, MXFP4_GROUP, MXFP4_SCALES
+from moeprune.serve.moeprune_quantized import dequantize_mxfp4 as decode_mxfp4
 
-GROUP = 32  # values sharing one scale
-BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+GROUP = MXFP4_GROUP  # values sharing one scale
+BLOCKS_SUFFIX, SCALES_SUFFIX = MXFP4_BLOCKS, MXFP4_SCALES
 SAVE_DTYPE = "mxfp4"  # the save dtype that keeps an mxfp4 input's codes (--save-dtype mxfp4)
-# the 16 e2m1 codes: sign bit 3, exponent bits 2-1, mantissa bit 0 (no inf, no nan)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _E2M1_EMAX = 2  # exponent of e2m1's largest normal value (6 = 1.5 * 2^2)
 
 
@@ -70,11 +70,7 @@ def dequantize_mxfp4(
             f"mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not fit: blocks are "
             f"[..., rows, groups, {GROUP // 2}] and scales [..., rows, groups]"
         )
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    low, high = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
-    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., rows, G, 32], low nibble first
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+    return decode_mxfp4(blocks, scales).to(dtype).contiguous()
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

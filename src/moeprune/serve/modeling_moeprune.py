@@ -1,9 +1,11 @@
 """Load a moeprune result with stock transformers: `AutoModelForCausalLM.from_pretrained(folder,
 trust_remote_code=True)`. moeprune need not be installed.
 
-moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the three
+moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the four
 it imports (moeprune_layers.py: the family table and the expert modules; moeprune_loading.py:
-reading the weights; moeprune_format.py: the structure, read and checked) into the folder because the result is something the family's stock config cannot describe: MoE layers
+reading the weights; moeprune_format.py: the structure, read and checked; moeprune_quantized.py:
+decoding quantized weights) into the folder because the result is something the family's stock
+config cannot describe: MoE layers
 with different numbers of experts, experts of different widths (intermediate neurons), or
 "novices" (experts replaced by their mean output). config.json says so in its `moeprune`
 section, one entry per MoE layer:
@@ -36,7 +38,13 @@ back. Only torch, transformers, safetensors and huggingface_hub are imported, an
 transformers APIs are used, so the file works with transformers 5.16 and later (tested with
 5.16.1 and 5.23).
 
-Not supported: `device_map` over several devices, quantization on load, and training with
+A result that kept its input's quantization (block-scaled fp8, MXFP4, compressed-tensors
+pack-/float-quantized; config.json keeps `quantization_config`) is decoded while loading: each
+weight's codes and scales become float32 numbers, exactly, then the requested dtype. The model in
+memory is therefore not quantized (it holds `dtype` weights and its config drops
+`quantization_config`, so `save_pretrained` writes what it holds).
+
+Not supported: `device_map` over several devices, quantizing on load, and training with
 `output_router_logits=True` when layers have different expert counts (transformers'
 load-balancing loss concatenates the layers' router logits, which then differ in width).
 """
@@ -82,6 +90,7 @@ MODELING_FILES = (
     "moeprune_layers.py",
     "moeprune_loading.py",
     "moeprune_format.py",
+    "moeprune_quantized.py",
 )  # copied together
 
 
@@ -238,6 +247,9 @@ class MoePruneModelMixin(_StockCausalLM):
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gives tied parameters separate storage
         load_weights(model, folder)
+        if getattr(model.config, "quantization_config", None) is not None:
+            # quantized weights were decoded: the model in memory (and what it saves) is not quantized
+            del model.config.quantization_config
         model._rebuild_non_persistent_buffers(dtype, device)
         model.config.dtype = dtype
         model.config.name_or_path = str(pretrained_model_name_or_path)

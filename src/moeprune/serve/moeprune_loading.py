@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
 from .moeprune_layers import INDEX_FILE, SINGLE_FILE, fail
+from .moeprune_quantized import StoredQuantization
 
 
 class DiskTensors(Protocol):
@@ -101,6 +102,8 @@ _DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
+# stored codes that are never a float weight's value by themselves (fp8 codes, packed integers, bytes)
+_CODES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int32)
 _STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
@@ -165,31 +168,35 @@ def listed(names, limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def refuse_quantized(folder: str) -> None:
-    """A result that kept its input's quantization (fp8 blocks, MXFP4, compressed-tensors) holds
-    codes and scales these files do not decode: refused in one sentence naming what loads it."""
+def stored_quantization(folder: str) -> StoredQuantization | None:
+    """How the folder's quantized weights are stored (a result that kept its input's fp8 blocks,
+    MXFP4 or compressed-tensors codes), or None for a full-precision folder."""
     with open(os.path.join(folder, "config.json")) as handle:
         quant = json.load(handle).get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
-        raise fail(
-            f"{folder} keeps its input's {method} weights (codes and scales), which these self-contained modeling "
-            "files do not decode: load it with moeprune.load_pretrained(path), or prune with --save-dtype bf16"
-        )
+    if not quant:
+        return None
+    if not isinstance(quant, dict):
+        raise fail(f"{folder}: config.json's quantization_config is not a mapping; the checkpoint is damaged")
+    return StoredQuantization(quant, folder)
 
 
 def load_weights(model: DiskTensors, folder: str) -> None:
-    """Copy every stored tensor into the model by its on-disk name; strict both ways."""
-    refuse_quantized(folder)
+    """Copy every stored tensor into the model by its on-disk name; strict both ways. Quantized
+    weights (codes beside scales) are decoded to float32 first, then cast to the model's dtype."""
     targets, aliases = model.moeprune_disk_tensors()
     shards = shard_files(folder)
     stored: dict[str, str] = {}
     for shard in shards:
         with safe_open(os.path.join(folder, shard), framework="pt") as handle:
             stored.update(dict.fromkeys(handle.keys(), shard))
-    filled = {aliases.get(name, name) for name in stored}
+    quantization = stored_quantization(folder)
+    coded = quantization.parts(set(stored)) if quantization else {}
+    sources = {name: (name,) for name in stored} | coded
+    for part in {part for parts in coded.values() for part in parts} - set(coded):
+        del sources[part]  # a companion (scale, shape, zero point) or codes under another name
+    filled = {aliases.get(name, name) for name in sources}
     missing = set(targets) - filled
-    unexpected = set(stored) - set(targets) - set(aliases)
+    unexpected = set(sources) - set(targets) - set(aliases)
     if missing or unexpected:
         problems = []
         if missing:
@@ -199,15 +206,24 @@ def load_weights(model: DiskTensors, folder: str) -> None:
         raise fail(
             f"{folder} does not match its config.json: {'; '.join(problems)}; the checkpoint is incomplete or damaged"
         )
-    with torch.no_grad():
-        for shard in shards:
-            with safe_open(os.path.join(folder, shard), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    target = targets[aliases.get(name, name)]
-                    value = handle.get_tensor(name)
-                    if tuple(value.shape) != tuple(target.shape):
-                        raise fail(
-                            f"{folder}: tensor {name} has shape {tuple(value.shape)} but config.json's structure "
-                            f"gives {tuple(target.shape)}; the checkpoint is damaged"
-                        )
-                    target.copy_(value)
+    with ExitStack() as stack, torch.no_grad():
+        handles = {s: stack.enter_context(safe_open(os.path.join(folder, s), framework="pt")) for s in shards}
+        for name, parts in sources.items():
+            target = targets[aliases.get(name, name)]
+            values = [handles[stored[part]].get_tensor(part) for part in parts]
+            if name in coded:
+                assert quantization is not None
+                value = quantization.decode(name, values)
+            else:
+                value = values[0]
+                if value.dtype in _CODES and target.is_floating_point():
+                    raise fail(
+                        f"{folder}: tensor {name} is stored as {value.dtype} without the scales that decode it; "
+                        "the checkpoint is damaged or its quantization_config does not describe it"
+                    )
+            if tuple(value.shape) != tuple(target.shape):
+                raise fail(
+                    f"{folder}: tensor {name} has shape {tuple(value.shape)} but config.json's structure "
+                    f"gives {tuple(target.shape)}; the checkpoint is damaged"
+                )
+            target.copy_(value)

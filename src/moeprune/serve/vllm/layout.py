@@ -103,6 +103,16 @@ def refusal(family: str) -> str:
     )
 
 
+def quantized_refusal(method: str) -> str:
+    """The one sentence a user sees for a moeprune-format result that kept quantized weights:
+    serving it at its size needs vLLM's quantized fused-MoE kernels built per layer, not wired yet."""
+    return (
+        f"moeprune's vLLM plugin does not serve moeprune-format checkpoints that keep {method} weights yet; "
+        "load this checkpoint with transformers (AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)) "
+        "or with moeprune.load_pretrained(path), which decode them, or prune with --save-dtype bf16"
+    )
+
+
 LayoutError = FormatError  # the format's one error type, under the name the plugin has always raised
 LayerLayout = LayerStructure  # one MoE layer: router positions, their expert ids and widths
 

@@ -22,7 +22,7 @@ import torch
 from vllm import ModelRegistry
 
 from moeprune.serve.moeprune_format import ARCHITECTURE_PREFIX, FormatError, LayerStructure
-from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, SERVED_FAMILIES, read_layout
+from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, SERVED_FAMILIES, quantized_refusal, read_layout
 from moeprune.serve.vllm.moe import BuiltLayer, per_layer_moe
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
@@ -46,10 +46,7 @@ class _MoePruneForCausalLM(_VllmCausalLM):
         quant = getattr(config, "quantization_config", None)
         if quant:  # kept codes and scales: the per-layer fused MoE here is built in full precision
             method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
-            raise FormatError(
-                f"{where} keeps its input's {method} weights, which moeprune's vLLM plugin does not serve in "
-                "moeprune's format yet: load it with moeprune.load_pretrained(path), or prune with --save-dtype bf16"
-            )
+            raise FormatError(f"{where}: {quantized_refusal(method)}")
         layout = read_layout({"moeprune": getattr(config, "moeprune", None)}, where)
         if not layout:
             raise FormatError(

@@ -1,0 +1,206 @@
+"""Quantized weights a moeprune result kept from its input, decoded to float32 with torch alone
+(part of modeling_moeprune.py; moeprune copies it into every moeprune-format folder, and its own
+reader calls the same functions, so both compute the same numbers).
+
+A result pruned from a quantized checkpoint keeps the input's bytes: config.json keeps its
+`quantization_config`, and each quantized weight is stored as codes beside companions, by the
+names the three formats use:
+
+- block-scaled fp8 (`"quant_method": "fp8"`, DeepSeek-V3, MiniMax-M2, Qwen3-FP8): `<w>` in
+  float8_e4m3fn beside `<w>_scale_inv`, one scale per `weight_block_size` block (fp32, or ue8m0
+  powers of two);
+- MXFP4 (`"mxfp4"`, gpt-oss): `<p>_blocks` (two e2m1 codes per byte, [..., out, in/32, 16]) beside
+  `<p>_scales` (one e8m0 exponent per 32 values) stand for the parameter `<p>` [..., in, out];
+- compressed-tensors (`"compressed-tensors"`): pack-quantized `<m>.weight_packed` (int32 words),
+  `<m>.weight_scale`, `<m>.weight_shape` and, asymmetric, `<m>.weight_zero_point` stand for
+  `<m>.weight`; float-quantized `<m>.weight` (fp8) beside `<m>.weight_scale`.
+
+Every product below is exact in float32 (a short integer or a float8 value times a float scale or a
+power of two), so the decoded weights are the numbers the format defines.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .moeprune_format import FormatError
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+MXFP4_GROUP = 32  # values sharing one exponent
+# the 16 e2m1 codes: sign bit 3, exponent bits 2-1, mantissa bit 0 (no inf, no nan)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+PACKED, SCALE, SHAPE, ZERO = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
+DECODED_METHODS = ("fp8", "mxfp4", "compressed-tensors")
+
+
+# ------------------------------------------------------------------------------------ the math
+def fp8_scales_as_float(scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 scales: float ones as they are, ue8m0 ones stored as raw exponent bytes (uint8, as
+    MXFP8 checkpoints store them) decoded to their powers of two."""
+    if scale_inv.dtype == torch.uint8:
+        return torch.exp2(scale_inv.to(torch.float32) - 127.0)
+    return scale_inv.to(torch.float32)
+
+
+def dequantize_fp8_blocks(fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """`fp8` [..., out, in] times its block's scale (`scale_inv` [..., ceil(out/B0), ceil(in/B1)];
+    the last blocks may be partial), in float32."""
+    rows, cols = fp8.shape[-2:]
+    scale = fp8_scales_as_float(scale_inv).repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return fp8.to(torch.float32) * scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The parameter [..., in, out] that uint8 `blocks` [..., out, G, 16] (low nibble first) and
+    uint8 `scales` [..., out, G] (2^(byte - 127)) store, in float32."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    low, high = table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]
+    values = torch.stack((low, high), dim=-1).flatten(-2)  # [..., out, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(-1, -2).contiguous()
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
+    """The `count` signed integers of each row of int32 `packed` (offset by 2^(bits-1), packed
+    densely from bit 0; a value may straddle two words for 3, 5, 6 or 7 bits)."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # the unsigned bits
+    start = torch.arange(count) * num_bits
+    word, offset = start // 32, start % 32
+    mask = (1 << num_bits) - 1
+    bits = (words[..., word] >> offset) & mask
+    spill = offset + num_bits - 32
+    if bool((spill > 0).any()):
+        following = words[..., (word + 1).clamp(max=words.shape[-1] - 1)]
+        bits = torch.where(spill > 0, bits | ((following << (num_bits - spill).clamp(min=0)) & mask), bits)
+    return bits - (1 << (num_bits - 1))
+
+
+def dequantize_packed(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    shape: torch.Tensor,
+    num_bits: int,
+    zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The float32 weight [out, in] of one pack-quantized module: `(q - zero) * scale` per group
+    of inputs (a [out, 1] or [out] scale: per channel); `zero` packed along the output dimension."""
+    out, cols = (int(s) for s in shape.tolist())
+    q = unpack_int32(packed, num_bits, cols).to(torch.float32)
+    scale = scale.to(torch.float32)
+    if scale.dim() == 1:
+        scale = scale[:, None]
+    if zero is not None:
+        zero = unpack_int32(zero.transpose(0, 1).contiguous(), num_bits, out).transpose(0, 1)
+        q = q - zero.to(torch.float32).repeat_interleave(cols // zero.shape[-1], dim=-1)[..., :cols]
+    return q * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
+
+
+def dequantize_float(
+    weight: torch.Tensor, scale: torch.Tensor, block_structure: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """The float32 weight of one float-quantized (fp8) module: `fp8 * scale`, the scale per
+    tensor, per output channel, per group of inputs, or per `block_structure` block."""
+    w = weight.to(torch.float32)
+    scale = scale.to(torch.float32)
+    rows, cols = w.shape
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if block_structure:
+        b0, b1 = block_structure
+        return w * scale.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+    if scale.dim() == 1:
+        scale = scale[:, None]
+    return w * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
+
+
+def target_matches(target: str, module: str) -> bool:
+    """Whether a compressed-tensors `targets` entry names `module` ("re:" regex, else the name)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+# ------------------------------------------------------------------- the stored names, decoded
+def _fail(message: str) -> FormatError:
+    return FormatError(f"modeling_moeprune: {message}")
+
+
+class StoredQuantization:
+    """How a folder's `quantization_config` stores its quantized weights: which stored tensors
+    make each weight (`parts`) and how they decode (`decode`). Methods other than the three
+    above are refused in one sentence."""
+
+    def __init__(self, quant: dict, folder: str):
+        self.method = str(quant.get("quant_method", "")).lower()
+        self.quant, self.folder = quant, folder
+        if self.method not in DECODED_METHODS:
+            raise _fail(
+                f"{folder} holds {quant.get('quant_method')!r}-quantized weights, which these modeling files "
+                f"do not decode (they read {', '.join(DECODED_METHODS)})"
+            )
+        if self.method == "fp8":
+            block = quant.get("weight_block_size")
+            if not (
+                isinstance(block, (list, tuple))
+                and len(block) == 2
+                and all(isinstance(b, int) for b in block)
+            ):
+                raise _fail(
+                    f"{folder}: fp8 weight_block_size {block!r} is not two integers (block-scaled fp8)"
+                )
+            self.block = (int(block[0]), int(block[1]))
+
+    def parts(self, stored: set[str]) -> dict[str, tuple[str, ...]]:
+        """Weight name -> the stored names it decodes from (the codes first); a companion without
+        its codes is an error naming it."""
+        found: dict[str, tuple[str, ...]] = {}
+        for name in stored:
+            if self.method == "fp8" and name.endswith(FP8_SCALE_SUFFIX):
+                found[name.removesuffix(FP8_SCALE_SUFFIX)] = (name.removesuffix(FP8_SCALE_SUFFIX), name)
+            elif self.method == "mxfp4" and name.endswith(MXFP4_BLOCKS):
+                base = name.removesuffix(MXFP4_BLOCKS)
+                found[base] = (name, base + MXFP4_SCALES)
+            elif self.method == "compressed-tensors" and name.endswith(f".{PACKED}"):
+                module = name.removesuffix(f".{PACKED}")
+                zero = (f"{module}.{ZERO}",) if f"{module}.{ZERO}" in stored else ()
+                found[f"{module}.weight"] = (name, f"{module}.{SCALE}", f"{module}.{SHAPE}", *zero)
+            elif self.method == "compressed-tensors" and name.endswith(f".{SCALE}"):
+                module = name.removesuffix(f".{SCALE}")
+                if f"{module}.weight" in stored:  # float-quantized: the fp8 weight beside its scale
+                    found[f"{module}.weight"] = (f"{module}.weight", name)
+        for weight, names in found.items():
+            absent = [n for n in names if n not in stored]
+            if absent:
+                raise _fail(
+                    f"{self.folder}: quantized weight {weight} has no {absent[0]}; the checkpoint is damaged"
+                )
+        return found
+
+    def decode(self, weight: str, values: list[torch.Tensor]) -> torch.Tensor:
+        """The float32 weight from its stored tensors, in `parts` order."""
+        if self.method == "fp8":
+            return dequantize_fp8_blocks(values[0], values[1], self.block)
+        if self.method == "mxfp4":
+            return dequantize_mxfp4(values[0], values[1])
+        scheme = self._scheme(weight.removesuffix(".weight"))
+        if values[0].dtype == torch.int32:
+            zero = values[3] if len(values) > 3 and not scheme.get("symmetric", True) else None
+            return dequantize_packed(values[0], values[1], values[2], int(scheme.get("num_bits", 8)), zero)
+        block = scheme.get("block_structure") if scheme.get("strategy") == "block" else None
+        return dequantize_float(values[0], values[1], tuple(block) if block else None)
+
+    def _scheme(self, module: str) -> dict:
+        """The `weights` section of the config group that quantized `module`: the group whose
+        targets name it, else the only group."""
+        groups = [
+            g
+            for g in (self.quant.get("config_groups") or {}).values()
+            if isinstance(g, dict) and g.get("weights")
+        ]
+        named = [g for g in groups if any(target_matches(t, module) for t in g.get("targets") or ())]
+        if len(named) == 1 or (not named and len(groups) == 1):
+            return (named or groups)[0]["weights"]
+        raise _fail(f"{self.folder}: cannot tell which compressed-tensors config group quantized {module}")
