@@ -30,9 +30,9 @@ FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"qk_rope_head_dim": 16}, "minimax_m
 SCHEMES = ("w4a16", "fp8")
 
 
-
-
-@pytest.fixture(scope="module", params=[(f, s) for f in sorted(FAMILIES) for s in SCHEMES], ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module", params=[(f, s) for f in sorted(FAMILIES) for s in SCHEMES], ids=lambda p: "-".join(p)
+)
 def checkpoints(request, tmp_path_factory) -> tuple[Path, Path, Path]:
     """(compressed checkpoint, its float32 dequantized reference, calibration data)."""
     family, scheme = request.param
@@ -43,12 +43,12 @@ def checkpoints(request, tmp_path_factory) -> tuple[Path, Path, Path]:
     save_compressed_checkpoint(model, root / "ct", scheme=scheme, group_size=16, tokenizer=tokenizer)
     save_dequantized_checkpoint(root / "ct", root / "ref")
     data = root / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 3}) + "\n" for i in range(16)))
+    data.write_text(
+        "".join(
+            json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 3}) + "\n" for i in range(16)
+        )
+    )
     return root / "ct", root / "ref", data
-
-
-
-
 
 
 def test_loaded_model_is_its_dequantized_checkpoint(checkpoints):
@@ -63,7 +63,6 @@ def test_loaded_model_is_its_dequantized_checkpoint(checkpoints):
 def test_the_library_reads_the_checkpoint_as_we_do(checkpoints):
     pytest.importorskip("compressed_tensors")
     from transformers import CompressedTensorsConfig
-
 
     ct = checkpoints[0]
     config = CompressedTensorsConfig(dequantize=True) if "dequantize" in CompressedTensorsConfig.__init__.__code__.co_varnames \
@@ -97,7 +96,9 @@ def test_uniform_drop_keeps_the_format_from_the_input_bytes(checkpoints, tmp_pat
     plan = json.loads((out / "plan.json").read_text())
     assert plan["layers"] == json.loads((ref_out / "plan.json").read_text())["layers"]
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"] == json.loads((ct / "config.json").read_text())["quantization_config"]
+    assert (
+        config["quantization_config"] == json.loads((ct / "config.json").read_text())["quantization_config"]
+    )
     assert json.loads((out / "report.json").read_text())["save_dtype"].startswith("compressed-tensors (")
     for file in out.glob("*.safetensors"):
         assert file.read_bytes() == (no_load / file.name).read_bytes()
@@ -105,16 +106,44 @@ def test_uniform_drop_keeps_the_format_from_the_input_bytes(checkpoints, tmp_pat
     before, after = stored_tensors(ct), stored_tensors(out)
     sources = kept_expert_sources(plan, after)
     for key, source in sources.items():
-        assert after[key].dtype == before[source].dtype and torch.equal(after[key], before[source]), (key, source)
+        assert after[key].dtype == before[source].dtype and torch.equal(after[key], before[source]), (
+            key,
+            source,
+        )
     compared = sum(not key.endswith(".weight") for key in sources)  # the companions: scales, shapes
     assert compared > 0
     assert torch.equal(fixed_logits(load_pretrained(out)), fixed_logits(load_pretrained(ref_out)))
+    assert "with the `compressed-tensors` package installed" in (out / "README.md").read_text()
+
+
+def test_the_summary_names_the_package_stock_loaders_need_only_where_it_is_missing(
+    checkpoints, tmp_path, monkeypatch
+):
+    """moeprune decodes compressed-tensors itself; transformers and vLLM need the package to load
+    the result: the summary says so, with the install command, when this machine lacks it."""
+    import moeprune.report.summary as summary
+    from moeprune.quant.support import package_missing
+
+    assert not package_missing("torch") and package_missing("no-such-package-moeprune")
+    ct, _, _ = checkpoints
+    run_cli(
+        "prune", ct, "--criterion", "aimer", "--sparsity", "0.25", "--quiet", "--output", tmp_path / "out"
+    )
+    facts = summary.prune_facts(json.loads((tmp_path / "out" / "report.json").read_text()), tmp_path / "out")
+    line = 'pip install "moeprune[quantized]"'
+    monkeypatch.setattr(summary, "package_missing", lambda package: package == "compressed-tensors")
+    assert any(line in text for text in summary.format_lines(facts))
+    monkeypatch.setattr(summary, "package_missing", lambda package: False)
+    assert not any(line in text for text in summary.format_lines(facts))
 
 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["prune", "--criterion", "frequency", "--sparsity", "0.25", "--method", "neurons"], "holds whole experts"),
+        (
+            ["prune", "--criterion", "frequency", "--sparsity", "0.25", "--method", "neurons"],
+            "holds whole experts",
+        ),
     ],
 )
 def test_what_cannot_read_or_keep_it_is_refused_in_one_line(checkpoints, tmp_path, args, expected):

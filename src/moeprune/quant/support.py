@@ -11,6 +11,7 @@ forward: drop whole experts, or save dequantized weights on request.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +58,18 @@ def refuse_quantized(
             f"{path} is quantized ({described}); {what} would split its scale blocks and re-quantize them: {route}",
             options=options,
         )
+
+
+COMPRESSED_PACKAGE = "compressed-tensors"  # what transformers and vLLM read that format with
+
+
+def needs_package(save_dtype: str | None) -> str | None:
+    """The package stock transformers and vLLM need to load weights saved as `save_dtype` (a
+    report's `save_dtype`, such as "compressed-tensors (pack-quantized int4)"), or None. moeprune
+    decodes every format it reads itself; they do not."""
+    return COMPRESSED_PACKAGE if (save_dtype or "").startswith(COMPRESSED_PACKAGE) else None
+
+
+def package_missing(package: str) -> bool:
+    """Whether `package` (a distribution named like its import, dashes for underscores) is absent here."""
+    return importlib.util.find_spec(package.replace("-", "_")) is None

@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from moeprune.quant.support import needs_package
 from moeprune.report.document import PruneReport, as_report
 from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, ServeCheck, Serving
 
@@ -190,9 +191,11 @@ def serve_check_line(check: ServeCheck) -> str:
 
 
 def how_to_load(report: PruneReport, name: str) -> list[str]:
+    package = needs_package(report.save_dtype)
     if report.format == "stock":
         return [
-            "A stock checkpoint of its family: every tool loads it unchanged.",
+            "A stock checkpoint of its family: every tool loads it unchanged"
+            + (f" (transformers and vLLM with the `{package}` package installed)." if package else "."),
             "",
             "```python",
             "from transformers import AutoModelForCausalLM",

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moeprune.allocate.fitness import FITNESSES
+from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
 from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, Serving
 
@@ -181,6 +182,12 @@ def format_lines(facts: dict) -> list[str]:
         lines.append(
             f"  weights on disk {_size(b['before'])} -> {_size(b['after'])}{_pct(b['change_pct'])}, "
             f"saved as {facts['save_dtype']} ({facts['format']} format)"
+        )
+    package = needs_package(facts["save_dtype"])
+    if package and package_missing(package):
+        lines.append(
+            f"  loading it      transformers and vLLM read this format with the {package} package, not installed "
+            'here: pip install "moeprune[quantized]"'
         )
     target = facts.get("target")
     if target:
