@@ -164,8 +164,9 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),
     default=None,
-    help="dtype of the saved weights [default: the input checkpoint's; an fp8 input stays fp8, "
-    "a full-precision choice saves it dequantized].",
+    help="dtype of the saved weights [default: the input checkpoint's; a quantized input (fp8, MXFP4, "
+    "compressed-tensors) keeps its format, a full-precision choice saves it dequantized; fp8 asks for an "
+    "fp8 input's blocks].",
 )
 @click.option(
     "--max-shard-size",

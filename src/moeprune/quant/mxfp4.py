@@ -23,7 +23,6 @@ from moeprune.serve.moeprune_quantized import dequantize_mxfp4 as decode_mxfp4
 
 GROUP = MXFP4_GROUP  # values sharing one scale
 BLOCKS_SUFFIX, SCALES_SUFFIX = MXFP4_BLOCKS, MXFP4_SCALES
-SAVE_DTYPE = "mxfp4"  # the save dtype that keeps an mxfp4 input's codes (--save-dtype mxfp4)
 _E2M1_EMAX = 2  # exponent of e2m1's largest normal value (6 = 1.5 * 2^2)
 
 
