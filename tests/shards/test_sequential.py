@@ -55,6 +55,22 @@ def test_sequential_equals_in_memory(family, tmp_path):
     assert_close_stats(expected, actual)
 
 
+@pytest.mark.parametrize("family", supported_families())
+def test_the_outer_modules_never_hold_the_decoder_layers(family):
+    """What is loaded before the layers (embedding, norm, rotary) holds none of them, also where
+    the layers sit deeper than the base model's children (nemotron_h_omni: the wrapper's decoder
+    is a causal LM around the backbone). Holding them, their buffers were materialised early and
+    checked before their weights loaded: a NaN from uninitialised memory, now and then."""
+    from moeprune.models.adapter import decoder_layers
+    from moeprune.shards.sequential import _outer_modules
+
+    model = tiny_model(family)
+    container = decoder_layers(model)
+    outer = _outer_modules(model)
+    assert outer and not any(m is container for module in outer for m in module.modules())
+    assert model.get_input_embeddings() in [m for module in outer for m in module.modules()]
+
+
 def test_bf16_keeps_the_fp32_modules(tmp_path):
     """bf16 loads like from_pretrained: ERNIE's router and selection bias stay fp32."""
     save_tiny_model("ernie4_5_moe", tmp_path)

@@ -194,7 +194,7 @@ def _materialise_buffers(model: nn.Module, module: nn.Module, device: torch.devi
         if not meta:
             continue
         for name in meta:
-            owner._buffers[name] = torch.empty_like(owner._buffers[name], device=device)
+            owner._buffers[name] = torch.zeros_like(owner._buffers[name], device=device)  # never garbage
         try:
             model._init_weights(owner)
         except AttributeError:  # a multimodal wrapper's init reads fields only its text config has
@@ -392,10 +392,24 @@ class _Pass:
 
 
 def _outer_modules(model: nn.Module) -> list[nn.Module]:
-    """Top-level modules of the base model other than the decoder layers (embedding, rotary, norm)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    """The modules around the decoder layers (embedding, rotary, norm): the base model's children
+    but the layers, and where the layers sit deeper (a multimodal wrapper's decoder is a causal LM
+    holding the backbone), the children of every module on the way down to them. Never a module
+    that holds the layers: its buffers would be materialised, and checked, before theirs load."""
     container = decoder_layers(model)
-    return [m for m in base.children() if m is not container]
+    outer: list[nn.Module] = []
+    module: nn.Module | None = model.get_decoder() if hasattr(model, "get_decoder") else model
+    while module is not None:
+        holder = None
+        for child in module.children():
+            if child is container:
+                continue
+            if any(m is container for m in child.modules()):
+                holder = child
+            else:
+                outer.append(child)
+        module = holder
+    return outer
 
 
 def _capture_all(run: _Pass, data: CalibrationData, batch_size: int, pad_token_id: int, scratch: Path | None):
