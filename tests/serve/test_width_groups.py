@@ -68,7 +68,10 @@ def test_the_cap_merges_with_the_least_padding():
     # and no other split into at most four runs of the sorted widths pads less
     order = sorted(range(len(widths)), key=lambda p: -widths[p])
     best = min(
-        sum(widths[order[lo]] * (hi - lo) - sum(widths[order[i]] for i in range(lo, hi)) for lo, hi in zip(cuts, cuts[1:]))
+        sum(
+            widths[order[lo]] * (hi - lo) - sum(widths[order[i]] for i in range(lo, hi))
+            for lo, hi in zip(cuts, cuts[1:])
+        )
         for k in range(1, 4)
         for inner in itertools.combinations(range(1, len(widths)), k)
         for cuts in [(0, *inner, len(widths))]
@@ -120,3 +123,19 @@ def test_served_parameter_count_pads_within_groups(tmp_path):
     # a kernel that aligns widths to 8 once loaded (vLLM's CPU build: 32): the group of 20 becomes 24
     # (20 + 4 and 19 + 5 neurons), the expert of 10 becomes 16 (+ 6)
     assert served_parameter_count(tmp_path, alignment=8) == stored + 3 * hidden * (4 + 5 + 6)
+
+
+def test_the_vllm_plugin_reads_the_family_from_the_config_not_the_class():
+    """Several model types may share one vLLM class (transformers 5.24's sarvam_mla runs
+    DeepSeek-V3's causal LM), so the served class takes each checkpoint's family from its model
+    type, and refuses a model type it does not serve as that class."""
+    from moeprune.serve.vllm.layout import MODEL_TYPE_PREFIX, SERVED_FAMILIES, FormatError, served_family
+
+    for family, arch in SERVED_FAMILIES.items():
+        assert served_family(MODEL_TYPE_PREFIX + family, arch, "x/config.json") == family
+    with pytest.raises(
+        FormatError, match="'moeprune_sarvam_mla'.*does not serve as MoePruneDeepseekV3ForCausalLM"
+    ):
+        served_family("moeprune_sarvam_mla", "DeepseekV3ForCausalLM", "x/config.json")
+    with pytest.raises(FormatError, match="does not serve as MoePruneMixtralForCausalLM"):
+        served_family("moeprune_qwen3_moe", "MixtralForCausalLM", "x/config.json")
