@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from test_observe import calibration
 from transformers import AutoModelForCausalLM
@@ -244,6 +246,8 @@ for case in manifest["cases"]:
         continue
     entry["class"] = type(model).__name__
     entry["module"] = type(model).__module__
+    entry["config"] = type(model.config).__name__
+    entry["config_class"] = type(model).config_class.__name__
     entry["training"] = model.training
     entry["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     entry["fp32"] = sorted(n for n, t in model.state_dict().items() if t.dtype == torch.float32)
@@ -314,7 +318,12 @@ def test_the_child_never_imported_moeprune(served):
 def test_auto_model_loads_every_family_and_kind_like_moeprune(served, family, kind):
     name = f"{family}-{kind}"
     case = _loaded(served, name)
-    assert case["class"] == f"MoePrune{_causal_lm(family)}"
+    causal_lm, config = _causal_lm(family)
+    own = causal_lm.config_class.__name__
+    # a family running another family's causal LM (5.24's sarvam_*) gets one class per pair
+    pair = "" if own == config.__name__ else f"__{config.__name__}"
+    assert case["class"] == f"MoePrune{causal_lm.__name__}{pair}"
+    assert case["config_class"] == case["config"] == f"MoePrune{config.__name__}"
     assert case["module"].startswith("transformers_modules.") and case["module"].endswith(
         ".modeling_moeprune"
     )
@@ -323,12 +332,14 @@ def test_auto_model_loads_every_family_and_kind_like_moeprune(served, family, ki
     assert_logits_close(served["logits"][name], served["refs"][name], rtol=REORDER_RTOL)
 
 
-def _causal_lm(family: str) -> str:
-    """The stock class a result of `family` is built on: its causal LM, or its multimodal wrapper."""
+def _causal_lm(family: str) -> tuple[type, type]:
+    """The stock class a result of `family` is built on (its causal LM, or its multimodal wrapper),
+    and the family's config class, which need not be that class's own."""
     from moeprune.models.classes import model_class
     from moeprune.models.factory import tiny_config
 
-    return model_class(tiny_config(family)).__name__
+    config = tiny_config(family)
+    return model_class(config), type(config)
 
 
 @pytest.mark.parametrize("name", ["llama4_text-uniform8", "qwen3_moe-sharded-tied", "mixtral-hub-cache"])
@@ -349,10 +360,13 @@ def test_a_loaded_model_saves_a_folder_both_loaders_read(served, name):
 
 def test_dtype_auto_keeps_the_saved_bf16_and_float32_can_be_asked_for(served):
     bf16 = _loaded(served, "deepseek_v3-bf16")
-    assert bf16["dtypes"] == ["torch.bfloat16"]  # parameters; the selection-bias buffers stay fp32:
-    assert bf16["fp32"] and all(
-        n.endswith("e_score_correction_bias") for n in bf16["fp32"]
-    )  # as stock keeps it
+    # what stock keeps in fp32 at bf16 stays fp32, as stock keeps it: the selection bias, and from
+    # transformers 5.24 the router weight too (DeepseekV3's _keep_in_fp32_modules_strict)
+    strict = list(transformers.DeepseekV3ForCausalLM._keep_in_fp32_modules_strict or [])
+    kept = {pattern: re.compile(rf"(^|\.){re.escape(pattern)}$") for pattern in strict}
+    assert "torch.bfloat16" in bf16["dtypes"] and set(bf16["dtypes"]) <= {"torch.bfloat16", "torch.float32"}
+    assert all(any(k.search(n) for k in kept.values()) for n in bf16["fp32"]), bf16["fp32"]
+    assert strict and all(any(k.search(n) for n in bf16["fp32"]) for k in kept.values()), bf16["fp32"]
     assert_logits_close(
         served["logits"]["deepseek_v3-bf16"], served["refs"]["deepseek_v3-bf16"], rtol=BF16_RTOL
     )
@@ -429,7 +443,7 @@ def test_legacy_family_table_agrees_with_discovery():
         assert record["block_tensors"] == []
         assert record["own_gate"] == (row.layout == "interleaved")  # gpt_oss's clamped SwiGLU is its own
         assert row.config_class == CONFIG_MAPPING[base].__name__ == record["config_class"]
-        assert row.causal_lm_class == _causal_lm(base) == record["causal_lm_class"]
+        assert row.causal_lm_class == _causal_lm(base)[0].__name__ == record["causal_lm_class"]
 
 
 def test_a_result_without_the_family_record_loads_through_the_table(tmp_path):
@@ -445,7 +459,8 @@ def test_a_result_without_the_family_record_loads_through_the_table(tmp_path):
 
 
 def test_every_family_defines_the_classes_the_saver_names(tmp_path):
-    """config.json's auto_map names MoePrune + the stock class names; each resolves in the file."""
+    """config.json's auto_map names MoePrune + the stock class names; each resolves in the file, and
+    the model class's config_class is the config's (transformers refuses them otherwise)."""
     module = _modeling_module()
     for base in supported_families():
         model = make_result(base, "counts")
@@ -456,7 +471,32 @@ def test_every_family_defines_the_classes_the_saver_names(tmp_path):
         config_class = getattr(module, data["auto_map"]["AutoConfig"].split(".")[1])
         assert config_class.model_type == data["model_type"] == f"moeprune_{base}"
         model_class = getattr(module, data["auto_map"]["AutoModelForCausalLM"].split(".")[1])
-        assert model_class.config_class is config_class and data["architectures"] == [model_class.__name__]
+        assert model_class.config_class is config_class
+        stock = type(model)  # architectures: the causal LM (vLLM's plugin registers MoePrune + its name)
+        assert issubclass(model_class, stock) and data["architectures"] == [f"MoePrune{stock.__name__}"]
+        if stock.config_class is type(model.config):
+            assert model_class.__name__ == f"MoePrune{stock.__name__}"
+
+
+def test_a_causal_lm_run_on_another_familys_config_gets_a_class_of_its_own():
+    """Some families run another family's causal LM on a config class of their own (transformers
+    5.24's sarvam_mla: DeepseekV3ForCausalLM on SarvamMLAConfig). transformers refuses a remote
+    model class whose config_class is named unlike the config's, so the file makes one class per
+    (causal LM, config) pair; shown here on two families every supported transformers has."""
+    module = _modeling_module()
+    plain = module.MoePruneDeepseekV3ForCausalLM
+    pair = module.MoePruneDeepseekV3ForCausalLM__Glm4MoeConfig
+    assert plain.config_class is module.MoePruneDeepseekV3Config
+    assert (
+        pair.config_class is module.MoePruneGlm4MoeConfig
+        and pair.config_class.model_type == "moeprune_glm4_moe"
+    )
+    assert pair is not plain and issubclass(pair, transformers.DeepseekV3ForCausalLM)
+    assert getattr(module, pair.__name__) is pair  # built once
+    with pytest.raises(AttributeError, match="has no NoSuchConfig; upgrade transformers"):
+        _ = module.MoePruneDeepseekV3ForCausalLM__NoSuchConfig
+    with pytest.raises(AttributeError):  # a causal LM is no config class
+        _ = module.MoePruneDeepseekV3ForCausalLM__Glm4MoeForCausalLM
 
 
 @pytest.mark.parametrize("source", MODELING_FILES, ids=lambda p: p.name)

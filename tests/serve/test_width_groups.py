@@ -68,7 +68,10 @@ def test_the_cap_merges_with_the_least_padding():
     # and no other split into at most four runs of the sorted widths pads less
     order = sorted(range(len(widths)), key=lambda p: -widths[p])
     best = min(
-        sum(widths[order[lo]] * (hi - lo) - sum(widths[order[i]] for i in range(lo, hi)) for lo, hi in zip(cuts, cuts[1:]))
+        sum(
+            widths[order[lo]] * (hi - lo) - sum(widths[order[i]] for i in range(lo, hi))
+            for lo, hi in zip(cuts, cuts[1:])
+        )
         for k in range(1, 4)
         for inner in itertools.combinations(range(1, len(widths)), k)
         for cuts in [(0, *inner, len(widths))]
@@ -157,3 +160,19 @@ def test_tenp_on_real_shapes_is_served_within_5_percent_of_its_packed_size(model
         aligned += sum(-(-g.width // CPU_MOE_ALIGNMENT) * CPU_MOE_ALIGNMENT * len(g.positions) for g in groups)
     assert packed <= held <= aligned <= 1.05 * packed, (held / packed, aligned / packed)
     print(f"{model} at {sparsity}: held {held / packed:.4f}x packed, {aligned / packed:.4f}x at {CPU_MOE_ALIGNMENT}")
+
+
+def test_the_vllm_plugin_reads_the_family_from_the_config_not_the_class():
+    """Several model types may share one vLLM class (transformers 5.24's sarvam_mla runs
+    DeepSeek-V3's causal LM), so the served class takes each checkpoint's family from its model
+    type, and refuses a model type it does not serve as that class."""
+    from moeprune.serve.vllm.layout import MODEL_TYPE_PREFIX, SERVED_FAMILIES, FormatError, served_family
+
+    for family, arch in SERVED_FAMILIES.items():
+        assert served_family(MODEL_TYPE_PREFIX + family, arch, "x/config.json") == family
+    with pytest.raises(
+        FormatError, match="'moeprune_sarvam_mla'.*does not serve as MoePruneDeepseekV3ForCausalLM"
+    ):
+        served_family("moeprune_sarvam_mla", "DeepseekV3ForCausalLM", "x/config.json")
+    with pytest.raises(FormatError, match="does not serve as MoePruneMixtralForCausalLM"):
+        served_family("moeprune_qwen3_moe", "MixtralForCausalLM", "x/config.json")

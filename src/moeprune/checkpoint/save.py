@@ -28,6 +28,7 @@ from moeprune.models import MoEModel
 from moeprune.models.classes import is_wrapper, text_config_key
 from moeprune.runtime.device import resolve_dtype
 from moeprune.serve.modeling_moeprune import MODELING_FILES
+from moeprune.serve.moeprune_format import auto_model_class
 from moeprune.surgery.packed import is_packed, router_count
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve"  # the modeling files copied into results
@@ -115,14 +116,20 @@ def moeprune_config(moe: MoEModel, config) -> dict:
     model type, the plugin architecture and auto_map (docs/checkpoint-format.md)."""
     data = config.to_dict()
     base = moe.model_type
-    arch = f"{structure.ARCHITECTURE_PREFIX}{type(moe.model).__name__}"
+    arch = f"{structure.ARCHITECTURE_PREFIX}{type(moe.model).__name__}"  # what vLLM's plugin registers
     config_class = f"{structure.ARCHITECTURE_PREFIX}{type(config).__name__}"
+    own_config = getattr(type(moe.model), "config_class", None)
+    # the class stock transformers builds: the plain name, or one per (causal LM, config) pair when
+    # the family runs another family's causal LM on its own config (sarvam_mla, sarvam_moe)
+    model_class = auto_model_class(
+        type(moe.model).__name__, type(config).__name__, own_config.__name__ if own_config else None
+    )
     module = structure.MODELING_FILE.removesuffix(".py")
     key = text_config_key(config)  # a wrapper keeps the language model's fields in a sub-config
     (data[key] if key else data)[moe.spec.count_field] = max(router_count(m) for m in moe.layers)
-    auto = {"AutoConfig": f"{module}.{config_class}", "AutoModelForCausalLM": f"{module}.{arch}"}
+    auto = {"AutoConfig": f"{module}.{config_class}", "AutoModelForCausalLM": f"{module}.{model_class}"}
     if is_wrapper(config):  # loaded as an image-text-to-text model too, like the stock wrapper
-        auto["AutoModelForImageTextToText"] = f"{module}.{arch}"
+        auto["AutoModelForImageTextToText"] = f"{module}.{model_class}"
     data.update(
         model_type=structure.MODEL_TYPE_PREFIX + base,
         architectures=[arch],

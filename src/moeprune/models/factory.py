@@ -142,7 +142,8 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 # Field-name rules that shrink any family's default config (first match wins); expert widths
 # (16), shared-expert widths (24) and dense widths (48) differ so discovery cannot confuse them.
 _SHRINK: tuple[tuple[str, int], ...] = (
-    (r"^vocab_size(_per_layer_input)?$", 96),
+    # unpadded_vocab_size: the lm_head's width in inkling2 from transformers 5.24 (5.23 used vocab_size)
+    (r"^(unpadded_)?vocab_size(_per_layer_input)?$", 96),
     (r"^hidden_size$", 32),
     (r"^(num_hidden_layers|num_layers)$", 4),
     (r"^(num_attention_heads|num_key_value_heads)$", 4),

@@ -36,7 +36,7 @@ Weights are read from the safetensors files by the names a stock checkpoint of t
 never a random initialisation. `save_pretrained` (and so `push_to_hub`) writes the same format
 back. Only torch, transformers, safetensors and huggingface_hub are imported, and only public
 transformers APIs are used, so the file works with transformers 5.16 and later (tested with
-5.16.1 and 5.23).
+5.16.1 and 5.23, and with 5.24's families that run another family's causal LM).
 
 A result that kept its input's quantization (block-scaled fp8, MXFP4, compressed-tensors
 pack-/float-quantized; config.json keeps `quantization_config`) is decoded while loading: each
@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import transformers
 
+from .moeprune_format import ARCHITECTURE_PREFIX, auto_model_class, split_auto_model_class
 from .moeprune_layers import (
     LayerStructure,
     MoePruneExperts,
@@ -379,38 +380,64 @@ def _config_class(stock_config: type[transformers.PretrainedConfig]) -> type:
     return globals()[name]
 
 
-def _model_class(stock_model: type[transformers.PreTrainedModel]) -> type:
-    """MoePrune<CausalLM>: the stock causal-LM class with each MoE layer shaped as config.moeprune says."""
-    name = f"MoePrune{stock_model.__name__}"
+def _model_class(
+    stock_model: type[transformers.PreTrainedModel],
+    stock_config: type[transformers.PretrainedConfig] | None = None,
+) -> type:
+    """MoePrune<CausalLM> (or MoePrune<CausalLM>__<Config>): the stock causal-LM class with each MoE
+    layer shaped as config.moeprune says, for configs of `stock_config` (default: the class's own).
+
+    transformers refuses a remote model class whose `config_class` is not the config's class, and
+    some families run another family's causal LM on a config class of their own (transformers
+    5.24's sarvam_mla: DeepseekV3ForCausalLM on SarvamMLAConfig), so the class is made per
+    (causal-LM class, config class) pair, named as the saver wrote it into auto_map."""
+    # every stock causal-LM class names its config class (the stub allows None)
+    own = cast("type[transformers.PretrainedConfig] | None", stock_model.config_class)
+    config = stock_config or own
+    if config is None:
+        raise fail(f"transformers' {stock_model.__name__} names no config class")
+    name = auto_model_class(stock_model.__name__, config.__name__, own.__name__ if own else None)
     if name not in globals():
         globals()[name] = type(
             name,
             (MoePruneModelMixin, stock_model),
             {
-                # every stock causal-LM class names its config class (the stub allows None)
-                "config_class": _config_class(
-                    cast("type[transformers.PretrainedConfig]", stock_model.config_class)
-                ),
+                "config_class": _config_class(config),
                 "__module__": __name__,
-                "__doc__": f"{stock_model.__name__} with each MoE layer shaped as config.moeprune says.",
+                "__doc__": f"{stock_model.__name__} on {config.__name__} with each MoE layer shaped as "
+                "config.moeprune says.",
             },
         )
     return globals()[name]
 
 
+def _stock_class(name: str) -> type | None:
+    stock = getattr(transformers, name, None)
+    if stock is None and name.endswith(("Config", "ForCausalLM", "ForConditionalGeneration")):
+        raise AttributeError(
+            f"modeling_moeprune: transformers {transformers.__version__} has no {name}; upgrade transformers"
+        )
+    return stock if isinstance(stock, type) else None
+
+
 def __getattr__(name: str):
-    """MoePrune<Config> and MoePrune<CausalLM> of any family, built on first use (transformers asks
-    for them by the names in config.json's auto_map) from the stock class of the same name, so
-    loading one family neither imports nor subclasses another."""
-    if name.startswith("MoePrune") and not name.startswith("MoePrune_"):
-        stock_name = name.removeprefix("MoePrune")
-        stock = getattr(transformers, stock_name, None)
-        if isinstance(stock, type) and issubclass(stock, transformers.PretrainedConfig):
+    """MoePrune<Config>, MoePrune<CausalLM> and MoePrune<CausalLM>__<Config> of any family, built
+    on first use (transformers asks for them by the names in config.json's auto_map) from the stock
+    classes so named, so loading one family neither imports nor subclasses another."""
+    if name.startswith(ARCHITECTURE_PREFIX) and not name.startswith(ARCHITECTURE_PREFIX + "_"):
+        stock_name, config_name = split_auto_model_class(name)
+        stock = _stock_class(stock_name)
+        if config_name is not None:  # a causal LM run on another family's config class
+            config = _stock_class(config_name)
+            if (
+                stock is not None
+                and issubclass(stock, transformers.PreTrainedModel)
+                and config is not None
+                and issubclass(config, transformers.PretrainedConfig)
+            ):
+                return _model_class(stock, config)
+        elif stock is not None and issubclass(stock, transformers.PretrainedConfig):
             return _config_class(stock)
-        if isinstance(stock, type) and issubclass(stock, transformers.PreTrainedModel):
+        elif stock is not None and issubclass(stock, transformers.PreTrainedModel):
             return _model_class(stock)
-        if stock is None and stock_name.endswith(("Config", "ForCausalLM")):
-            raise AttributeError(
-                f"modeling_moeprune: transformers {transformers.__version__} has no {stock_name}; upgrade transformers"
-            )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,29 @@ LEGACY_FILE = "moeprune.json"  # versions 1 and 2 kept the structure here
 MODEL_TYPE_PREFIX = "moeprune_"
 ARCHITECTURE_PREFIX = "MoePrune"
 REMAKE = "re-create it with moeprune prune"
+# `MoePrune<CausalLM>__<Config>`: the class stock transformers loads when the causal-LM class is
+# another family's (transformers 5.24's sarvam_mla runs DeepseekV3ForCausalLM on SarvamMLAConfig).
+# transformers class names never hold a double underscore, so the two names split back unambiguously.
+PAIR_SEPARATOR = "__"
+
+
+def auto_model_class(causal_lm: str, config: str, own_config: str | None) -> str:
+    """The modeling file's class for a causal-LM class (`causal_lm`, whose own `config_class` is
+    named `own_config`) run on a config of class `config`, as config.json's auto_map names it.
+
+    transformers registers the auto_map's model class for the config's class and refuses a model
+    class whose `config_class` has another name, so a family whose causal LM is another family's
+    needs its own class, one per (causal-LM class, config class) pair; a family with its own causal
+    LM keeps the plain `MoePrune<CausalLM>` (the name every earlier result has)."""
+    if own_config is None or own_config == config:
+        return ARCHITECTURE_PREFIX + causal_lm
+    return f"{ARCHITECTURE_PREFIX}{causal_lm}{PAIR_SEPARATOR}{config}"
+
+
+def split_auto_model_class(name: str) -> tuple[str, str | None]:
+    """(causal-LM class, config class or None) named by `auto_model_class`'s result (prefix removed)."""
+    causal_lm, _, config = name.removeprefix(ARCHITECTURE_PREFIX).partition(PAIR_SEPARATOR)
+    return causal_lm, config or None
 
 
 class FormatError(ValueError):

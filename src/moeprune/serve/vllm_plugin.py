@@ -67,7 +67,7 @@ def register() -> None:
         logger.warning(
             "moeprune's vLLM plugin runs on untested vLLM %s because %s is set", version, ALLOW_UNTESTED_ENV
         )
-    for arch in SERVED_FAMILIES.values():
+    for arch in sorted(set(SERVED_FAMILIES.values())):  # families may share a vLLM class
         name = ARCHITECTURE_PREFIX + arch
         ModelRegistry.register_model(name, f"{MODELS_MODULE}:{name}")
     _register_configs()

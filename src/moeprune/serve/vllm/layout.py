@@ -68,6 +68,19 @@ UNSERVED_REASONS: dict[str, str] = {
 }
 
 
+def served_family(model_type: str, architecture: str, where: str) -> str:
+    """The base family of a checkpoint of `model_type` that vLLM builds as `architecture`, read
+    from the config rather than from the class: several model types may share one vLLM class
+    (transformers 5.24's sarvam_mla runs DeepSeek-V3's), and each must route as its own family."""
+    family = model_type.removeprefix(MODEL_TYPE_PREFIX)
+    if SERVED_FAMILIES.get(family) != architecture:
+        raise FormatError(
+            f"{where} has model type {model_type!r}, which moeprune's vLLM plugin does not serve as "
+            f"{ARCHITECTURE_PREFIX}{architecture}; re-create the checkpoint with moeprune"
+        )
+    return family
+
+
 def __getattr__(name: str):
     """`REFUSED_FAMILIES` (four names) still imports, with a warning: every family the plugin does
     not serve is refused now (`refused_families`)."""

@@ -22,7 +22,13 @@ import torch
 from vllm import ModelRegistry
 
 from moeprune.serve.moeprune_format import ARCHITECTURE_PREFIX, FormatError, LayerStructure
-from moeprune.serve.vllm.layout import DOWN_PROJECTIONS, SERVED_FAMILIES, quantized_refusal, read_layout
+from moeprune.serve.vllm.layout import (
+    DOWN_PROJECTIONS,
+    SERVED_FAMILIES,
+    quantized_refusal,
+    read_layout,
+    served_family,
+)
 from moeprune.serve.vllm.moe import BuiltLayer, per_layer_moe
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
@@ -38,11 +44,12 @@ else:
 class _MoePruneForCausalLM(_VllmCausalLM):
     """Mixin placed before vLLM's class: per-layer shapes at construction, remapped loading."""
 
-    family: str
+    architecture: str  # vLLM's class this one extends
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         config = vllm_config.model_config.hf_config
         where = f"{getattr(config, 'name_or_path', '') or 'the checkpoint'}/config.json"
+        self.family = served_family(getattr(config, "model_type", ""), self.architecture, where)
         quant = getattr(config, "quantization_config", None)
         if quant:  # kept codes and scales: the per-layer fused MoE here is built in full precision
             method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
@@ -197,13 +204,14 @@ def _padded(
     return padded
 
 
-def served_class(family: str) -> type:
-    """`MoePrune<Stock>` for a served family: vLLM's own class for it (found in vLLM's registry,
-    so a family is added by naming it in SERVED_FAMILIES), with the mixin in front."""
-    stock = ModelRegistry.models[SERVED_FAMILIES[family]].load_model_cls()
+def served_class(architecture: str) -> type:
+    """`MoePrune<Stock>` for a vLLM class that serves families (found in vLLM's registry, so a
+    family is added by naming it in SERVED_FAMILIES), with the mixin in front. The family is read
+    from each checkpoint's model type, not fixed here: several may share the class."""
+    stock = ModelRegistry.models[architecture].load_model_cls()
     name = ARCHITECTURE_PREFIX + stock.__name__
     attrs = {
-        "family": family,
+        "architecture": architecture,
         "__module__": __name__,
         "__qualname__": name,
         "__doc__": f"vLLM's {stock.__name__} with moeprune's per-layer experts, widths and novices.",
@@ -214,8 +222,8 @@ def served_class(family: str) -> type:
 def __getattr__(name: str) -> type:
     """vLLM asks this module for `MoePrune<Arch>` (the plugin registers "module:Class" strings);
     each class is built on first use and kept."""
-    for family, arch in SERVED_FAMILIES.items():
+    for arch in SERVED_FAMILIES.values():
         if name == ARCHITECTURE_PREFIX + arch:
-            globals()[name] = served = served_class(family)
+            globals()[name] = served = served_class(arch)
             return served
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
