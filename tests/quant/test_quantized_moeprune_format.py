@@ -179,3 +179,23 @@ def test_the_report_card_and_serve_check_say_vllm_does_not_serve_it_yet(pruned):
     assert refused in (out / "README.md").read_text()
     result = run_cli("serve-check", out, "--vllm-python", "/nonexistent/python", ok=False)
     assert result.exit_code == 2 and "does not serve moeprune-format checkpoints that keep" in result.output
+
+
+@pytest.mark.parametrize("pipeline", [[], ["--no-load"]])
+def test_names_of_unquantized_experts_follow_the_renumbering(tmp_path, pipeline):
+    """A release may leave single experts unquantized and name them in `modules_to_not_convert`
+    (compressed-tensors: `ignore`). After a drop the list must still describe the tensors: the
+    kept experts' names renumbered as their tensors were, the dropped ones' names gone."""
+    model = tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer()))
+    plain = [f"model.layers.2.mlp.experts.{e}.down_proj" for e in range(8)]  # MoE layers: 0 and 2
+    fp8 = save_fp8_checkpoint(model, tmp_path / "fp8", block=(16, 16), skip=("lm_head", "embed_tokens", "gate", *plain))
+    out = tmp_path / "out"
+    run_cli("prune", fp8, "--criterion", "aimer", "--sparsity", "0.25", "--quiet", *pipeline, "--output", out)
+    names = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    experts = [n for n in names if ".experts." in n]
+    assert experts == [f"model.layers.2.mlp.experts.{e}.down_proj" for e in range(6)]  # 2 of 8 dropped
+    stored = stored_tensors(out)
+    for e in range(6):
+        assert stored[f"model.layers.2.mlp.experts.{e}.down_proj.weight"].dtype == torch.float32
+        assert stored[f"model.layers.2.mlp.experts.{e}.up_proj.weight"].dtype == torch.float8_e4m3fn
+        assert stored[f"model.layers.0.mlp.experts.{e}.down_proj.weight"].dtype == torch.float8_e4m3fn

@@ -12,6 +12,7 @@ forward: drop whole experts, or save dequantized weights on request.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,46 @@ def needs_package(save_dtype: str | None) -> str | None:
 def package_missing(package: str) -> bool:
     """Whether `package` (a distribution named like its import, dashes for underscores) is absent here."""
     return importlib.util.find_spec(package.replace("-", "_")) is None
+
+
+# lists of module names in the formats' configs (fp8 and MXFP4: modules left unquantized, MiniMax's
+# spelling too; compressed-tensors: `ignore`, and each config group's `targets`)
+_NAME_LISTS = ("modules_to_not_convert", "ignored_layers", "ignore")
+_EXPERT_MODULE = re.compile(
+    r"^(?P<head>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.*\.)?experts\.)(?P<expert>\d+)(?P<tail>\..*)?$"
+)
+
+
+def follow_kept_experts(quant: dict[str, Any], kept: dict[int, list[int]]) -> dict[str, Any]:
+    """`quant` (a quantization_config) with every module name that names one expert following the
+    pruned layout: `kept[layer]` lists the original ids kept, in their new order, so expert `e`
+    of that layer becomes `kept[layer].index(e)`, and a dropped expert's names go. Names of other
+    modules, layers not in `kept`, class names and "re:" patterns stay as written (a pattern over
+    expert ids cannot be renumbered; releases write those per module kind, not per expert)."""
+
+    def follow(names: list[Any]) -> list[Any]:
+        out = []
+        for name in names:
+            match = (
+                _EXPERT_MODULE.match(name) if isinstance(name, str) and not name.startswith("re:") else None
+            )
+            layer = int(match["layer"]) if match else None
+            if match is None or layer not in kept:
+                out.append(name)
+            elif int(match["expert"]) in kept[layer]:
+                out.append(f"{match['head']}{kept[layer].index(int(match['expert']))}{match['tail'] or ''}")
+        return out
+
+    result = dict(quant)
+    for key in _NAME_LISTS:
+        if isinstance(result.get(key), list):
+            result[key] = follow(result[key])
+    groups = result.get("config_groups")
+    if isinstance(groups, dict):
+        result["config_groups"] = {
+            name: {**group, "targets": follow(group["targets"])}
+            if isinstance(group, dict) and isinstance(group.get("targets"), list)
+            else group
+            for name, group in groups.items()
+        }
+    return result

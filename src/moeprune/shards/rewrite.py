@@ -33,6 +33,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
+from moeprune.quant.support import follow_kept_experts
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.drop import drop_experts, kept_experts
 from moeprune.surgery.registry import method_limits
@@ -306,6 +307,16 @@ def _write_moeprune_config(layout: CheckpointLayout, kept: dict[int, list[int]],
     copy_modeling_files(dst)
 
 
+def _follow_kept_experts(config_file: Path, kept: dict[int, list[int]]) -> None:
+    """A kept quantization_config's module names that name single experts (a release that left
+    some experts unquantized) renumbered as the experts were, dropped experts' names removed."""
+    data = json.loads(config_file.read_text())
+    quant = data.get("quantization_config")
+    if isinstance(quant, dict) and (followed := follow_kept_experts(quant, kept)) != quant:
+        data["quantization_config"] = followed
+        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def rewrite_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -343,6 +354,7 @@ def rewrite_checkpoint(
             _write_config(layout.config, tmp, layout.moe.spec.count_field, counts.pop())
         else:  # moeprune's format: per-layer counts (the in-memory pipeline asks for it, stock=False)
             _write_moeprune_config(layout, kept, tmp)
+        _follow_kept_experts(tmp / CONFIG, kept)
         copy_other_files(layout.path, tmp)
         plan.save(tmp / PLAN)
         if extra is not None:
