@@ -13,22 +13,27 @@ family's vLLM module while moeprune's model class is being constructed, so each 
   (`PrunedMoERunner.width_groups`) and run inside the same fused-MoE op, so the layer's output is
   reduced across tensor-parallel ranks once, shared experts and output scaling untouched;
 - for layers with novices or several width groups, a `GroupRouter`: it applies the family's own
-  routing rule over all router positions (the router vLLM would have built for all of them),
-  and hands each block the top-k positions as the block's local expert ids, the weights of
-  positions outside the block (other groups, novices) set to zero. Top-k stays the model's, so
-  shapes are static; a block computes its zero-weighted slots too (vLLM's CPU kernel has no
-  expert map to skip them), so a layer of G groups costs G kernel calls of top-k slots each;
-- for layers with MoNE novices, a `NoviceTable`: the runner adds sum over picked novices of
-  g_p(t) * mean_output_p to the block's output, g being exactly the weight the model applies
-  (softmax, top-k, renormalisation, DeepSeek's sigmoid, selection bias, group-limited top-k and
-  routed_scaling_factor included).
+  routing rule over all router positions (the router vLLM would have built for all of them).
+  The runner routes once per forward and hands each block the top-k positions as the block's
+  local expert ids, the weights of positions outside the block (other groups, novices) set to
+  zero. Top-k stays the model's, so shapes are static; a block computes its zero-weighted slots
+  too, so a layer of G groups costs G kernel calls of top-k slots each. vLLM 0.32's CPU kernel
+  cannot skip a slot: `CPUUnquantizedExperts.apply` never passes `expert_map` on, and
+  `cpu_fused_moe` indexes its per-expert counts with the ids unchecked (-1 crashes it, an id past
+  the block gives wrong output). GPU kernels can (Triton's `moe_align_block_size` drops ids that
+  `expert_map` maps to -1), but nothing here can run them, so the plugin does not use it;
+- for layers with MoNE novices, a `NoviceTable`: sum over picked novices of g_p(t) *
+  mean_output_p, g being exactly the weight the model applies (softmax, top-k,
+  renormalisation, DeepSeek's sigmoid, selection bias, group-limited top-k and
+  routed_scaling_factor included), added to the fused output from the same routing on one
+  rank, after the reduction otherwise (`PrunedMoERunner`).
 
 Novices therefore cost one d-vector each and no expert memory, and width groups hold the
-packed size up to the 5% padding. The routing is recomputed on the same logits for the other
-groups and for novices: cheap, and free of hidden state, data-dependent Python control flow and
-host synchronisation (gathers and masks on fixed shapes only), so it stays correct under
-torch.compile and CUDA graphs; each block's weights are sharded by vLLM's own loader, so tensor
-parallelism splits every group (its width rounded up to a multiple of the TP size).
+packed size up to the 5% padding. Splitting the routing among groups and novices is gathers and
+products on fixed shapes, free of hidden state, data-dependent Python control flow and host
+synchronisation, so it stays correct under torch.compile and CUDA graphs; each block's weights
+are sharded by vLLM's own loader, so tensor parallelism splits every group (its width rounded up
+to a multiple of the TP size).
 
 The swap lasts only for the constructor (model construction is single-threaded) and checks
 afterwards that every MoE layer of the checkpoint went through it.
@@ -48,10 +53,12 @@ import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+from vllm.model_executor.layers.fused_moe.moe_output import UnfinalizedMoEOutput
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
 from moeprune.serve.moeprune_format import FormatError, LayerStructure, WidthGroup
 
@@ -61,20 +68,18 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class NoviceTable(nn.Module):
     """A layer's novice vectors and the map from router position to novice row."""
 
-    slot: torch.Tensor  # buffers registered in __init__, declared for the type checker
-    is_novice: torch.Tensor
+    gate: torch.Tensor  # buffer registered in __init__, declared for the type checker
 
     def __init__(self, layer: LayerStructure, hidden_size: int, dtype: torch.dtype):
         super().__init__()
         self.layer = layer.layer
         self.positions = layer.novices
-        slot = torch.zeros(layer.num_experts, dtype=torch.long)
+        # gate[position, row] = 1 where router position `position` is novice `row`: one gather
+        # turns the top-k picks into per-novice gates (no int64 copies, no per-pick masks)
+        gate = torch.zeros(layer.num_experts, len(layer.novices))
         for row, position in enumerate(layer.novices):
-            slot[position] = row
-        novice = torch.zeros(layer.num_experts)
-        novice[list(layer.novices)] = 1.0
-        self.register_buffer("slot", slot, persistent=False)
-        self.register_buffer("is_novice", novice, persistent=False)
+            gate[position, row] = 1.0
+        self.register_buffer("gate", gate, persistent=False)
         self.mean_output = nn.Parameter(
             torch.empty(len(layer.novices), hidden_size, dtype=dtype), requires_grad=False
         )
@@ -98,18 +103,19 @@ class NoviceTable(nn.Module):
             )
 
     def forward(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * mean_output[ids[t, k]] over the picked novices, per token t."""
-        ids = ids.long()
-        gates = weights.to(self.mean_output.dtype) * self.is_novice[ids].to(self.mean_output.dtype)
-        return torch.einsum("tk,tkd->td", gates, self.mean_output[self.slot[ids]])
+        """sum_k weights[t, k] * mean_output[ids[t, k]] over the picked novices, per token t.
+
+        Top-k picks are distinct, so each novice's gate sums one product and zeros: exact."""
+        gates = (weights.unsqueeze(-1) * self.gate[ids].to(weights.dtype)).sum(dim=1)
+        return gates.to(self.mean_output.dtype) @ self.mean_output
 
 
 class GroupTable(nn.Module):
     """Router position -> (width group, expert index inside the group's fused block); novices
     belong to no group (-1)."""
 
-    group: torch.Tensor  # buffers registered in __init__, declared for the type checker
-    local: torch.Tensor
+    local: torch.Tensor  # buffers registered in __init__, declared for the type checker
+    keep: torch.Tensor
 
     def __init__(self, layer: LayerStructure, groups: tuple[WidthGroup, ...]):
         super().__init__()
@@ -117,20 +123,32 @@ class GroupTable(nn.Module):
         for g, members in enumerate(groups):
             for index, position in enumerate(members.positions):
                 group[position], local[position] = g, index
-        # built in Python and made tensors at once: vLLM constructs models on the target device
-        self.register_buffer("group", torch.tensor(group, dtype=torch.long), persistent=False)
-        self.register_buffer("local", torch.tensor(local, dtype=torch.long), persistent=False)
+        # built in Python and made tensors at once (vLLM constructs models on the target device):
+        # local[g, position]: the pick's expert id in group g's block (0 outside it), int32 as
+        # vLLM's top-k ids are; keep[g, position]: 1 inside group g, 0 outside. Per group, so a
+        # split is two gathers and a product, whatever the ids' dtype (no int64 copies, no masks).
+        inside = [
+            [1.0 if group[p] == g else 0.0 for p in range(layer.num_experts)] for g in range(len(groups))
+        ]
+        ids = [
+            [local[p] if group[p] == g else 0 for p in range(layer.num_experts)] for g in range(len(groups))
+        ]
+        self.register_buffer("local", torch.tensor(ids, dtype=torch.int32), persistent=False)
+        self.register_buffer("keep", torch.tensor(inside, dtype=torch.float32), persistent=False)
 
     def split(
         self, weights: torch.Tensor, positions: torch.Tensor, group: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Group `group`'s view of the top-k picks: its local expert ids, and the weights with
         every pick outside the group zeroed (its slot then points at local expert 0 and adds
-        0 * expert_0(x), which is exact for finite activations)."""
-        picked = positions.long()
-        outside = self.group[picked] != group
-        ids = self.local[picked].masked_fill(outside, 0)
-        return weights.masked_fill(outside, 0.0).contiguous(), ids.to(positions.dtype).contiguous()
+        0 * expert_0(x), which is exact for finite activations).
+
+        Why zero weights and not a skip: vLLM's CPU kernel has no way to skip a pick. Its
+        `CPUUnquantizedExperts.apply` (experts/cpu_moe.py) never hands `expert_map` to
+        `cpu_fused_moe`, whose C++ counts tokens per expert at `topk_ids` unchecked: an id of -1
+        crashes it (segmentation fault) and an id past the block gives wrong outputs."""
+        ids = self.local[group][positions].to(positions.dtype)
+        return weights * self.keep[group][positions].to(weights.dtype), ids
 
 
 class GroupRouter(BaseRouter):
@@ -161,7 +179,17 @@ NoviceRouter = GroupRouter  # its former name (novice layers were the only route
 
 class PrunedMoERunner(MoERunner):
     """vLLM's runner plus the layer's other width groups (inside the fused op, before the
-    reduction) and the novice term (added after it, being the same on every rank)."""
+    reduction) and the novice term.
+
+    The layer is routed once per forward: `_apply_quant_method` computes the family's routing
+    over all positions and hands every group's block its share of it. The novice term is the
+    routed output of the novices, so where nothing runs between the fused op and the layer's
+    output but vLLM's own scaling and shared-expert sum (one rank, no routed transforms, no
+    padded hidden size: decided once, at construction) it is added to the fused output from
+    that same routing, and vLLM scales it as it scales the experts'. Elsewhere (tensor, data or
+    expert parallel: the fused output is reduced across ranks, which would count it once per
+    rank) it is added after the reduction, from the layer's gate and routing run again: that
+    costs a gate product and a routing more per layer."""
 
     def __init__(
         self,
@@ -176,6 +204,15 @@ class PrunedMoERunner(MoERunner):
         self.groups = groups
         self.width_groups = nn.ModuleList(width_groups)  # registered: named, loaded and processed by vLLM
         self._blocks = tuple(width_groups)  # the same modules, typed
+        parallel = self.moe_config.moe_parallel_config
+        self.novices_in_fused_output = (
+            novices is not None
+            and (parallel.tp_size, parallel.dp_size, parallel.ep_size, parallel.pcp_size) == (1, 1, 1, 1)
+            and not parallel.use_ep
+            and self.routed_input_transform is None
+            and self.routed_output_transform is None
+            and self.moe_config.hidden_dim == novices.mean_output.shape[1]  # kernels that pad it: after
+        )
         if (
             novices is not None and self.moe_config.skip_final_all_reduce
         ):  # pragma: no cover - none of the served families asks for it
@@ -189,40 +226,64 @@ class PrunedMoERunner(MoERunner):
         input_ids: torch.Tensor | None = None,
         shared_experts_overlapping: bool = False,
     ):
-        """The first group (and the shared experts) as vLLM runs them, plus every other group's
-        block on the same input with its share of the same routing."""
+        """MoERunner's step (shared experts, routing, fused experts) with one routing for every
+        group: the first group's block runs as vLLM runs it, with the shared experts; every
+        other group's block on the same input with its share of the same routing."""
         if self.routed_experts.quant_method.is_monolithic:
             raise FormatError(
                 f"{self.layer_name}: vLLM picked a fused-MoE kernel that routes internally, which cannot "
                 "run moeprune's width groups or novices; serve this checkpoint unquantized or with another MoE backend"
             )
-        shared, fused = super()._apply_quant_method(
-            hidden_states, router_logits, shared_experts_input, input_ids, shared_experts_overlapping
-        )
-        if not self._blocks:
-            return shared, fused
-        if not isinstance(fused, torch.Tensor):
-            raise FormatError(
-                f"{self.layer_name}: this vLLM kernel defers the MoE output, which moeprune's width groups cannot sum"
+        if self.groups is None:  # pragma: no cover - the factory gives every PrunedMoERunner a table
+            return super()._apply_quant_method(
+                hidden_states, router_logits, shared_experts_input, input_ids, shared_experts_overlapping
             )
-        assert isinstance(self.router, GroupRouter) and self.groups is not None
+        assert isinstance(self.router, GroupRouter)
+        self._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
         weights, positions = self.router.route(hidden_states, router_logits, None, input_ids)
-        for g, experts in enumerate(self._blocks, start=1):
+        # what FusedMoERouter.select_experts records besides routing (returned routed experts,
+        # routing replay), given the layer's router positions
+        if self.router.capture_fn is not None:
+            self.router.capture_fn(positions)
+        if self.router._routing_replay_out is not None:
+            self.router._routing_replay_out[: positions.shape[0]].copy_(positions.to(torch.int16))
+        fused: torch.Tensor | UnfinalizedMoEOutput | None = None
+        for g, experts in enumerate((self.routed_experts, *self._blocks)):
             experts._ensure_moe_quant_config_init()
             group_weights, ids = self.groups.split(weights, positions, g)
             dtype = experts.quant_method.topk_indices_dtype
             out = experts.forward_modular(
-                x=hidden_states, topk_weights=group_weights, topk_ids=ids if dtype is None else ids.to(dtype)
+                x=hidden_states,
+                topk_weights=group_weights,
+                topk_ids=ids if dtype is None else ids.to(dtype),
+                shared_experts=self._shared_experts if g == 0 else None,
+                shared_experts_input=shared_experts_input if g == 0 else None,
             )
-            assert isinstance(out, torch.Tensor)
+            if fused is None:
+                fused = out
+                continue
+            if not isinstance(fused, torch.Tensor) or not isinstance(out, torch.Tensor):
+                raise FormatError(
+                    f"{self.layer_name}: this vLLM kernel defers the MoE output, which moeprune's width groups cannot sum"
+                )
             fused = fused + out
-        return shared, fused
+        if self.novices_in_fused_output:
+            assert self.novices is not None
+            if not isinstance(fused, torch.Tensor):
+                raise FormatError(
+                    f"{self.layer_name}: this vLLM kernel defers the MoE output, which moeprune's novices cannot add to"
+                )
+            fused = fused + self.novices(weights, positions).to(fused.dtype)
+        if shared_experts_overlapping:
+            assert self._shared_experts is not None
+            self._shared_experts.wait()
+        return (self._shared_experts.output if self._shared_experts is not None else None, fused)
 
     def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
         out = super().forward(
             hidden_states, router_logits, input_ids=input_ids, shared_experts_input=shared_experts_input
         )
-        if self.novices is None:
+        if self.novices is None or self.novices_in_fused_output:
             return out
         if self.gate is not None:  # the runner computes the logits itself (router_logits is a placeholder)
             router_logits = self.gate(hidden_states)
