@@ -177,6 +177,10 @@ def test_the_report_card_and_serve_check_say_vllm_does_not_serve_it_yet(pruned):
     refused = json.loads((out / "report.json").read_text())["serving"]["vllm_refused"]
     assert "does not serve moeprune-format checkpoints that keep" in refused
     assert refused in (out / "README.md").read_text()
+    from moeprune.report.summary import format_lines, prune_facts
+
+    summary = format_lines(prune_facts(json.loads((out / "report.json").read_text()), out))
+    assert any("not served" in line and "checkpoints that keep" in line for line in summary)
     result = run_cli("serve-check", out, "--vllm-python", "/nonexistent/python", ok=False)
     assert result.exit_code == 2 and "does not serve moeprune-format checkpoints that keep" in result.output
 

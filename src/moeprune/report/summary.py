@@ -197,8 +197,15 @@ def format_lines(facts: dict) -> list[str]:
         versus = f"{change(before, served):+.1f}% vs before; " if before else ""
         lines.append(f"  in vLLM         {served:,} parameters ({versus}experts served in width groups)")
     elif facts.get("vllm_refused"):
+        # the refusal's reason, without the list of served families and the ways to load it, said here
+        reason = (
+            facts["vllm_refused"]
+            .split(";")[0]
+            .split(" (it serves")[0]
+            .removeprefix("moeprune's vLLM plugin ")
+        )
         lines.append(
-            f"  in vLLM         not served: moeprune's plugin does not serve {facts['model_type']} in this format "
+            f"  in vLLM         not served: moeprune's plugin {reason} "
             "(load it with transformers, trust_remote_code=True, or moeprune.load_pretrained)"
         )
     lines.append(f"  output          {facts['output']}")
