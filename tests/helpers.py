@@ -93,3 +93,22 @@ def kept_expert_sources(plan: dict, after: dict[str, torch.Tensor]) -> dict[str,
         kept = [e for e in range(lp["num_experts"]) if e not in lp["dropped"]]
         sources[key] = expert.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
     return sources
+
+
+def assert_streamed_scores_and_no_load_drop(quantized, reference, tmp_path) -> None:
+    """Weight-only scores streamed from a quantized checkpoint's shards decode each expert's codes
+    with their companions: they equal the dequantized `reference`'s streamed scores (the same
+    values summed in the same order: to the last bit); the no-load drop they drive keeps the
+    quantization and writes the loaded pipeline's files byte for byte."""
+    import json
+
+    run_cli("score", quantized, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "q.json")
+    run_cli("score", reference, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "r.json")
+    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
+    assert got["layers"] == expected["layers"]
+    common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
+    run_cli("prune", quantized, *common, "--no-load", "--output", tmp_path / "no_load")
+    run_cli("prune", quantized, *common, "--output", tmp_path / "loaded")
+    assert json.loads((tmp_path / "no_load" / "config.json").read_text())["quantization_config"]
+    for file in (tmp_path / "loaded").glob("*.safetensors"):
+        assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()

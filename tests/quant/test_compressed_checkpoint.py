@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fixed_logits, kept_expert_sources, run_cli, stock_from_pretrained, stored_tensors
+from helpers import (
+    assert_streamed_scores_and_no_load_drop,
+    fixed_logits,
+    kept_expert_sources,
+    run_cli,
+    stock_from_pretrained,
+    stored_tensors,
+)
 from moeprune.checkpoint import load_model, load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
@@ -171,17 +178,4 @@ def test_a_compressed_format_moeprune_does_not_decode_is_refused_by_name(checkpo
 
 
 def test_streamed_weight_scores_and_the_no_load_drop(checkpoints, tmp_path):
-    """Weight-only scores streamed from the shards decode each expert's codes with their
-    companions: the dequantized checkpoint's streamed scores (the same values summed in the same
-    order: equal to the last bit); the no-load drop they drive writes the loaded pipeline's files."""
-    ct, ref = checkpoints[0], checkpoints[1]
-    run_cli("score", ct, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "q.json")
-    run_cli("score", ref, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "r.json")
-    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
-    assert got["layers"] == expected["layers"]
-    common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
-    run_cli("prune", ct, *common, "--no-load", "--output", tmp_path / "no_load")
-    run_cli("prune", ct, *common, "--output", tmp_path / "loaded")
-    assert json.loads((tmp_path / "no_load" / "config.json").read_text())["quantization_config"]
-    for file in (tmp_path / "loaded").glob("*.safetensors"):
-        assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()
+    assert_streamed_scores_and_no_load_drop(checkpoints[0], checkpoints[1], tmp_path)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fixed_logits, run_cli, stock_from_pretrained
+from helpers import assert_streamed_scores_and_no_load_drop, fixed_logits, run_cli, stock_from_pretrained
 from moeprune.checkpoint import load_model, load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
@@ -155,17 +155,4 @@ def test_what_does_not_read_or_keep_mxfp4_is_refused_in_one_line(checkpoints, tm
 
 
 def test_streamed_weight_scores_and_the_no_load_drop(checkpoints, tmp_path):
-    """Weight-only scores streamed from the shards decode each expert's codes with their
-    companions: the dequantized checkpoint's streamed scores (the same values summed in the same
-    order: equal to the last bit); the no-load drop they drive writes the loaded pipeline's files."""
-    mxfp4, ref = checkpoints[0], checkpoints[1]
-    run_cli("score", mxfp4, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "q.json")
-    run_cli("score", ref, "--criterion", "aimer", "--streaming", "--quiet", "--output", tmp_path / "r.json")
-    got, expected = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("q", "r"))
-    assert got["layers"] == expected["layers"]
-    common = ["--criterion", "aimer", "--sparsity", "0.25", "--quiet"]
-    run_cli("prune", mxfp4, *common, "--no-load", "--output", tmp_path / "no_load")
-    run_cli("prune", mxfp4, *common, "--output", tmp_path / "loaded")
-    assert json.loads((tmp_path / "no_load" / "config.json").read_text())["quantization_config"]
-    for file in (tmp_path / "loaded").glob("*.safetensors"):
-        assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()
+    assert_streamed_scores_and_no_load_drop(checkpoints[0], checkpoints[1], tmp_path)
