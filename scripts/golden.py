@@ -32,6 +32,8 @@ CONFIGS = {
     "frequency-evo": ["--criterion", "frequency", "--sparsity", "0.5", "--allocation", "evo", "--search",
                       "--population", "8", "--elites", "2", "--generations", "5"],
     "auto-uniform": ["--criterion", "auto", "--sparsity", "0.25", "--search"],
+    "reap-no-load-drop": ["--criterion", "reap", "--sparsity", "0.25", "--no-load"],
+    "reap-no-load-neurons": ["--criterion", "reap", "--sparsity", "0.5", "--method", "neurons", "--no-load"],
 }  # fmt: skip
 _DROP = ("timing_s", "timings_s", "model", "output", "command_line", "moeprune_version", "versions", "disk_bytes",
          "speedups")  # fmt: skip
