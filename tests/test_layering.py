@@ -28,10 +28,9 @@ STAGES = (
     ("search",),  # EvoESAP evaluates candidate plans through surgery's masks, checkpoints its state
     ("evaluate",),
     ("report",),
-    ("shards",),  # the no-load pipeline's body: layer-by-layer observation, shard rewrites, reports
+    ("shards",),  # byte-level work on the shards: layer-by-layer observation, streamed scores, rewrites
     ("api",),  # the one verb on a loaded model
-    ("job", "demo"),  # the file-level jobs around it (prepare, run, score); the demo
-    ("pipelines",),
+    ("job", "demo"),  # the file-level jobs around it: both pipelines, their evidence, scoring; the demo
     ("cli", "__main__"),
 )
 RANK = {name: rank for rank, names in enumerate(STAGES) for name in names}

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from moeprune.cli.main import main
 from moeprune.config import DataOptions, PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.pipelines import PIPELINES, score_pipeline, score_unread_settings, unread_settings
+from moeprune.job.pipelines import PIPELINES, score_pipeline, score_unread_settings, unread_settings
 from moeprune.surgery import METHODS
 
 pytestmark = pytest.mark.integration  # the last test prunes a tiny checkpoint twice

@@ -21,8 +21,8 @@ from moeprune.cli.main import main
 from moeprune.config import PruneConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
+from moeprune.job.pipelines import PruneRequest, run_pipeline
 from moeprune.models.factory import tiny_model
-from moeprune.pipelines import PruneRequest, run_pipeline
 from moeprune.quant.testing import save_fp8_checkpoint
 from moeprune.report.prune_report import weight_bytes
 from moeprune.shards.weight_bytes import header_bound

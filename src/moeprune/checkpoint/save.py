@@ -101,6 +101,40 @@ def write_checkpoint(
     return "stock" if stock else "moeprune"
 
 
+# What a result never takes from its input: files it writes itself, weights, and the evidence a
+# moeprune result already carries (an input that is itself a pruned result has its own).
+EVIDENCE_FILES = (
+    "plan.json",
+    "recipe.json",
+    "report.json",
+    "report.md",
+    "search.json",
+    "README.md",
+    "moeprune.log",
+    "density.png",
+    "search_curve.png",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+def carry_input_files(source: str | Path, folder: str | Path) -> list[str]:
+    """Copy the input's other top-level files into the result, those it has not written itself:
+    tokenizer and chat template, generation and processor configs, licence, custom code. A result
+    must load and serve like its input without the user copying anything by hand, whichever
+    pipeline made it and whether or not the prune read any text. Returns the names copied."""
+    source, folder = Path(source), Path(folder)
+    skip = {structure.CONFIG, files.INDEX, structure.LEGACY_FILE, *EVIDENCE_FILES, *MODELING_FILES}
+    copied = []
+    for item in sorted(source.iterdir()):
+        name = item.name
+        if not item.is_file() or name.startswith(".") or name in skip or name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if not (folder / name).exists():
+            shutil.copy2(item, folder / name)
+            copied.append(name)
+    return copied
+
+
 def copy_modeling_files(folder: Path) -> None:
     """The self-contained modeling files a moeprune-format result carries (trust_remote_code)."""
     for name in MODELING_FILES:

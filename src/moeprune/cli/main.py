@@ -75,7 +75,7 @@ def refuse_given(ctx: click.Context, names: Sequence[str], reason: str) -> None:
 
 def refuse_unread(ctx: click.Context, unread: Sequence[tuple[Sequence[str | type], str]]) -> None:
     """Refuse every typed option the library says this run would ignore: (settings, why) pairs,
-    where a config class stands for all of its settings (moeprune.pipelines)."""
+    where a config class stands for all of its settings (moeprune.job.pipelines)."""
     for settings, why in unread:
         names = [n for s in settings for n in (setting_options(s) if isinstance(s, type) else [s])]
         refuse_given(ctx, names, why)

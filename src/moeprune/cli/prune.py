@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
-from pathlib import Path
 
 import click
 
@@ -23,10 +21,9 @@ from moeprune.cli.options import (
     registry_option,
     setting_help,
 )
-from moeprune.config import PruneConfig, RunOptions, SaveOptions, SearchConfig
+from moeprune.config import PruneConfig, Recipe, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
-from moeprune.errors import MoePruneError
-from moeprune.pipelines import PIPELINES, PruneRequest, run_pipeline, unread_settings
+from moeprune.job.pipelines import PIPELINES, PruneRequest, run_pipeline, unread_settings
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
@@ -40,38 +37,21 @@ SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": 
 
 def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
     """--config: an earlier run's recipe.json (or a bare PruneConfig) becomes this run's defaults;
-    options typed on the command line still win."""
+    options you type on the command line still win."""
     if path is None:
         return None
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise MoePruneError(
-            f"cannot read the config {path}: {exc}; give a recipe.json written beside a result",
-            options=("config",),
-        ) from None
-    if not isinstance(doc, dict):
-        raise MoePruneError(
-            f"the config {path} is not a JSON object; give a recipe.json written beside a result"
-        )
-    config = PruneConfig.from_dict(doc.get("config", doc))  # unknown or mistyped keys: an error naming them
-    defaults = {k: v for k, v in config.to_dict().items() if k != "search"}
-    defaults.update(options_of(config.search))
-    data, save = doc.get("data", {}), doc.get("save", {})
-    for key, name in (("calibration", "data"), ("search", "search_data")):
-        if data.get(key):
-            defaults[name] = tuple(data[key])
-    for key in ("max_length", "batch_size", "seed", "packing"):
-        if key in data:
-            defaults[key] = data[key]
-    if "samples" in data:
-        defaults["samples"] = data["samples"] or 0
+    recipe = Recipe.load(path)  # unknown or mistyped keys: an error naming them
+    defaults = {k: v for k, v in recipe.config.to_dict().items() if k != "search"}
+    defaults.update(options_of(recipe.config.search))
+    data = recipe.data
+    defaults |= {"data": tuple(data.sources), "search_data": tuple(recipe.search_data)}
+    defaults |= {"max_length": data.max_length, "batch_size": data.batch_size, "seed": data.seed}
+    defaults |= {"packing": data.packing, "samples": data.samples or 0, "pipeline": recipe.pipeline}
     by_torch_name = {v: k for k, v in SAVE_DTYPES.items()}
-    if save.get("dtype") in by_torch_name:
-        defaults["save_dtype"] = by_torch_name[save["dtype"]]
-    if save.get("max_shard_size") is not None:
-        defaults["max_shard_size"] = str(save["max_shard_size"])
-    ctx.default_map = {k: v for k, v in defaults.items() if v is not None}
+    if recipe.save.dtype in by_torch_name:
+        defaults["save_dtype"] = by_torch_name[str(recipe.save.dtype)]
+    defaults["max_shard_size"] = str(recipe.save.max_shard_size)
+    ctx.default_map = {k: v for k, v in defaults.items() if v is not None and v != ()}
     return path
 
 

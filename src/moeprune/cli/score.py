@@ -8,7 +8,7 @@ from moeprune.cli.main import main, refuse_unread
 from moeprune.cli.options import data_from_options, data_options, registry_help
 from moeprune.config import RunOptions
 from moeprune.criteria import CRITERIA
-from moeprune.pipelines import ScoreRequest, run_score, score_pipeline, score_unread_settings
+from moeprune.job.pipelines import ScoreRequest, run_score, score_pipeline, score_unread_settings
 from moeprune.report.summary import score_lines
 from moeprune.runtime.distributed import rank_and_world
 

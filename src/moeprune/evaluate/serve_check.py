@@ -37,6 +37,7 @@ import torch
 
 from moeprune.checkpoint.load import check_model_path, load_pretrained, load_tokenizer, require_tokenizer
 from moeprune.checkpoint.structure import read_config_dict
+from moeprune.config import RECIPE_FILE, Recipe
 from moeprune.data.files import parse_source
 from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
@@ -45,7 +46,6 @@ from moeprune.serve.vllm.layout import quantized_refusal
 
 LOGPROB_ATOL = 2e-4
 DRIVER = Path(__file__).with_name("vllm_driver.py")
-RECIPE = "recipe.json"
 
 
 @dataclass
@@ -69,20 +69,19 @@ def prompt_sources(folder: Path, given: Sequence[str]) -> list[str]:
     """The data files to take prompts from: those given, else the calibration data the prune read."""
     if given:
         return list(given)
-    recipe = folder / RECIPE
     try:
-        sources = json.loads(recipe.read_text())["data"]["calibration"]
-    except (OSError, ValueError, KeyError, TypeError):
+        sources = list(Recipe.load(folder).data.sources)
+    except MoePruneError:  # none, or not one moeprune wrote
         sources = []
     if not sources:
         raise MoePruneError(
-            f"{folder} records no calibration data (no {RECIPE} naming data files); give prompt files",
+            f"{folder} records no calibration data (no {RECIPE_FILE} naming data files); give prompt files",
             options=("prompts",),
         )
     missing = [s for s in sources if not Path(parse_source(s)[0]).exists()]
     if missing:
         raise MoePruneError(
-            f"the calibration data {RECIPE} names is not here ({', '.join(missing)}); give prompt files",
+            f"the calibration data {RECIPE_FILE} names is not here ({', '.join(missing)}); give prompt files",
             options=("prompts",),
         )
     return list(sources)

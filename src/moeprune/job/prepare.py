@@ -73,7 +73,7 @@ class PlannedSizes:
             }
         return out
 
-    def report(self, written: int) -> TargetSize | None:
+    def report(self, written: int | None) -> TargetSize | None:
         """report.json's `target`, once `written` bytes of tensors are on disk (None: no target)."""
         t = self.target
         if t is None:
@@ -146,6 +146,7 @@ class PruneJob:
         return str(self.save_dtype).removeprefix("torch.")
 
     sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
+    tokenizer_path: Path | None = None  # a tokenizer given apart from the input (carried into the result)
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -324,6 +325,7 @@ def prepare(
         list(search_data),
         kept_quantization,
         sizes,
+        Path(tokenizer_path) if tokenizer_path is not None else None,
     )
 
 

@@ -14,20 +14,16 @@ from moeprune.checkpoint import (
     atomic_write_dir,
     load_placed,
     write_checkpoint,
-    write_json,
 )
 from moeprune.checkpoint.atomic import output_lock
-from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions
+from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
+from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, job_options, prepare
 from moeprune.models import MoEModel
 from moeprune.report.document import PRUNE
-from moeprune.report.model_card import model_card
 from moeprune.report.parts import (
-    DiskBytes,
     Serving,
 )
-from moeprune.report.plots import plot_search_curve
-from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
@@ -35,9 +31,6 @@ from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.rewrite import rewrite_checkpoint
-from moeprune.surgery import METHODS
-
-RECIPE = "recipe.json"
 
 
 def prune_checkpoint(
@@ -116,60 +109,35 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         save_dtype=job.saved_as,
         command_line=job.run.command_line,
     )
-    recipe = {
-        "moeprune_version": __version__,
-        "config": job.config.to_dict(),
-        "data": {
-            "calibration": list(data.sources),
-            "search": job.search_data,
-            "samples": data.samples,
-            "max_length": data.max_length,
-            "batch_size": data.batch_size,
-            "seed": data.seed,
-            "packing": data.packing,
-        },
-        "save": {  # a dtype --config reads back; None: the input's (a kept quantization is the default)
-            "dtype": None if job.kept_quantization is not None else report.save_dtype,
-            "max_shard_size": job.max_shard_size,
-        },
-    }
-    if job.sizes is not None and job.sizes.target is not None:  # the config holds the solved sparsity
-        recipe["target"] = {
-            "target_size": job.sizes.target.target_bytes,
-            "solved_sparsity": job.config.sparsity,
-        }
+    recipe = Recipe(
+        job.config,
+        data,
+        job.search_data,
+        # a dtype --config reads back; None: the input's (a kept quantization is the default)
+        SaveOptions(None if job.kept_quantization is not None else report.save_dtype, job.max_shard_size),
+        pipeline="in-memory",
+        target_size=job.sizes.target.target_bytes if job.sizes is not None and job.sizes.target else None,
+    )
+    report.target = job.sizes.report(None) if job.sizes is not None else None
+    evidence = Evidence(
+        job.model_path,
+        job.output,
+        report,
+        result.plan,
+        recipe,
+        job.meta,
+        log,
+        timer,
+        search=result.search,
+        tokenizer_path=job.tokenizer_path,
+    )
 
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
             report.format = write_checkpoint(
                 model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
             )
-        evidence(tmp)
-
-    def evidence(tmp: Path) -> None:
-        written = weight_bytes(tmp)
-        report.disk_bytes = DiskBytes(weight_bytes(job.model_path), written)
-        report.target = job.sizes.report(written) if job.sizes is not None else None
-        result.plan.save(tmp / "plan.json")
-        write_json(tmp / RECIPE, recipe)
-        if result.search is not None:
-            write_json(tmp / "search.json", result.search)
-            plot_search_curve(
-                tmp / "search_curve.png", result.search["generations"], result.search["fitness"]
-            )
-        draw_kept(
-            tmp / "density.png",
-            report,
-            result.search,
-            [m.hidden_size for m in moe.layers],
-            expert_unit=METHODS.get(job.config.method).sparsity_unit == "experts",
-        )
-        timer.lap("save")
-        report.timing_s = timer.total()
-        write_json(tmp / "report.json", report.to_json())
-        (tmp / "README.md").write_text(model_card(report, str(job.output)))
-        log.write(tmp)  # before report.md, so that its file list names the log
-        (tmp / "report.md").write_text(report_markdown(report, tmp))
+        write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
         return report.to_json()
@@ -179,7 +147,12 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             report.serving = Serving(vllm_refused=quantized_refusal(job.kept_quantization.saved_as))
         with stage(f"writing {job.output} from the input's quantized shards", progress):
             rewrite_checkpoint(
-                job.model_path, job.output, result.plan, job.run.overwrite, extra=evidence, stock=False
+                job.model_path,
+                job.output,
+                result.plan,
+                job.run.overwrite,
+                extra=lambda tmp: write_evidence(tmp, evidence, moe),
+                stock=False,
             )
     else:
         atomic_write_dir(job.output, write, overwrite=job.run.overwrite)

@@ -6,5 +6,4 @@ checkpoint with experts dropped or neurons cut, a tensor (or a byte range) at a 
 - weight_scores.py  weight-only criteria scored from the shards
 - rewrite.py        the uniform drop written as new shards (byte-range copies)
 - neurons.py        the uniform neuron-shrink rewrite
-- prune.py          score and prune without loading (`score --streaming`, `prune --no-load`)
 """

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import struct
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -20,12 +19,11 @@ from transformers import PretrainedConfig
 
 from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint import (
-    LEGACY_FILE,
     atomic_write_dir,
     write_json,
 )
 from moeprune.checkpoint.files import INDEX, StoredTensor
-from moeprune.checkpoint.save import copy_modeling_files, moeprune_config
+from moeprune.checkpoint.save import carry_input_files, copy_modeling_files, moeprune_config
 from moeprune.checkpoint.structure import CONFIG
 from moeprune.config import PruneConfig
 from moeprune.criteria import get_criterion
@@ -39,9 +37,6 @@ from moeprune.surgery.drop import drop_experts, kept_experts
 from moeprune.surgery.registry import method_limits
 
 PLAN = "plan.json"
-# Top-level files a rewrite does not copy: rewritten ones, stale weights, the source's own evidence.
-_NOT_COPIED = ("config.json", INDEX, PLAN, "report.json", LEGACY_FILE)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
     **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),
     **dict.fromkeys(("F32", "I32", "U32"), 4),
@@ -278,10 +273,8 @@ def plan_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
 
 
 def copy_other_files(src: Path, dst: Path) -> None:
-    """Tokenizer, generation config, README...: top-level files that are not weights (no subfolders)."""
-    for item in sorted(src.iterdir()):
-        if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(item, dst / item.name)
+    """Tokenizer, generation config, custom code...: top-level files that are not weights."""
+    carry_input_files(src, dst)
 
 
 def _write_config(config: PretrainedConfig, dst: Path, field_name: str, count: int) -> None:

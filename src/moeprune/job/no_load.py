@@ -13,12 +13,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer, write_json
+from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer
 from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
 from moeprune.checkpoint.files import stored_dtype
 from moeprune.checkpoint.quantized import check_quantized
 from moeprune.checkpoint.structure import read_config_dict
-from moeprune.config import DataOptions, PruneConfig, RunOptions
+from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
 from moeprune.criteria import (
     Criterion,
     LayerScores,
@@ -29,12 +29,14 @@ from moeprune.criteria import (
     unseen_note,
 )
 from moeprune.data.loading import CalibrationData, calibration_sets
+from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.report.document import PruneReport
-from moeprune.report.parts import DataSummary, DiskBytes, LayerShape, ParameterCounts, Surgery, TargetSize
-from moeprune.report.prune_report import report_markdown, weight_bytes
+from moeprune.report.parts import DataSummary, LayerShape, ParameterCounts, Surgery, TargetSize
+from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
@@ -118,7 +120,7 @@ def prune_without_loading(
     run: RunOptions | None = None,
 ) -> dict:
     """Score without loading, then rewrite the shards: the whole model is never in memory (the
-    body of the `no-load` pipeline, moeprune.pipelines, which checks the config first).
+    body of the `no-load` pipeline, moeprune.job.pipelines, which checks the config first).
 
     `config.method` "drop" removes whole experts (uniform allocation); "neurons" keeps each routed
     expert's top-K neurons (K the same for all: a stock checkpoint), chosen from neuron statistics
@@ -207,20 +209,35 @@ def _plan_of_work(
     return out
 
 
-def _write_evidence(tmp: Path, report: PruneReport, timer: Timer, model_path: Path) -> None:
-    """report.json, the run log and report.md into the folder about to be published."""
-    report.timing_s = timer.total()
-    report.disk_bytes = DiskBytes(weight_bytes(model_path), weight_bytes(tmp))
-    if report.target is not None:
-        report.target = replace(report.target, written_bytes=report.disk_bytes.after)
-    stored = stored_dtype(tmp)  # shards are copied as they are: the input's dtype
+def _publish(tmp: Path, job: _NoLoadJob, report: PruneReport, plan: Plan) -> None:
+    """The evidence of a no-load result, by the writer the in-memory pipeline uses too; the saved
+    format is read off the rewritten shards (they are the input's, copied: its dtype, or its
+    quantization with the scales)."""
+    stored = stored_dtype(tmp)
     report.save_dtype = str(stored).removeprefix("torch.") if stored is not None else None
-    kept = quantization_format(tmp)  # quantized weights copied with their scales: the format, not a dtype
+    kept = quantization_format(tmp)
     if kept is not None:
         report.save_dtype = kept.saved_as
-    write_json(tmp / "report.json", report.to_json())
-    RunLog.join().write(tmp)
-    (tmp / "report.md").write_text(report_markdown(report, tmp))
+    recipe = Recipe(
+        replace(job.config, allocation="uniform"),
+        job.data or DataOptions(),
+        save=SaveOptions(),
+        pipeline="no-load",
+        target_size=job.target.target_bytes if job.target is not None else None,
+    )
+    job.timer.lap("rewrite")
+    evidence = Evidence(
+        job.model_path,
+        job.output,
+        report,
+        plan,
+        recipe,
+        job.moe,
+        RunLog.join(),
+        job.timer,
+        tokenizer_path=Path(job.tokenizer_path) if job.tokenizer_path else None,
+    )
+    write_evidence(tmp, evidence, meta_model(tmp))
 
 
 @dataclass
@@ -266,12 +283,14 @@ def _drop(job: _NoLoadJob) -> dict:
         target=job.target,
     )
 
-    def extra(tmp: Path) -> None:
-        timer.lap("rewrite")
-        _write_evidence(tmp, report, timer, model_path)
-
     if rank_and_world()[0] == 0:
-        rewrite_checkpoint(model_path, output, plan, overwrite=job.run.overwrite, extra=extra)
+        rewrite_checkpoint(
+            model_path,
+            output,
+            plan,
+            overwrite=job.run.overwrite,
+            extra=lambda tmp: _publish(tmp, job, report, plan),
+        )
     return report.to_json()
 
 
@@ -337,8 +356,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         after = meta_model(tmp)  # the written config, on the meta device
         report.layers_after = LayerShape.rows(describe_layers(after))
         report.parameters_after = ParameterCounts.from_json(routed_parameters(after))
-        timer.lap("rewrite")
-        _write_evidence(tmp, report, timer, model_path)
+        _publish(tmp, job, report, plan)
 
     if rank_and_world()[0] == 0:
         rewrite_neuron_checkpoint(model_path, output, plan, keep, overwrite=job.run.overwrite, extra=extra)

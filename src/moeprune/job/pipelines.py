@@ -25,8 +25,8 @@ from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, Save
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
 from moeprune.job import prepare_score, prune_checkpoint, score_loaded
+from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.runtime.distributed import init_distributed
-from moeprune.shards.prune import prune_without_loading, score_without_loading
 from moeprune.surgery.planning import requirements
 from moeprune.surgery.registry import default_allocation
 
