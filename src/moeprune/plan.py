@@ -24,8 +24,6 @@ from moeprune.errors import MoePruneError
 
 FORMAT = "moeprune-plan"
 FORMAT_VERSION = 1
-METHODS = ("drop", "novice", "neurons", "tenp")
-_NEURON_METHODS = ("neurons", "tenp")
 
 
 def _is_int(value: object) -> bool:
@@ -145,7 +143,7 @@ class Plan:
     layers: list[LayerPlan]
     criterion: str
     allocation: str
-    method: str  # one of METHODS
+    method: str  # the registered method that made it (a label: the layers say what happens)
     sparsity: float
     data_fingerprint: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -189,11 +187,11 @@ class Plan:
         allocation: str,
         method: str = "drop",
         sparsity: float,
+        novices: bool = False,
         data_fingerprint: str = "",
-        extra: dict[str, Any] | None = None,
         **legacy: Any,
     ) -> Plan:
-        """A plan from per-layer expert ids to remove: dropped ("drop") or made novices ("novice").
+        """A plan from per-layer expert ids to remove: dropped, or made novices with `novices`.
 
         `shape` is the model's per-layer structure (`ModelShape.of(moe)`); `removals` has one entry
         per MoE layer, in `shape.layers` order. The former keywords `model_type`, `num_experts`,
@@ -207,10 +205,6 @@ class Plan:
             raise TypeError(
                 f"Plan.from_removals() missing the model's shape: pass shape=ModelShape(...) "
                 f"(lacking {', '.join(missing)})"
-            )
-        if method not in ("drop", "novice"):
-            raise MoePruneError(
-                f"from_removals builds 'drop' or 'novice' plans, not {method!r}; build LayerPlan objects for neuron plans"
             )
         num_experts, top_k, layer_indices = shape.num_experts, shape.top_k, shape.layers
         lengths = {len(num_experts), len(top_k), len(layer_indices), len(removals)}
@@ -227,9 +221,9 @@ class Plan:
                     layer=int(index),
                     num_experts=int(n),
                     top_k=int(k),
-                    kept=rest if method == "drop" else list(range(int(n))),
-                    dropped=gone_ids if method == "drop" else [],
-                    novice=gone_ids if method == "novice" else [],
+                    kept=list(range(int(n))) if novices else rest,
+                    dropped=[] if novices else gone_ids,
+                    novice=gone_ids if novices else [],
                 )
             )
         return cls.create(
@@ -240,7 +234,6 @@ class Plan:
             method=method,
             sparsity=sparsity,
             data_fingerprint=data_fingerprint,
-            extra=extra,
         )
 
     def validate(self, intermediate_sizes: dict[int, int] | None = None) -> None:
@@ -249,8 +242,8 @@ class Plan:
         ``intermediate_sizes`` maps decoder layer index to the experts' intermediate size, to
         bound the neuron counts.
         """
-        if self.method not in METHODS:
-            raise MoePruneError(f"plan method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not isinstance(self.method, str) or not self.method:
+            raise MoePruneError(f"plan method must name the method that made it, got {self.method!r}")
         if (
             isinstance(self.sparsity, bool)
             or not isinstance(self.sparsity, Real)
@@ -265,10 +258,6 @@ class Plan:
         sizes = intermediate_sizes or {}
         for lp in self.layers:
             lp.validate(sizes.get(lp.layer))
-            if lp.novice and self.method != "novice":
-                raise MoePruneError(f"plan layer {lp.layer}: novice experts in a {self.method!r} plan")
-            if lp.neurons and self.method not in _NEURON_METHODS:
-                raise MoePruneError(f"plan layer {lp.layer}: neuron counts in a {self.method!r} plan")
 
     def removed_per_layer(self) -> list[int]:
         """Per layer, experts that lost their weights (dropped plus novices): the allocation r_l."""

@@ -184,6 +184,6 @@ def test_no_load_reports_start_as_before():
         "sparsity": 0.25,
         "format": "stock",
     }
-    typed = PruneReport.no_load("in", "out", "qwen3_moe", "reap", "drop", 0.25).to_json()
+    typed = PruneReport.no_load("in", "out", "qwen3_moe", "reap", "drop", 0.25, "uniform").to_json()
     assert list(typed.items())[: len(head)] == list(head.items())
     assert DataSummary.of([], []).to_json() == {}

@@ -92,7 +92,7 @@ def test_constant_expert_is_replaced_with_zero_error(family):
     shape = ModelShape(family, [m.index for m in moe.layers], [8] * len(moe), [m.top_k for m in moe.layers])
     plan = Plan.from_removals(
         shape, removals=[[e] for e in chosen], criterion="manual", allocation="uniform", method="novice",
-        sparsity=0.125,
+        sparsity=0.125, novices=True,
     )  # fmt: skip
     with override_routed(moe, RoutedOptions(on_layer=lambda *_: None)):  # same computation, real expert
         full = logits(model)
@@ -114,7 +114,7 @@ def test_novices_need_calibration_data():
     assert caught.value.options == ("data",)
     plan = Plan.from_removals(
         ModelShape("olmoe", [0, 1, 2], [8] * 3, [2] * 3), removals=[[1]] * 3,
-        criterion="random", allocation="uniform", method="novice", sparsity=0.125,
+        criterion="random", allocation="uniform", method="novice", sparsity=0.125, novices=True,
     )  # fmt: skip
     with pytest.raises(MoePruneError, match="calibration"):
         apply_plan_physical(moe, plan, [])

@@ -49,11 +49,11 @@ def test_from_removals_builds_partitions_and_versions():
     assert plan.layer(3).kept == list(range(6))
     assert plan.removed_per_layer() == [2, 1, 2]
     assert set(plan.versions) == {"moeprune", "torch", "transformers"}
-    novice = _plan(method="novice")
+    novice = _plan(method="novice", novices=True)
     assert novice.layer(0).kept == list(range(8)) and novice.layer(0).novice == [1, 5]
     assert novice.removed_per_layer() == [2, 1, 2]
-    with pytest.raises(MoePruneError, match="'drop' or 'novice'"):
-        _plan(method="tenp")
+    with pytest.raises(MoePruneError, match="plan method must name the method"):
+        _plan(method="")
     with pytest.raises(MoePruneError, match="no MoE layer 2; it covers layers \\[0, 1, 3\\]"):
         plan.layer(2)
 
@@ -138,9 +138,7 @@ def _broken(change) -> Plan:
         (lambda lp: setattr(lp, "kept", [1, 1, 2, 3, 4, 5, 6, 7]), "twice"),
         (lambda lp: setattr(lp, "top_k", 0), "top_k 0"),
         (lambda lp: setattr(lp, "top_k", "2"), "top_k must be an integer"),
-        (lambda lp: setattr(lp, "novice", [1]), "novice experts in a 'drop' plan"),
         (lambda lp: setattr(lp, "novice", [0]), "novice experts \\[0\\] are not kept"),
-        (lambda lp: setattr(lp, "neurons", {2: 4}), "neuron counts in a 'drop' plan"),
         (lambda lp: setattr(lp, "neurons", {0: 4}), "neurons given for experts \\[0\\]"),
     ],
 )
@@ -151,7 +149,7 @@ def test_validation_errors(change, message):
 
 def test_plan_level_validation():
     plan = _plan()
-    plan.method = "prune"
+    plan.method = ""
     with pytest.raises(MoePruneError, match="method"):
         plan.validate()
     plan = _plan()
@@ -203,7 +201,7 @@ def test_load_missing_file(tmp_path):
 def test_is_uniform():
     assert _plan(removals=[[0, 1], [2, 3], [4, 5]]).is_uniform()
     assert not _plan().is_uniform()  # kept 6, 7, 6
-    assert not _plan(removals=[[0], [1], [2]], method="novice").is_uniform()
+    assert not _plan(removals=[[0], [1], [2]], method="novice", novices=True).is_uniform()
     assert _neuron_plan().is_uniform()
     assert _neuron_plan({e: 8 for e in range(4)}).is_uniform()
     assert not _neuron_plan({0: 8}).is_uniform()  # others keep every neuron

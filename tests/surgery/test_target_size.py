@@ -16,14 +16,9 @@ from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.surgery.target_size import (
-    TENP_STEP,
-    LayerBytes,
-    WeightBytes,
-    check_target_config,
-    planned_bytes,
-    solve_target,
-)
+from moeprune.surgery.sizes import LayerBytes, WeightBytes
+from moeprune.surgery.target_size import check_target_config, planned_bytes, solve_target
+from moeprune.surgery.tenp import TENP_STEP
 
 pytestmark = pytest.mark.unit  # tiny models on the CPU, no weights written
 

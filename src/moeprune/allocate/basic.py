@@ -46,6 +46,7 @@ ALLOCATIONS.add(
         "uniform",
         "the same share of experts removed in every layer (remainders by largest remainder)",
         counts=_uniform_counts,
+        fixed=True,
     )
 )
 ALLOCATIONS.add(
@@ -54,6 +55,11 @@ ALLOCATIONS.add(
         "rank all experts of all layers by the criterion (normalised per layer unless "
         "comparable across layers) and remove the least important",
         counts=_global_counts,
+        plan_note=lambda criterion: {
+            "global_normalisation": "none (raw scores)"
+            if criterion.comparable_across_layers
+            else "per-layer sum of |score|"
+        },
     )
 )
 

@@ -18,6 +18,10 @@ class Allocator:
     help: str
     needs: tuple[str, ...] = ()
     counts: Callable | None = None
+    # its per-layer counts follow from the budget alone, before any score: the planned size is
+    # exact, and a stock checkpoint can be written without the loaded model (the no-load pipeline)
+    fixed: bool = False
+    plan_note: Callable | None = None  # criterion -> what the plan's `extra` records about this allocation
 
     @property
     def searches(self) -> bool:

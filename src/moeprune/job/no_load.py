@@ -122,9 +122,10 @@ def prune_without_loading(
     """Score without loading, then rewrite the shards: the whole model is never in memory (the
     body of the `no-load` pipeline, moeprune.job.pipelines, which checks the config first).
 
-    `config.method` "drop" removes whole experts (uniform allocation); "neurons" keeps each routed
-    expert's top-K neurons (K the same for all: a stock checkpoint), chosen from neuron statistics
-    observed layer by layer. Returns the report written beside the result.
+    `config` is resolved (its allocation set) and accepted by the pipeline: a method that drops whole
+    experts with an allocation fixed by the budget (the same count in every layer), or a neuron
+    method keeping each routed expert's top-K neurons (K the same for all: a stock checkpoint),
+    chosen from neuron statistics observed layer by layer. Returns the report written beside the result.
     """
     run = run or RunOptions()
     model_path = check_model_path(model_path)
@@ -151,7 +152,6 @@ def _solve_target(
     target_bytes = check_target_config(config)
     if target_bytes is None:
         return config, None, size
-    config = replace(config, allocation="uniform")
     solution = solve_target(moe, config, size, target_bytes, stock=True)
     target = TargetSize(
         solution.target_bytes,
@@ -171,7 +171,6 @@ def _plan_of_work(
 ) -> dict:
     """What a no-load prune would do (`run.dry_run`), in the keys of the in-memory dry run: its
     structure, the uniform plan's counts, the sizes; nothing is observed, scored or written."""
-    config = replace(config, allocation="uniform")
     if METHODS.get(config.method).neurons:
         check_stock_shrink(moe)
     else:
@@ -184,7 +183,7 @@ def _plan_of_work(
         "experts_per_layer": [m.num_experts for m in moe.layers],
         "top_k": [m.top_k for m in moe.layers],
         "criterion": config.criterion,
-        "allocation": "uniform",
+        "allocation": config.allocation,
         "method": config.method,
         "sparsity": config.sparsity,
         "sparsity_unit": METHODS.get(config.method).sparsity_unit,
@@ -219,7 +218,7 @@ def _publish(tmp: Path, job: _NoLoadJob, report: PruneReport, plan: Plan) -> Non
     if kept is not None:
         report.save_dtype = kept.saved_as
     recipe = Recipe(
-        replace(job.config, allocation="uniform"),
+        job.config,
         job.data or DataOptions(),
         save=SaveOptions(),
         pipeline="no-load",
@@ -267,14 +266,15 @@ def _drop(job: _NoLoadJob) -> dict:
         progress=job.run.progress,
     )
     timer.lap("score")
-    plan = build_plan(moe, crit, scores, config=replace(config, allocation="uniform"))
+    plan = build_plan(moe, crit, scores, config=config)
     report = PruneReport.no_load(
         model_path,
         output,
         moe.model_type,
         crit.name,
-        "drop",
+        config.method,
         config.sparsity_value(),
+        str(config.allocation),
         budget_experts_removed=plan.extra.get("budget"),
         removed_per_layer={str(lp.layer): len(lp.dropped) for lp in plan.layers},
         data=DataSummary.of(sets, stats),
@@ -324,7 +324,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         moe,
         crit,
         scores,
-        config=replace(config, allocation="uniform", neuron_importance=importance),
+        config=replace(config, neuron_importance=importance),
         data_fingerprint=fingerprint,
         stats=stats,
     )
@@ -335,10 +335,11 @@ def _shrink(job: _NoLoadJob) -> dict:
         output,
         moe.model_type,
         crit.name,
-        "neurons",
+        config.method,
         config.sparsity_value(),
+        str(config.allocation),
         prune_first=crit.prune_first,
-        sparsity_unit="routed-expert parameters",
+        sparsity_unit=METHODS.get(config.method).sparsity_unit,
         surgery=Surgery(form="rectangular", intermediate_size=width)
         if keep
         else Surgery(form="rectangular", packed_layers=[]),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.checkpoint import write_json
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
@@ -27,8 +28,8 @@ from moeprune.errors import MoePruneError
 from moeprune.job import prepare_score, prune_checkpoint, score_loaded
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.runtime.distributed import init_distributed
-from moeprune.surgery.planning import requirements
-from moeprune.surgery.registry import default_allocation
+from moeprune.surgery.planning import check_config, requirements
+from moeprune.surgery.registry import METHODS, Method, default_allocation
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
 
@@ -52,8 +53,8 @@ class Pipeline:
     name: str
     help: str
     needs: tuple[str, ...] = ()
-    methods: tuple[str, ...] | None = None  # None: every registered method
-    allocations: tuple[str, ...] | None = None  # None: every registered allocation
+    # which (method, allocation) pairs it runs, from what the registries say of them; None: every pair
+    supports: Callable[[Method, Allocator], bool] | None = None
     auto_criterion: bool = True  # can it choose the criterion itself (it evaluates plans on a loaded model)
     why_limited: str = ""  # why the limits above, for the refusal
     unread: tuple[tuple[tuple[Setting, ...], str], ...] = ()  # settings it never reads, and why
@@ -67,12 +68,17 @@ class Pipeline:
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
                 options=("criterion", "pipeline"),
             )
-        if (self.methods is not None and config.method not in self.methods) or (
-            self.allocations is not None and allocation not in self.allocations
+        if self.supports is not None and not self.supports(
+            METHODS.get(config.method), ALLOCATIONS.get(allocation)
         ):
+            pairs = [
+                f"the {m.name} method with the {a} allocation"
+                for m in METHODS
+                for a in m.allocations
+                if a in ALLOCATIONS and self.supports(m, ALLOCATIONS.get(a))
+            ]
             raise MoePruneError(
-                f"the {self.name} pipeline runs the {' or '.join(self.methods or ())} method with the "
-                f"{' or '.join(self.allocations or ())} allocation ({self.why_limited}); the {config.method} "
+                f"the {self.name} pipeline runs {' or '.join(pairs)} ({self.why_limited}); the {config.method} "
                 f"method with the {allocation} allocation needs the in-memory pipeline",
                 options=("pipeline", "method"),
             )
@@ -97,9 +103,10 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
 def run_pipeline(name: str, request: PruneRequest) -> dict:
     """Run `request` on the named pipeline: its refusals first, then the job; returns report.json."""
     pipeline = PIPELINES.get(name)
-    pipeline.check(request.config)
+    config = check_config(request.config)  # names, numbers and combinations; the allocation resolved
+    pipeline.check(config)
     assert pipeline.fn is not None, f"pipeline {name} registered without a function"
-    return pipeline.fn(request)
+    return pipeline.fn(replace(request, config=config))
 
 
 @PIPELINES.register(
@@ -131,8 +138,7 @@ def _in_memory(request: PruneRequest) -> dict:
     Pipeline(
         "no-load",
         help="never hold the whole model: score from the shards or layer by layer, rewrite the shards one by one",
-        methods=("drop", "neurons"),
-        allocations=("uniform",),
+        supports=lambda method, allocation: allocation.fixed and (method.whole_experts or method.neurons),
         auto_criterion=False,
         why_limited="without the loaded model it can only write what a stock checkpoint expresses",
         unread=(

@@ -148,9 +148,10 @@ class PruneReport:
         criterion: str,
         method: str,
         sparsity: float,
+        allocation: str,
         **facts: Any,
     ) -> PruneReport:
-        """The report of a prune without loading: always uniform, always a stock checkpoint."""
+        """The report of a prune without loading: always the same count per layer, a stock checkpoint."""
         return cls(
             command=NO_LOAD,
             moeprune_version=__version__,
@@ -158,7 +159,7 @@ class PruneReport:
             output=str(output),
             model_type=model_type,
             criterion=criterion,
-            allocation="uniform",
+            allocation=allocation,
             method=method,
             sparsity=sparsity,
             format="stock",
@@ -167,7 +168,7 @@ class PruneReport:
 
     def _layout(self) -> tuple[str, ...]:
         if self.command == NO_LOAD:
-            return _NO_LOAD_NEURONS if self.method == "neurons" else _NO_LOAD_DROP
+            return _NO_LOAD_NEURONS if self.kept_neurons is not None else _NO_LOAD_DROP
         return _IN_MEMORY
 
     def _kept_null(self) -> set[str]:

@@ -34,7 +34,7 @@ from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.drop import drop_experts, kept_experts
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"
 _ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
@@ -221,7 +221,7 @@ def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
 def rewrite_supports(method: str) -> bool:
     """Whether plans of this method can be written from the input's bytes: whole experts
     dropped (any counts per layer; different ones are written in moeprune's format)."""
-    return method == "drop"
+    return METHODS.get(method).whole_experts
 
 
 def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
@@ -229,9 +229,10 @@ def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[
     would keep different counts: a stock config says one count, and the rewrite writes nothing
     else. `why` = (when the rule holds, the other way out, the options that fix it)."""
     when, instead, options = why
-    limits = method_limits(moe, "drop", config.expert_multiple)
+    limits = method_limits(moe, config.method, config.expert_multiple)
+    allocation = config.allocation or METHODS.get(config.method).allocations[0]
     removed = expert_allocation(
-        moe, get_criterion(config.criterion), [], config.sparsity_value(), "uniform", limits
+        moe, get_criterion(config.criterion), [], config.sparsity_value(), allocation, limits
     )
     kept = [n - r for n, r in zip(limits.num_experts, removed)]
     if len(set(kept)) > 1:
@@ -244,9 +245,14 @@ def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[
     return removed
 
 
+def _whole_experts_dropped(plan: Plan) -> bool:
+    """A plan whose layers only keep or drop whole experts (no novice, no narrowed expert)."""
+    return not any(lp.novice or lp.neurons for lp in plan.layers)
+
+
 def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
     """The kept experts per MoE layer of a uniform drop plan, checked like in-memory surgery."""
-    if plan.method == "drop" and not plan.is_uniform():
+    if _whole_experts_dropped(plan) and not plan.is_uniform():
         raise MoePruneError(
             "this plan keeps different expert counts per layer, which a stock config cannot express; "
             "rewriting checkpoint files supports uniform drop plans only: use the in-memory `moeprune prune`"
@@ -256,7 +262,7 @@ def uniform_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
 
 def plan_kept(plan: Plan, moe: MoEModel) -> dict[int, list[int]]:
     """The kept experts per MoE layer of a drop plan (any counts), checked like in-memory surgery."""
-    if plan.method != "drop":
+    if not _whole_experts_dropped(plan):
         raise MoePruneError(
             f"rewriting checkpoint files supports 'drop' plans, not {plan.method!r}: use the in-memory "
             "`moeprune prune` (it loads the model)"

@@ -30,7 +30,7 @@ from moeprune.quant import quantization_of
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.neurons import shared_multiplier
 from moeprune.surgery.packed import layer_cost
-from moeprune.surgery.target_size import LayerBytes, WeightBytes
+from moeprune.surgery.sizes import LayerBytes, WeightBytes
 
 HEADER_SLACK = 8  # bytes per tensor a result's header may add to the input's (longer offsets, dtype names)
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtypes a save casts, and their sizes

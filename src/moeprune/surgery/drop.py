@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moeprune.allocate.basic import plan_removals
+from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import EXPERT_IDS_ATTR, MoELayer, MoEModel, get_path, set_path
 from moeprune.plan import ModelShape, Plan
@@ -197,7 +198,7 @@ def drop_plan(request: PlanRequest) -> Plan:
         data_fingerprint=request.data_fingerprint,
     )
     plan.extra["budget"] = sum(removed)
-    if request.allocation == "global":
-        normal = "none (raw scores)" if criterion.comparable_across_layers else "per-layer sum of |score|"
-        plan.extra["global_normalisation"] = normal
+    note = ALLOCATIONS.get(request.allocation).plan_note
+    if note is not None:
+        plan.extra.update(note(criterion))
     return plan

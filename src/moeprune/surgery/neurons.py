@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from moeprune.allocate.basic import check_ratio
-from moeprune.config import NEURON_STATS
+from moeprune.config import NEURON_STATS, PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, set_path
 from moeprune.observe.stats import F64, LayerStats
@@ -51,6 +51,7 @@ from moeprune.surgery.packed import (
 )
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.sizes import WeightBytes
 
 IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
 SHARED_MULTIPLIERS = (
@@ -320,6 +321,51 @@ def neuron_plan(
     return plan
 
 
+def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:
+    """Bytes left when every routed expert of each layer keeps `widths[l]` neurons."""
+    out = size.total
+    for lay, k in zip(size.layers, widths):
+        if k >= lay.width:
+            continue
+        out -= lay.experts * (lay.expert() - lay.expert(k))
+        if lay.shared_width:  # zero-padded to a whole number of new widths (neurons.py)
+            out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
+    return out
+
+
+def _neuron_steps(
+    moe: MoEModel, _config: PruneConfig, size: WeightBytes, _target: int
+) -> list[tuple[float, int]]:
+    """(sparsity, planned bytes) of every width step below the full width: the sparsity each width
+    keeps exactly (1 - params(K) / params(I)), from the widest step down."""
+    check_neuron_prunable(moe)
+    candidates = set()
+    for m in moe.layers:
+        cost, full = layer_cost(m), m.intermediate_size
+        step = STOCK_MULTIPLE if full % STOCK_MULTIPLE == 0 else 1
+        for k in range(full - step, 0, -step):
+            candidates.add(1 - cost.params(k) / cost.params(full))
+    out = []
+    for sparsity in sorted(candidates):
+        try:
+            out.append((sparsity, neuron_plan_bytes(size, uniform_widths(moe, sparsity))))
+        except MoePruneError:  # less than one block of neurons left
+            continue
+    return out
+
+
+def _neuron_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+    return {
+        "neurons_per_expert": dict(
+            zip([m.index for m in moe.layers], uniform_widths(moe, config.sparsity_value()))
+        )
+    }
+
+
+def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
+    return neuron_plan_bytes(size, uniform_widths(moe, config.sparsity_value()))
+
+
 @METHODS.register(
     Method(
         "neurons",
@@ -328,6 +374,9 @@ def neuron_plan(
         ("uniform",),
         needs=(NEURON_STATS,),
         neurons=True,
+        feasible=_neuron_feasible,
+        planned_bytes=_neuron_planned_bytes,
+        target_steps=_neuron_steps,
     )
 )
 def plan_neurons(request: PlanRequest) -> Plan:

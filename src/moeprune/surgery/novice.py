@@ -107,6 +107,7 @@ def novice_plan(
         allocation=allocation,
         method="novice",
         sparsity=sparsity,
+        novices=True,
         data_fingerprint=data_fingerprint,
     )
     plan.extra["budget"] = budget

@@ -15,19 +15,16 @@ from typing import Any
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
-from moeprune.allocate.registry import searches
-from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+from moeprune.allocate.registry import ALLOCATIONS, searches
 from moeprune.config import PruneConfig, split_legacy
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
-from moeprune.surgery.neurons import check_importance, check_neuron_prunable, uniform_widths
-from moeprune.surgery.packed import layer_cost
+from moeprune.surgery.neurons import check_importance, check_neuron_prunable
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.registry import (
-    EXPERTS,
     METHODS,
     PlanRequest,
     check_method,
@@ -212,26 +209,18 @@ def check_sparsity(sparsity: float | None) -> None:
 
 def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     """Refuse a budget no plan can meet, from the model's structure alone (a meta-device model
-    does); returns what is already known per layer (for a dry run)."""
+    does); returns what is already known per layer (for a dry run). A method with a `feasible`
+    hook answers for itself; the expert methods share the budget's per-layer limits here."""
     method = METHODS.get(config.method)
-    layers = [m.index for m in moe.layers]
-    if method.sparsity_unit == EXPERTS:
-        limits = method_limits(moe, config.method, config.expert_multiple)
-        budget = budget_from_sparsity(config.sparsity_value(), limits.num_experts, limits.top_k)
-        uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
-        known: dict = {"budget_experts_removed": budget}
-        if config.allocation == "uniform":
-            known["removed_per_layer"] = dict(zip(layers, uniform))
-        return known
-    layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
-    check_neuron_prunable(moe)
-    if config.method == "neurons":
-        return {"neurons_per_expert": dict(zip(layers, uniform_widths(moe, config.sparsity_value())))}
-    trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(
-        trapezoid, 1 - config.sparsity_value(), config.important_fraction, config.slope
-    )
-    return {
-        "whole_experts_per_layer": dict(zip(layers, alloc.important)),
-        "neuron_keep_ratio": alloc.neuron_ratio,
-    }
+    if method.feasible is not None:
+        layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
+        if method.neurons:
+            check_neuron_prunable(moe)
+        return dict(method.feasible(moe, config))
+    limits = method_limits(moe, config.method, config.expert_multiple)
+    budget = budget_from_sparsity(config.sparsity_value(), limits.num_experts, limits.top_k)
+    uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+    known: dict = {"budget_experts_removed": budget}
+    if ALLOCATIONS.get(config.allocation or method.allocations[0]).fixed:
+        known["removed_per_layer"] = dict(zip([m.index for m in moe.layers], uniform))
+    return known

@@ -33,7 +33,19 @@ class Method:
     knobs: tuple[str, ...] = ()  # PruneConfig fields only this method reads (set for another: refused)
     candidate_context: Callable | None = None  # (moe, stats) -> how a search applies a candidate
     # in this method's virtual form (novices: constant outputs); None: the plain expert mask
+    # Size planning, before any weight loads; None: the expert methods' own (surgery/target_size.py)
+    feasible: Callable | None = None  # (moe, config) -> what is known per layer; refuses what cannot be met
+    planned_bytes: Callable | None = None  # (moe, config, WeightBytes) -> bytes the plan leaves
+    target_steps: Callable | None = (
+        None  # (moe, config, WeightBytes, target) -> [(sparsity, bytes)] ascending
+    )
     fn: Callable | None = None  # PlanRequest -> Plan
+
+    @property
+    def whole_experts(self) -> bool:
+        """Its result holds whole experts only, some removed with their router rows: what a rewrite
+        of the input's bytes expresses (a kept quantization, the no-load pipeline's drop)."""
+        return self.sparsity_unit == EXPERTS and not self.keeps_routing and not self.neurons
 
 
 METHODS: Registry[Method] = Registry("method", "method")

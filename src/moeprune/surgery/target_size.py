@@ -32,43 +32,14 @@ from dataclasses import dataclass
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.limits import LayerLimits
-from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.config import PruneConfig, parse_target_size
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel
-from moeprune.surgery.neurons import STOCK_MULTIPLE, check_neuron_prunable, uniform_widths
-from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import EXPERTS, METHODS, method_limits
+from moeprune.surgery.sizes import WeightBytes
 
 TARGET = ("target_size",)
-TENP_STEP = 1e-4  # the grid TENP's continuous sparsity is solved on
-
-
-@dataclass(frozen=True)
-class LayerBytes:
-    """What the parts of one MoE layer weigh in the output's format."""
-
-    experts: int
-    width: int  # neurons of each routed expert
-    per_neuron: int  # bytes one neuron adds to one routed expert (0: not linear, e.g. fp8 blocks)
-    per_expert: int  # bytes of one routed expert besides its neurons (all of it when per_neuron is 0)
-    router_row: int  # bytes of one expert's router rows and per-expert routing tensors
-    novice: int = 0  # bytes of a novice's mean output vector
-    shared_width: int = 0  # neurons of a shared expert whose width derives from the routed width
-    shared_per_neuron: int = 0  # bytes per neuron of that shared expert (it is zero-padded: neurons.py)
-
-    def expert(self, width: int | None = None) -> int:
-        return self.per_neuron * (self.width if width is None else width) + self.per_expert
-
-
-@dataclass(frozen=True)
-class WeightBytes:
-    """The unpruned model's weights in the output's format, and what each MoE layer's parts weigh."""
-
-    format: str  # "bfloat16", "float8_e4m3fn (fp8, 128x128 blocks)", ...
-    total: int  # bytes of every tensor the result is saved with, before pruning
-    layers: tuple[LayerBytes, ...]
-    linear_neurons: bool = True  # False: an expert's bytes are not linear in its width (fp8 blocks)
 
 
 def _check_layers(moe: MoEModel, size: WeightBytes) -> None:
@@ -105,29 +76,9 @@ def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, bud
     removed = uniform_allocation(
         budget, limits.num_experts, limits.top_k, **limits.as_kwargs()
     )  # also refuses an unreachable budget
-    if config.allocation == "uniform":
+    if ALLOCATIONS.get(config.allocation or METHODS.get(config.method).allocations[0]).fixed:
         return size.total - _expert_bytes(size, removed, method.keeps_routing)
     return size.total - _worst_removal(size, budget, limits, method.keeps_routing)
-
-
-def _neuron_plan_bytes(moe: MoEModel, size: WeightBytes, widths: list[int]) -> int:
-    out = size.total
-    for lay, k in zip(size.layers, widths):
-        if k >= lay.width:
-            continue
-        out -= lay.experts * (lay.expert() - lay.expert(k))
-        if lay.shared_width:  # zero-padded to a whole number of new widths (neurons.py)
-            out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
-    return out
-
-
-def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
-    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(layers, 1 - sparsity, config.important_fraction, config.slope)
-    out = size.total
-    for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
-        out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
-    return out
 
 
 def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
@@ -146,9 +97,8 @@ def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
             "are stored in blocks, so their narrowed size is not planned here",
             options=("method",),
         )
-    if config.method == "neurons":
-        return _neuron_plan_bytes(moe, size, uniform_widths(moe, config.sparsity))
-    return _tenp_plan_bytes(moe, config, size, config.sparsity)
+    assert method.planned_bytes is not None, f"method {method.name} registered without planned_bytes"
+    return int(method.planned_bytes(moe, config, size))
 
 
 @dataclass(frozen=True)
@@ -209,60 +159,6 @@ def _expert_search(
     return [(last[0] / experts, last[1])] if last else []
 
 
-def _neuron_steps(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> list[tuple[float, int]]:
-    """(sparsity, planned bytes) of every width step below the full width: the sparsity each width
-    keeps exactly (1 - params(K) / params(I)), from the widest step down."""
-    candidates = set()
-    for m in moe.layers:
-        cost, full = layer_cost(m), m.intermediate_size
-        step = STOCK_MULTIPLE if full % STOCK_MULTIPLE == 0 else 1
-        for k in range(full - step, 0, -step):
-            candidates.add(1 - cost.params(k) / cost.params(full))
-    out = []
-    for sparsity in sorted(candidates):
-        try:
-            out.append((sparsity, _neuron_plan_bytes(moe, size, uniform_widths(moe, sparsity))))
-        except MoePruneError:  # less than one block of neurons left
-            continue
-    return out
-
-
-def _tenp_solve(
-    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
-) -> list[tuple[float, int]]:
-    """TENP: the smallest grid sparsity that fits, by bisection (its size falls with the sparsity),
-    and the grid point below it; [] when not even the highest one fits."""
-
-    grid = round(1 / TENP_STEP)
-
-    def at(i: int) -> int | None:
-        try:
-            return _tenp_plan_bytes(moe, config, size, i / grid)
-        except MoePruneError:  # the others would keep less than one neuron
-            return None
-
-    top = grid - 1
-    if at(top) is None:  # plans stop being possible above some sparsity: find the last one
-        feasible, infeasible = 0, top
-        while infeasible - feasible > 1:
-            mid = (feasible + infeasible) // 2
-            feasible, infeasible = (mid, infeasible) if at(mid) is not None else (feasible, mid)
-        top = feasible
-    high = at(top) if top else None
-    if high is None or high > target:
-        return [(top / grid, high)] if high is not None else []
-    low_i, high_i = 0, top  # at(low_i) does not fit (0: the unpruned model), at(high_i) does
-    while high_i - low_i > 1:
-        mid = (low_i + high_i) // 2
-        value = at(mid)
-        if value is not None and value <= target:
-            high_i = mid
-        else:
-            low_i = mid
-    below = [(low_i / grid, at(low_i) or size.total)] if low_i else []
-    return [*below, (high_i / grid, at(high_i) or 0)]
-
-
 def solve_target(
     moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int, *, stock: bool = False
 ) -> TargetSolution:
@@ -287,12 +183,9 @@ def solve_target(
             "is planned for the drop method only",
             options=("method", *TARGET),
         )
-    elif config.method == "neurons":
-        check_neuron_prunable(moe)
-        steps = _neuron_steps(moe, config, size)
     else:
-        check_neuron_prunable(moe)
-        steps = _tenp_solve(moe, config, size, target)
+        assert method.target_steps is not None, f"method {method.name} registered without target_steps"
+        steps = method.target_steps(moe, config, size, target)
     fitting = next((i for i, (_, b) in enumerate(steps) if b <= target), None)
     if fitting is None:
         smallest = min((b for _, b in steps), default=size.total)

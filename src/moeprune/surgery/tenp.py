@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from moeprune.allocate.trapezoid import DEFAULT_SLOPE, TrapezoidLayer, trapezoid_allocation
-from moeprune.config import NEURON_STATS, split_legacy
+from moeprune.config import NEURON_STATS, PruneConfig, split_legacy
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -22,6 +22,7 @@ from moeprune.surgery.neurons import check_importance, check_neuron_prunable, ch
 from moeprune.surgery.novice import StatsInput
 from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.sizes import WeightBytes
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,71 @@ def tenp_plan(
     return plan
 
 
+TENP_STEP = 1e-4  # the grid TENP's continuous sparsity is solved on
+
+
+def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
+    """Bytes left by TENP's plan at `sparsity`: whole experts per layer, the others narrowed."""
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(layers, 1 - sparsity, config.important_fraction, config.slope)
+    out = size.total
+    for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
+        out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
+    return out
+
+
+def _tenp_solve(
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
+) -> list[tuple[float, int]]:
+    """TENP: the smallest grid sparsity that fits, by bisection (its size falls with the sparsity),
+    and the grid point below it; [] when not even the highest one fits."""
+    check_neuron_prunable(moe)
+
+    grid = round(1 / TENP_STEP)
+
+    def at(i: int) -> int | None:
+        try:
+            return _tenp_plan_bytes(moe, config, size, i / grid)
+        except MoePruneError:  # the others would keep less than one neuron
+            return None
+
+    top = grid - 1
+    if at(top) is None:  # plans stop being possible above some sparsity: find the last one
+        feasible, infeasible = 0, top
+        while infeasible - feasible > 1:
+            mid = (feasible + infeasible) // 2
+            feasible, infeasible = (mid, infeasible) if at(mid) is not None else (feasible, mid)
+        top = feasible
+    high = at(top) if top else None
+    if high is None or high > target:
+        return [(top / grid, high)] if high is not None else []
+    low_i, high_i = 0, top  # at(low_i) does not fit (0: the unpruned model), at(high_i) does
+    while high_i - low_i > 1:
+        mid = (low_i + high_i) // 2
+        value = at(mid)
+        if value is not None and value <= target:
+            high_i = mid
+        else:
+            low_i = mid
+    below = [(low_i / grid, at(low_i) or size.total)] if low_i else []
+    return [*below, (high_i / grid, at(high_i) or 0)]
+
+
+def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+    trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(
+        trapezoid, 1 - config.sparsity_value(), config.important_fraction, config.slope
+    )
+    return {
+        "whole_experts_per_layer": dict(zip([m.index for m in moe.layers], alloc.important)),
+        "neuron_keep_ratio": alloc.neuron_ratio,
+    }
+
+
+def _tenp_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
+    return _tenp_plan_bytes(moe, config, size, config.sparsity_value())
+
+
 @METHODS.register(
     Method(
         "tenp",
@@ -120,6 +186,9 @@ def tenp_plan(
         needs=(NEURON_STATS,),
         neurons=True,
         knobs=("important_fraction", "slope"),
+        feasible=_tenp_feasible,
+        planned_bytes=_tenp_planned_bytes,
+        target_steps=_tenp_solve,
     )
 )
 def plan_tenp(request: PlanRequest) -> Plan:
