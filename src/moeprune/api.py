@@ -5,8 +5,7 @@
 
 The file-level jobs the command line runs (`prune_checkpoint`, `prepare`, `prepare_score`,
 `score_loaded`) are in `moeprune.job`; they call this same verb, so the API on a loaded model and
-the CLI on the same arguments give the same result (tested). Their former home here still
-imports, with a warning.
+the CLI on the same arguments give the same result (tested).
 """
 
 from __future__ import annotations
@@ -249,26 +248,3 @@ def prune(
         report.search = SearchSummary.from_json(search_doc)
     return PruneResult(model, plan, crit, scores, stats, report, search_doc, sets)
 
-
-_MOVED = {  # former names of this module -> the module that holds them now
-    **dict.fromkeys(
-        ("PlannedSizes", "plan_sizes", "PruneJob", "check_resume", "prepare"), "moeprune.job.prepare"
-    ),
-    **dict.fromkeys(("prune_checkpoint", "run_job", "RECIPE"), "moeprune.job.run"),
-    **dict.fromkeys(("prepare_score", "score_loaded"), "moeprune.job.score"),
-}
-
-
-def __getattr__(name: str):
-    """The file-level jobs moved to moeprune.job: their former names here still work, with a warning."""
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(
-            f"moeprune.api.{name} moved to {_MOVED[name]}.{name} (also importable from moeprune.job)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
