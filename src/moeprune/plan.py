@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from moeprune import __version__
-from moeprune.config import split_legacy
 from moeprune.errors import MoePruneError
 
 FORMAT = "moeprune-plan"
@@ -128,15 +127,6 @@ class ModelShape:
         )
 
 
-# Plan.from_removals' former keywords for the shape -> ModelShape fields (still accepted, with a warning)
-_SHAPE_KEYWORDS = {
-    "model_type": "model_type",
-    "num_experts": "num_experts",
-    "top_k": "top_k",
-    "layer_indices": "layers",
-}
-
-
 @dataclass
 class Plan:
     """A whole-model pruning plan; see the module docstring."""
@@ -182,7 +172,7 @@ class Plan:
     @classmethod
     def from_removals(
         cls,
-        shape: ModelShape | None = None,
+        shape: ModelShape,
         *,
         removals: Sequence[Sequence[int]],
         criterion: str,
@@ -191,23 +181,12 @@ class Plan:
         sparsity: float,
         data_fingerprint: str = "",
         extra: dict[str, Any] | None = None,
-        **legacy: Any,
     ) -> Plan:
         """A plan from per-layer expert ids to remove: dropped ("drop") or made novices ("novice").
 
         `shape` is the model's per-layer structure (`ModelShape.of(moe)`); `removals` has one entry
-        per MoE layer, in `shape.layers` order. The former keywords `model_type`, `num_experts`,
-        `top_k` and `layer_indices` still work in place of `shape`, with a DeprecationWarning.
+        per MoE layer, in `shape.layers` order.
         """
-        if shape is None:  # the former keywords fill it (each with a warning)
-            shape = ModelShape(None, None, None, None)  # type: ignore[arg-type]
-        (shape,) = split_legacy(legacy, "Plan.from_removals", shape=(shape, _SHAPE_KEYWORDS))
-        missing = [old for old, name in _SHAPE_KEYWORDS.items() if getattr(shape, name) is None]
-        if missing:
-            raise TypeError(
-                f"Plan.from_removals() missing the model's shape: pass shape=ModelShape(...) "
-                f"(lacking {', '.join(missing)})"
-            )
         if method not in ("drop", "novice"):
             raise MoePruneError(
                 f"from_removals builds 'drop' or 'novice' plans, not {method!r}; build LayerPlan objects for neuron plans"
