@@ -63,12 +63,8 @@ def test_no_package_imports_a_later_stage():
     late = []
     for path in sorted(PACKAGE.rglob("*.py")):
         own = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-        if (
-            own in ("__init__", "_moved")
-            or path.parent.name == "search"
-            and path.parent.parent.name == "allocate"
-        ):
-            continue  # the top-level package re-exports lazily; former paths forward to their new homes
+        if own == "__init__":
+            continue  # the top-level package re-exports lazily
         for line, target in imports_of(path):
             if target in RANK and RANK[target] > RANK[own]:
                 late.append(f"{path.relative_to(PACKAGE)}:{line} imports moeprune.{target}")

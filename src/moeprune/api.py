@@ -5,8 +5,7 @@
 
 The file-level jobs the command line runs (`prune_checkpoint`, `prepare`, `prepare_score`,
 `score_loaded`) are in `moeprune.job`; they call this same verb, so the API on a loaded model and
-the CLI on the same arguments give the same result (tested). Their former home here still
-imports, with a warning.
+the CLI on the same arguments give the same result (tested).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from moeprune.allocate.registry import searches
-from moeprune.config import DataOptions, PruneConfig, RunOptions, split_legacy
+from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.criteria import (
     AUTO,
     Criterion,
@@ -97,15 +96,6 @@ def _as_sets(data, tokenizer, options: DataOptions, per_domain: bool, why: str) 
     )
 
 
-_PRUNE_LEGACY = {
-    "samples": "samples",
-    "max_length": "max_length",
-    "batch_size": "batch_size",
-    "data_seed": "seed",
-    "packing": "packing",
-}
-
-
 def prune(
     model: PreTrainedModel,
     config: PruneConfig,
@@ -116,22 +106,15 @@ def prune(
     options: DataOptions | None = None,
     run: RunOptions | None = None,
     search_state: Path | None = None,
-    **legacy,
 ) -> PruneResult:
     """Prune a loaded transformers MoE model in place, as `config` says.
 
     `data` (calibration) and `search_data` are files (JSONL, text, parquet, ...; FILE:WEIGHT mixes
     them) read with `tokenizer` as `options` says (samples, max_length, batch_size, seed, packing),
     or already loaded `CalibrationData`. `search_state` checkpoints an EvoESAP search every
-    generation; `run.resume` continues it. The former keywords (`samples=`, `max_length=`,
-    `batch_size=`, `data_seed=`, `packing=`, `progress=`, `resume=`) still work, with a warning.
+    generation; `run.resume` continues it.
     """
-    options, run = split_legacy(
-        legacy,
-        "prune",
-        options=(options or DataOptions(), _PRUNE_LEGACY),
-        run=(run or RunOptions(), {"progress": "progress", "resume": "resume"}),
-    )
+    options, run = options or DataOptions(), run or RunOptions()
     config = check_config(config)
     if config.sparsity is None:
         raise MoePruneError(
@@ -248,27 +231,3 @@ def prune(
     if search_doc is not None:
         report.search = SearchSummary.from_json(search_doc)
     return PruneResult(model, plan, crit, scores, stats, report, search_doc, sets)
-
-
-_MOVED = {  # former names of this module -> the module that holds them now
-    **dict.fromkeys(
-        ("PlannedSizes", "plan_sizes", "PruneJob", "check_resume", "prepare"), "moeprune.job.prepare"
-    ),
-    **dict.fromkeys(("prune_checkpoint", "run_job", "RECIPE"), "moeprune.job.run"),
-    **dict.fromkeys(("prepare_score", "score_loaded"), "moeprune.job.score"),
-}
-
-
-def __getattr__(name: str):
-    """The file-level jobs moved to moeprune.job: their former names here still work, with a warning."""
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(
-            f"moeprune.api.{name} moved to {_MOVED[name]}.{name} (also importable from moeprune.job)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

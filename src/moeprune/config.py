@@ -165,29 +165,6 @@ class RunOptions:
     command_line: str | None = None  # how the user asked for it (the model card's "Reproduce")
 
 
-def split_legacy(legacy: dict[str, Any], where: str, **targets: tuple[Any, dict[str, str]]) -> list[Any]:
-    """Old keyword arguments folded into the option objects that replaced them, with a warning.
-
-    `targets` maps a parameter name to (its current object, {old keyword: field}); each object comes
-    back updated (a copy) in that order. An unknown keyword is a TypeError, as Python gives.
-    """
-    import warnings
-
-    out = {name: obj for name, (obj, _) in targets.items()}
-    for key, value in legacy.items():
-        owner = next((name for name, (_, fields) in targets.items() if key in fields), None)
-        if owner is None:
-            raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
-        field_name = targets[owner][1][key]
-        warnings.warn(
-            f"{where}({key}=...) is deprecated: pass {owner}={type(out[owner]).__name__}({field_name}=...)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        out[owner] = replace(out[owner], **{field_name: value})
-    return list(out.values())
-
-
 # ----------------------------------------------------------------------------- the recipe
 def _check_type(value: Any, kinds: tuple[type, ...], where: str) -> None:
     ok = False

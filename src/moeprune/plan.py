@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from moeprune import __version__
-from moeprune.config import split_legacy
 from moeprune.errors import MoePruneError
 
 FORMAT = "moeprune-plan"
@@ -126,15 +125,6 @@ class ModelShape:
         )
 
 
-# Plan.from_removals' former keywords for the shape -> ModelShape fields (still accepted, with a warning)
-_SHAPE_KEYWORDS = {
-    "model_type": "model_type",
-    "num_experts": "num_experts",
-    "top_k": "top_k",
-    "layer_indices": "layers",
-}
-
-
 @dataclass
 class Plan:
     """A whole-model pruning plan; see the module docstring."""
@@ -180,7 +170,7 @@ class Plan:
     @classmethod
     def from_removals(
         cls,
-        shape: ModelShape | None = None,
+        shape: ModelShape,
         *,
         removals: Sequence[Sequence[int]],
         criterion: str,
@@ -189,23 +179,12 @@ class Plan:
         sparsity: float,
         novices: bool = False,
         data_fingerprint: str = "",
-        **legacy: Any,
     ) -> Plan:
         """A plan from per-layer expert ids to remove: dropped, or made novices with `novices`.
 
         `shape` is the model's per-layer structure (`ModelShape.of(moe)`); `removals` has one entry
-        per MoE layer, in `shape.layers` order. The former keywords `model_type`, `num_experts`,
-        `top_k` and `layer_indices` still work in place of `shape`, with a DeprecationWarning.
+        per MoE layer, in `shape.layers` order.
         """
-        if shape is None:  # the former keywords fill it (each with a warning)
-            shape = ModelShape(None, None, None, None)  # type: ignore[arg-type]
-        (shape,) = split_legacy(legacy, "Plan.from_removals", shape=(shape, _SHAPE_KEYWORDS))
-        missing = [old for old, name in _SHAPE_KEYWORDS.items() if getattr(shape, name) is None]
-        if missing:
-            raise TypeError(
-                f"Plan.from_removals() missing the model's shape: pass shape=ModelShape(...) "
-                f"(lacking {', '.join(missing)})"
-            )
         num_experts, top_k, layer_indices = shape.num_experts, shape.top_k, shape.layers
         lengths = {len(num_experts), len(top_k), len(layer_indices), len(removals)}
         if len(lengths) != 1:

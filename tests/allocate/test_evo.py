@@ -245,30 +245,3 @@ def test_patience_only_shortens_the_same_trajectory():
     assert early.stopped["reason"] == "patience" and ran < 40
     assert early.history == full.history[:ran]
     assert early.best_fitness == max(h.best for h in full.history[:ran])
-
-
-def test_former_keywords_still_work_with_a_warning(tmp_path):
-    """EvoSearch(state_path=..., fingerprint=..., progress=...) from before they travelled as an
-    EvoIO: the same search and checkpoint, and a DeprecationWarning per keyword."""
-    caps, budget = [10] * 6, 24
-    fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
-    with pytest.warns(DeprecationWarning) as caught:
-        old = EvoSearch(
-            fit, budget, caps, uniform, SMALL, state_path=tmp_path / "old.json", fingerprint={"m": 1},
-            progress=False, save_interval_s=0.0, write_state=True,
-        )  # fmt: skip
-    assert {str(w.message) for w in caught} == {
-        f"EvoSearch({k}=...) is deprecated: pass io=EvoIO({k}=...)"
-        for k in ("state_path", "fingerprint", "progress", "save_interval_s", "write_state")
-    }
-    assert {w.filename for w in caught} == {__file__}
-    io = EvoIO(state_path=tmp_path / "new.json", fingerprint={"m": 1}, progress=False, save_interval_s=0.0)
-    new = EvoSearch(fit, budget, caps, uniform, SMALL, io=io)
-    assert (old.state_path, old.fingerprint, old.progress, old.save_interval_s) == (
-        tmp_path / "old.json", {"m": 1}, False, 0.0,
-    )  # fmt: skip
-    assert old.run() == new.run()
-    saved = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("old", "new")]
-    assert saved[0] == saved[1]
-    with pytest.raises(TypeError, match="unexpected keyword argument 'state'"):
-        EvoSearch(fit, budget, caps, uniform, SMALL, state=tmp_path / "x.json")

@@ -318,82 +318,25 @@ def test_searched_allocation_beats_uniform_on_a_trained_model(trained_moe, crite
     assert doc["fitness_value"] > doc["uniform"]["fitness_value"] + 0.01
 
 
-def test_the_fitness_argument_still_works_with_a_warning():
-    """run_evo_search(fitness=...) from before SearchConfig carried the fitness: same search, and a
-    DeprecationWarning naming the new spelling."""
-    moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=6)
-    config = SearchConfig(population=4, elites=2, generations=2, seed=3)
-    with pytest.warns(DeprecationWarning, match=r"SearchConfig\(fitness=...\)"):
-        old = run_evo_search(moe, data, _orders(moe), 6, config=config, fitness="kl", fingerprint={}, progress=False,
-                             batch_size=3)  # fmt: skip
-    new = _search(moe, data, 6, config, fitness="kl", fingerprint={}, batch_size=3)
-    assert old[0] == new[0] and old[1]["fitness"] == new[1]["fitness"] == "kl"
-
-
-def _without_timings(doc: dict) -> dict:
-    return {k: v for k, v in doc.items() if k != "timings_s"}
-
-
-def _messages(caught, where: str) -> set[str]:
-    return {str(w.message) for w in caught if str(w.message).startswith(f"{where}(")}
-
-
-def test_former_keywords_of_the_search_still_work_with_a_warning(tmp_path):
-    """run_evo_search, search_allocation, choose_criterion and CandidateEvaluator called as before
-    their settings travelled as SearchRuntime / PruneConfig: the same result, and a
-    DeprecationWarning per former keyword that names the new spelling and points at the caller."""
+def test_search_allocation_and_choose_criterion_take_a_prune_config(tmp_path):
+    """search_allocation searches what its PruneConfig says, runs as its SearchRuntime says (the
+    checkpoint at state_path), and finds what run_evo_search finds on the same budget;
+    choose_criterion reads the fitness from the config's search settings."""
     moe, data = _moe("olmoe", num_hidden_layers=4), _data(n=6)
     config = SearchConfig(population=4, elites=2, generations=2, seed=3, fitness="kl")
-    with pytest.warns(DeprecationWarning) as caught:
-        old = run_evo_search(moe, data, _orders(moe), 6, config=config, fingerprint={}, batch_size=3,
-                             progress=False, fast=False, race=False, state_path=tmp_path / "old.json")  # fmt: skip
-    assert _messages(caught, "run_evo_search") == {
-        f"run_evo_search({k}=...) is deprecated: pass runtime=SearchRuntime({k}=...)"
-        for k in ("batch_size", "progress", "fast", "race", "state_path")
-    }
-    assert {w.filename for w in caught if "run_evo_search(" in str(w.message)} == {__file__}
-    new = _search(moe, data, 6, config, fingerprint={}, batch_size=3, fast=False, race=False,
-                  state_path=tmp_path / "new.json")  # fmt: skip
-    assert old[0] == new[0] and _without_timings(old[1]) == _without_timings(new[1])
-    assert (tmp_path / "old.json").is_file()  # the checkpoint went where the old keyword said
-
     stats = observe(moe, data, batch_size=3, progress=False)
     crit = get_criterion("frequency")
     scores = compute_scores("frequency", stats=stats, layers=[m.index for m in moe.layers])
-    with pytest.warns(DeprecationWarning) as caught:
-        old = search_allocation(moe, crit, scores, [stats], data, sparsity=0.25, method="drop", search=config,
-                                batch_size=3, progress=False)  # fmt: skip
-    assert _messages(caught, "search_allocation") == {
-        "search_allocation(sparsity=...) is deprecated: pass config=PruneConfig(sparsity=...)",
-        "search_allocation(method=...) is deprecated: pass config=PruneConfig(method=...)",
-        "search_allocation(search=...) is deprecated: pass config=PruneConfig(search=...)",
-        "search_allocation(batch_size=...) is deprecated: pass runtime=SearchRuntime(batch_size=...)",
-        "search_allocation(progress=...) is deprecated: pass runtime=SearchRuntime(progress=...)",
-    }
     prune = PruneConfig(criterion="frequency", sparsity=0.25, allocation="evo", search=config)
-    new = search_allocation(moe, crit, scores, [stats], data, config=prune, runtime=_runtime(batch_size=3))
-    assert old[0] == new[0] and _without_timings(old[1]) == _without_timings(new[1])
-
-    with pytest.warns(DeprecationWarning) as caught:
-        old_choice = choose_criterion(moe, [stats], data, sparsity=0.25, fitness="kl", seed=1, batch_size=3,
-                                      progress=False)  # fmt: skip
-    assert (
-        "choose_criterion(fitness=...) is deprecated: pass config=PruneConfig(search=SearchConfig(fitness=...))"
-        in (_messages(caught, "choose_criterion"))
+    state = tmp_path / "state.json"
+    removed, doc = search_allocation(
+        moe, crit, scores, [stats], data, config=prune, runtime=_runtime(batch_size=3, state_path=state)
     )
+    assert state.is_file() and doc["fitness"] == "kl"
+    limits = layer_limits(moe)
+    budget = budget_from_sparsity(0.25, limits.num_experts, limits.top_k)
+    assert removed == _search(moe, data, budget, config, fingerprint={}, batch_size=3)[0]
+
     auto = replace(prune, criterion="auto", allocation=None, seed=1)
-    assert old_choice == choose_criterion(moe, [stats], data, config=auto, runtime=_runtime(batch_size=3))
-    assert old_choice[1][0].keys() == {"criterion", "kl"}
-
-    with pytest.warns(DeprecationWarning, match=r"CandidateEvaluator\(fast=...\) is deprecated"):
-        old_evaluator = CandidateEvaluator(moe, data, _orders(moe), batch_size=3, fast=False)
-    new_evaluator = CandidateEvaluator(moe, data, _orders(moe), runtime=_runtime(batch_size=3, fast=False))
-    assert old_evaluator.mode == new_evaluator.mode == "plain"
-    assert old_evaluator.evaluate((2, 2, 4, 0)) == new_evaluator.evaluate((2, 2, 4, 0))
-
-    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
-        run_evo_search(moe, data, _orders(moe), 6, config=config, fingerprint={}, batchsize=3)
-    with pytest.raises(TypeError, match="missing required keyword argument: 'config'"):
-        search_allocation(moe, crit, scores, [stats], data)
-    with pytest.raises(TypeError, match="missing required keyword argument: 'config'"):
-        choose_criterion(moe, [stats], data)
+    choice, table = choose_criterion(moe, [stats], data, config=auto, runtime=_runtime(batch_size=3))
+    assert table[0].keys() == {"criterion", "kl"} and choice in {row["criterion"] for row in table}

@@ -178,21 +178,3 @@ def test_search_settings_are_declared_once():
     with pytest.warns(DeprecationWarning, match="SearchConfig"):
         from moeprune.search.population import EvoConfig
     assert EvoConfig is SearchConfig
-
-
-def test_former_keywords_still_prune_the_same_with_a_warning(tiny_checkpoint, data):
-    """Scripts written against the keyword API (samples=, max_length=, progress=) keep working."""
-    config = PruneConfig(criterion="frequency", sparsity=0.25)
-    model, tokenizer = load_model(tiny_checkpoint)
-    new = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer,
-                         options=DataOptions(samples=12, max_length=64), run=RunOptions(progress=False))  # fmt: skip
-    model, tokenizer = load_model(tiny_checkpoint)
-    with pytest.warns(DeprecationWarning) as caught:
-        old = moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, samples=12, max_length=64,
-                             progress=False)  # fmt: skip
-    assert sorted(str(w.message).split(" is ")[0] for w in caught) == [
-        "prune(max_length=...)", "prune(progress=...)", "prune(samples=...)"
-    ]
-    assert old.plan.to_json() == new.plan.to_json()
-    with pytest.raises(TypeError, match="unexpected keyword argument 'sampels'"):
-        moeprune.prune(model, config, data=str(data), tokenizer=tokenizer, sampels=12)

@@ -144,32 +144,6 @@ def test_seeded_runs_repeat():
     assert first == again
 
 
-def test_former_keywords_still_work_with_a_warning():
-    """gamma=, max_new_tokens=, ... as keywords: the same results as SpecOptions, one warning each."""
-    target, draft = ToyLM(seed=0), ToyLM(seed=1)
-    with pytest.warns(DeprecationWarning) as caught:
-        legacy = acceptance(draft, target, [[0], [1, 2]], gamma=2, max_new_tokens=12, seed=5)
-    assert [str(w.message) for w in caught] == [
-        "acceptance(gamma=...) is deprecated: pass options=SpecOptions(gamma=...)",
-        "acceptance(max_new_tokens=...) is deprecated: pass options=SpecOptions(max_new_tokens=...)",
-    ]
-    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
-    assert legacy == acceptance(draft, target, [[0], [1, 2]], SpecOptions(gamma=2, max_new_tokens=12), seed=5)
-    g, h = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    with pytest.warns(DeprecationWarning) as caught:
-        old = speculative_generate(
-            draft, target, [0], max_new_tokens=50, gamma=4, generator=g, eos_token_id=2
-        )
-    assert [str(w.message).split(" is")[0] for w in caught] == [
-        "speculative_generate(max_new_tokens=...)",
-        "speculative_generate(gamma=...)",
-        "speculative_generate(eos_token_id=...)",
-    ]
-    assert old == speculative_generate(draft, target, [0], SpecOptions(4, 50, eos_token_id=2), generator=h)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'"):
-        acceptance(draft, target, [[0]], gama=2)
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [

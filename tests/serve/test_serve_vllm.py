@@ -220,7 +220,7 @@ def _reference(family: str, path: Path, vocab: int) -> None:
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Every (family, kind) output, made by moeprune.api.prune_checkpoint."""
+    """Every (family, kind) output, made by moeprune.job.prune_checkpoint."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = byte_tokenizer()
     data = root / "calib.jsonl"

@@ -82,28 +82,6 @@ def test_bf16_keeps_the_fp32_modules(tmp_path):
     assert_close_stats(expected, actual)
 
 
-def test_former_device_and_dtype_keywords_still_work_with_a_warning(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path)
-    data = calibration(LENGTHS[:2])
-    bf16 = SequentialOptions(placement=Placement(torch.device("cpu"), torch.bfloat16))
-    expected = observe_sequential(tmp_path, data, batch_size=2, options=bf16, progress=False)
-    with pytest.warns(DeprecationWarning) as caught:
-        actual = observe_sequential(
-            tmp_path, data, batch_size=2, device="cpu", dtype=torch.bfloat16, offload_dir=tmp_path / "acts",
-            progress=False,
-        )  # fmt: skip
-    assert [str(w.message) for w in caught] == [
-        "observe_sequential(offload_dir=...) is deprecated: pass options=SequentialOptions(offload_dir=...)",
-        "observe_sequential(device=...) is deprecated: pass options=SequentialOptions(placement=Placement(device=...))",
-        "observe_sequential(dtype=...) is deprecated: pass options=SequentialOptions(placement=Placement(dtype=...))",
-    ]
-    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
-    for a, b in zip(expected.layers, actual.layers, strict=True):
-        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in SUM_FIELDS + MOMENT_FIELDS)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'devise'"):
-        observe_sequential(tmp_path, data, devise="cpu")
-
-
 def test_sharded_checkpoint_with_activations_on_disk(tmp_path):
     """A multi-shard checkpoint (index.json) of a hybrid family, activations offloaded to disk."""
     model_dir, scratch = tmp_path / "model", tmp_path / "scratch"

@@ -58,30 +58,11 @@ def test_from_removals_builds_partitions_and_versions():
         plan.layer(2)
 
 
-def test_from_removals_still_takes_the_former_shape_keywords_with_a_warning():
-    legacy = {"model_type": "olmoe", "num_experts": [8, 8, 8], "top_k": [2, 2, 2], "layer_indices": [0, 1, 3]}
-    with pytest.warns(DeprecationWarning) as caught:
-        plan = Plan.from_removals(
-            **legacy, removals=[[5, 1], [0], [7, 6]], criterion="reap", allocation="global",
-            sparsity=5 / 24, data_fingerprint="abc123",
-        )  # fmt: skip
-    assert [str(w.message) for w in caught] == [
-        f"Plan.from_removals({old}=...) is deprecated: pass shape=ModelShape({new}=...)"
-        for old, new in [("model_type", "model_type"), ("num_experts", "num_experts"), ("top_k", "top_k"),
-                         ("layer_indices", "layers")]
-    ]  # fmt: skip
-    assert all(w.filename == __file__ for w in caught)  # the warning points at the caller
-    assert plan == _plan()
-    with (
-        pytest.raises(TypeError, match="missing the model's shape.*lacking top_k, layer_indices"),
-        pytest.warns(DeprecationWarning),
-    ):
-        Plan.from_removals(model_type="olmoe", num_experts=[8], removals=[[1]], criterion="reap",
-                           allocation="global", sparsity=0.1)  # fmt: skip
-    with pytest.raises(TypeError, match="unexpected keyword argument 'layer'"):
-        Plan.from_removals(
-            SHAPE, layer=[0], removals=[[1]], criterion="reap", allocation="global", sparsity=0.1
-        )
+def test_from_removals_takes_the_shape_first_or_by_keyword():
+    args = {"removals": [[5, 1], [0], [7, 6]], "criterion": "reap", "allocation": "global", "sparsity": 5 / 24}
+    assert Plan.from_removals(shape=SHAPE, **args, data_fingerprint="abc123") == _plan()
+    with pytest.raises(TypeError, match="shape"):
+        Plan.from_removals(**args)
 
 
 def test_round_trip(tmp_path):

@@ -391,7 +391,7 @@ def load_model(
         model = load_pretrained(path, dtype=resolve_dtype(dtype), device=device)
     elif device_map:
         if not _has_accelerate():
-            raise MoePruneError("splitting a model over GPUs needs accelerate: pip install 'moeprune[gpu]'")
+            raise MoePruneError("splitting a model over GPUs needs accelerate: pip install accelerate")
         model = _load_auto(path, resolve_dtype(dtype), device_map)
     else:
         model = _load_stock(path, resolve_dtype(dtype), device)

@@ -19,7 +19,7 @@ whole sequence every call, as before.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from moeprune.config import split_legacy
 from moeprune.errors import MoePruneError
 from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
@@ -262,11 +261,6 @@ class SpecOptions:
     use_cache: bool = True
 
 
-# the former keywords of speculative_generate and acceptance -> SpecOptions fields (still accepted,
-# with a warning)
-_SPEC_KEYWORDS = {f.name: f.name for f in fields(SpecOptions)}
-
-
 def speculative_generate(
     draft: nn.Module,
     target: nn.Module,
@@ -275,19 +269,15 @@ def speculative_generate(
     *,
     generator: torch.Generator | None = None,
     stats: SpecStats | None = None,
-    **legacy: Any,
 ) -> list[int]:
     """Continue `prompt` by up to `options.max_new_tokens` tokens; sampled with `generator`, else greedy.
 
     Stops after an EOS. The last round drafts fewer tokens when fewer remain, so the output is
     never longer than asked and every drafted token is verified. `draft` and `target` may be
     `IncrementalLogits` already (their caches then carry over between prompts; `use_cache` then
-    does not apply). The former keywords (`gamma=`, `max_new_tokens=`, `temperature=`,
-    `eos_token_id=`, `use_cache=`) still work in place of `options`, with a DeprecationWarning.
+    does not apply).
     """
-    (options,) = split_legacy(
-        legacy, "speculative_generate", options=(options or SpecOptions(), _SPEC_KEYWORDS)
-    )
+    options = options or SpecOptions()
     gamma, max_new_tokens, temperature = options.gamma, options.max_new_tokens, options.temperature
     eos_token_id, use_cache = options.eos_token_id, options.use_cache
     _check(gamma, max_new_tokens, temperature, prompt)
@@ -335,13 +325,11 @@ def acceptance(
     modes: Sequence[str] = MODES,
     seed: int = 0,
     labels: tuple[str, str] = ("the draft", "the target"),
-    **legacy: Any,
 ) -> dict[str, dict]:
     """Acceptance statistics per mode over `prompts`; the sampled mode uses one seeded generator.
     `options` (SpecOptions) sets the draft length, tokens per prompt, temperature, EOS and the KV
-    cache (its former keywords still work, with a DeprecationWarning).
-    NaN or infinite logits from either model raise NonFiniteError naming it by its `labels`."""
-    (options,) = split_legacy(legacy, "acceptance", options=(options or SpecOptions(), _SPEC_KEYWORDS))
+    cache. NaN or infinite logits from either model raise NonFiniteError naming it by its `labels`."""
+    options = options or SpecOptions()
     gamma, max_new_tokens, use_cache = options.gamma, options.max_new_tokens, options.use_cache
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

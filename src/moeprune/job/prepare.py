@@ -22,7 +22,7 @@ from moeprune.checkpoint.atomic import check_not_inside, recover
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
 from moeprune.checkpoint.structure import read_config_dict
-from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size, split_legacy
+from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
@@ -217,29 +217,6 @@ def check_sources(sources: Sequence[str], what: str) -> None:
             )
 
 
-_JOB_LEGACY = {  # prune_checkpoint's and prepare's former keywords -> (parameter, field)
-    "dtype": ("data", "dtype"),
-    **{
-        name: ("run", name)
-        for name in ("overwrite", "resume", "dry_run", "trust_remote_code", "progress", "command_line")
-    },
-}
-
-
-def job_options(legacy: dict, where: str, data, run) -> tuple[DataOptions, RunOptions]:
-    """The data and run options of a checkpoint job, the former keywords folded in."""
-    return tuple(
-        split_legacy(
-            legacy,
-            where,
-            **{
-                name: (obj, {k: f for k, (owner, f) in _JOB_LEGACY.items() if owner == name})
-                for name, obj in (("data", data or DataOptions()), ("run", run or RunOptions()))
-            },
-        )
-    )
-
-
 def prepare(
     model_path: str | Path,
     output: str | Path,
@@ -250,10 +227,9 @@ def prepare(
     tokenizer_path: str | Path | None = None,
     save: SaveOptions | None = None,
     run: RunOptions | None = None,
-    **legacy,
 ) -> PruneJob:
     """Every check of a prune request that needs no weights, in the order a user would fix them."""
-    data, run = job_options(legacy, "prepare", data, run)
+    data, run = data or DataOptions(), run or RunOptions()
     save = save or SaveOptions()
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
     config = check_config(config)

@@ -18,7 +18,7 @@ from moeprune.checkpoint import (
 from moeprune.checkpoint.atomic import output_lock
 from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
 from moeprune.job.evidence import Evidence, write_evidence
-from moeprune.job.prepare import PruneJob, job_options, prepare
+from moeprune.job.prepare import PruneJob, prepare
 from moeprune.models import MoEModel
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import (
@@ -43,20 +43,17 @@ def prune_checkpoint(
     tokenizer_path: str | Path | None = None,
     save: SaveOptions | None = None,
     run: RunOptions | None = None,
-    **legacy,
 ) -> dict:
     """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with
     `run.dry_run`, the plan of work: nothing is loaded or written).
 
     `data` says where calibration data comes from and where the model runs (device, dtype); `run`
-    what the job may overwrite, whether it resumes a search, what it prints. The former keywords
-    (`dtype=`, `overwrite=`, `resume=`, `dry_run=`, `trust_remote_code=`, `progress=`,
-    `command_line=`) still work, with a warning.
+    what the job may overwrite, whether it resumes a search, what it prints.
 
     Under torchrun every rank runs this with the same arguments: observation and the search are
     data-parallel, and rank 0 alone writes OUTPUT.
     """
-    data, run = job_options(legacy, "prune_checkpoint", data, run)
+    data, run = data or DataOptions(), run or RunOptions()
     job = prepare(
         model_path,
         output,

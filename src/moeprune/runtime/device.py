@@ -110,7 +110,7 @@ class Placement:
         if device == "auto":
             if importlib.util.find_spec("accelerate") is None:
                 raise MoePruneError(
-                    "device 'auto' uses accelerate's device_map='auto': pip install 'moeprune[gpu]'",
+                    "device 'auto' uses accelerate's device_map='auto': pip install accelerate",
                     options=("device",),
                 )
             if torch.cuda.is_available():

@@ -8,10 +8,7 @@ method's virtual form (no model copy). The whole table goes into the report.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
 
 import torch
 
@@ -22,8 +19,8 @@ from moeprune.allocate.fitness import (
     check_fitness,
     higher_is_better,
 )
-from moeprune.config import PruneConfig, split_legacy
-from moeprune.criteria import AUTO, CRITERIA, compute_scores, get_criterion  # noqa: F401  (AUTO: its name)
+from moeprune.config import PruneConfig
+from moeprune.criteria import CRITERIA, compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
@@ -59,36 +56,16 @@ def choose_criterion(
     stats: Sequence[ExpertStats],
     search: CalibrationData,
     *,
-    config: PruneConfig | None = None,
+    config: PruneConfig,
     runtime: SearchRuntime | None = None,
-    **legacy: Any,
 ) -> tuple[str, list[dict]]:
     """The best criterion for a uniform plan at ``config.sparsity``, and every criterion's fitness.
 
     From ``config``: the sparsity, the method, the fitness (``config.search.fitness``) and the
     seed (``config.seed``: the random criterion's permutation and the sap fitness's draws); from
-    ``runtime``: batch size, padding and progress. The old keywords (``sparsity=``, ``method=``,
-    ``fitness=``, ``seed=``, ``batch_size=``, ``pad_token_id=``, ``progress=``) still work, with a
-    DeprecationWarning.
+    ``runtime``: batch size, padding and progress.
     """
-    if config is None:
-        if "sparsity" not in legacy:
-            raise TypeError("choose_criterion() missing required keyword argument: 'config'")
-        config = PruneConfig(criterion=AUTO, sparsity=legacy["sparsity"])
-    if "fitness" in legacy:  # a field of config.search, which split_legacy does not reach
-        warnings.warn(
-            "choose_criterion(fitness=...) is deprecated: pass "
-            "config=PruneConfig(search=SearchConfig(fitness=...))",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        config = replace(config, search=replace(config.search, fitness=legacy.pop("fitness")))
-    config, runtime = split_legacy(
-        legacy,
-        "choose_criterion",
-        config=(config, {"sparsity": "sparsity", "method": "method", "seed": "seed"}),
-        runtime=(runtime or SearchRuntime(), {k: k for k in ("batch_size", "pad_token_id", "progress")}),
-    )
+    runtime = runtime or SearchRuntime()
     sparsity, method, fitness, seed = config.sparsity, config.method, config.search.fitness, config.seed
     batch_size, pad_token_id, progress = runtime.batch_size, runtime.pad_token_id, runtime.progress
     check_fitness(fitness)

@@ -49,7 +49,6 @@ from moeprune.allocate.fitness import (
     higher_is_better,
 )
 from moeprune.allocate.limits import layer_limits
-from moeprune.config import split_legacy
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models.adapter import MoEModel, block_of, decoder_layers
@@ -69,16 +68,6 @@ _RACE_MARGIN = 1e-4
 # Manual layer loop vs model(...) on the first batch: max |diff| allowed, times (1 + max |logit|).
 _SELF_CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 _SELF_CHECK_TOL_LOW_PRECISION = 3e-2
-# CandidateEvaluator's former keywords, now fields of its SearchRuntime (same names).
-_RUNTIME_KEYWORDS = (
-    "batch_size",
-    "pad_token_id",
-    "fast",
-    "prefix_cache_bytes",
-    "teacher_device",
-    "candidate_context",
-    "progress",
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +141,7 @@ class CandidateEvaluator:
     ``runtime`` says how candidates run (batch size, padding, the teacher cache's device, the
     prefix cache's budget, the method's virtual form, progress; default: no progress bar);
     ``SearchRuntime(fast=False)`` forces the plain ``model(...)`` forward (the reference the tests
-    compare to). The old keywords (``batch_size=``, ``fast=``, ...) still work, with a
-    DeprecationWarning.
+    compare to).
     """
 
     def __init__(
@@ -165,13 +153,8 @@ class CandidateEvaluator:
         fitness: str = "esap",
         seed: int = 0,
         runtime: SearchRuntime | None = None,
-        **legacy: Any,
     ) -> None:
-        (runtime,) = split_legacy(
-            legacy,
-            "CandidateEvaluator",
-            runtime=(runtime or SearchRuntime(progress=False), {name: name for name in _RUNTIME_KEYWORDS}),
-        )
+        runtime = runtime or SearchRuntime(progress=False)
         self.moe = moe
         self.progress = runtime.progress
         self.candidate_context: CandidateContext = runtime.candidate_context or (

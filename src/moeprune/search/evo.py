@@ -34,7 +34,7 @@ import numpy as np
 
 from moeprune.allocate.fitness import FITNESSES
 from moeprune.checkpoint.atomic import write_json
-from moeprune.config import SearchConfig, split_legacy
+from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.runtime.progress import progress_bar
 from moeprune.search.population import (
@@ -107,10 +107,6 @@ class EvoIO:
     progress: bool = True
 
 
-# EvoSearch's former keywords, now fields of its EvoIO (same names).
-_IO_KEYWORDS = ("state_path", "fingerprint", "progress", "save_interval_s", "write_state")
-
-
 class EvoSearch:
     """Runs (and checkpoints, and resumes) one EvoESAP search.
 
@@ -118,9 +114,7 @@ class EvoSearch:
     to 16 times, so each generation spends its evaluations on new allocations; after that a
     duplicate is accepted (it costs no evaluation). Elites are the top m *distinct*
     allocations. Mid-generation, the state (with the fitness cache) is also saved at most
-    every ``io.save_interval_s`` seconds, so a crash loses little evaluation work. The old
-    keywords (``state_path=``, ``fingerprint=``, ``progress=``, ...) still work, with a
-    DeprecationWarning.
+    every ``io.save_interval_s`` seconds, so a crash loses little evaluation work.
     """
 
     def __init__(
@@ -134,9 +128,8 @@ class EvoSearch:
         *,
         io: EvoIO | None = None,
         evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None = None,
-        **legacy: Any,
     ) -> None:
-        (io,) = split_legacy(legacy, "EvoSearch", io=(io or EvoIO(), {name: name for name in _IO_KEYWORDS}))
+        io = io or EvoIO()
         self.config = config or SearchConfig()
         self.config.validate()  # a config changed after it was made is checked again
         self.feas = Feasibility(budget, caps, multiples)

@@ -36,7 +36,7 @@ from moeprune.allocate.fitness import (
 )
 from moeprune.allocate.limits import LayerLimits, layer_limits
 from moeprune.checkpoint.atomic import write_json
-from moeprune.config import PruneConfig, SearchConfig, split_legacy
+from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
@@ -49,25 +49,6 @@ from moeprune.search.options import SearchRuntime
 
 _LOG = logging.getLogger(__name__)
 SEARCH_STATE = "search_state.json"
-# The former keywords of run_evo_search and search_allocation that are now SearchRuntime fields
-# (same names), and search_allocation's that are now PruneConfig fields.
-_RUNTIME_KEYWORDS = (
-    "state_path",
-    "resume",
-    "batch_size",
-    "progress",
-    "pad_token_id",
-    "fast",
-    "race",
-    "prefix_cache_bytes",
-    "candidate_context",
-)
-_CONFIG_KEYWORDS = {
-    "sparsity": "sparsity",
-    "method": "method",
-    "search": "search",
-    "expert_multiple": "expert_multiple",
-}
 
 
 def _elite_threshold(cache: Mapping[Allocation, float], elites: int) -> float | None:
@@ -124,7 +105,6 @@ def run_evo_search(
     fingerprint: Mapping[str, Any],
     runtime: SearchRuntime | None = None,
     expert_multiple: int = 1,
-    **legacy: Any,
 ) -> tuple[list[int], dict[str, Any]]:
     """EvoESAP over ``moe``: the best allocation (experts removed per MoE layer) and ``search.json``.
 
@@ -136,17 +116,9 @@ def run_evo_search(
     criterion, ...) and the fitness name must match the saved state for ``resume``. Under torchrun
     (a joined process group, world > 1) every rank calls this with the same arguments: candidates
     are split over the ranks (module docstring), every rank returns the same allocation, and rank 0
-    alone writes ``state_path`` and its race log. The old keywords (``fitness=``, ``state_path=``,
-    ``batch_size=``, ...) still work, with a DeprecationWarning.
+    alone writes ``state_path`` and its race log.
     """
-    if "fitness" in legacy and legacy["fitness"] is None:  # fitness=None always meant "the config's"
-        del legacy["fitness"]
-    config, runtime = split_legacy(
-        legacy,
-        "run_evo_search",
-        config=(config, {"fitness": "fitness"}),
-        runtime=(runtime or SearchRuntime(), {name: name for name in _RUNTIME_KEYWORDS}),
-    )
+    runtime = runtime or SearchRuntime()
     fitness = check_fitness(config.fitness)
     limits = layer_limits(moe, expert_multiple)  # every candidate keeps multiples of expert_multiple
     uniform = uniform_allocation(
@@ -366,9 +338,8 @@ def search_allocation(
     stats: Sequence[ExpertStats],
     search_set: CalibrationData,
     *,
-    config: PruneConfig | None = None,
+    config: PruneConfig,
     runtime: SearchRuntime | None = None,
-    **legacy: Any,
 ) -> tuple[list[int], dict]:
     """EvoESAP: experts removed per MoE layer, searched on teacher-forced answer tokens.
 
@@ -377,20 +348,9 @@ def search_allocation(
     Candidates run in the method's virtual form (drop: router slicing; novice: constant
     substitution, ``runtime.candidate_context``), never by copying the model. With
     ``runtime.state_path``, the state is checkpointed every generation; ``runtime.resume``
-    continues it and refuses other data or settings. The old keywords (``sparsity=``,
-    ``method=``, ``search=``, ``state_path=``, ``batch_size=``, ...) still work, with a
-    DeprecationWarning.
+    continues it and refuses other data or settings.
     """
-    if config is None:
-        if "sparsity" not in legacy:
-            raise TypeError("search_allocation() missing required keyword argument: 'config'")
-        config = PruneConfig(criterion=criterion.name, sparsity=legacy["sparsity"])
-    config, runtime = split_legacy(
-        legacy,
-        "search_allocation",
-        config=(config, _CONFIG_KEYWORDS),
-        runtime=(runtime or SearchRuntime(), {name: name for name in _RUNTIME_KEYWORDS}),
-    )
+    runtime = runtime or SearchRuntime()
     budget = budget_from_sparsity(
         config.sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )

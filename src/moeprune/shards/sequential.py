@@ -24,13 +24,11 @@ import ctypes
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +44,6 @@ from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import build_skeleton, check_model_path
 from moeprune.checkpoint.quantized import QuantizedSources
-from moeprune.config import split_legacy
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, decoder_layers
@@ -330,19 +327,12 @@ def observe_sequential(
     options: SequentialOptions | None = None,
     progress: bool = True,
     domain: str = "",
-    **legacy: Any,
 ) -> ExpertStats:
     """The statistics `observe` returns, holding one decoder layer's weights at a time.
 
     `options` says where layers run and where the cached activations live (SequentialOptions).
-    The former keywords `device=`, `dtype=` (now `options.placement`) and `offload_dir=` still
-    work, with a DeprecationWarning.
     """
-    placed = {key: legacy.pop(key) for key in ("device", "dtype") if key in legacy}  # former keywords
-    (options,) = split_legacy(
-        legacy, "observe_sequential", options=(options or SequentialOptions(), {"offload_dir": "offload_dir"})
-    )
-    options = _placed(options, placed)
+    options = options or SequentialOptions()
     offload_dir = options.offload_dir
     path = check_model_path(checkpoint_path)
     device, dtype = torch.device(options.placement.device), options.placement.dtype
@@ -364,19 +354,6 @@ def observe_sequential(
             shutil.rmtree(scratch, ignore_errors=True)
     note = f"observed {tokens} tokens layer by layer in {time.perf_counter() - start:.1f}s"
     return ExpertStats.from_pass(stats, tokens, data, domain, note)
-
-
-def _placed(options: SequentialOptions, legacy: dict[str, Any]) -> SequentialOptions:
-    """`options` with the former `device=` and `dtype=` keywords put in its placement, each with a
-    DeprecationWarning pointing at observe_sequential's caller."""
-    for key in legacy:
-        warnings.warn(
-            f"observe_sequential({key}=...) is deprecated: pass "
-            f"options=SequentialOptions(placement=Placement({key}=...))",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    return replace(options, placement=replace(options.placement, **legacy)) if legacy else options
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
 from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import ALLOCATIONS, searches
-from moeprune.config import PruneConfig, split_legacy
+from moeprune.config import PruneConfig
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
@@ -33,31 +32,16 @@ from moeprune.surgery.registry import (
 )
 from moeprune.surgery.target_size import check_target_config
 
-# build_plan's former keywords -> the PruneConfig fields that replaced them (still accepted, with a warning)
-_CONFIG_KEYWORDS = {
-    name: name
-    for name in (
-        "sparsity",
-        "allocation",
-        "method",
-        "expert_multiple",
-        "neuron_importance",
-        "important_fraction",
-        "slope",
-    )
-}
-
 
 def build_plan(
     moe: MoEModel,
     criterion: Criterion,
     scores: Sequence[LayerScores],
     *,
-    config: PruneConfig | None = None,
+    config: PruneConfig,
     stats: Sequence[ExpertStats] = (),
     removed: Sequence[int] | None = None,
     data_fingerprint: str = "",
-    **legacy: Any,
 ) -> Plan:
     """Turn scores and a global budget into a per-layer plan, for any registered method.
 
@@ -67,17 +51,7 @@ def build_plan(
     search settings are not read here: `criterion` is the one `scores` come from, and a search
     has already run when `removed` is given.
     `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
-
-    The settings travel as one PruneConfig, as everywhere else, rather than as seven keywords
-    repeated at every caller. Those former keywords (`sparsity=`, `allocation=`, `method=`,
-    `expert_multiple=`, `neuron_importance=`, `important_fraction=`, `slope=`) still work, each
-    with a DeprecationWarning, filling `config` (or a PruneConfig named after `criterion`).
     """
-    if config is None:
-        config = PruneConfig(criterion.name, sparsity=None)  # its sparsity is set from `legacy`
-    (config,) = split_legacy(legacy, "build_plan", config=(config, _CONFIG_KEYWORDS))
-    if config.sparsity is None:
-        raise TypeError("build_plan() missing its settings: pass config=PruneConfig(...)")
     method = config.method
     allocation = config.allocation or default_allocation(method)
     check_method(method, allocation)
@@ -85,7 +59,7 @@ def build_plan(
         moe,
         criterion,
         scores,
-        config.sparsity,
+        config.sparsity_value(),
         allocation,
         method,
         stats=stats,

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from moeprune.allocate.trapezoid import DEFAULT_SLOPE, TrapezoidLayer, trapezoid_allocation
-from moeprune.config import NEURON_STATS, PruneConfig, split_legacy
+from moeprune.config import NEURON_STATS, PruneConfig
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -34,14 +33,6 @@ class TenpOptions:
     neuron_importance: str = "projection"  # how neurons are ranked ("projection" or "l2")
 
 
-# tenp_plan's former keywords -> TenpOptions fields (still accepted, with a warning)
-_OPTION_KEYWORDS = {
-    "important_fraction": "important_fraction",
-    "slope": "slope",
-    "importance": "neuron_importance",
-}
-
-
 def tenp_plan(
     moe: MoEModel,
     stats: StatsInput | None,
@@ -51,16 +42,14 @@ def tenp_plan(
     *,
     criterion: str = "tenp",
     data_fingerprint: str = "",
-    **legacy: Any,
 ) -> Plan:
     """TENP: per layer the highest-scored experts stay whole, the others are neuron-pruned.
 
     `sparsity` is the fraction of routed-expert parameters removed; `scores` rank experts within
     each layer (the tenp criterion; several calibration domains use its per-domain normalisation).
-    `options` holds TENP's own settings; the former keywords `important_fraction=`, `slope=` and
-    `importance=` still work in its place, with a DeprecationWarning.
+    `options` holds TENP's own settings.
     """
-    (options,) = split_legacy(legacy, "tenp_plan", options=(options or TenpOptions(), _OPTION_KEYWORDS))
+    options = options or TenpOptions()
     important_fraction, slope, importance = (
         options.important_fraction,
         options.slope,

@@ -1,5 +1,0 @@
-"""Moved to moeprune.allocate.fitness."""
-
-from moeprune._moved import moved
-
-moved(__name__, "moeprune.allocate.fitness")
