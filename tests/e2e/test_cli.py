@@ -352,6 +352,8 @@ def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
         "reap",
         "mone",
         "tenp",
+        "man",
+        "msan",
     }
     best = max(table, key=lambda row: row["esap"])
     assert report["criterion"] == best["criterion"] == report["criterion_auto"]["chosen"]
