@@ -16,6 +16,7 @@ from moeprune.criteria import (
     list_criteria,
     unseen_note,
 )
+from moeprune.criteria.data import UNIFIED_FORM
 from moeprune.errors import MoePruneError
 from moeprune.observe.stats import ExpertStats, LayerStats
 
@@ -70,6 +71,8 @@ def test_registry() -> None:
         "reap",
         "mone",
         "tenp",
+        "man",
+        "msan",
     ]
     assert get_criterion("aimer").prune_first == "highest"
     assert all(CRITERIA.get(n).prune_first == "lowest" for n in list_criteria() if n != "aimer")
@@ -80,6 +83,8 @@ def test_registry() -> None:
         "reap",
         "mone",
         "tenp",
+        "man",
+        "msan",
     }
     assert {c.name for c in CRITERIA if c.needs_weights} == {"magnitude", "aimer"}
 
@@ -126,6 +131,51 @@ def test_tenp() -> None:
     assert order == [2, 0, 1, 3]
 
 
+def test_man_msan() -> None:
+    # norms: expert 0 {5, 2}, 1 {1, 1, 4}, 2 none, 3 {3}
+    # MAN: 7/2 = 3.5; 6/3 = 2; 0 (no token, as reap); 3
+    # MSAN: (25 + 4)/2 = 14.5; (1 + 1 + 16)/3 = 6; 0; 9
+    man, man_order = one_layer("man", stats_of(accumulate(TOKENS)))
+    msan, msan_order = one_layer("msan", stats_of(accumulate(TOKENS)))
+    np.testing.assert_allclose(man, [3.5, 2.0, 0.0, 3.0], rtol=1e-12)
+    np.testing.assert_allclose(msan, [14.5, 6.0, 0.0, 9.0], rtol=1e-12)
+    assert man_order == msan_order == [2, 1, 3, 0]
+
+
+def test_man_msan_rank_differently() -> None:
+    # expert 0: norms 1, 2, 3 (outputs spread in two dimensions) -> MAN 2, MSAN 14/3;
+    # expert 1: one token of norm 2.1 -> MAN 2.1, MSAN 4.41; expert 2 unseen -> 0 for both
+    # (pruned first, as reap does). MAN prunes 0 before 1, MSAN 1 before 0: squaring weighs
+    # expert 0's rare large output.
+    tokens = [
+        (0, (1.0, 0.0), 0.5, (1.0, 0.0)),
+        (0, (0.0, -2.0), 0.5, (1.0, 0.0)),
+        (0, (3.0, 0.0), 0.5, (1.0, 0.0)),
+        (1, (0.0, 2.1), 0.5, (1.0, 0.0)),
+    ]
+    stats = stats_of(accumulate(tokens, num_experts=3))
+    man, man_order = one_layer("man", stats)
+    msan, msan_order = one_layer("msan", stats)
+    np.testing.assert_allclose(man, [2.0, 2.1, 0.0], rtol=1e-12)
+    np.testing.assert_allclose(msan, [14 / 3, 2.1**2, 0.0], rtol=1e-12)
+    assert man_order == [2, 0, 1] and msan_order == [2, 1, 0]
+
+
+def unified_reference(tokens: list, expert: int, b: int, alpha: int, beta: int) -> float:
+    """S(b, alpha, beta) straight from the tokens: (1/n)^b sum g^alpha ||E||^beta, 0 if n = 0."""
+    rows = [(g, math.hypot(*y)) for e, y, g, _ in tokens if e == expert]
+    if not rows:
+        return 0.0
+    return (1 / len(rows)) ** b * sum(g**alpha * norm**beta for g, norm in rows)
+
+
+@pytest.mark.parametrize("name", sorted(UNIFIED_FORM))
+def test_unified_form_gives_each_criterion(name: str) -> None:
+    scores, _ = one_layer(name, stats_of(accumulate(TOKENS)))
+    expected = [unified_reference(TOKENS, e, *UNIFIED_FORM[name]) for e in range(4)]
+    np.testing.assert_allclose(scores, expected, rtol=1e-12)
+
+
 def test_mone_hand_and_numpy() -> None:
     # expert 0: mean (1.5, 3); var = ((1.5^2+1.5^2)/1, (1+1)/1) = (4.5, 2); ||sqrt var|| = sqrt(6.5);
     #   phi_freq = 0.75/2 = 0.375 -> 0.375 sqrt(6.5)
@@ -146,7 +196,7 @@ def test_domains_merge_without_mutating_inputs() -> None:
     a, b = accumulate(TOKENS[::2]), accumulate(TOKENS[1::2])
     before = [t.clone() for t in (a.count, a.mean, a.m2, b.count, b.mean, b.m2)]
     full = stats_of(accumulate(TOKENS))
-    for name in ("frequency", "seer", "ean", "reap", "mone"):
+    for name in ("frequency", "seer", "ean", "reap", "mone", "man", "msan"):
         merged, _ = one_layer(name, [stats_of(a), stats_of(b)])
         single, _ = one_layer(name, full)
         np.testing.assert_allclose(merged, single, rtol=1e-12, atol=1e-15)

@@ -93,6 +93,19 @@ def test_prune_uniform_drop_reloads_with_stock_transformers(checkpoint, data, tm
         assert sorted(layer["dropped"]) == sorted(scores["order"][:2])
 
 
+@pytest.mark.parametrize("criterion", ["man", "msan"])
+def test_prune_with_the_mean_norm_criteria(checkpoint, data, tmp_path, criterion):
+    out = tmp_path / criterion
+    run("prune", checkpoint, "--output", out, "--criterion", criterion, "--sparsity", "0.25", "--data", data,
+        "--samples", "8", "--quiet")  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert report["criterion"] == criterion and report["budget_experts_removed"] == 8
+    for layer, scores in zip(plan["layers"], report["scores"]["layers"]):
+        ranked = [scores["scores"][e] for e in scores["order"]]
+        assert ranked == sorted(ranked) and sorted(layer["dropped"]) == sorted(scores["order"][:2])
+
+
 def test_prune_global_allocation_and_reload(checkpoint, data, tmp_path):
     out = tmp_path / "global"
     run("prune", checkpoint, "--output", out, "--criterion", "reap", "--sparsity", "0.5", "--allocation", "global",
@@ -352,6 +365,8 @@ def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
         "reap",
         "mone",
         "tenp",
+        "man",
+        "msan",
     }
     best = max(table, key=lambda row: row["esap"])
     assert report["criterion"] == best["criterion"] == report["criterion_auto"]["chosen"]

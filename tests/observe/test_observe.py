@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeprune.criteria import get_criterion
+from moeprune.criteria.data import UNIFIED_FORM
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
@@ -98,10 +100,12 @@ def test_observer_matches_brute_force(family):
                             gp, upp = gp + gb, upp + ub
                         outputs[e].append((g, h[t].to(F64), y.to(F64), layer.activate(gp, upp).to(F64)))
         s = stats.layer(layer.index)
+        unified = {name: get_criterion(name).fn(s) for name in UNIFIED_FORM}
         for e, rows in outputs.items():
             assert int(s.count[e]) == len(rows)
             if not rows:
                 assert s.weight_sum[e] == 0 and s.norm_sum[e] == 0
+                assert all(scores[e] == 0 for scores in unified.values())  # unseen: 0, pruned first
                 continue
             g = torch.tensor([r[0] for r in rows], dtype=F64)
             h = torch.stack([r[1] for r in rows])
@@ -117,6 +121,10 @@ def test_observer_matches_brute_force(family):
             torch.testing.assert_close(s.weighted_norm_sum[e], (g * norms).sum(), **close)
             torch.testing.assert_close(s.tenp_sum[e], (g * norms * (1 - cos)).sum(), **close)
             torch.testing.assert_close(s.mean[e], y.mean(0), **close)
+            # frequency, seer, ean, reap, man and msan against S(b, alpha, beta) on the fp64 tensors
+            for name, (b, alpha, beta) in UNIFIED_FORM.items():
+                reference = len(rows) ** -b * (g**alpha * norms**beta).sum()
+                torch.testing.assert_close(unified[name][e], reference, **close)
             if len(rows) > 1:
                 torch.testing.assert_close(s.variance[e], y.var(0, unbiased=True), **close)
             down = layer.expert_weights(e)[2].to(F64)  # y_k = W_down[:, k] m_k

@@ -3,7 +3,7 @@
 - registry.py  the Criterion spec and the CRITERIA registry (names, help, needs, direction)
 - baseline.py  random
 - weights.py   magnitude, aimer (weights only)
-- data.py      frequency, seer, ean, reap, mone, tenp (calibration statistics)
+- data.py      frequency, seer, ean, reap, mone, tenp, man, msan (calibration statistics)
 - scoring.py   scores of every layer under one criterion, the `score` JSON, unseen experts
 
 A new criterion is one module that registers itself with `@CRITERIA.register(Criterion(...))`

@@ -2,13 +2,18 @@
 
 g is the routing weight the model applied (read from the router, never recomputed), E(h) the
 expert's output, sums run over the tokens routed to the expert; an expert no token reached
-scores 0 and is pruned first (the report names it).
+scores 0 and is pruned first (the report names it). For the criteria that average over the routed
+tokens (reap, man, msan) that mean is undefined, and 0 stands for it: below any seen expert's
+score, as every score here is >= 0.
+
+The unified form of arXiv 2606.15716, S(b, alpha, beta) = (1/n)^b sum g^alpha ||E||^beta over the
+routed tokens, covers frequency, seer, ean, reap, man and msan (UNIFIED_FORM).
 
 Comparable across layers (global allocation ranks raw scores only then):
 - frequency: every MoE layer routes the same tokens k times each, so counts share a unit.
 - seer: router weights are probabilities (per token they sum to the same total in every layer),
   so summed weights share a unit like counts do.
-- ean, reap, mone, tenp: not comparable. They scale with expert output norms, which grow with
+- ean, reap, mone, tenp, man, msan: not comparable. They scale with expert output norms, which grow with
   depth as the residual stream grows; a raw global ranking would empty the shallow layers.
 """
 
@@ -72,6 +77,45 @@ def mone(s: LayerStats) -> torch.Tensor:
 )
 def tenp(s: LayerStats) -> torch.Tensor:
     return s.tenp_sum
+
+
+@CRITERIA.register(
+    Criterion(
+        "man",
+        "lowest",
+        False,
+        "mean of the expert's output norms ||E_i(h_t)|| over routed tokens (MAN)",
+        needs=_DATA,
+    )
+)
+def man(s: LayerStats) -> torch.Tensor:
+    """S(1, 0, 1): ean divided by the count; reap without the router weight."""
+    return _safe_div(s.norm_sum.to(F64), s.count.to(F64))
+
+
+@CRITERIA.register(
+    Criterion(
+        "msan",
+        "lowest",
+        False,
+        "mean of the squared output norms ||E_i(h_t)||^2 over routed tokens (MSAN)",
+        needs=_DATA,
+    )
+)
+def msan(s: LayerStats) -> torch.Tensor:
+    """S(1, 0, 2): sum ||E||^2 comes from the Welford moments (LayerStats.sq_norm_sum)."""
+    return _safe_div(s.sq_norm_sum.to(F64), s.count.to(F64))
+
+
+# (b, alpha, beta) of S(b, alpha, beta) = (1/n_i)^b sum_{t in T_i} g_i(t)^alpha ||E_i(h_t)||^beta
+UNIFIED_FORM: dict[str, tuple[int, int, int]] = {
+    "frequency": (0, 0, 0),
+    "seer": (0, 1, 0),
+    "ean": (0, 0, 1),
+    "reap": (1, 1, 1),
+    "man": (1, 0, 1),
+    "msan": (1, 0, 2),
+}
 
 
 def _mix_domains(criterion: Criterion, domains: list[ExpertStats], layer: int) -> torch.Tensor:

@@ -70,6 +70,13 @@ class LayerStats:
         var = self.m2 / denom
         return torch.where((self.count > 1).unsqueeze(1), var, torch.zeros_like(var))
 
+    @property
+    def sq_norm_sum(self) -> torch.Tensor:
+        """[E] sum ||E_i(h_t)||^2 over the routed tokens (MSAN), from the moments already kept:
+        sum_t ||y_t||^2 = n ||mean||^2 + sum_d M2_d. Both terms are >= 0, so nothing cancels and the
+        fp64 result matches a dedicated accumulator to rounding; 0 where no token was seen."""
+        return self.count * self.mean.square().sum(1) + self.m2.sum(1)
+
     def to(self, device: torch.device | str) -> LayerStats:
         """Move every accumulator to `device` in place (the observer accumulates where rows are)."""
         for name, value in vars(self).items():
