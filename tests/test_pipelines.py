@@ -36,7 +36,7 @@ def test_unread_settings_name_what_each_run_would_ignore():
     plain = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5)))
     assert plain[("search_data", SearchConfig)] == "without --allocation evo or --criterion auto"
     assert plain[("important_fraction", "slope")] == "without --method tenp"
-    assert plain[("neuron_importance",)] == "with --method drop (it keeps every neuron)"
+    assert plain[("neuron_importance",)] == "without --method neurons or tenp"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
     assert not any(SearchConfig in settings for settings, _ in searched)
     no_load = [s for settings, _ in unread_settings(PIPELINES.get("no-load"), PruneConfig("reap", 0.5)) for s in settings]

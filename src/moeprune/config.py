@@ -179,10 +179,17 @@ def _check_type(value: Any, kinds: tuple[type, ...], where: str) -> None:
 _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {}  # field name -> (types, optional), filled below
 
 
-def setting(default: Any, help: str, *, flag: str | None = None, minimum: int | None = None) -> Any:
-    """A config field that carries its command-line help, flag and lower bound, so the CLI's
-    options, their --help and the docs' CLI reference are made from the field (cli/options.py)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "min": minimum})
+def setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    minimum: int | None = None,
+    choices: Sequence[str] | None = None,
+) -> Any:
+    """A config field that carries its command-line help, flag, lower bound and choices, so the
+    CLI's options, their --help and the docs' CLI reference are made from the field (cli/options.py)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "min": minimum, "choices": choices})
 
 
 @dataclass
@@ -266,14 +273,16 @@ class PruneConfig:
     allocation: str | None = None  # None: the method's default (uniform; trapezoid for tenp)
     method: str = "drop"
     expert_multiple: int = 1  # every layer keeps a multiple of this many experts
-    neuron_importance: str = "projection"  # neurons/tenp: or "l2"
-    important_fraction: float | None = None  # tenp: share kept as whole experts (None: half the kept budget)
-    slope: float = 0.5  # tenp: how fast the number of whole experts grows with depth
     seed: int = 0  # the random criterion's permutation
     search: SearchConfig = field(default_factory=SearchConfig)
     # instead of `sparsity`: the weights' bytes on disk the result must fit in ("40GiB", "500MB",
     # or bytes as an int), in the format it is saved in; the smallest sparsity that fits is solved
     target_size: int | str | None = None
+    # the method's own settings: an instance of its options class (`Method.options`, e.g. TenpOptions),
+    # or a dict of its fields (JSON); None: its defaults. Resolved with the names (check_config).
+    options: Any = None
+    # set by check_config on the copy it returns: names resolved, options an object; never by hand
+    resolved: bool = field(default=False, init=False, repr=False, compare=False)
 
     def sparsity_value(self) -> float:
         """The sparsity, given or solved from the target size (a stage that plans needs one)."""
@@ -288,8 +297,11 @@ class PruneConfig:
         """The config as JSON; `target_size` only when set, so a recipe of a run with a given
         sparsity keeps exactly the keys it always had."""
         out = asdict(self)
+        del out["resolved"]
         if out["target_size"] is None:
             del out["target_size"]
+        if out["options"] is None:
+            del out["options"]
         return out
 
     @classmethod
@@ -301,7 +313,18 @@ class PruneConfig:
         search = data.get("search", {})
         if not isinstance(search, dict):
             raise MoePruneError(f"the config's 'search' must be an object, got {search!r}")
-        values = _read(cls, {k: v for k, v in data.items() if k != "search"}, "config")
+        options = data.get("options") or {}
+        if not isinstance(options, dict):
+            raise MoePruneError(
+                f"the config's 'options' must be an object, got {options!r}", options=("config",)
+            )
+        options = dict(options)
+        for key, default in _FORMER_OPTION_KEYS.items():  # recipes written before options were nested
+            if key in data and data[key] != default:
+                options.setdefault(key, data[key])
+        flat = {k: v for k, v in data.items() if k not in ("search", "options", *_FORMER_OPTION_KEYS)}
+        values = _read(cls, flat, "config")
+        values["options"] = options or None
         if values.get("sparsity") is None and values.get("target_size") is None:
             raise MoePruneError("config lacks sparsity (or target_size, which solves it)")
         return cls(**values, search=SearchConfig(**_read(SearchConfig, search, "config.search")))
@@ -406,11 +429,16 @@ class Recipe:
         return cls.from_json(document)
 
 
+# Method settings recipe.json held as top-level config keys before they moved into `options`, with
+# the value they had when unset (a frozen table of the format's past: new options never join it)
+_FORMER_OPTION_KEYS = {"neuron_importance": "projection", "important_fraction": None, "slope": 0.5}
+
+
 def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name: f for f in fields(cls) if f.name != "search"}
+    known = {f.name: f for f in fields(cls) if f.name not in ("search", "options", "resolved")}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        also = ", search" if cls is PruneConfig else ""  # read separately, as a SearchConfig
+        also = ", search, options" if cls is PruneConfig else ""  # read separately
         raise MoePruneError(
             f"{where} has unknown keys {unknown}; remove them or use the known ones: "
             f"{', '.join(known)}{also}",
@@ -433,7 +461,7 @@ def _field_types() -> None:
     names = {"str": str, "float": float, "int": int}
     for cls in (SearchConfig, PruneConfig):
         for f in fields(cls):
-            if f.name == "search":
+            if f.name in ("search", "options", "resolved"):
                 continue
             parts = [part.strip() for part in str(f.type).split("|")]
             kinds = tuple(names[part] for part in parts if part != "None")

@@ -68,7 +68,7 @@ def test_api_on_a_loaded_model_equals_the_cli(tiny_checkpoint, data, tmp_path, c
 
 
 def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, data, tmp_path):
-    config = PruneConfig(criterion="tenp", sparsity=0.5, method="tenp", slope=0.25,
+    config = PruneConfig(criterion="tenp", sparsity=0.5, method="tenp", options={"slope": 0.25},
                          search=SearchConfig(fitness="kl", patience=3))  # fmt: skip
     assert PruneConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(MoePruneError, match="sparsity"):

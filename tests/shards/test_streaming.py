@@ -197,6 +197,7 @@ def drop_plan(moe: MoEModel, removals: dict[int, list[int]], method: str = "drop
         criterion="aimer",
         allocation="uniform",
         method=method,
+        novices=method == "novice",  # a novice plan keeps every expert, routed
         sparsity=0.25,
     )
 

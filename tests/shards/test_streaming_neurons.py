@@ -108,14 +108,11 @@ def test_bad_plans_are_refused_and_write_nothing(tmp_path):
     unaligned = copy.deepcopy(plan)
     for lp in unaligned.layers:
         lp.neurons = dict.fromkeys(lp.neurons, 6)
-    drop = copy.deepcopy(plan)
-    drop.method = "drop"
     dropping = copy.deepcopy(plan)
     dropping.layers[0].kept, dropping.layers[0].dropped = list(range(1, 8)), [0]
     cases = [
         (uneven, keep, "different neuron counts"),
         (unaligned, keep, "multiple of 8"),
-        (drop, keep, "'neurons' plans"),
         (dropping, keep, "drops experts"),
         (plan, {i: {e: ids[:4] for e, ids in by.items()} for i, by in keep.items()}, "increasing ids"),
         (plan, {i: dict(list(by.items())[:3]) for i, by in keep.items()}, "all 8"),
@@ -223,7 +220,7 @@ def test_cli_no_load_neurons_refuses_llama4_before_observing(tmp_path, data):
 )
 def test_no_load_fails_before_any_scoring(tiny_checkpoint, data, tmp_path, monkeypatch, args, message):
     """Cheap checks (budget, neuron width, output folder) run before hours of observation."""
-    from moeprune.shards import prune as shard_prune
+    from moeprune.job import no_load as shard_prune
 
     def never(*args, **kwargs):
         raise AssertionError("scored or observed before the cheap checks")

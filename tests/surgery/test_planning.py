@@ -48,8 +48,8 @@ def test_tenp_plan_takes_tenp_options():
         moe, stats, scores, 0.5, TenpOptions(important_fraction=0.3, slope=0.0, neuron_importance="l2")
     )
     assert plan.extra["neuron_importance"] == "l2" and plan.extra["slope"] == 0.0
-    # the same plan through build_plan and the PruneConfig's fields of the same names
+    # the same plan through build_plan, the options given as JSON would give them
     config = PruneConfig(
-        "tenp", 0.5, method="tenp", neuron_importance="l2", important_fraction=0.3, slope=0.0
+        "tenp", 0.5, method="tenp", options={"neuron_importance": "l2", "important_fraction": 0.3, "slope": 0.0}
     )
     assert build_plan(moe, get_criterion("tenp"), scores, config=config, stats=[stats]) == plan

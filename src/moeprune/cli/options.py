@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import Field, fields
 from typing import Any
 
@@ -142,20 +142,39 @@ def option_name(setting: Field) -> str:
 def config_options(
     cls: type, *, choices: dict[str, list[str]] | None = None, helps: dict[str, str] | None = None
 ) -> Callable:
-    """Decorator: one click option per `setting` field of the config class `cls`, with the field's
-    default, lower bound and help (`choices` and `helps` add what the config module cannot import,
-    e.g. a registry's names), so a setting is declared once and the flag follows it."""
+    """Decorator: one click option per `setting` field of the config class `cls` (see `field_options`)."""
+    return field_options(fields(cls), choices=choices, helps=helps)
+
+
+_JSON_TYPES = {"str": str, "float": float, "int": int}
+
+
+def _value_type(setting: Field) -> type:
+    """The Python type a setting's value has: its annotation's first non-None part (`float | None`)."""
+    parts = [part.strip() for part in str(setting.type).split("|")]
+    return next((_JSON_TYPES[p] for p in parts if p in _JSON_TYPES), str)
+
+
+def field_options(
+    settings: Iterable[Field],
+    *,
+    choices: dict[str, list[str]] | None = None,
+    helps: dict[str, str] | None = None,
+) -> Callable:
+    """Decorator: one click option per `setting` field, with the field's default, lower bound,
+    choices and help (`choices` and `helps` add what a config module cannot import, e.g. a
+    registry's names), so a setting is declared once and the flag follows it."""
     choices, helps = choices or {}, helps or {}
 
     def decorate(func: Callable) -> Callable:
-        for setting in reversed([f for f in fields(cls) if "help" in f.metadata]):
+        for setting in reversed([f for f in settings if "help" in f.metadata]):
             meta = setting.metadata
-            if setting.name in choices:
-                kind: Any = click.Choice(choices[setting.name])
+            if setting.name in choices or meta.get("choices"):
+                kind: Any = click.Choice(list(choices.get(setting.name) or meta["choices"]))
             elif meta.get("min") is not None:
                 kind = click.IntRange(min=meta["min"])
             else:
-                kind = type(setting.default) if setting.default is not None else str
+                kind = _value_type(setting)
             flag = meta.get("flag") or "--" + setting.name.replace("_", "-")
             func = click.option(
                 flag,

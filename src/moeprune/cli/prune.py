@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import Field, fields
 
 import click
 
@@ -16,6 +16,8 @@ from moeprune.cli.options import (
     config_options,
     data_from_options,
     data_options,
+    field_options,
+    option_name,
     options_of,
     registry_help,
     registry_option,
@@ -28,11 +30,23 @@ from moeprune.quant.fp8 import FP8_SAVE_DTYPE
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS
-from moeprune.surgery.neurons import IMPORTANCE
 
 # flag value -> torch name; fp8 keeps an fp8 input's blocks (the default for one; a full-precision
 # choice saves it dequantized)
 SAVE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": FP8_SAVE_DTYPE}
+
+
+def method_settings_by_name() -> dict[str, Field]:
+    """Every registered method's own settings, by name (a setting two methods share is one flag)."""
+    out: dict[str, Field] = {}
+    for method in METHODS:
+        for setting in fields(method.options) if method.options is not None else ():
+            out.setdefault(setting.name, setting)
+    return out
+
+
+def method_settings() -> list[Field]:
+    return list(method_settings_by_name().values())
 
 
 def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
@@ -41,8 +55,10 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     if path is None:
         return None
     recipe = Recipe.load(path)  # unknown or mistyped keys: an error naming them
-    defaults = {k: v for k, v in recipe.config.to_dict().items() if k != "search"}
+    defaults = {k: v for k, v in recipe.config.to_dict().items() if k not in ("search", "options")}
     defaults.update(options_of(recipe.config.search))
+    own = recipe.config.options
+    defaults.update(own if isinstance(own, dict) else options_of(own) if own is not None else {})
     data = recipe.data
     defaults |= {"data": tuple(data.sources), "search_data": tuple(recipe.search_data)}
     defaults |= {"max_length": data.max_length, "batch_size": data.batch_size, "seed": data.seed}
@@ -96,26 +112,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @registry_option(
     "--method", METHODS, "What happens to the chosen experts:", default="drop", show_default=True
 )
-@click.option(
-    "--neuron-importance",
-    type=click.Choice(list(IMPORTANCE)),
-    default="projection",
-    show_default=True,
-    help="neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
-)
-@click.option(
-    "--important-fraction",
-    type=float,
-    default=None,
-    help="tenp: fraction of routed parameters kept as whole experts [default: half the kept budget].",
-)
-@click.option(
-    "--slope",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest).",
-)
+@field_options(method_settings())
 @click.option(
     "--search-data",
     multiple=True,
@@ -181,9 +178,16 @@ def prune(model: str, output: str, **options) -> None:
     ctx = click.get_current_context()
     if options["target_size"] is not None and _from_recipe(ctx, "sparsity"):
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
+    method = METHODS.get(options["method"])
+    own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
     config = PruneConfig(
-        **{f.name: options[f.name] for f in fields(PruneConfig) if f.name != "search"},
+        **{
+            f.name: options[f.name]
+            for f in fields(PruneConfig)
+            if f.init and f.name not in ("search", "options")
+        },
         search=config_from_options(SearchConfig, options),
+        options={name: value for name, value in own.items() if name in method.knobs} or None,
     )
     pipeline = PIPELINES.get("no-load" if options["no_load"] else options["pipeline"])
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes

@@ -47,7 +47,7 @@ from moeprune.shards.rewrite import rewrite_checkpoint, stock_counts
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
 from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
-from moeprune.surgery.neurons import check_importance, uniform_widths
+from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
 from moeprune.surgery.planning import build_plan, check_feasible
 from moeprune.surgery.plans import resolve_plan
@@ -297,7 +297,7 @@ def _drop(job: _NoLoadJob) -> dict:
 def _shrink(job: _NoLoadJob) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
-    importance = check_importance(config.neuron_importance)
+    importance = config.options.neuron_importance  # a resolved config: its options validated themselves
     refuse_quantized(
         model_path,
         read_config_dict(Path(model_path)),
@@ -324,7 +324,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         moe,
         crit,
         scores,
-        config=replace(config, neuron_importance=importance),
+        config=config,
         data_fingerprint=fingerprint,
         stats=stats,
     )

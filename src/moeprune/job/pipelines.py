@@ -71,11 +71,14 @@ class Pipeline:
         if self.supports is not None and not self.supports(
             METHODS.get(config.method), ALLOCATIONS.get(allocation)
         ):
+            by_allocation: dict[str, list[str]] = {}  # what it runs, in the registries' words
+            for m in METHODS:
+                for a in m.allocations:
+                    if a in ALLOCATIONS and self.supports(m, ALLOCATIONS.get(a)):
+                        by_allocation.setdefault(a, []).append(m.name)
             pairs = [
-                f"the {m.name} method with the {a} allocation"
-                for m in METHODS
-                for a in m.allocations
-                if a in ALLOCATIONS and self.supports(m, ALLOCATIONS.get(a))
+                f"the {' or '.join(names)} method with the {a} allocation"
+                for a, names in by_allocation.items()
             ]
             raise MoePruneError(
                 f"the {self.name} pipeline runs {' or '.join(pairs)} ({self.why_limited}); the {config.method} "
@@ -95,8 +98,6 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
     if not needs.search:
         unread.append((("search_data", SearchConfig), "without --allocation evo or --criterion auto"))
     unread += [(tuple(knobs), f"without --method {other}") for other, knobs in needs.other_knobs.items()]
-    if not needs.neuron_stats:
-        unread.append((("neuron_importance",), f"with --method {config.method} (it keeps every neuron)"))
     return unread
 
 
@@ -148,8 +149,6 @@ def _in_memory(request: PruneRequest) -> dict:
                     "save_dtype",
                     "max_shard_size",
                     "expert_multiple",
-                    "important_fraction",
-                    "slope",
                 ),
                 "with --no-load (it copies the input's shards and dtype)",
             ),

@@ -75,11 +75,6 @@ def check_stock_shrink(moe: MoEModel) -> None:
 
 def uniform_neuron_width(plan: Plan, moe: MoEModel) -> int:
     """K of a plan where every routed expert of every layer keeps K neurons (K = I: no shrink)."""
-    if any(lp.dropped or lp.novice for lp in plan.layers):
-        raise MoePruneError(
-            "rewriting checkpoint files with neuron shrink supports plans that keep every expert and narrow "
-            f"them ('neurons' plans), not {plan.method!r}"
-        )
     check_plan_matches(plan, moe)
     check_stock_shrink(moe)
     full = {m.intermediate_size for m in moe.layers}

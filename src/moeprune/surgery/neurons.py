@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from moeprune.allocate.basic import check_ratio
-from moeprune.config import NEURON_STATS, PruneConfig
+from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, set_path
 from moeprune.observe.stats import F64, LayerStats
@@ -90,8 +91,25 @@ def _not_gated(layer: MoELayer) -> str | None:
 
 def check_importance(kind: str) -> str:
     if kind not in IMPORTANCE:
-        raise MoePruneError(f"unknown neuron importance {kind!r}; choose one of: {', '.join(IMPORTANCE)}")
+        raise MoePruneError(
+            f"unknown neuron importance {kind!r}; choose one of: {', '.join(IMPORTANCE)}",
+            options=("neuron_importance",),
+        )
     return kind
+
+
+@dataclass(frozen=True)
+class NeuronOptions:
+    """The neuron methods' own setting: how intermediate neurons are ranked."""
+
+    neuron_importance: str = setting(
+        "projection",
+        "neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
+        choices=tuple(IMPORTANCE),
+    )
+
+    def __post_init__(self) -> None:
+        check_importance(self.neuron_importance)
 
 
 def neuron_importance(stats: LayerStats, kind: str = "projection") -> torch.Tensor:
@@ -374,6 +392,7 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
         ("uniform",),
         needs=(NEURON_STATS,),
         neurons=True,
+        options=NeuronOptions,
         feasible=_neuron_feasible,
         planned_bytes=_neuron_planned_bytes,
         target_steps=_neuron_steps,
@@ -384,7 +403,7 @@ def plan_neurons(request: PlanRequest) -> Plan:
         request.moe,
         request.domains,
         request.sparsity,
-        importance=request.neuron_importance,
+        importance=request.options.neuron_importance,
         criterion=request.criterion.name,
         data_fingerprint=request.data_fingerprint,
     )

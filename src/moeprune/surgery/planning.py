@@ -21,13 +21,12 @@ from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
-from moeprune.surgery.neurons import check_importance, check_neuron_prunable
+from moeprune.surgery.neurons import check_neuron_prunable
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.registry import (
     METHODS,
     PlanRequest,
     check_method,
-    default_allocation,
     method_limits,
 )
 from moeprune.surgery.target_size import check_target_config
@@ -47,14 +46,13 @@ def build_plan(
 
     `config` says what to build: its sparsity, allocation (None: the method's default), method,
     expert_multiple (every layer keeps a multiple of this many experts: drop and novice) and the
-    neuron settings (neuron_importance, important_fraction, slope). Its criterion name, seed and
+    method's own options (`config.options`). Its criterion name, seed and
     search settings are not read here: `criterion` is the one `scores` come from, and a search
     has already run when `removed` is given.
     `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
     """
-    method = config.method
-    allocation = config.allocation or default_allocation(method)
-    check_method(method, allocation)
+    config = check_config(config)  # names resolved (once: a resolved config comes back as it is)
+    method, allocation = config.method, str(config.allocation)
     request = PlanRequest(
         moe,
         criterion,
@@ -66,9 +64,7 @@ def build_plan(
         removed=removed,
         data_fingerprint=data_fingerprint,
         expert_multiple=config.expert_multiple,
-        neuron_importance=config.neuron_importance,
-        important_fraction=config.important_fraction,
-        slope=config.slope,
+        options=config.options,
     )
     plan_of = METHODS.get(method).fn
     assert plan_of is not None, f"method {method} registered without a function"
@@ -105,7 +101,7 @@ class Requirements:
     search: str | None  # why search data is needed ("an EvoESAP search", ...); None: it is not
     neuron_stats: bool  # the calibration pass also records each neuron's share of the expert output
     per_domain: bool  # calibration files are kept apart (TENP's per-domain normalisation)
-    other_knobs: dict[str, tuple[str, ...]]  # method -> its own settings, for every other method
+    other_knobs: dict[str, tuple[str, ...]]  # "neurons or tenp" -> the settings only those methods read
 
     def check(self, *, calibration: bool = True, search: bool = True) -> None:
         """One line naming the missing input, before anything is loaded."""
@@ -134,21 +130,31 @@ def requirements(config: PruneConfig) -> Requirements:
         search: str | None = "an EvoESAP search"
     else:
         search = "choosing the criterion automatically" if auto else None
-    others = {m.name: m.knobs for m in METHODS if m.knobs and m is not method}
+    readers: dict[str, list[str]] = {}  # each setting this method does not read -> the methods that do
+    for m in METHODS:
+        for knob in m.knobs:
+            if knob not in method.knobs:
+                readers.setdefault(knob, []).append(m.name)
+    others: dict[str, tuple[str, ...]] = {}
+    for knob, names in readers.items():
+        key = " or ".join(names)
+        others[key] = (*others.get(key, ()), knob)
     return Requirements(calibration, search, method.neurons, criterion.per_domain, others)
 
 
 def check_config(config: PruneConfig) -> PruneConfig:
-    """Every name and number of a config checked (before anything runs); returns it with the
-    allocation resolved to the method's default when it was left unset. A config with a
-    `target_size` has no sparsity yet: the checkpoint's sizes solve it (`solve_target`)."""
+    """Every name and number of a config checked, once, before anything runs: returns a resolved
+    copy (the allocation set to the method's default when left unset, the method's options an
+    object that validated itself), which later stages take as it is. A config with a `target_size`
+    has no sparsity yet: the checkpoint's sizes solve it (`solve_target`)."""
+    if config.resolved:
+        return config
     if config.criterion != AUTO:
         get_criterion(config.criterion)
-    if (
-        check_target_config(config) is None
-    ):  # a target size solves the sparsity later (surgery/target_size.py)
+    if check_target_config(config) is None:  # a target size solves the sparsity later (target_size.py)
         check_sparsity(config.sparsity)
-    allocation = config.allocation or default_allocation(config.method)
+    method = METHODS.get(config.method)
+    allocation = config.allocation or method.allocations[0]
     check_method(config.method, allocation)
     if (
         isinstance(config.expert_multiple, bool)
@@ -159,19 +165,11 @@ def check_config(config: PruneConfig) -> PruneConfig:
             f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
             options=("expert_multiple",),
         )
-    check_importance(config.neuron_importance)
-    if not 0 <= config.slope <= 1:
-        raise MoePruneError(
-            f"the trapezoid slope must be in [0, 1], got {config.slope!r}", options=("slope",)
-        )
-    if config.important_fraction is not None and not 0 <= config.important_fraction < 1:
-        raise MoePruneError(
-            f"the important fraction must be in [0, 1), got {config.important_fraction!r}",
-            options=("important_fraction",),
-        )
     if searches(allocation) or config.criterion == AUTO:
         check_search(config.search)
-    return replace(config, allocation=allocation)
+    resolved = replace(config, allocation=allocation, options=method.resolve_options(config.options))
+    resolved.resolved = True
+    return resolved
 
 
 def check_sparsity(sparsity: float | None) -> None:

@@ -8,7 +8,8 @@ allocations can decide for it (the first is its default) and what it needs; its 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from moeprune.allocate.limits import LayerLimits, expert_allocation, layer_limits
 from moeprune.allocate.registry import ALLOCATIONS
@@ -30,7 +31,9 @@ class Method:
     needs: tuple[str, ...] = ()
     neurons: bool = False  # observation must record each neuron's share of the expert output
     keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
-    knobs: tuple[str, ...] = ()  # PruneConfig fields only this method reads (set for another: refused)
+    # its own settings: a dataclass of `setting` fields that validates itself (PruneConfig.options
+    # holds one); the command line makes a flag of each field
+    options: type | None = None
     candidate_context: Callable | None = None  # (moe, stats) -> how a search applies a candidate
     # in this method's virtual form (novices: constant outputs); None: the plain expert mask
     # Size planning, before any weight loads; None: the expert methods' own (surgery/target_size.py)
@@ -40,6 +43,34 @@ class Method:
         None  # (moe, config, WeightBytes, target) -> [(sparsity, bytes)] ascending
     )
     fn: Callable | None = None  # PlanRequest -> Plan
+
+    @property
+    def knobs(self) -> tuple[str, ...]:
+        """The names of its own settings (typed for another method: refused as unread)."""
+        return tuple(f.name for f in fields(self.options)) if self.options is not None else ()
+
+    def resolve_options(self, value: Any) -> Any:
+        """Its options object from a config's `options`: None (the defaults), a dict of fields (JSON),
+        or an instance; anything else, or a field it does not have, is one line naming the method."""
+        if value is None or value == {}:
+            return self.options() if self.options is not None else None
+        if self.options is not None and isinstance(value, self.options):
+            return value
+        if not isinstance(value, dict):
+            raise MoePruneError(
+                f"the {self.name} method's options are {self.options.__name__ if self.options else 'none'}, "
+                f"got {type(value).__name__}",
+                options=("options",),
+            )
+        unknown = sorted(set(value) - set(self.knobs))
+        if unknown:
+            raise MoePruneError(
+                f"the {self.name} method has no option {', '.join(unknown)}"
+                + (f"; its options: {', '.join(self.knobs)}" if self.knobs else "; it takes none"),
+                options=("method", *unknown),
+            )
+        assert self.options is not None  # a non-empty dict passed the check above only with fields
+        return self.options(**value)
 
     @property
     def whole_experts(self) -> bool:
@@ -90,9 +121,7 @@ class PlanRequest:
     removed: Sequence[int] | None = None  # experts removed per MoE layer, from a search
     data_fingerprint: str = ""
     expert_multiple: int = 1
-    neuron_importance: str = "projection"
-    important_fraction: float | None = None
-    slope: float = 0.5
+    options: Any = None  # the method's resolved options object (Method.options), or None
 
     @property
     def domains(self) -> ExpertStats | list[ExpertStats] | None:

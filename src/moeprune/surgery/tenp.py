@@ -12,12 +12,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeprune.allocate.trapezoid import DEFAULT_SLOPE, TrapezoidLayer, trapezoid_allocation
-from moeprune.config import NEURON_STATS, PruneConfig
+from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.plan import LayerPlan, Plan
-from moeprune.surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats
+from moeprune.surgery.neurons import (
+    NeuronOptions,
+    check_importance,
+    check_neuron_prunable,
+    check_neuron_stats,
+)
 from moeprune.surgery.novice import StatsInput
 from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
@@ -25,12 +30,37 @@ from moeprune.surgery.sizes import WeightBytes
 
 
 @dataclass(frozen=True)
-class TenpOptions:
-    """TENP's own settings (PruneConfig's fields of the same names), passed as one object."""
+class TenpOptions(NeuronOptions):
+    """TENP's own settings: how many whole experts, how they grow with depth, how neurons rank."""
 
-    important_fraction: float | None = None  # share kept as whole experts (None: half the kept budget)
-    slope: float = DEFAULT_SLOPE  # how fast the number of whole experts grows with depth
-    neuron_importance: str = "projection"  # how neurons are ranked ("projection" or "l2")
+    important_fraction: float | None = setting(
+        None, "tenp: fraction of routed parameters kept as whole experts [default: half the kept budget]."
+    )
+    slope: float = setting(
+        DEFAULT_SLOPE, "tenp: how fast the number of whole experts grows with depth (0 = flat, 1 = steepest)."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (
+            isinstance(self.slope, bool)
+            or not isinstance(self.slope, int | float)
+            or not 0 <= self.slope <= 1
+        ):
+            raise MoePruneError(
+                f"the trapezoid slope must be in [0, 1], got {self.slope!r}", options=("slope",)
+            )
+        fraction = self.important_fraction
+        if fraction is not None and (
+            isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 <= fraction < 1
+        ):
+            raise MoePruneError(
+                f"the important fraction must be in [0, 1), got {fraction!r}", options=("important_fraction",)
+            )
+
+
+def _options(config: PruneConfig) -> TenpOptions:
+    return METHODS.get(config.method).resolve_options(config.options)
 
 
 def tenp_plan(
@@ -106,7 +136,8 @@ TENP_STEP = 1e-4  # the grid TENP's continuous sparsity is solved on
 def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
     """Bytes left by TENP's plan at `sparsity`: whole experts per layer, the others narrowed."""
     layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(layers, 1 - sparsity, config.important_fraction, config.slope)
+    options = _options(config)
+    alloc = trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope)
     out = size.total
     for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
         out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
@@ -153,7 +184,7 @@ def _tenp_solve(
 def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
     alloc = trapezoid_allocation(
-        trapezoid, 1 - config.sparsity_value(), config.important_fraction, config.slope
+        trapezoid, 1 - config.sparsity_value(), _options(config).important_fraction, _options(config).slope
     )
     return {
         "whole_experts_per_layer": dict(zip([m.index for m in moe.layers], alloc.important)),
@@ -174,20 +205,19 @@ def _tenp_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -
         ("trapezoid",),
         needs=(NEURON_STATS,),
         neurons=True,
-        knobs=("important_fraction", "slope"),
+        options=TenpOptions,
         feasible=_tenp_feasible,
         planned_bytes=_tenp_planned_bytes,
         target_steps=_tenp_solve,
     )
 )
 def plan_tenp(request: PlanRequest) -> Plan:
-    options = TenpOptions(request.important_fraction, request.slope, request.neuron_importance)
     return tenp_plan(
         request.moe,
         request.domains,
         importance_scores(request.criterion, request.scores),
         request.sparsity,
-        options,
+        request.options,
         criterion=request.criterion.name,
         data_fingerprint=request.data_fingerprint,
     )
