@@ -19,12 +19,12 @@ STAGES = (
     # they import no other stage of moeprune (the decoding of quantized weights lives there too)
     ("quant",),  # quantized checkpoints' formats (fp8, MXFP4, compressed-tensors): config and checks
     ("runtime",),  # devices, torchrun, progress, run log, finite checks
+    ("checkpoint",),  # load and save: a pruned layout is rebuilt by models' packed storage and reshape
     ("data",),
     ("observe",),
     ("criteria",),
     ("allocate",),  # budgets, the allocations' declarations, the search's fitnesses
     ("surgery",),
-    ("checkpoint",),  # load and save: rebuilding a pruned layout needs surgery's packed storage
     ("search",),  # EvoESAP evaluates candidate plans through surgery's masks, checkpoints its state
     ("evaluate",),
     ("report",),

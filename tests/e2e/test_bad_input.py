@@ -26,7 +26,7 @@ from moeprune.checkpoint import load as load_module
 from moeprune.checkpoint.atomic import output_lock
 from moeprune.cli.main import main
 from moeprune.models import MoEModel
-from moeprune.surgery import drop_experts
+from moeprune.models.reshape import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

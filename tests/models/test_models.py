@@ -19,8 +19,8 @@ from moeprune.errors import MoePruneError, UnsupportedModelError
 from moeprune.models import MoEModel
 from moeprune.models.factory import moe_families, reference_families, save_tiny_model, tiny_config, tiny_model
 from moeprune.models.families import NO_TINY, REFUSED, WORKS, family_status, family_table
+from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
-from moeprune.surgery import drop_experts, mask_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

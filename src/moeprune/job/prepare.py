@@ -26,6 +26,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
 from moeprune.quant.support import quantization_of
 from moeprune.report.parts import (
@@ -38,7 +39,6 @@ from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
-from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.planning import check_config, check_feasible, requirements
 from moeprune.surgery.registry import default_allocation
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target

@@ -29,11 +29,11 @@ from moeprune.config import PruneConfig
 from moeprune.criteria import get_criterion
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.reshape import drop_experts, kept_experts
 from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.surgery.drop import drop_experts, kept_experts
 from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"

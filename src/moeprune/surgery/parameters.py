@@ -9,9 +9,9 @@ uniform routing: sum over layers of top_k times the mean routed expert's paramet
 from __future__ import annotations
 
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.packed import layer_cost, layer_hidden, layer_widths, router_count
 from moeprune.plan import Plan
 from moeprune.serve.moeprune_format import width_groups
-from moeprune.surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
 
 
 def expert_params(layer: MoELayer) -> list[int]:

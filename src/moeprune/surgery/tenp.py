@@ -16,10 +16,10 @@ from moeprune.config import NEURON_STATS, PruneConfig
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
+from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.neurons import check_importance, check_neuron_prunable, check_neuron_stats
 from moeprune.surgery.novice import StatsInput
-from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes
 
