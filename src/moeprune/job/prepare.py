@@ -11,14 +11,7 @@ from pathlib import Path
 import torch
 
 from moeprune.allocate.registry import searches
-from moeprune.checkpoint import (
-    build_skeleton,
-    check_model_path,
-    check_output_dir,
-    load_config,
-    require_tokenizer,
-)
-from moeprune.checkpoint.atomic import check_not_inside, recover
+from moeprune.checkpoint import build_skeleton, check_model_path, load_config, require_tokenizer
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
 from moeprune.checkpoint.structure import read_config_dict
@@ -33,6 +26,7 @@ from moeprune.report.parts import (
     TargetSize,
 )
 from moeprune.report.prune_report import weight_bytes
+from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout

@@ -35,13 +35,13 @@ from moeprune.allocate.fitness import (
     check_search,  # noqa: F401  (run.check_search: its former home)
 )
 from moeprune.allocate.limits import LayerLimits, layer_limits
-from moeprune.checkpoint.atomic import write_json
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
 from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from moeprune.checkpoint import atomic_write_dir, write_json
 from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
@@ -41,6 +40,7 @@ from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import NEURON_AXES, neuron_index, slice_neurons
 from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
+from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
