@@ -497,10 +497,10 @@ def test_served_parameter_count(outputs):
     card (under both names)."""
     from safetensors.torch import load_file
 
-    from moeprune.serve.vllm.layout import padded_parameter_count, served_parameter_count
+    from moeprune.serve.vllm.layout import served_parameter_count
 
     path = outputs["qwen3_moe", "tenp"]
-    assert served_parameter_count(path) == padded_parameter_count(path) == _stored(path) + _group_padding(path)
+    assert served_parameter_count(path) == _stored(path) + _group_padding(path)
     assert _group_padding(path, max_groups=1) > _group_padding(path)  # one block per layer padded more
     stock = outputs["qwen3_moe", "drop"]
     assert served_parameter_count(stock) == _stored(stock)

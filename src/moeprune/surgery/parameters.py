@@ -98,11 +98,6 @@ def served_parameters(moe: MoEModel) -> dict[str, int]:
     return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}
 
 
-def padded_parameters(moe: MoEModel) -> dict[str, int]:
-    """The former name of `served_parameters` (vLLM padded each layer to its widest expert then)."""
-    return served_parameters(moe)
-
-
 def kept_per_layer(moe: MoEModel) -> list[dict]:
     """Per MoE layer: weight-holding experts and routed-expert parameters (novices count their vector)."""
     return [
