@@ -10,7 +10,7 @@ the same kernels, the same machine state) and prints, per result:
   for each batch size of ``--batch-sizes``; the time covers prefill and decode of the whole batch;
 - the ratio of those tokens/s to the base model's and to the uniform drop's;
 - the weights vLLM holds, counted on the model vLLM built in its worker (``LLM.apply_model``),
-  next to moeprune's prediction (``padded_parameter_count``, the figure report.json's ``serving``
+  next to moeprune's prediction (``served_parameter_count``, the figure report.json's ``serving``
   part and the summary's "in vLLM" line give) and to the packed size on disk.
 
 Why the timing is built this way: the machines this runs on are often shared (two cores, other

@@ -18,14 +18,14 @@ STAGES = (
     ("serve",),  # the on-disk format's reader and the engines' modeling code: copied into outputs,
     # they import no other stage of moeprune (the decoding of quantized weights lives there too)
     ("quant",),  # quantized checkpoints' formats (fp8, MXFP4, compressed-tensors): config and checks
-    ("runtime",),  # devices, torchrun, progress, run log, finite checks
+    ("runtime",),  # devices, torchrun, progress, run log, finite checks, the atomic writer
+    ("checkpoint",),  # load and save: a pruned layout is rebuilt by models' packed storage and reshape
     ("data",),
     ("observe",),
     ("criteria",),
     ("allocate",),  # budgets, the allocations' declarations, the search's fitnesses
     ("surgery",),
-    ("checkpoint",),  # load and save: rebuilding a pruned layout needs surgery's packed storage
-    ("search",),  # EvoESAP evaluates candidate plans through surgery's masks, checkpoints its state
+    ("search",),  # EvoESAP evaluates candidate plans through surgery's masks, saves its state atomically
     ("evaluate",),
     ("report",),
     ("shards",),  # byte-level work on the shards: layer-by-layer observation, streamed scores, rewrites

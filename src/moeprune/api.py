@@ -32,6 +32,7 @@ from moeprune.criteria import (
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.reshape import check_not_packed
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.report.document import PruneReport
@@ -50,7 +51,6 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
-from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,

@@ -20,6 +20,7 @@ from moeprune.data.loading import CalibrationData, Sample, calibration_sets, loa
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import reference_families, tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.observe.observer import observe
 from moeprune.report.plots import plot_layer_density, plot_search_curve
 from moeprune.search.auto import choose_criterion
@@ -32,7 +33,6 @@ from moeprune.search.candidates import (
 from moeprune.search.options import SearchRuntime
 from moeprune.search.population import Feasibility
 from moeprune.search.run import run_evo_search, search_allocation
-from moeprune.surgery.drop import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

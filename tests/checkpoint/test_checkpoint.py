@@ -16,8 +16,8 @@ from moeprune.checkpoint.names import block_prefix, disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
-from moeprune.surgery import drop_experts
-from moeprune.surgery.packed import expert_tensor_names
+from moeprune.models.packed import expert_tensor_names
+from moeprune.models.reshape import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
@@ -87,7 +87,7 @@ def test_tied_embeddings_reload_in_moeprune_format(tmp_path):
 
 def _packed(model) -> None:
     """Novices and per-expert widths in every MoE layer (what MoNE and TENP results hold)."""
-    from moeprune.surgery.packed import pack_layer
+    from moeprune.models.packed import pack_layer
 
     for layer in MoEModel(model).layers:
         width = layer.intermediate_size
@@ -171,7 +171,7 @@ def _write_legacy(model, folder, version: int) -> None:
     """moeprune's format versions 1 and 2: internal names in one model.safetensors + moeprune.json."""
     from safetensors.torch import save_model
 
-    from moeprune.surgery.packed import is_packed, packed_structure, router_count
+    from moeprune.models.packed import is_packed, packed_structure, router_count
 
     moe = MoEModel(model)
     config = model.config

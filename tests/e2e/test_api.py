@@ -63,8 +63,6 @@ def test_api_on_a_loaded_model_equals_the_cli(tiny_checkpoint, data, tmp_path, c
     ids = torch.tensor([list(b"def add(a, b): return a + b"), list(b"Question 3: what is 3 plus 3?")[:27]])
     assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
     assert result.report.criterion == config.criterion and result.report.method == config.method
-    with pytest.warns(DeprecationWarning, match=r"report\['method'\] is deprecated: PruneResult.report is a PruneReport"):
-        assert result.report["method"] == config.method  # read by key, as before it was typed
 
 
 def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, data, tmp_path):
@@ -149,10 +147,10 @@ def test_report_says_whether_vllm_serves_a_moeprune_format_result(family, served
     serving = json.loads((out / "report.json").read_text())["serving"]
     card = (out / "README.md").read_text()
     if served:
-        assert serving["vllm_parameters"] == serving["vllm_padded_parameters"] > 0 and "vllm serve" in card
+        assert serving["vllm_parameters"] > 0 and "vllm serve" in card
         assert "served in width groups" in result.output
     else:
-        assert "vllm_parameters" not in serving and "vllm_padded_parameters" not in serving
+        assert "vllm_parameters" not in serving
         assert f"does not serve {family}" in serving["vllm_refused"] and serving["vllm_refused"] in card
         assert "vllm serve" not in card
         assert f"not served: moeprune's plugin does not serve {family}" in result.output
@@ -175,6 +173,3 @@ def test_search_settings_are_declared_once():
         assert setting.metadata["help"] in param.help, setting.name
     with pytest.raises(moeprune.MoePruneError, match=r"population \(2\) must be >= elites \(4\)"):
         SearchConfig(population=2, elites=4)
-    with pytest.warns(DeprecationWarning, match="SearchConfig"):
-        from moeprune.search.population import EvoConfig
-    assert EvoConfig is SearchConfig

@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 
 import moeprune
 from moeprune.checkpoint import load as load_module
-from moeprune.checkpoint.atomic import output_lock
 from moeprune.cli.main import main
 from moeprune.models import MoEModel
-from moeprune.surgery import drop_experts
+from moeprune.models.reshape import drop_experts
+from moeprune.runtime.atomic import output_lock
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

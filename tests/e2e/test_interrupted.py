@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models e
 _WRITER = r"""
 import os, sys, time
 from pathlib import Path
-from moeprune.checkpoint import atomic
+from moeprune.runtime import atomic
 
 if os.environ.get("EXCHANGE") == "0":
     atomic._exchange = lambda a, b: False
@@ -57,7 +57,7 @@ def _complete_version(folder: Path) -> str:
 
 @pytest.mark.parametrize("exchange", ["1", "0"], ids=["renameat2-swap", "two-renames"])
 def test_kill_during_replacement_leaves_a_complete_result(tmp_path, exchange):
-    from moeprune.checkpoint.atomic import recover
+    from moeprune.runtime.atomic import recover
 
     out = tmp_path / "out"
     out.mkdir()

@@ -27,10 +27,10 @@ from moeprune.evaluate.size import disk_bytes, measure_peak
 from moeprune.job import prune_checkpoint
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.plan import Plan
 from moeprune.report.eval_plots import _importance_profile, draw_directory, plot_score_profiles
 from moeprune.report.eval_report import to_markdown
-from moeprune.surgery import drop_experts
 from moeprune.surgery.parameters import plan_routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
 

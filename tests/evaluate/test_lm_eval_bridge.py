@@ -19,8 +19,8 @@ from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded
 from moeprune.evaluate.lm_eval_bridge import LmEvalOptions, recovery, require_lm_eval
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.report.eval_report import to_markdown
-from moeprune.surgery import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

@@ -32,7 +32,7 @@ from moeprune.cli.main import main
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.surgery import drop_experts
+from moeprune.models.reshape import drop_experts
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
 

@@ -28,7 +28,7 @@ from moeprune.evaluate.speculative import (
 )
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import reference_families, tiny_model
-from moeprune.surgery import drop_experts
+from moeprune.models.reshape import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

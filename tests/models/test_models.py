@@ -19,8 +19,8 @@ from moeprune.errors import MoePruneError, UnsupportedModelError
 from moeprune.models import MoEModel
 from moeprune.models.factory import moe_families, reference_families, save_tiny_model, tiny_config, tiny_model
 from moeprune.models.families import NO_TINY, REFUSED, WORKS, family_status, family_table
+from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
-from moeprune.surgery import drop_experts, mask_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
@@ -295,16 +295,3 @@ def test_multimodal_wrapper_keeps_its_towers_and_class(family, tmp_path):
     assert all(torch.equal(state[n], t) for n, t in towers.items() if n in state)
     assert MoEModel(reloaded).layers[0].num_experts == 6
     assert_logits_close(logits(reloaded), before)
-
-
-def test_old_family_names_still_import_with_a_warning():
-    """Scripts written against the family table keep working: the names warn and give what the
-    table gave (the eleven specs, now discovered)."""
-    from moeprune.serve.vllm import layout
-
-    with pytest.warns(DeprecationWarning, match="discovered from the model"):
-        from moeprune.models import FAMILIES
-    assert sorted(FAMILIES) == reference_families()
-    assert FAMILIES["mixtral"].disk_expert_names == ("w1", "w3", "w2")
-    with pytest.warns(DeprecationWarning):
-        assert "gpt_oss" in layout.REFUSED_FAMILIES

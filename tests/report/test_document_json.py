@@ -151,7 +151,7 @@ def test_parts_are_typed_and_empty_parts_are_false():
     assert isinstance(report.search, SearchSummary) and report.search.uniform.fitness_value == 0.85
     assert report.search.stopped == SearchStop(reason="patience", generations_run=3, patience=1)
     assert report.disk_bytes == DiskBytes(4000, 3000) and report.layers_after[0].experts == 6
-    assert report.serving.vllm_refused and report.serving.vllm_padded_parameters is None
+    assert report.serving.vllm_refused and report.serving.vllm_parameters is None
     assert not DiskBytes() and DiskBytes(before=1) and not SearchSummary.from_json({})
 
 

@@ -12,8 +12,8 @@ from moeprune.checkpoint import check_not_offloaded, load_model
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.runtime.device import Placement, input_device, precision_lost
-from moeprune.surgery import drop_experts
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 

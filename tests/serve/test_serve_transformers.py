@@ -45,10 +45,10 @@ from moeprune.checkpoint.structure import family_record
 from moeprune.criteria import compute_scores
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.observe.observer import observe
 from moeprune.plan import LayerPlan, Plan
 from moeprune.serve.modeling_moeprune import MODELING_FILES as modeling_files
-from moeprune.surgery import drop_experts
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.tenp import tenp_plan
 

@@ -95,11 +95,11 @@ def test_layer_structure_groups_match_the_rule():
 
 def test_served_parameter_count_pads_within_groups(tmp_path):
     """served_parameter_count reads only config.json and the safetensors headers: stored
-    parameters plus 3 * hidden per padded neuron; the former name gives the same number."""
+    parameters plus 3 * hidden per padded neuron."""
     import torch
     from safetensors.torch import save_file
 
-    from moeprune.serve.vllm.layout import padded_parameter_count, served_parameter_count
+    from moeprune.serve.vllm.layout import served_parameter_count
 
     hidden, widths = 4, [20, 19, 10, None]
     tensors = {"model.embed_tokens.weight": torch.zeros(7, hidden)}
@@ -119,7 +119,7 @@ def test_served_parameter_count_pads_within_groups(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     stored = sum(t.numel() for t in tensors.values())
     # groups: {20, 19} padded by one neuron, {10} alone; a single block would pad 1 + 10
-    assert served_parameter_count(tmp_path) == padded_parameter_count(tmp_path) == stored + 3 * hidden * 1
+    assert served_parameter_count(tmp_path) == stored + 3 * hidden * 1
     # a kernel that aligns widths to 8 once loaded (vLLM's CPU build: 32): the group of 20 becomes 24
     # (20 + 4 and 19 + 5 neurons), the expert of 10 becomes 16 (+ 6)
     assert served_parameter_count(tmp_path, alignment=8) == stored + 3 * hidden * (4 + 5 + 6)

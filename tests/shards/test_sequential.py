@@ -15,11 +15,11 @@ from moeprune.checkpoint import load_model, load_pretrained, save_pretrained
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import save_tiny_model, tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.observe.observer import observe
 from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from moeprune.runtime.device import Placement
 from moeprune.shards.sequential import SequentialOptions, observe_sequential
-from moeprune.surgery.drop import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

@@ -22,12 +22,12 @@ from moeprune.criteria import compute_scores
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
+from moeprune.models.reshape import drop_experts
 from moeprune.plan import ModelShape, Plan
 from moeprune.shards.layout import meta_model
 from moeprune.shards.reader import checkpoint_layers
 from moeprune.shards.rewrite import rewrite_checkpoint
 from moeprune.shards.weight_scores import _Sums, score_checkpoint
-from moeprune.surgery import drop_experts
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 

@@ -17,11 +17,11 @@ from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
+from moeprune.models.packed import router_count
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.observer import observe
 from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.novice import novice_plan
-from moeprune.surgery.packed import router_count
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
 

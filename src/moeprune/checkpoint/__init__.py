@@ -1,14 +1,14 @@
-"""Checkpoints in and out: loading with clear errors, saving atomically in a familiar layout.
+"""Checkpoints in and out: loading with clear errors, saving atomically (runtime/atomic.py) in a
+familiar layout.
 
 - files.py      safetensors shards and index: validation from headers, sharded writing
 - names.py      the tensor names a stock checkpoint of each family uses
 - structure.py  moeprune's per-layer structure (format version 3, and reading versions 1-2)
 - load.py       configs, tokenizers and models (stock or moeprune format), never running checkpoint code
 - save.py       stock checkpoint when the config can express the result, moeprune's format otherwise
-- atomic.py     the one atomic writer, the output lock, strict JSON
 
-The names below are imported on first use, so that `moeprune.checkpoint.atomic` (stdlib only)
-stays cheap for tools and processes that only write results.
+The names below are imported on first use: importing the package loads neither torch nor
+transformers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "atomic": ("atomic_write_dir", "check_not_inside", "check_output_dir", "output_lock", "write_json"),
     "load": (
         "build_skeleton",
         "check_model_path",

@@ -30,10 +30,10 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
 from moeprune.models.classes import model_class
+from moeprune.models.packed import pack_like
+from moeprune.models.reshape import drop_experts
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
-from moeprune.surgery.drop import drop_experts
-from moeprune.surgery.packed import pack_like
 
 _MOEPRUNE_KEYS = ("moeprune", "auto_map")  # config.json entries only the saved folder needs
 

@@ -21,8 +21,8 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, decoder_layers
+from moeprune.models.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
 from moeprune.models.spec import FUSED
-from moeprune.surgery.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -63,13 +63,13 @@ def native_expert(layer: MoELayer, position: int) -> dict[str, torch.Tensor]:
     """One weight-holding expert's tensors in the family's native per-expert shape (views)."""
     experts = layer.experts
     if is_packed(layer):
-        slots = cast("list[int]", experts.moeprune_slots)  # set by surgery.packed.pack_layer
+        slots = cast("list[int]", experts.moeprune_slots)  # set by models.packed.pack_layer
         return expert_tensors(experts, slots[position])
     return {name: getattr(experts, name)[position] for name in expert_tensor_names(layer)}
 
 
 def novice_vector(layer: MoELayer, position: int) -> torch.Tensor:
-    slots = cast("list[int]", layer.experts.moeprune_slots)  # set by surgery.packed.pack_layer
+    slots = cast("list[int]", layer.experts.moeprune_slots)  # set by models.packed.pack_layer
     return getattr(layer.experts, NOVICE_PARAM)[-1 - slots[position]]
 
 

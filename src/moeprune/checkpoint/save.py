@@ -21,15 +21,15 @@ import torch
 from transformers import PreTrainedModel
 
 from moeprune.checkpoint import files, structure
-from moeprune.checkpoint.atomic import atomic_write_dir
 from moeprune.checkpoint.names import disk_tensors
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.classes import is_wrapper, text_config_key
+from moeprune.models.packed import is_packed, router_count
+from moeprune.runtime.atomic import atomic_write_dir
 from moeprune.runtime.device import resolve_dtype
 from moeprune.serve.modeling_moeprune import MODELING_FILES
 from moeprune.serve.moeprune_format import auto_model_class
-from moeprune.surgery.packed import is_packed, router_count
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve"  # the modeling files copied into results
 

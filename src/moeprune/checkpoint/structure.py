@@ -19,6 +19,7 @@ from typing import Any
 from moeprune import __version__
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel, own_gate
+from moeprune.models.packed import layer_widths, router_count
 from moeprune.serve import moeprune_format
 from moeprune.serve.moeprune_format import (  # noqa: F401  (the format's names, read where they are defined)
     ARCHITECTURE_PREFIX,
@@ -31,7 +32,6 @@ from moeprune.serve.moeprune_format import (  # noqa: F401  (the format's names,
     LayerStructure,
     Structure,
 )
-from moeprune.surgery.packed import layer_widths, router_count
 
 MODELING_FILE = "modeling_moeprune.py"  # what config.json's auto_map names
 

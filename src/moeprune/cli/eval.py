@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from moeprune.checkpoint.atomic import write_text
 from moeprune.cli.main import command_line, main
 from moeprune.cli.options import data_from_options, data_options, registry_help, vllm_options
 from moeprune.errors import MoePruneError
@@ -15,6 +14,7 @@ from moeprune.evaluate.lm_eval_bridge import ENGINES, LmEvalOptions, check_engin
 from moeprune.report.eval_plots import draw_directory, plot_acceptance
 from moeprune.report.eval_report import to_markdown, write_report
 from moeprune.report.summary import eval_lines
+from moeprune.runtime.atomic import write_text
 from moeprune.runtime.runlog import RunLog
 
 _SPEC_MODES = {"greedy": ("greedy",), "sampled": ("sampled",), "both": ("greedy", "sampled")}

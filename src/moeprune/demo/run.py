@@ -20,7 +20,7 @@ import torch
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
 from moeprune.allocate.registry import searches
-from moeprune.checkpoint import atomic_write_dir, check_output_dir, load_model, write_json
+from moeprune.checkpoint import load_model
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, load_data
@@ -31,6 +31,7 @@ from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 from moeprune.report.kept import plot_kept
 from moeprune.report.plots import plot_search_curve
+from moeprune.runtime.atomic import atomic_write_dir, check_output_dir, write_json
 from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.search.options import SearchRuntime

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeprune.checkpoint import write_json
 from moeprune.checkpoint.save import carry_input_files
 from moeprune.config import RECIPE_FILE, Recipe
 from moeprune.models import MoEModel
@@ -22,6 +21,7 @@ from moeprune.report.model_card import model_card
 from moeprune.report.parts import DiskBytes, KeptRow
 from moeprune.report.plots import plot_search_curve
 from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
+from moeprune.runtime.atomic import write_json
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.surgery.parameters import kept_per_layer, kept_rows

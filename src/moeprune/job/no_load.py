@@ -13,8 +13,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeprune.checkpoint import check_model_path, check_output_dir, require_tokenizer
-from moeprune.checkpoint.atomic import check_not_inside, output_lock, recover
+from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.files import stored_dtype
 from moeprune.checkpoint.quantized import check_quantized
 from moeprune.checkpoint.structure import read_config_dict
@@ -37,6 +36,7 @@ from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.report.document import PruneReport
 from moeprune.report.parts import DataSummary, LayerShape, ParameterCounts, Surgery, TargetSize
 from moeprune.report.prune_report import weight_bytes
+from moeprune.runtime.atomic import check_not_inside, check_output_dir, output_lock, recover
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog

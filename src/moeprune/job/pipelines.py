@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
-from moeprune.checkpoint import write_json
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
 from moeprune.job import prepare_score, prune_checkpoint, score_loaded
 from moeprune.job.no_load import prune_without_loading, score_without_loading
+from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery.planning import check_config, requirements
 from moeprune.surgery.registry import METHODS, Method, default_allocation

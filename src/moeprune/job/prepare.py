@@ -11,14 +11,7 @@ from pathlib import Path
 import torch
 
 from moeprune.allocate.registry import searches
-from moeprune.checkpoint import (
-    build_skeleton,
-    check_model_path,
-    check_output_dir,
-    load_config,
-    require_tokenizer,
-)
-from moeprune.checkpoint.atomic import check_not_inside, recover
+from moeprune.checkpoint import build_skeleton, check_model_path, load_config, require_tokenizer
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
 from moeprune.checkpoint.structure import read_config_dict
@@ -26,19 +19,20 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
 from moeprune.quant.support import quantization_of
 from moeprune.report.parts import (
     TargetSize,
 )
 from moeprune.report.prune_report import weight_bytes
+from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
-from moeprune.surgery.drop import check_not_packed
 from moeprune.surgery.planning import check_config, check_feasible, requirements
 from moeprune.surgery.registry import default_allocation
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target

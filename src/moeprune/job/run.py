@@ -10,12 +10,7 @@ from pathlib import Path
 
 from moeprune import __version__
 from moeprune.api import prune
-from moeprune.checkpoint import (
-    atomic_write_dir,
-    load_placed,
-    write_checkpoint,
-)
-from moeprune.checkpoint.atomic import output_lock
+from moeprune.checkpoint import load_placed, write_checkpoint
 from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, prepare
@@ -24,6 +19,7 @@ from moeprune.report.document import PRUNE
 from moeprune.report.parts import (
     Serving,
 )
+from moeprune.runtime.atomic import atomic_write_dir, output_lock
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog

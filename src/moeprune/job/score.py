@@ -11,7 +11,6 @@ from moeprune.checkpoint import (
     load_placed,
     require_tokenizer,
 )
-from moeprune.checkpoint.atomic import check_creatable, check_not_inside
 from moeprune.checkpoint.files import check_weights
 from moeprune.checkpoint.quantized import check_quantized
 from moeprune.config import DataOptions, RunOptions
@@ -25,6 +24,7 @@ from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.job.prepare import check_sources
 from moeprune.models import MoEModel
+from moeprune.runtime.atomic import check_creatable, check_not_inside
 from moeprune.runtime.device import Placement
 from moeprune.runtime.progress import stage, transformers_bars_off
 

@@ -87,7 +87,7 @@ class MoELayer:
     @property
     def num_experts(self) -> int:
         """Experts the router chooses among (a packed layer's slots, novices included)."""
-        slots = getattr(self.experts, "moeprune_slots", None)  # surgery.packed: per-expert widths
+        slots = getattr(self.experts, "moeprune_slots", None)  # models.packed: per-expert widths
         return len(slots) if slots is not None else int(self.experts.down_proj.shape[0])
 
     @cached_property

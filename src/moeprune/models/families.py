@@ -17,7 +17,7 @@ import torch
 
 from moeprune.errors import UnsupportedModelError
 from moeprune.models.adapter import MoEModel, decoder_layers
-from moeprune.models.factory import moe_families, reference_families, tiny_model
+from moeprune.models.factory import moe_families, tiny_model
 
 WORKS, REFUSED, NO_TINY = "works", "refused", "no tiny model"
 
@@ -71,11 +71,6 @@ def supported_families() -> list[str]:
     """Every MoE family of the installed transformers moeprune works on, found at run time
     (each family's tiny model built and its structure discovered)."""
     return working_families()
-
-
-def legacy_family_specs() -> dict:
-    """What the old family table held: the eleven hand-made fixtures' specs, now discovered."""
-    return {family: MoEModel(tiny_model(family)).spec for family in reference_families()}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -154,14 +154,14 @@ def _override_packed(layer: MoELayer, options: RoutedOptions) -> Iterator[None]:
     """A packed layer (moeprune format) keeps its own novices and widths; recording and extra
     masks are added on top. Neuron statistics need one width for all experts: refused.
 
-    Packed experts describe themselves (`routed_view`, surgery/packed.py), so this module needs
+    Packed experts describe themselves (`routed_view`, models/packed.py), so this module needs
     no knowledge of how they are stored."""
     if options.need_intermediate:
         raise MoePruneError(
             f"decoder layer {layer.index} is packed (novices or per-expert widths): its neurons cannot be "
             "observed again; start from the original checkpoint"
         )
-    packed: Any = layer.experts  # a packed experts module (surgery/packed.py), which describes itself
+    packed: Any = layer.experts  # a packed experts module (models/packed.py), which describes itself
     view = packed.routed_view(layer.block)
     merged = RoutedOptions(
         on_layer=options.on_layer,

@@ -12,7 +12,6 @@ kept in `extra` and written back) alike. The opaque documents (`scores`, `timing
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -193,17 +192,6 @@ class PruneReport:
             if value != default:
                 out[f.name] = _write(value)
         return {**out, **{k: v for k, v in self.extra.items() if k not in out}}
-
-    def __getitem__(self, key: str) -> Any:
-        """report.json's value under `key`: `PruneResult.report` was that dictionary before it was
-        typed, and scripts reading it by key keep working, with a warning."""
-        warnings.warn(
-            f"report[{key!r}] is deprecated: PruneResult.report is a PruneReport; read report.{key} "
-            "(or report.to_json(), the dictionary report.json holds)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.to_json()[key]
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any]) -> PruneReport:

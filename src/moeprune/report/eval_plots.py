@@ -16,13 +16,13 @@ from typing import Any
 
 from matplotlib.ticker import MaxNLocator
 
-from moeprune.checkpoint.atomic import write_text
 from moeprune.errors import MoePruneError
 from moeprune.plan import Plan
 from moeprune.report.document import NO_LOAD, PruneReport
 from moeprune.report.eval_report import is_eval_report, markdown_path, to_markdown
 from moeprune.report.model_card import model_card
 from moeprune.report.plots import PathLike, plot_layer_density, plot_search_curve, plt, save_figure
+from moeprune.runtime.atomic import write_text
 
 PLAN_FILE = "plan.json"
 _MAX_JSON_BYTES = 64 * 2**20  # larger JSON files (statistics dumps) are not plot inputs

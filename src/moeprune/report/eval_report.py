@@ -12,9 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moeprune.checkpoint import write_json
-from moeprune.checkpoint.atomic import write_text
 from moeprune.errors import MoePruneError
+from moeprune.runtime.atomic import write_json, write_text
 
 Getter = Callable[[dict], Any]
 DASH = "—"

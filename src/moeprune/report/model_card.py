@@ -205,7 +205,7 @@ def how_to_load(report: PruneReport, name: str) -> list[str]:
             f"```bash\nvllm serve {name}\n```",
         ]
     serving = report.serving or Serving()
-    served, refused = serving.parameters, serving.vllm_refused
+    served, refused = serving.vllm_parameters, serving.vllm_refused
     lines = [
         "moeprune's format (per-layer expert counts, novices or per-expert widths; "
         "docs/checkpoint-format.md in moeprune): tensors keep the family's usual names.",

@@ -154,23 +154,16 @@ class DataSummary(Part):
 @dataclass
 class Serving(Part):
     """`serving` (moeprune's format only): the parameters vLLM holds (`vllm_parameters`: each layer
-    served as width groups, experts padded to their group's widest; `vllm_padded_parameters` is
-    its former name, written with the same number so readers of older reports keep working), or
-    why moeprune's plugin does not serve this family."""
+    served as width groups, experts padded to their group's widest), or why moeprune's plugin does
+    not serve this family."""
 
     vllm_parameters: int | None = None
-    vllm_padded_parameters: int | None = None
     vllm_refused: str | None = None
 
     @classmethod
     def of(cls, parameters: int) -> Serving:
-        """What vLLM holds, under both names."""
-        return cls(vllm_parameters=parameters, vllm_padded_parameters=parameters)
-
-    @property
-    def parameters(self) -> int | None:
-        """What vLLM holds; a report written before `vllm_parameters` has the former name only."""
-        return self.vllm_parameters if self.vllm_parameters is not None else self.vllm_padded_parameters
+        """What vLLM holds."""
+        return cls(vllm_parameters=parameters)
 
 
 @dataclass

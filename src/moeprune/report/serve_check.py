@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moeprune.checkpoint.atomic import write_json, write_text
 from moeprune.errors import MoePruneError
 from moeprune.report.document import NO_LOAD, PruneReport
 from moeprune.report.model_card import model_card
 from moeprune.report.parts import ServeCheck
+from moeprune.runtime.atomic import write_json, write_text
 
 REPORT = "report.json"
 CARD = "README.md"

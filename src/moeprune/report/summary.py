@@ -109,8 +109,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
             "change_pct": change(disk.before, disk.after) if disk else None,
         },
         "neurons_per_expert": report.surgery.intermediate_size if report.surgery else None,
-        "vllm_parameters": serving.parameters,
-        "vllm_padded_parameters": serving.parameters,  # the former name
+        "vllm_parameters": serving.vllm_parameters,
         "vllm_refused": serving.vllm_refused,
         "model_type": report.model_type,
         "save_dtype": report.save_dtype,

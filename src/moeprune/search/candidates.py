@@ -1,7 +1,7 @@
 """EvoESAP on a real model: a candidate's fitness through reversible masks, fast.
 
 A candidate allocation r (experts removed per MoE layer) is evaluated without copying the model:
-:func:`~moeprune.surgery.drop.mask_experts` removes the first r_l experts of each layer's pruning
+:func:`~moeprune.models.reshape.mask_experts` removes the first r_l experts of each layer's pruning
 order from routing (exactly equal to physical removal), the model runs over the search set and
 the candidate's answer-position logits are scored against the full model's, which are computed
 once into a :class:`~moeprune.fitness.TeacherCache`.
@@ -52,12 +52,12 @@ from moeprune.allocate.limits import layer_limits
 from moeprune.data.loading import Batch, CalibrationData
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models.adapter import MoEModel, block_of, decoder_layers
+from moeprune.models.reshape import mask_experts
 from moeprune.runtime.device import Placement, input_device
 from moeprune.runtime.progress import progress_bar
 from moeprune.search.options import CandidateContext, SearchRuntime
 from moeprune.search.population import Allocation
 from moeprune.search.prefix import PrefixCache, default_prefix_cache_bytes
-from moeprune.surgery.drop import mask_experts
 
 _LOG = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from moeprune.allocate.fitness import FITNESSES
-from moeprune.checkpoint.atomic import write_json
 from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
+from moeprune.runtime.atomic import write_json
 from moeprune.runtime.progress import progress_bar
 from moeprune.search.population import (
     Allocation,

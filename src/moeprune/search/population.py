@@ -213,18 +213,3 @@ def mutate(
         else:
             return tuple(int(r) for r in parent)
     return tuple(child)
-
-
-def __getattr__(name: str):
-    """`EvoConfig` (the search core's own settings class) became `SearchConfig`, the one place the
-    search settings are declared; the old name still imports, with a warning."""
-    if name == "EvoConfig":
-        import warnings
-
-        warnings.warn(
-            "EvoConfig is deprecated: use moeprune.SearchConfig (the same fields, plus fitness and samples)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return SearchConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,18 +29,15 @@ from typing import Any
 import torch
 
 from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
-from moeprune.allocate.fitness import (
-    check_fitness,
-    check_search,  # noqa: F401  (run.check_search: its former home)
-)
+from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import LayerLimits, layer_limits
-from moeprune.checkpoint.atomic import write_json
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
 from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch
@@ -310,17 +306,6 @@ def _search_document(
 def search_state_path(output: Path) -> Path:
     """The search checkpoints beside the output folder (the output itself only appears at the end)."""
     return output.parent / f".{output.name}.{SEARCH_STATE}"
-
-
-def evo_config(search: SearchConfig) -> SearchConfig:
-    """Deprecated: the search core takes the SearchConfig itself (check_search checks it)."""
-    warnings.warn(
-        "evo_config is deprecated: pass the SearchConfig itself (check_search validates it)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    check_search(search)
-    return search
 
 
 def model_fingerprint(moe: MoEModel) -> str:

@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from moeprune.checkpoint import atomic_write_dir, write_json
 from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
+from moeprune.models.packed import NEURON_AXES, neuron_index, slice_neurons
 from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
+from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
@@ -52,7 +53,6 @@ from moeprune.shards.rewrite import (
     write_shard,
 )
 from moeprune.surgery.neurons import check_neuron_prunable, shared_multiplier, stock_width_expressible
-from moeprune.surgery.packed import NEURON_AXES, neuron_index, slice_neurons
 
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> expert id -> kept neuron ids
 _SHARED_PROJ = (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))  # as surgery.neurons.pad_mlp

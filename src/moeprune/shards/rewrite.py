@@ -18,10 +18,6 @@ import torch
 from transformers import PretrainedConfig
 
 from moeprune.allocate.limits import expert_allocation
-from moeprune.checkpoint import (
-    atomic_write_dir,
-    write_json,
-)
 from moeprune.checkpoint.files import INDEX, StoredTensor
 from moeprune.checkpoint.save import carry_input_files, copy_modeling_files, moeprune_config
 from moeprune.checkpoint.structure import CONFIG
@@ -29,11 +25,12 @@ from moeprune.config import PruneConfig
 from moeprune.criteria import get_criterion
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.reshape import drop_experts, kept_experts
 from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
+from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.surgery.drop import drop_experts, kept_experts
 from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"

@@ -26,10 +26,10 @@ from moeprune.checkpoint.files import StoredTensor, header_bytes, stored_dtype, 
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.models import MoEModel
 from moeprune.models.adapter import MoELayer, get_path
+from moeprune.models.packed import layer_cost
 from moeprune.quant import quantization_of
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.neurons import shared_multiplier
-from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.sizes import LayerBytes, WeightBytes
 
 HEADER_SLACK = 8  # bytes per tensor a result's header may add to the input's (longer offsets, dtype names)

@@ -2,11 +2,10 @@
 virtual form (reversible masks, for the search and evaluation) and a physical one (surgery).
 
 - registry.py  the Method spec, METHODS, and what a plan builder is given
-- drop.py      router slicing and expert removal
+- drop.py      the drop method's plan (its removal is models/reshape.py)
 - novice.py    experts replaced by their mean output
 - neurons.py   experts narrowed to their most important neurons
 - tenp.py      TENP's whole experts plus neuron-pruned ones
-- packed.py    the storage of layers whose experts differ (novices, per-expert widths)
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
 - parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
@@ -22,7 +21,6 @@ from moeprune.surgery import neurons  # noqa: F401
 from moeprune.surgery import tenp  # noqa: F401
 
 # isort: on
-from moeprune.surgery.drop import drop_experts, kept_experts, mask_experts
 from moeprune.surgery.registry import METHODS
 
-__all__ = ["METHODS", "drop_experts", "kept_experts", "mask_experts"]
+__all__ = ["METHODS"]

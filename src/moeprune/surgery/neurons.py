@@ -22,7 +22,7 @@ Physical forms (virtual: ``override_routed(..., neuron_masks=...)``):
   field with no multiplier, so it cannot be expressed: it is packed instead. So is a K that is not
   a multiple of 8: transformers' default grouped_mm kernel needs 16-byte strides, and a stock
   checkpoint that fails on its default kernel is worse than a moeprune one.
-- different K per expert (TENP): packed layers (packed.py), saved in moeprune's format.
+- different K per expert (TENP): packed layers (models/packed.py), saved in moeprune's format.
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ from moeprune.allocate.basic import check_ratio
 from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, set_path
-from moeprune.observe.stats import F64, LayerStats
-from moeprune.plan import LayerPlan, Plan
-from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
-from moeprune.surgery.packed import (
+from moeprune.models.packed import (
     NEURON_AXES,
     ExpertCost,
     expert_tensor_names,
@@ -50,6 +47,9 @@ from moeprune.surgery.packed import (
     layer_cost,
     slice_neurons,
 )
+from moeprune.observe.stats import F64, LayerStats
+from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes

@@ -6,7 +6,7 @@ deleted and only a d-vector stays.
 
 - Virtual form: ``override_routed(moe, RoutedOptions(novices=...))`` substitutes the constant
   without copying or changing the model (what a search evaluates).
-- Physical form: :func:`make_novices` packs the layer (packed.py), deleting the weights.
+- Physical form: :func:`make_novices` packs the layer (models/packed.py), deleting the weights.
 
 mu_i comes from the observer's fp64 ``LayerStats.mean`` and is cast to the model's dtype. An
 expert that no calibration token reached has mu_i = 0 (it then contributes nothing).
@@ -25,10 +25,10 @@ from moeprune.config import CALIBRATION
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.packed import pack_layer
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 from moeprune.plan import ModelShape, Plan
-from moeprune.surgery.packed import pack_layer
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
 StatsInput = ExpertStats | Sequence[ExpertStats]

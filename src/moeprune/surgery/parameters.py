@@ -9,9 +9,9 @@ uniform routing: sum over layers of top_k times the mean routed expert's paramet
 from __future__ import annotations
 
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.packed import layer_cost, layer_hidden, layer_widths, router_count
 from moeprune.plan import Plan
 from moeprune.serve.moeprune_format import width_groups
-from moeprune.surgery.packed import layer_cost, layer_hidden, layer_widths, router_count
 
 
 def expert_params(layer: MoELayer) -> list[int]:
@@ -96,11 +96,6 @@ def served_parameters(moe: MoEModel) -> dict[str, int]:
         routed += sum(len(g.positions) * cost.params(g.width) for g in width_groups(widths))
         routed += sum(w is None for w in widths) * layer_hidden(m)
     return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}
-
-
-def padded_parameters(moe: MoEModel) -> dict[str, int]:
-    """The former name of `served_parameters` (vLLM padded each layer to its widest expert then)."""
-    return served_parameters(moe)
 
 
 def kept_per_layer(moe: MoEModel) -> list[dict]:

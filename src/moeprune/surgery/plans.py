@@ -18,9 +18,10 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.packed import pack_layer
+from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.plan import Plan
-from moeprune.surgery.drop import drop_experts, mask_experts
 from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
@@ -31,7 +32,6 @@ from moeprune.surgery.neurons import (
     uniform_width,
 )
 from moeprune.surgery.novice import StatsInput, layer_stats, mean_outputs, require_stats
-from moeprune.surgery.packed import pack_layer
 
 V = TypeVar("V")
 

@@ -16,6 +16,7 @@ from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.criteria import LayerScores, importance_scores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
+from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.neurons import (
     NeuronOptions,
@@ -24,7 +25,6 @@ from moeprune.surgery.neurons import (
     check_neuron_stats,
 )
 from moeprune.surgery.novice import StatsInput
-from moeprune.surgery.packed import layer_cost
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes
 

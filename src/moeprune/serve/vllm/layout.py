@@ -81,21 +81,6 @@ def served_family(model_type: str, architecture: str, where: str) -> str:
     return family
 
 
-def __getattr__(name: str):
-    """`REFUSED_FAMILIES` (four names) still imports, with a warning: every family the plugin does
-    not serve is refused now (`refused_families`)."""
-    if name == "REFUSED_FAMILIES":
-        import warnings
-
-        warnings.warn(
-            "REFUSED_FAMILIES is deprecated: the plugin refuses every family it does not serve (refused_families)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return ("qwen3_next", "ernie4_5_moe", "gpt_oss", "llama4_text")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def refused_families(model_types) -> list[str]:
     """Of `model_types` (transformers' config types), those the plugin refuses in one sentence:
     every one it does not serve (UNSERVED_REASONS says why for those vLLM implements), so a
@@ -199,12 +184,6 @@ def served_parameter_count(path: str | Path, alignment: int = 1) -> int:
         width = -(-width // alignment) * alignment
         total += (numel // narrow) * (width - narrow)
     return total
-
-
-def padded_parameter_count(path: str | Path) -> int:
-    """The former name of `served_parameter_count` (vLLM padded every layer to its widest expert
-    then; it pads within width groups now), kept so existing callers keep working."""
-    return served_parameter_count(path)
 
 
 def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -174,9 +174,6 @@ class GroupRouter(BaseRouter):
         return self.table.split(weights, positions, self.group)
 
 
-NoviceRouter = GroupRouter  # its former name (novice layers were the only routed-over-all-positions ones)
-
-
 class PrunedMoERunner(MoERunner):
     """vLLM's runner plus the layer's other width groups (inside the fused op, before the
     reduction) and the novice term.
@@ -297,9 +294,6 @@ class PrunedMoERunner(MoERunner):
         if self.routed_scaling_factor != 1.0 and (out.dtype != torch.float16 or self.shared_experts is None):
             extra = extra * self.routed_scaling_factor
         return out + extra.to(out.dtype)
-
-
-NoviceMoERunner = PrunedMoERunner  # its former name
 
 
 @dataclass

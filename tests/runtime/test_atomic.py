@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from moeprune.checkpoint.atomic import atomic_write_dir, check_not_inside, recover, write_json
 from moeprune.errors import MoePruneError
+from moeprune.runtime.atomic import atomic_write_dir, check_not_inside, recover, write_json
 
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
