@@ -241,7 +241,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, list[str], list[str], str]:
 def prune_all(args: argparse.Namespace, model: Path, data: list[str], search: list[str], root: Path) -> dict:
     """Every requested kind pruned into root/<kind>, reusing a finished one (report.json present)."""
     from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
-    from moeprune.job import prune_checkpoint
+    from moeprune.job import PruneRequest, prune_checkpoint
 
     options = DataOptions(sources=data, samples=args.samples, max_length=args.max_length)
     evo = SearchConfig(
@@ -253,14 +253,14 @@ def prune_all(args: argparse.Namespace, model: Path, data: list[str], search: li
         if not (out / "report.json").is_file():
             start = time.perf_counter()
             config = PruneConfig(sparsity=args.sparsity, search=evo, **KINDS[kind])
-            prune_checkpoint(
+            prune_checkpoint(PruneRequest(
                 model,
                 out,
                 config,
                 data=options,
                 search_data=search if config.allocation == "evo" else [],
                 run=RunOptions(progress=False, overwrite=True),
-            )
+            ))
             print(f"pruned {kind} in {time.perf_counter() - start:.0f} s", flush=True)
         paths[kind] = out
     return paths

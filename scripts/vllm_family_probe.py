@@ -30,7 +30,7 @@ import test_serve_vllm as serving  # noqa: E402  (the driver, prompts and compar
 import moeprune  # noqa: E402
 from moeprune.config import DataOptions, PruneConfig, RunOptions  # noqa: E402
 from moeprune.data.tokenizer import byte_tokenizer  # noqa: E402
-from moeprune.job import prune_checkpoint  # noqa: E402
+from moeprune.job import PruneRequest, prune_checkpoint  # noqa: E402
 from moeprune.models.factory import tiny_model  # noqa: E402
 
 VLLM_SIZES = dict(
@@ -83,9 +83,9 @@ def probe(family: str, root: Path, options: DataOptions) -> None:
     made = [reference]
     for kind in KINDS:
         made.append(root / family / kind)
-        prune_checkpoint(
+        prune_checkpoint(PruneRequest(
             reference, made[-1], PruneConfig(**serving.KINDS[kind][0]), data=options, run=RunOptions(progress=False)
-        )
+        ))
     work = root / family / "vllm"
     work.mkdir()
     spec = {"prompts": serving.PROMPTS, "new_tokens": serving.NEW_TOKENS, "logprobs": serving.TOP_LOGPROBS,

@@ -4,7 +4,7 @@ Arguments: an output folder, a tiny checkpoint with a tokenizer, a calibration J
 runs the same searches (a straight one, one interrupted after 2 generations and resumed, and one
 where rank 1 fails) and saves what it saw to ``rank{R}.json``: the results, the elites of every
 generation, the allocations it evaluated itself, and every file the search library wrote from
-that rank. Then every rank runs a plain (uniform) ``prune_checkpoint`` into ``uniform/``.
+that rank. Then every rank runs a plain (uniform) ``prune_in_memory`` into ``uniform/``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import torch
 
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.errors import MoePruneError
+from moeprune.job import (
+    PruneRequest,
+)
 from moeprune.job import (
     run as pipeline,  # the module that writes the output (its atomic_write_dir is spied on)
 )
@@ -166,11 +169,11 @@ def main(out: Path, checkpoint: Path, calibration: Path) -> None:
 
     pipeline.atomic_write_dir = spy_write_dir
     try:
-        report = pipeline.prune_checkpoint(
+        report = pipeline.prune_in_memory(PruneRequest(
             checkpoint, out / "uniform", PruneConfig(criterion="frequency", sparsity=0.5),
             run=RunOptions(progress=False),
             data=DataOptions(sources=[str(calibration)], batch_size=2),
-        )  # fmt: skip
+        ))  # fmt: skip
     finally:
         pipeline.atomic_write_dir = write_dir
     result["uniform"] = {"written": written, "removed": report["removed_per_layer"]}

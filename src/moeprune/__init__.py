@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "prune": "moeprune.api",
     "prune_checkpoint": "moeprune.job",
+    "PruneRequest": "moeprune.job",
     "PruneResult": "moeprune.api",
     "PruneConfig": "moeprune.config",
     "SearchConfig": "moeprune.config",

@@ -119,7 +119,7 @@ def prune(
     if config.sparsity is None:
         raise MoePruneError(
             "prune() of a loaded model takes a sparsity: a target size is solved from a checkpoint's "
-            "files and the format it is saved in (prune_checkpoint, moeprune.job.pipelines.run_pipeline)",
+            "files and the format it is saved in (moeprune.prune_checkpoint)",
             options=("sparsity", "target_size"),
         )
     moe = MoEModel(model)

@@ -21,7 +21,7 @@ from moeprune.cli.main import main
 from moeprune.config import PruneConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
-from moeprune.job.pipelines import PruneRequest, run_pipeline
+from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_fp8_checkpoint
 from moeprune.report.prune_report import weight_bytes
@@ -172,7 +172,7 @@ def test_refusals_come_in_one_line_before_anything_is_written(tiny_checkpoint, t
 
 def test_the_python_api_takes_a_target_and_prune_of_a_loaded_model_says_where(tiny_checkpoint, tmp_path):
     config = PruneConfig("magnitude", target_size=250_000)
-    report = run_pipeline("in-memory", PruneRequest(tiny_checkpoint, tmp_path / "out", config))
+    report = prune_checkpoint(PruneRequest(tiny_checkpoint, tmp_path / "out", config), "in-memory")
     assert report["target"]["written_bytes"] <= 250_000 and report["sparsity"] == report["target"]["sparsity"]
     from moeprune.api import prune
 

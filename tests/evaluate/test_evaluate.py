@@ -24,7 +24,7 @@ from moeprune.errors import MoePruneError
 from moeprune.evaluate import EvalOptions, Loaded, evaluate_loaded, parse_metrics
 from moeprune.evaluate.routing import original_ids
 from moeprune.evaluate.size import disk_bytes, measure_peak
-from moeprune.job import prune_checkpoint
+from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.models.reshape import drop_experts
@@ -78,9 +78,9 @@ def tiny_pruned(tiny_dir, tiny_data, tmp_path_factory) -> Path:
     """A stock-format pruned copy (uniform, 25%), with plan.json beside it."""
     out = tmp_path_factory.mktemp("pruned") / "freq25"
     data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
-    prune_checkpoint(
+    prune_checkpoint(PruneRequest(
         tiny_dir, out, PruneConfig(criterion="frequency", sparsity=0.25), data=data, run=QUIET
-    )
+    ))
     return out
 
 
@@ -325,13 +325,13 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
     pruned = tmp_path / method
     data = DataOptions(sources=[str(tiny_data[0])], samples=8, max_length=64)
     criterion = "mone" if method == "novice" else "tenp"
-    prune_checkpoint(
+    prune_checkpoint(PruneRequest(
         tiny_dir,
         pruned,
         PruneConfig(criterion=criterion, sparsity=0.5, method=method),
         data=data,
         run=QUIET,
-    )
+    ))
     out = tmp_path / "rep" / "report.json"
     run("eval", pruned, "--reference", tiny_dir, "--data", tiny_data[0], "--samples", 6, "--spec-prompts", 2,
         "--spec-tokens", 6, "--output", out, "--quiet")  # fmt: skip
@@ -350,11 +350,11 @@ def test_packed_models_are_evaluated(tiny_dir, tiny_data, tmp_path, method):
     for key in ("routed_experts", "active_routed_experts"):
         assert entry["size"]["parameters"][key] == expected[key], key
     with pytest.raises(MoePruneError, match="cannot be pruned again"):  # packed: renumbering unsupported
-        prune_checkpoint(
+        prune_checkpoint(PruneRequest(
             pruned,
             tmp_path / "again",
             PruneConfig(criterion="frequency", sparsity=0.25),
             data=data,
             run=QUIET,
-        )
+        ))
     assert not (tmp_path / "again").exists()

@@ -30,7 +30,7 @@ from test_serve_vllm import KINDS, _reference
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
-from moeprune.job import prune_checkpoint
+from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.serve.vllm.version import untested_refusal
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
@@ -67,9 +67,9 @@ def made(tmp_path_factory) -> dict[str, Path]:
     out = {"base": base, "data": data, "prompts": prompts}
     for kind in ("drop", "neurons", "global", "novice", "tenp"):
         out[kind] = root / kind
-        prune_checkpoint(base, out[kind], PruneConfig(**KINDS[kind][0]),
+        prune_checkpoint(PruneRequest(base, out[kind], PruneConfig(**KINDS[kind][0]),
                          data=DataOptions(sources=[str(data)], samples=16, max_length=64),
-                         run=RunOptions(progress=False))  # fmt: skip
+                         run=RunOptions(progress=False)))  # fmt: skip
     return out
 
 

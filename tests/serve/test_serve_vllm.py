@@ -46,7 +46,7 @@ import torch
 import moeprune
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.job import prune_checkpoint
+from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 
@@ -238,9 +238,9 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
             config = PruneConfig(**KINDS[kind][0], search=_EVO)
             made[family, kind] = root / family / kind
             search = [str(data)] if config.allocation == "evo" else []
-            prune_checkpoint(
+            prune_checkpoint(PruneRequest(
                 reference, made[family, kind], config, data=options, search_data=search, run=RunOptions(progress=False)
-            )
+            ))
             if family == "deepseek_v3" and KINDS[kind][1] == "moeprune":
                 config_path = made[family, kind] / "config.json"
                 config = json.loads(config_path.read_text())

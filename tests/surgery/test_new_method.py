@@ -11,7 +11,7 @@ import torch
 
 import moeprune
 from moeprune.config import PruneConfig, RunOptions
-from moeprune.job import prune_checkpoint
+from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
@@ -46,7 +46,7 @@ def registered(monkeypatch):
 def test_a_method_registered_in_one_file_prunes_saves_and_reloads(registered, tiny_checkpoint, tmp_path):
     out = tmp_path / "out"
     config = PruneConfig(criterion="aimer", sparsity=0.25, method="highest-ids")
-    report = prune_checkpoint(tiny_checkpoint, out, config, run=RunOptions(progress=False))
+    report = prune_checkpoint(PruneRequest(tiny_checkpoint, out, config, run=RunOptions(progress=False)))
     assert report["method"] == "highest-ids" and report["format"] == "stock"
     plan = Plan.load(out / "plan.json")
     assert all(lp.dropped == [6, 7] for lp in plan.layers)  # 8 experts per layer, 25 % dropped

@@ -25,7 +25,7 @@ from moeprune.cli.options import (
 )
 from moeprune.config import PruneConfig, Recipe, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
-from moeprune.job.pipelines import PIPELINES, PruneRequest, run_pipeline, unread_settings
+from moeprune.job.pipelines import PIPELINES, PruneRequest, prune_checkpoint, unread_settings
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
@@ -212,7 +212,7 @@ def prune(model: str, output: str, **options) -> None:
             command_line=command_line(),
         ),
     )
-    report = run_pipeline(pipeline.name, request)
+    report = prune_checkpoint(request, pipeline.name)
     if rank != 0:
         return
     if options["dry_run"]:

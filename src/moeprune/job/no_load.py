@@ -29,6 +29,7 @@ from moeprune.criteria import (
 )
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.job.evidence import Evidence, write_evidence
+from moeprune.job.prepare import PruneRequest
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
@@ -110,15 +111,7 @@ def score_without_loading(
     return crit, scores, stats, sets
 
 
-def prune_without_loading(
-    model_path: str | Path,
-    output: str | Path,
-    config: PruneConfig,
-    *,
-    data: DataOptions | None = None,
-    tokenizer_path: str | Path | None = None,
-    run: RunOptions | None = None,
-) -> dict:
+def prune_without_loading(request: PruneRequest) -> dict:
     """Score without loading, then rewrite the shards: the whole model is never in memory (the
     body of the `no-load` pipeline, moeprune.job.pipelines, which checks the config first).
 
@@ -127,7 +120,8 @@ def prune_without_loading(
     method keeping each routed expert's top-K neurons (K the same for all: a stock checkpoint),
     chosen from neuron statistics observed layer by layer. Returns the report written beside the result.
     """
-    run = run or RunOptions()
+    model_path, output, config, run = request.model_path, request.output, request.config, request.run
+    data, tokenizer_path = request.data, request.tokenizer_path
     model_path = check_model_path(model_path)
     check_not_inside(output, [model_path])
     recover(Path(output))

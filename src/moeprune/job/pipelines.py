@@ -15,37 +15,25 @@ pipeline by name; it holds no rule of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
-from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SaveOptions, SearchConfig
+from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.errors import MoePruneError
-from moeprune.job import prepare_score, prune_checkpoint, score_loaded
 from moeprune.job.no_load import prune_without_loading, score_without_loading
+from moeprune.job.prepare import PruneRequest
+from moeprune.job.run import prune_in_memory
+from moeprune.job.score import prepare_score, score_loaded
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery.planning import check_config, requirements
 from moeprune.surgery.registry import METHODS, Method, default_allocation
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
-
-
-@dataclass
-class PruneRequest:
-    """Everything a prune job is asked to do: the input, the output and the option objects."""
-
-    model_path: str | Path
-    output: str | Path
-    config: PruneConfig
-    data: DataOptions = field(default_factory=DataOptions)
-    search_data: Sequence[str] = ()
-    tokenizer_path: str | Path | None = None
-    save: SaveOptions = field(default_factory=SaveOptions)
-    run: RunOptions = field(default_factory=RunOptions)
 
 
 @dataclass(frozen=True)
@@ -101,13 +89,17 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
     return unread
 
 
-def run_pipeline(name: str, request: PruneRequest) -> dict:
-    """Run `request` on the named pipeline: its refusals first, then the job; returns report.json."""
-    pipeline = PIPELINES.get(name)
+def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict:
+    """Prune a checkpoint folder as `request` says, on the named pipeline ("in-memory": load,
+    observe, search, cut, save; "no-load": never hold the whole model): the config resolved once,
+    the pipeline's refusals, then the job; returns report.json (with `request.run.dry_run`, the
+    plan of work). What `moeprune prune` runs."""
+    name = pipeline
+    pipeline_spec = PIPELINES.get(name)
     config = check_config(request.config)  # names, numbers and combinations; the allocation resolved
-    pipeline.check(config)
-    assert pipeline.fn is not None, f"pipeline {name} registered without a function"
-    return pipeline.fn(replace(request, config=config))
+    pipeline_spec.check(config)
+    assert pipeline_spec.fn is not None, f"pipeline {name} registered without a function"
+    return pipeline_spec.fn(replace(request, config=config))
 
 
 @PIPELINES.register(
@@ -123,16 +115,7 @@ def run_pipeline(name: str, request: PruneRequest) -> dict:
     )
 )
 def _in_memory(request: PruneRequest) -> dict:
-    return prune_checkpoint(
-        request.model_path,
-        request.output,
-        request.config,
-        data=request.data,
-        search_data=request.search_data,
-        tokenizer_path=request.tokenizer_path,
-        save=request.save,
-        run=request.run,
-    )
+    return prune_in_memory(request)
 
 
 @PIPELINES.register(
@@ -156,14 +139,7 @@ def _in_memory(request: PruneRequest) -> dict:
     )
 )
 def _no_load(request: PruneRequest) -> dict:
-    return prune_without_loading(
-        request.model_path,
-        request.output,
-        request.config,
-        data=request.data,
-        tokenizer_path=request.tokenizer_path,
-        run=request.run,
-    )
+    return prune_without_loading(request)
 
 
 # ----------------------------------------------------------------------------- scoring

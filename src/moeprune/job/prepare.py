@@ -40,6 +40,21 @@ from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_ta
 _LOG = logging.getLogger(__name__)
 
 
+@dataclass
+class PruneRequest:
+    """Everything a prune job is asked to do: the input, the output and the option objects; what
+    `moeprune.prune_checkpoint(request, pipeline=...)` takes, whichever pipeline runs it."""
+
+    model_path: str | Path
+    output: str | Path
+    config: PruneConfig
+    data: DataOptions = field(default_factory=DataOptions)
+    search_data: Sequence[str] = ()
+    tokenizer_path: str | Path | None = None
+    save: SaveOptions = field(default_factory=SaveOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+
+
 @dataclass(frozen=True)
 class PlannedSizes:
     """The input's weights as stored and the result's as planned, in the format each is saved in
@@ -211,20 +226,11 @@ def check_sources(sources: Sequence[str], what: str) -> None:
             )
 
 
-def prepare(
-    model_path: str | Path,
-    output: str | Path,
-    config: PruneConfig,
-    *,
-    data: DataOptions | None = None,
-    search_data: Sequence[str] = (),
-    tokenizer_path: str | Path | None = None,
-    save: SaveOptions | None = None,
-    run: RunOptions | None = None,
-) -> PruneJob:
+def prepare(request: PruneRequest) -> PruneJob:
     """Every check of a prune request that needs no weights, in the order a user would fix them."""
-    data, run = data or DataOptions(), run or RunOptions()
-    save = save or SaveOptions()
+    model_path, output, config = request.model_path, request.output, request.config
+    data, search_data, tokenizer_path = request.data, request.search_data, request.tokenizer_path
+    save, run = request.save, request.run
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
     config = check_config(config)
     if data.sequential:

@@ -3,7 +3,6 @@ and saved with its evidence (report, plan, recipe, plots, model card, run log), 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -11,9 +10,9 @@ from pathlib import Path
 from moeprune import __version__
 from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
-from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
+from moeprune.config import Recipe, SaveOptions
 from moeprune.job.evidence import Evidence, write_evidence
-from moeprune.job.prepare import PruneJob, prepare
+from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.models import MoEModel
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import (
@@ -29,38 +28,15 @@ from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.rewrite import rewrite_checkpoint
 
 
-def prune_checkpoint(
-    model_path: str | Path,
-    output: str | Path,
-    config: PruneConfig,
-    *,
-    data: DataOptions | None = None,
-    search_data: Sequence[str] = (),
-    tokenizer_path: str | Path | None = None,
-    save: SaveOptions | None = None,
-    run: RunOptions | None = None,
-) -> dict:
-    """`moeprune prune`: check, load, prune, save with evidence; returns report.json (with
-    `run.dry_run`, the plan of work: nothing is loaded or written).
+def prune_in_memory(request: PruneRequest) -> dict:
+    """The in-memory pipeline: check, load, prune, save with evidence; returns report.json (with
+    `request.run.dry_run`, the plan of work: nothing is loaded or written).
 
-    `data` says where calibration data comes from and where the model runs (device, dtype); `run`
-    what the job may overwrite, whether it resumes a search, what it prints.
-
-    Under torchrun every rank runs this with the same arguments: observation and the search are
-    data-parallel, and rank 0 alone writes OUTPUT.
+    Under torchrun every rank runs this with the same request: observation and the search are
+    data-parallel, and rank 0 alone writes the output.
     """
-    data, run = data or DataOptions(), run or RunOptions()
-    job = prepare(
-        model_path,
-        output,
-        config,
-        data=data,
-        search_data=search_data,
-        tokenizer_path=tokenizer_path,
-        save=save,
-        run=run,
-    )
-    if run.dry_run:
+    job = prepare(request)
+    if job.run.dry_run:
         return job.describe()
     rank, _ = rank_and_world()
     barrier()  # torchrun: every rank has checked OUTPUT before rank 0 can write it
@@ -69,7 +45,7 @@ def prune_checkpoint(
 
 
 def run_job(job: PruneJob) -> dict:
-    """The expensive part of `prune_checkpoint`, on a checked job."""
+    """The expensive part of `prune_in_memory`, on a checked job."""
     with RunLog.join(job.run.command_line) as log:
         return _run(job, log, job.run.progress)
 
