@@ -313,7 +313,10 @@ def uniform_allocation(
 
 
 def _prune_keys(
-    scores: Sequence[np.ndarray], prune_first: str, num_experts: Sequence[int], normalize: bool
+    scores: Sequence[np.ndarray | Sequence[float]],
+    prune_first: str,
+    num_experts: Sequence[int],
+    normalize: bool,
 ) -> list[np.ndarray]:
     """Per-layer float64 keys where smaller means pruned earlier."""
     if prune_first not in _DIRECTIONS:

@@ -135,6 +135,7 @@ def position_scores(
     Each fitness's own function (registered above) scores the rows.
     """
     spec = FITNESSES.get(fitness)
+    assert spec.fn is not None, f"fitness {spec.name!r} registered without a function"
     logp = teacher_log_probs.to(F32)
     logq = torch.log_softmax(candidate_logits.to(F32), dim=-1)
     return spec.fn(logp, logq, targets, generator)

@@ -185,7 +185,9 @@ def _rolls_back(cache: Any) -> bool:
     layers of sparse-attention models (DeepSeek-V3.2, GLM-5, HY-V4) keep index state that `crop`
     does not roll back, which a one-token probe on a short prompt does not reveal."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+    if not layers:
+        return False
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
 
 
 def _return_visible_states_only(layer: DynamicSlidingWindowLayer) -> None:
@@ -201,7 +203,8 @@ def _return_visible_states_only(layer: DynamicSlidingWindowLayer) -> None:
         shown = layer.sliding_window - 1 + key_states.shape[-2]
         return keys[..., -shown:, :], values[..., -shown:, :]
 
-    layer.update = visible
+    # the shim is this per-instance override of the method; transformers declares no hook for it
+    layer.update = visible  # type: ignore[method-assign]
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -221,7 +224,8 @@ def _draft(
     draft: IncrementalLogits, ids: list[int], n: int, temperature: float, generator: torch.Generator | None
 ) -> tuple[list[int], list[torch.Tensor]]:
     """n tokens from the draft, each with the distribution q it was drawn from."""
-    tokens, dists = [], []
+    tokens: list[int] = []
+    dists: list[torch.Tensor] = []
     for _ in range(n):
         q = _probs(draft(ids + tokens, 1)[0], temperature)
         tokens.append(_sample(q, generator))
@@ -262,8 +266,8 @@ class SpecOptions:
 
 
 def speculative_generate(
-    draft: nn.Module,
-    target: nn.Module,
+    draft: nn.Module | IncrementalLogits,
+    target: nn.Module | IncrementalLogits,
     prompt: Sequence[int],
     options: SpecOptions | None = None,
     *,
@@ -282,15 +286,16 @@ def speculative_generate(
     eos_token_id, use_cache = options.eos_token_id, options.use_cache
     _check(gamma, max_new_tokens, temperature, prompt)
     stats = stats if stats is not None else SpecStats(gamma)
-    draft, target = (
+    small, large = (
         m if isinstance(m, IncrementalLogits) else IncrementalLogits(m, use_cache, label)
         for m, label in zip((draft, target), ("the draft", "the target"))
     )
-    ids, new = list(prompt), []
+    ids = list(prompt)
+    new: list[int] = []
     while len(new) < max_new_tokens and (eos_token_id is None or eos_token_id not in new):
         n = min(gamma, max_new_tokens - len(new) - 1)
-        tokens, q = _draft(draft, ids + new, n, temperature, generator)
-        p = _probs(target(ids + new + tokens, n + 1), temperature)
+        tokens, q = _draft(small, ids + new, n, temperature, generator)
+        p = _probs(large(ids + new + tokens, n + 1), temperature)
         accepted, nxt = _verify(tokens, q, p, generator)
         emitted = _until_eos([*tokens[:accepted], nxt], eos_token_id)
         stats.record_round(n, accepted)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,9 @@ def _unflatten(flat: torch.Tensor, template: ExpertStats) -> tuple[list[LayerSta
     """Inverse of `_flatten`, shaped like `template` (every rank observes the same model)."""
     layers, offset = [], 0
     for s in template.layers:
-        values = {}
+        # only tensor fields, but named at run time: mypy checks `**values` against every field
+        # (ints too), which only Any satisfies
+        values: dict[str, Any] = {}
         for f in _fields(s):
             ref = getattr(s, f)
             values[f] = flat[offset : offset + ref.numel()].reshape(ref.shape).clone()

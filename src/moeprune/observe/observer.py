@@ -42,6 +42,7 @@ class _Accumulator:
     def __call__(self, layer: MoELayer, routed: RoutedRows) -> None:
         device = routed.rows.device
         if device not in self._valid_on:  # accelerate split the model: this layer is on another GPU
+            assert self.valid is not None, "set_valid() comes before every batch"
             self._valid_on[device] = self.valid.to(device)
         keep = self._valid_on[device][routed.rows]
         ids, x, y, g, m = routed.experts, routed.inputs, routed.outputs, routed.weights, routed.intermediate
@@ -93,6 +94,8 @@ class _Accumulator:
         Per-token terms in fp32 (an fp64 matmul here would cost as much as the expert itself),
         summed into fp64 accumulators; rows arrive grouped by expert.
         """
+        proj_sum, l2_sum = stats.neuron_proj_sum, stats.neuron_l2_sum
+        assert proj_sum is not None and l2_sum is not None, "LayerStats.zeros(neurons=True) allocates both"
         bounds = torch.bincount(ids, minlength=stats.num_experts).tolist()
         start = 0
         for expert, n in enumerate(bounds):
@@ -102,8 +105,8 @@ class _Accumulator:
             start += n
             down = layer.down_matrix(expert).float()  # [d, I]
             projection = m[sl] * (y[sl] @ down) / (norms[sl].unsqueeze(1) + 1e-8)
-            stats.neuron_proj_sum[expert] += projection.sum(0, dtype=F64)
-            stats.neuron_l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
+            proj_sum[expert] += projection.sum(0, dtype=F64)
+            l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
 
 
 def _check_finite(layer: int, ids: torch.Tensor, in_norms, weights, out_norms) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ class LayerStats:
                 setattr(self, name, value.to(device))
         return self
 
-    def add_moments(self, expert: int, n: int, batch_mean: torch.Tensor, batch_m2: torch.Tensor) -> None:
+    def add_moments(self, expert: int, n: float, batch_mean: torch.Tensor, batch_m2: torch.Tensor) -> None:
         """Merge a batch's mean and M2 (Chan et al.); call before updating `count`."""
         n_a = self.count[expert]
         n_ab = n_a + n
@@ -206,9 +207,11 @@ def as_domains(stats: ExpertStats | Sequence[ExpertStats]) -> list[ExpertStats]:
 def merged_layer(domains: Sequence[ExpertStats], layer: int) -> LayerStats:
     """One layer's statistics summed over domains (Chan merge for moments); inputs stay untouched."""
     first = domains[0].layer(layer)
-    out = LayerStats(
-        **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in first.__dict__.items()}
-    )
+    # field name -> value of every field: ints and tensors mixed, so only Any fits each keyword
+    values: dict[str, Any] = {
+        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in first.__dict__.items()
+    }
+    out = LayerStats(**values)
     for d in domains[1:]:
         out.merge(d.layer(layer))
     return out

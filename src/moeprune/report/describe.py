@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -26,7 +27,9 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
 
 def describe_model(model: nn.Module, source: str = "") -> dict:
     moe = MoEModel(model)
-    config = model.config
+    # transformers' config, a plain attribute: nn.Module's __getattr__ (typed Tensor | Module) only
+    # serves parameters, buffers and submodules, so that annotation does not apply to it
+    config: Any = model.config
     layers = []
     for m, row in zip(moe.layers, describe_layers(moe)):
         params = expert_params(m)

@@ -69,7 +69,8 @@ def plot_layer_density(
 
 
 def _as_dict(entry: Any) -> dict[str, Any]:
-    return asdict(entry) if is_dataclass(entry) else dict(entry)
+    # a dataclass instance, not a dataclass class (is_dataclass accepts both; asdict only the first)
+    return asdict(entry) if is_dataclass(entry) and not isinstance(entry, type) else dict(entry)
 
 
 def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fitness") -> Path:

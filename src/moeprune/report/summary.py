@@ -15,7 +15,7 @@ from pathlib import Path
 from moeprune.allocate.fitness import FITNESSES
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
-from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, Serving
+from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, SearchUniform, Serving
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json")
 EVIDENCE_FILES = (
@@ -59,7 +59,7 @@ def _search(report: PruneReport) -> dict | None:
     return {
         "fitness": search.fitness,
         "searched": search.fitness_value,
-        "uniform": search.uniform.fitness_value,
+        "uniform": (search.uniform or SearchUniform()).fitness_value,
         "generations": stopped.generations_run,
         "stopped": stopped.reason,
         "evaluations": search.evaluations,
@@ -80,7 +80,8 @@ def _files(folder: Path) -> dict[str, list[str]]:
 def _counts(before: ParameterCounts | None, after: ParameterCounts | None, key: str) -> dict:
     """One parameter count before and after, and its change (None where the report lacks it)."""
     old, new = getattr(before, key, None), getattr(after, key, None)
-    return {"before": old, "after": new, "change_pct": change(old, new) if before and after else None}
+    pct = change(old, new) if old is not None and new is not None else None
+    return {"before": old, "after": new, "change_pct": pct}
 
 
 def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None) -> dict:
@@ -106,7 +107,11 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "bytes": {
             "before": disk.before,
             "after": disk.after,
-            "change_pct": change(disk.before, disk.after) if disk else None,
+            "change_pct": (
+                change(disk.before, disk.after)
+                if disk.before is not None and disk.after is not None
+                else None
+            ),
         },
         "neurons_per_expert": report.surgery.intermediate_size if report.surgery else None,
         "vllm_parameters": serving.vllm_parameters,

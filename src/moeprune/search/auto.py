@@ -38,7 +38,9 @@ def candidate_criteria(has_data: bool) -> list[str]:
     return [c.name for c in CRITERIA if c.name != "random" and (has_data or not c.needs_data)]
 
 
-def _teacher(moe: MoEModel, search: CalibrationData, batch_size: int, pad: int) -> tuple[TeacherCache, list]:
+def _teacher(
+    moe: MoEModel, search: CalibrationData, batch_size: int, pad: int | None
+) -> tuple[TeacherCache, list]:
     device = input_device(moe.model)
     batches = [b.to(device) for b in search.batches(batch_size, pad)]
     positions = sum(int(answer_positions(b.answer_mask, b.attention_mask).sum()) for b in batches)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from moeprune.allocate.basic import plan_removals
 from moeprune.allocate.fitness import (
@@ -192,6 +193,7 @@ class CandidateEvaluator:
         self.teacher_seconds = time.perf_counter() - start
         if not self.teacher.per_sample:
             raise DataError("no search sample has an answer position: nothing to score")
+        assert reference is not None, "a sample was scored, so a batch ran"
         self.mode = self._choose_mode(reference) if runtime.fast else PLAIN
         for b in self._batches:  # keep only what the chosen mode resumes from
             b.start = {self.mode: b.start[self.mode]} if self.mode in b.start else {}
@@ -202,7 +204,8 @@ class CandidateEvaluator:
     def release(self) -> None:
         """Drop the teacher distributions, cached states and batches: the evaluator is done."""
         self.prefix_cache.clear()
-        self._batches, self._taps, self.teacher = [], {}, None
+        self._batches, self._taps = [], {}
+        del self.teacher  # read after release, it fails as the None it used to be set to did
 
     # -- setup --------------------------------------------------------------------------------
     def _teacher_home(self) -> torch.device:
@@ -227,7 +230,7 @@ class CandidateEvaluator:
         return len(self.teacher)
 
     @torch.no_grad()
-    def _teacher_pass(self, teacher_device: torch.device | str) -> tuple[TeacherCache, torch.Tensor]:
+    def _teacher_pass(self, teacher_device: torch.device | str) -> tuple[TeacherCache, torch.Tensor | None]:
         """One plain forward of the full model that also records how to resume inside it.
 
         Hooks capture each decoder layer's call arguments and, at the first MoE layer, its input
@@ -336,7 +339,7 @@ class CandidateEvaluator:
                 def tap(module: nn.Module, args: tuple, i: int = decoder_index) -> None:
                     self._taps[i] = args[0]
 
-                norm = self._layers[decoder_index].post_attention_layernorm
+                norm = self._layers[decoder_index].get_submodule("post_attention_layernorm")
                 handles.append(norm.register_forward_pre_hook(tap))
         try:
             yield
@@ -388,21 +391,22 @@ class CandidateEvaluator:
         self.counters["decoder_layers_run"] += len(self._layers) - first
         for i in range(begin, len(self._layers)):
             q = self._position.get(i) if index is not None else None
-            if q is not None and mode == LAYER:
+            if q is not None and index is not None and mode == LAYER:
                 self.prefix_cache.put((index, allocation[:q]), hidden)
             args, kwargs = b.calls[i]
             hidden = _hidden_of(self._layers[i](hidden, *args, **kwargs))
-            if q is not None and mode == SPLIT:
+            if q is not None and index is not None and mode == SPLIT:
                 self.prefix_cache.put((index, allocation[:q]), self._taps.pop(i))
         rows = hidden.flatten(0, 1)[b.flat_index.to(hidden.device)]  # a split model ends on another GPU
         model = self.moe.model
-        return model.get_output_embeddings()(_final_norm(model)(rows))
+        return _lm_head(model)(_final_norm(model)(rows))
 
     def _moe_half(self, decoder_index: int, residual: torch.Tensor) -> torch.Tensor:
         """The second half of a pre-norm decoder layer: residual + block(post_attention_norm(residual))."""
         layer = self._layers[decoder_index]
         block = block_of(layer, self.moe.spec)
-        out = _hidden_of(block(layer.post_attention_layernorm(residual)))
+        assert block is not None, f"decoder layer {decoder_index} has no MoE block"
+        out = _hidden_of(block(layer.get_submodule("post_attention_layernorm")(residual)))
         return residual + out.view(residual.shape)
 
     def _score_batch(self, accumulator: FitnessAccumulator, b: _SearchBatch, rows: torch.Tensor) -> None:
@@ -451,6 +455,12 @@ def _zero_counters() -> dict[str, int]:
         ),
         0,
     )
+
+
+def _lm_head(model: nn.Module) -> nn.Module:
+    if not isinstance(model, PreTrainedModel):
+        raise MoePruneError(f"{type(model).__name__} is not a transformers model: no output embeddings")
+    return model.get_output_embeddings()
 
 
 def _final_norm(model: nn.Module) -> nn.Module:

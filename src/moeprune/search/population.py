@@ -76,7 +76,7 @@ class Feasibility:
             )
         return tuple(int(r) for r in allocation)
 
-    def project(self, target: Sequence[float]) -> Allocation:
+    def project(self, target: Sequence[float] | np.ndarray) -> Allocation:
         """A feasible allocation close (in squared error) to a real-valued per-layer target.
 
         Water-fill the target onto {0 <= r <= top, sum r = B}, round to multiples, then move

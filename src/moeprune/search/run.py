@@ -127,9 +127,14 @@ def run_evo_search(
     rank, world = rank_and_world()  # under torchrun: candidates split over ranks, rank 0 writes
     race_log = _RaceLog(_raced_path(path), resume, write=rank == 0)
     evaluator: CandidateEvaluator | None = None  # built below, after the cheap checks
-    parallel = _DataParallel(lambda: evaluator, lambda: search, race_log, race) if world > 1 else None
+
+    def built() -> CandidateEvaluator:  # the search only evaluates in search.run(), after it is built
+        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
+        return evaluator
+
+    parallel = _DataParallel(built, lambda: search, race_log, race) if world > 1 else None
     search = EvoSearch(  # validates the config (population >= elites) before any model runs
-        lambda allocation: _evaluate(evaluator, search, race_log, allocation, race),
+        lambda allocation: _evaluate(built(), search, race_log, allocation, race),
         budget,
         limits.caps,
         uniform,
@@ -312,7 +317,9 @@ def model_fingerprint(moe: MoEModel) -> str:
     """Identifies the model a search ran on: its config and a checksum of its router weights."""
     digest = hashlib.sha256(json.dumps(moe.config.to_dict(), sort_keys=True, default=str).encode())
     for layer in moe.layers:
-        digest.update(layer.router.weight.detach().float().cpu().numpy().tobytes())
+        weight = layer.router.weight
+        assert isinstance(weight, torch.Tensor), "a router's weight is a tensor"
+        digest.update(weight.detach().float().cpu().numpy().tobytes())
     return f"{moe.model_type}:{digest.hexdigest()[:16]}"
 
 
@@ -337,7 +344,7 @@ def search_allocation(
     """
     runtime = runtime or SearchRuntime()
     budget = budget_from_sparsity(
-        config.sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
+        config.sparsity_value(), [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
     fingerprint = {
         "model": model_fingerprint(moe),

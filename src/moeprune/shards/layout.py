@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -69,12 +69,14 @@ def _cat_dim(converter: WeightConverter) -> int:
     ops = list(converter.operations)
     stacked = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
     rest = ops[1:]
-    if not stacked or len(rest) > 1 or (rest and not (isinstance(rest[0], Concatenate) and rest[0].dim >= 1)):
-        raise MoePruneError(
-            f"checkpoint conversion {converter!r} does more than stacking experts and concatenating parts; "
-            "streaming cannot read this checkpoint: load the model instead"
-        )
-    return rest[0].dim - 1 if rest else 0
+    if stacked and not rest:
+        return 0
+    if stacked and len(rest) == 1 and isinstance(rest[0], Concatenate) and rest[0].dim >= 1:
+        return rest[0].dim - 1
+    raise MoePruneError(
+        f"checkpoint conversion {converter!r} does more than stacking experts and concatenating parts; "
+        "streaming cannot read this checkpoint: load the model instead"
+    )
 
 
 def _expert_number(pattern: str, renamed: str) -> int:
@@ -89,6 +91,7 @@ class Naming:
     """transformers' own load-time conversion of checkpoint keys, asked one key at a time."""
 
     def __init__(self, model: torch.nn.Module):
+        assert isinstance(model, PreTrainedModel), "transformers' conversion mapping is a PreTrainedModel's"
         transforms = get_model_conversion_mapping(model)
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -255,13 +258,15 @@ class CheckpointLayout:
             if not keys:
                 raise MoePruneError(f"checkpoint {self.path} has no tensor for router parameter {internal}")
             router[path] = (keys[0], dim)
-        keys = {
+        param_keys = {
             k
             for p in params.values()
             for k in ([p.fused] if p.fused else [k for e in p.parts for k in p.keys(e)])
         }
         coded = {
-            k: (self.companions[k], decoder(self.fmt, self.coded[k])) for k in keys if k in self.companions
+            k: (self.companions[k], decoder(self.fmt, self.coded[k]))
+            for k in param_keys
+            if k in self.companions
         }
         return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8, coded)
 

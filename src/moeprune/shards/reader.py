@@ -8,10 +8,10 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from moeprune.checkpoint.files import StoredTensor
 from moeprune.errors import MoePruneError
@@ -173,12 +173,15 @@ class SafetensorsExperts:
         parts = self.stored_parts(name, expert)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.layout.experts[name].cat_dim)
 
-    def expert_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [I,d], up [I,d], down [d,I]), decoded by the adapter's own layout rules."""
-        one = SimpleNamespace(
-            **{name: self.expert_tensor(name, expert)[None] for name in self.summed_names}
-        )  # a one-expert stand-in for the experts module
-        return MoELayer(self.layer, SimpleNamespace(experts=one), self.layout.spec).expert_weights(0)
+    def expert_weights(self, expert: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(gate [I,d], up [I,d], down [d,I]), decoded by the adapter's own layout rules (gate None
+        for experts without one)."""
+        one = nn.Module()  # a one-expert stand-in for the experts module: plain tensor attributes
+        for name in self.summed_names:
+            setattr(one, name, self.expert_tensor(name, expert)[None])
+        block = nn.Module()
+        block.experts = one
+        return MoELayer(self.layer, block, self.layout.spec).expert_weights(0)
 
 
 def checkpoint_layers(path: str | Path) -> list[SafetensorsExperts]:

@@ -169,6 +169,8 @@ def _all_sums(sources: Sequence[SafetensorsExperts], workers: int) -> list[list[
 def _layer_scores(
     name: str, source: SafetensorsExperts, sums: Sequence[tuple[float, float, int]]
 ) -> np.ndarray:
+    fn = get_criterion(name).fn
+    assert fn is not None, f"weight criterion {name!r} registered without a function"
     scores = np.zeros(source.num_experts, dtype=np.float64)
     for e, (l1, sq, n) in enumerate(sums):
         if n == 0 or sq == 0.0:
@@ -176,7 +178,7 @@ def _layer_scores(
                 f"criterion {name!r}: expert {e} of decoder layer {source.layer} has no non-zero weights; "
                 "its score is undefined"
             )
-        scores[e] = get_criterion(name).fn(l1, sq, n)
+        scores[e] = fn(l1, sq, n)
     if not np.isfinite(scores).all():
         raise MoePruneError(f"criterion {name!r}: non-finite scores in decoder layer {source.layer}")
     return scores
