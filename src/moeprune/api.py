@@ -85,8 +85,9 @@ def _as_sets(data, tokenizer, options: DataOptions, per_domain: bool, why: str) 
     if isinstance(data, CalibrationData):
         return [data]
     items = [data] if isinstance(data, str | Path) else list(data)
-    if items and all(isinstance(d, CalibrationData) for d in items):
-        return items
+    loaded = [d for d in items if isinstance(d, CalibrationData)]
+    if items and len(loaded) == len(items):
+        return loaded
     if tokenizer is None:
         raise MoePruneError(
             "calibration data given as files needs the model's tokenizer", options=("tokenizer",)
@@ -161,6 +162,7 @@ def prune(
     )
     auto_table = None
     if auto:
+        assert search_set is not None  # needs.check refused a choice of criterion without search data
         best, auto_table = choose_criterion(
             moe,
             stats,
@@ -179,6 +181,7 @@ def prune(
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc = None, None
     if searches(config.allocation):
+        assert search_set is not None  # needs.check refused a search without search data
         removed, search_doc = search_allocation(
             moe,
             crit,
@@ -202,7 +205,7 @@ def prune(
     report = PruneReport(
         criterion=crit.name,
         prune_first=crit.prune_first,
-        allocation=config.allocation,
+        allocation=str(config.allocation),  # resolved: check_config set it
         method=config.method,
         sparsity=config.sparsity,
         sparsity_unit=method.sparsity_unit,

@@ -248,6 +248,26 @@ def test_load_model_from_local_folder(tmp_path):
     assert_logits_close(logits(model), logits(tiny_model("qwen3_moe")))
 
 
+@pytest.mark.parametrize("family", ["aria", "qwen3_vl_moe"])
+def test_inspect_describes_a_wrapper_by_its_decoder(family):
+    """A vision-language wrapper keeps the decoder's fields in its text config (inspect read the
+    wrapper's own config and crashed on every such family)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from moeprune.cli.main import main
+
+    if family not in moe_families():
+        pytest.skip(f"{family} is not in this transformers")
+    result = CliRunner().invoke(main, ["inspect", "--tiny", family, "--json"])
+    assert result.exit_code == 0, result.output
+    described = json.loads(result.output)
+    text = tiny_model(family).config.get_text_config()
+    assert described["decoder_layers"] == text.num_hidden_layers
+    assert described["moe_layers"] and max(described["moe_layers"]) < text.num_hidden_layers
+
+
 @pytest.mark.parametrize("family", ["minimax_m2", "granitemoe", "hunyuan_v1_moe"])
 def test_inspect_tiny_works_for_families_beyond_the_eleven(family):
     from click.testing import CliRunner
