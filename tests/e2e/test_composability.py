@@ -145,4 +145,8 @@ def test_every_family_scores_searches_and_prunes_exactly(family):
             pruned = copy.deepcopy(model)
             apply_plan(MoEModel(pruned), plan, [stats])
             physical = pruned(TOKENS).logits
-        torch.testing.assert_close(physical, virtual, rtol=1e-4, atol=1e-5, msg=f"{family} {method}")
+        # narrowed experts sum fewer neurons than masked full-width ones: float reordering, which
+        # recurrent (gated delta-rule) layers carry across positions (qwen4_exp_text: 7.4e-5 on logits
+        # of 4.7); a wrong expert or neuron moves them by 1e-2 and more
+        scale = float(virtual.abs().max())
+        torch.testing.assert_close(physical, virtual, rtol=1e-4, atol=max(1e-5, 2e-5 * scale), msg=f"{family} {method}")
