@@ -68,13 +68,17 @@ def _search(report: PruneReport) -> dict | None:
 
 def _files(folder: Path) -> dict[str, list[str]]:
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    weights = [n for n in names if n.endswith(".safetensors") or n in MODEL_FILES]
-    return {
+    weights = [n for n in names if n.endswith((".safetensors", ".py")) or n in MODEL_FILES]  # .py: its code
+    groups = {
         "model": weights,
         "evidence": [n for n in EVIDENCE_FILES if n in names],
         "plots": [n for n in names if n.endswith(".png")],
         "tokenizer": [n for n in names if n.startswith(("tokenizer", "special_tokens", "vocab", "merges"))],
     }
+    grouped = {n for group in groups.values() for n in group}
+    # what else the folder holds: the input's files carried over (chat template, processor configs, ...)
+    groups["also"] = [n for n in names if n not in grouped and not n.startswith(".")]
+    return groups
 
 
 def _counts(before: ParameterCounts | None, after: ParameterCounts | None, key: str) -> dict:
