@@ -29,9 +29,8 @@ def describe_model(model: nn.Module, source: str = "") -> dict:
     moe = MoEModel(model)
     # transformers' config, a plain attribute: nn.Module's __getattr__ (typed Tensor | Module) only
     # serves parameters, buffers and submodules, so that annotation does not apply to it
-    config: Any = (
-        model.config.get_text_config()
-    )  # a wrapper (vision-language) keeps the decoder's fields there
+    config: Any = model.config
+    config = config.get_text_config()  # a wrapper (vision-language) keeps the decoder's fields there
     layers = []
     for m, row in zip(moe.layers, describe_layers(moe)):
         params = expert_params(m)
