@@ -150,6 +150,9 @@ class SaveOptions:
 
     dtype: str | None = None  # None: the dtype the input checkpoint stores (bf16 stays bf16)
     max_shard_size: int | str = "5GB"
+    # leave out the multi-token-prediction layers a release stores beside the stack (kept and
+    # pruned by default: vLLM drafts with them)
+    drop_mtp: bool = False
 
 
 @dataclass
@@ -366,7 +369,11 @@ class Recipe:
                 "search": list(self.search_data),
                 **{name: getattr(self.data, name) for name in _RECIPE_DATA},
             },
-            "save": {"dtype": self.save.dtype, "max_shard_size": self.save.max_shard_size},
+            "save": {
+                "dtype": self.save.dtype,
+                "max_shard_size": self.save.max_shard_size,
+                **({"drop_mtp": True} if self.save.drop_mtp else {}),
+            },
         }
         if self.target_size is not None:
             out["target"] = {"target_size": self.target_size, "solved_sparsity": self.config.sparsity}
@@ -407,6 +414,7 @@ class Recipe:
             SaveOptions(
                 dtype=save.get("dtype"),
                 max_shard_size=save.get("max_shard_size") or SaveOptions.max_shard_size,
+                drop_mtp=bool(save.get("drop_mtp", False)),
             ),
             pipeline=document.get("pipeline", "in-memory"),
             target_size=target.get("target_size"),

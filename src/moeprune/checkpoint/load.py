@@ -24,7 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import files, structure
-from moeprune.checkpoint.names import disk_tensors
+from moeprune.checkpoint.names import beside_stack, disk_tensors
 from moeprune.checkpoint.quantized import QuantizedSources, quantization_format
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
@@ -244,7 +244,7 @@ def load_dequantized(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     missing = {name for name in info.missing_keys if _tied_partner(model, name) is None}
     problems = {
         "missing_keys": sorted(missing),
-        "unexpected_keys": sorted(info.unexpected_keys),
+        "unexpected_keys": _unexpected(model, info.unexpected_keys),
         "mismatched_keys": sorted(info.mismatched_keys),
     }
     if any(problems.values()) or info.conversion_errors:
@@ -271,11 +271,19 @@ def _from_pretrained(path: Path, **kwargs) -> PreTrainedModel:
     finally:
         hf_logging.set_verbosity(verbosity)
     problems = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems["unexpected_keys"] = _unexpected(model, problems["unexpected_keys"])
     if any(problems.values()):
         raise MoePruneError(
             f"{path} does not match its config: {_describe(problems)}; the checkpoint is incomplete or damaged"
         )
     return model
+
+
+def _unexpected(model: PreTrainedModel, keys) -> list[str]:
+    """Stored tensors the model did not take, but those of the layers a release keeps beside the
+    stack (multi-token prediction: moeprune carries them into the result, pruned)."""
+    count = int(model.config.get_text_config().num_hidden_layers)
+    return sorted(k for k in keys if not beside_stack(k, count))
 
 
 def _diagnose(path: Path) -> str:

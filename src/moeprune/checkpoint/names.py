@@ -14,6 +14,7 @@ copies stored values into the views of a freshly built model.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -139,3 +140,32 @@ def disk_tensors(moe: MoEModel, stock: bool = False) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[to_disk(moe, name)] = tensor
     return out
+
+
+_MTP_MODULE = re.compile(r"(^|\.)mtp\.")
+_NUMBERED_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.\d+\.")
+
+
+def beside_stack(key: str, num_hidden_layers: int) -> bool:
+    """Whether a stored key belongs to a layer a release keeps beside the decoder stack: an
+    `mtp.` module (Qwen3-Next, MiMo, DeepSeek-V4), or a layer numbered past the stack's last
+    (DeepSeek-V3 and GLM-4.5 store their multi-token-prediction layer as layer
+    num_hidden_layers). transformers does not build them; moeprune prunes and keeps them
+    (shards/mtp.py), so loading never calls them unexpected."""
+    if _MTP_MODULE.search(key):
+        return True
+    match = _NUMBERED_LAYER.search(key)
+    return match is not None and int(match.group(1)) >= num_hidden_layers
+
+
+def beside_stack_prefixes(keys, num_hidden_layers: int) -> list[str]:
+    """The stored prefixes of the layers a release keeps beside the stack (`beside_stack`), each
+    named down to its layer number ("model.layers.61.", "mtp.layers.0.")."""
+    found = set()
+    for key in keys:
+        if not beside_stack(key, num_hidden_layers):
+            continue
+        match = _MTP_LAYER.search(key) or _NUMBERED_LAYER.search(key)
+        found.add(key[: match.end()] if match else key.rsplit(".", 1)[0] + ".")
+    return sorted(p for p in found if "layers." in p)

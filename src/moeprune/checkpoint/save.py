@@ -69,8 +69,13 @@ def write_checkpoint(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: int | str = files.DEFAULT_MAX_SHARD_SIZE,
+    keep_mtp: bool | None = None,
 ) -> str:
     """Write `model` into the existing folder `folder`; returns "stock" or "moeprune" (the format).
+
+    The config's multi-token-prediction count is kept with `keep_mtp` (the caller adds the pruned
+    MTP layers from the input's shards: `shards.rewrite.append_input_tensors`), else set to 0:
+    quietly with False (the caller says why), with a warning with None (nothing was asked).
 
     Not atomic by itself: callers write into a temporary folder (atomic_write_dir) and rename it.
     """
@@ -85,7 +90,12 @@ def write_checkpoint(
     for key in ("moeprune", "auto_map"):  # left over from loading a moeprune-format input
         if hasattr(config, key):
             delattr(config, key)
-    drop_mtp_layers(config)
+    if keep_mtp is None:
+        drop_mtp_layers(config)
+    elif not keep_mtp:
+        for field in MTP_FIELDS:
+            if getattr(config.get_text_config(), field, None):
+                setattr(config.get_text_config(), field, 0)
     if stock:
         config.save_pretrained(folder)
     else:

@@ -67,6 +67,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     if recipe.save.dtype in by_torch_name:
         defaults["save_dtype"] = by_torch_name[str(recipe.save.dtype)]
     defaults["max_shard_size"] = str(recipe.save.max_shard_size)
+    defaults["drop_mtp"] = recipe.save.drop_mtp or None
     ctx.default_map = {k: v for k, v in defaults.items() if v is not None and v != ()}
     return path
 
@@ -152,6 +153,13 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="Largest weight file (e.g. 5GB, 500MB); bigger results are sharded with an index, like save_pretrained.",
 )
 @click.option(
+    "--drop-mtp",
+    is_flag=True,
+    help="Leave out the multi-token-prediction layers a release stores beside the decoder stack "
+    "(DeepSeek-V3, GLM-4.5, Qwen3-Next, MiMo...); by default they are kept, pruned to the result's expert "
+    "count, for vLLM's MTP drafts (docs/families.md).",
+)
+@click.option(
     "--dry-run",
     is_flag=True,
     help="Check everything, print the plan of work (model, budget per layer, data, output, the weight "
@@ -201,7 +209,9 @@ def prune(model: str, output: str, **options) -> None:
         search_data=options["search_data"],
         tokenizer_path=options["tokenizer_path"],
         save=SaveOptions(
-            dtype=SAVE_DTYPES.get(options["save_dtype"]), max_shard_size=options["max_shard_size"]
+            dtype=SAVE_DTYPES.get(options["save_dtype"]),
+            max_shard_size=options["max_shard_size"],
+            drop_mtp=options["drop_mtp"],
         ),
         run=RunOptions(
             progress=not options["quiet"] and rank == 0,

@@ -43,8 +43,9 @@ from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_format
+from moeprune.shards.mtp import NEURONS_SKIP_MTP
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
-from moeprune.shards.rewrite import rewrite_checkpoint, stock_counts
+from moeprune.shards.rewrite import DROP_MTP, release_mtp, rewrite_checkpoint, stock_counts
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
 from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
@@ -132,7 +133,9 @@ def prune_without_loading(request: PruneRequest) -> dict:
     if run.dry_run:
         return _plan_of_work(path, Path(output), moe, config, size, target)
     with output_lock(output) if rank_and_world()[0] == 0 else nullcontext(), RunLog.join(run.command_line):
-        job = _NoLoadJob(path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target)
+        job = _NoLoadJob(
+            path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target, request.save.drop_mtp
+        )
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
 
 
@@ -214,7 +217,7 @@ def _publish(tmp: Path, job: _NoLoadJob, report: PruneReport, plan: Plan) -> Non
     recipe = Recipe(
         job.config,
         job.data or DataOptions(),
-        save=SaveOptions(),
+        save=SaveOptions(drop_mtp=job.drop_mtp),
         pipeline="no-load",
         target_size=job.target.target_bytes if job.target is not None else None,
     )
@@ -246,6 +249,7 @@ class _NoLoadJob:
     tokenizer_path: str | Path | None
     run: RunOptions
     target: TargetSize | None = None  # the size target, when the sparsity was solved for one
+    drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
 
 
 def _drop(job: _NoLoadJob) -> dict:
@@ -277,6 +281,10 @@ def _drop(job: _NoLoadJob) -> dict:
         target=job.target,
     )
 
+    mtp = release_mtp(model_path, plan, DROP_MTP if job.drop_mtp else "")
+    report.release_layers = [mtp.note()] if mtp is not None else None
+    if mtp is not None:
+        RunLog.join().note(mtp.note())
     if rank_and_world()[0] == 0:
         rewrite_checkpoint(
             model_path,
@@ -284,6 +292,7 @@ def _drop(job: _NoLoadJob) -> dict:
             plan,
             overwrite=job.run.overwrite,
             extra=lambda tmp: _publish(tmp, job, report, plan),
+            mtp=mtp,
         )
     return report.to_json()
 
@@ -353,6 +362,12 @@ def _shrink(job: _NoLoadJob) -> dict:
         report.parameters_after = ParameterCounts.from_json(routed_parameters(after))
         _publish(tmp, job, report, plan)
 
+    mtp = release_mtp(model_path, plan, DROP_MTP if job.drop_mtp else NEURONS_SKIP_MTP)
+    report.release_layers = [mtp.note()] if mtp is not None else None
+    if mtp is not None:
+        RunLog.join().note(mtp.note())
     if rank_and_world()[0] == 0:
-        rewrite_neuron_checkpoint(model_path, output, plan, keep, overwrite=job.run.overwrite, extra=extra)
+        rewrite_neuron_checkpoint(
+            model_path, output, plan, keep, overwrite=job.run.overwrite, extra=extra, mtp=mtp
+        )
     return report.to_json()

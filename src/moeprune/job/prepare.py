@@ -156,6 +156,7 @@ class PruneJob:
 
     sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
     tokenizer_path: Path | None = None  # a tokenizer given apart from the input (carried into the result)
+    drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -302,6 +303,7 @@ def prepare(request: PruneRequest) -> PruneJob:
         kept_quantization,
         sizes,
         Path(tokenizer_path) if tokenizer_path is not None else None,
+        save.drop_mtp,
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from moeprune import __version__
 from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
+from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
@@ -25,7 +26,8 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
-from moeprune.shards.rewrite import rewrite_checkpoint
+from moeprune.shards.mtp import MTP_NOT_REQUANTIZED
+from moeprune.shards.rewrite import DROP_MTP, append_input_tensors, release_mtp, rewrite_checkpoint, with_mtp
 
 
 def prune_in_memory(request: PruneRequest) -> dict:
@@ -83,11 +85,27 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         data,
         job.search_data,
         # a dtype --config reads back; None: the input's (a kept quantization is the default)
-        SaveOptions(None if job.kept_quantization is not None else report.save_dtype, job.max_shard_size),
+        SaveOptions(
+            None if job.kept_quantization is not None else report.save_dtype, job.max_shard_size, job.drop_mtp
+        ),
         pipeline="in-memory",
         target_size=job.sizes.target.target_bytes if job.sizes is not None and job.sizes.target else None,
     )
     report.target = job.sizes.report(None) if job.sizes is not None else None
+    quantized_input = quantization_format(job.model_path) is not None
+    mtp = release_mtp(
+        job.model_path,
+        result.plan,
+        DROP_MTP
+        if job.drop_mtp
+        else MTP_NOT_REQUANTIZED
+        if quantized_input and not job.kept_quantization
+        else "",
+    )
+    with_mtp(result.plan, mtp)
+    report.release_layers = [mtp.note()] if mtp is not None else None
+    if mtp is not None:
+        log.note(mtp.note())
     evidence = Evidence(
         job.model_path,
         job.output,
@@ -104,8 +122,15 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     def write(tmp: Path) -> None:
         with stage(f"saving to {job.output}", progress), transformers_bars_off():
             report.format = write_checkpoint(
-                model, tmp, job.tokenizer, dtype=job.save_dtype, max_shard_size=job.max_shard_size
+                model,
+                tmp,
+                job.tokenizer,
+                dtype=job.save_dtype,
+                max_shard_size=job.max_shard_size,
+                keep_mtp=mtp is not None and not mtp.left_out,
             )
+            if mtp is not None:
+                append_input_tensors(job.model_path, tmp, mtp, ())
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
@@ -122,6 +147,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 job.run.overwrite,
                 extra=lambda tmp: write_evidence(tmp, evidence, moe),
                 stock=False,
+                mtp=mtp,
             )
     else:
         atomic_write_dir(job.output, write, overwrite=job.run.overwrite)

@@ -7,7 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from moeprune.checkpoint import build_skeleton, check_model_path, load_config
+from moeprune.checkpoint import build_skeleton, check_model_path, files, load_config
+from moeprune.checkpoint.names import beside_stack_prefixes
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.models import MoEModel
 from moeprune.quant import quantization_of
@@ -22,6 +23,8 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
     info = describe_model(build_skeleton(folder, meta=True), source=str(path))
     info["quantization"] = quantization_of(read_config_dict(folder))  # what moeprune keeps or refuses
     info["weight_bytes"] = weight_bytes(folder)
+    stored = files.stored_tensors(folder) if files.shard_names(folder) else {}
+    info["mtp_layers"] = beside_stack_prefixes(stored, info["decoder_layers"])
     return info
 
 
@@ -65,6 +68,15 @@ def format_description(info: dict) -> str:
         f"  decoder layers {info['decoder_layers']}; MoE layers {_ranges(info['moe_layers'])}"
         + (f"; dense layers {_ranges(info['dense_layers'])}" if info["dense_layers"] else ""),
         f"  routing: {info['routing']}",
+        *(
+            [
+                f"  beside the stack: {len(info['mtp_layers'])} multi-token-prediction layer(s) "
+                f"({', '.join(p + '*' for p in info['mtp_layers'])}): pruned with the result and kept "
+                "(--drop-mtp leaves them out)"
+            ]
+            if info.get("mtp_layers")
+            else []
+        ),
         *([f"  quantized: {info['quantization']}"] if info.get("quantization") else []),
         *(
             [f"  weights on disk: {info['weight_bytes']:,} bytes"]

@@ -43,20 +43,20 @@ _IN_MEMORY = (
     *("criterion", "prune_first", "allocation", "method", "sparsity", "sparsity_unit", "expert_multiple"),
     *("budget_experts_removed", "removed_per_layer", "surgery", "layers_before", "layers_after"),
     *("parameters_before", "parameters_after", "kept_per_layer", "data", "unseen_experts", "unseen"),
-    *("scores", "serving", "criterion_auto", "search"),
+    *("release_layers", "scores", "serving", "criterion_auto", "search"),
     *("save_dtype", "command_line", "format", "disk_bytes", "timing_s", "target"),
 )
 _NO_LOAD_HEAD = (*_HEAD, "criterion", "allocation", "method", "sparsity", "format")
 _EVIDENCE = ("timing_s", "disk_bytes", "save_dtype", "target")  # written with the rewritten shards
 _NO_LOAD_DROP = (
     *_NO_LOAD_HEAD,
-    *("budget_experts_removed", "removed_per_layer", "data", "unseen", "scores"),
+    *("budget_experts_removed", "removed_per_layer", "data", "unseen", "release_layers", "scores"),
     *_EVIDENCE,
 )
 _NO_LOAD_NEURONS = (
     *_NO_LOAD_HEAD,
     *("prune_first", "sparsity_unit", "surgery", "kept_neurons", "layers_before", "parameters_before"),
-    *("data", "unseen_experts", "unseen", "scores", "layers_after", "parameters_after"),
+    *("data", "unseen_experts", "unseen", "release_layers", "scores", "layers_after", "parameters_after"),
     *_EVIDENCE,
 )
 _REQUIRED = ("criterion", "allocation", "method", "sparsity")
@@ -122,6 +122,9 @@ class PruneReport:
     # what it observed and measured
     data: DataSummary = field(default_factory=DataSummary)
     unseen_experts: list[str] | None = None  # notes, one per layer with unseen experts
+    # what happened to the parts a release stores beside the decoder stack (MTP layers, tensors the
+    # model class does not load), one note each
+    release_layers: list[str] | None = None
     unseen: dict[str, list[int]] = field(default_factory=dict)  # per layer, experts no token reached
     scores: dict[str, Any] = field(default_factory=dict)  # the scores document (`moeprune score`)
     serving: Serving | None = None

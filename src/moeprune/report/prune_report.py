@@ -96,7 +96,8 @@ def report_markdown(report: PruneReport | Mapping, folder: str | Path) -> str:
             for row in auto.table
         ]
         out.append("")
-    notes = list(report.unseen_experts or []) + list((report.search and report.search.notes) or [])
+    notes = list(report.release_layers or []) + list(report.unseen_experts or [])
+    notes += list((report.search and report.search.notes) or [])
     notes += list(report.data.notes or [])
     if notes:
         out += ["## Notes", "", *[f"- {n}" for n in notes], ""]

@@ -124,6 +124,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "save_dtype": report.save_dtype,
         "format": report.format,
         "target": report.target.to_json() if report.target else None,
+        "release_layers": list(report.release_layers or []),
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -175,6 +176,8 @@ def format_lines(facts: dict) -> list[str]:
             f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()
         )
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
+    for note in facts.get("release_layers") or []:
+        lines.append(f"  beside stack    {note}")
     if facts["neurons_per_expert"]:
         lines.append(
             f"  experts         every routed expert narrowed to {facts['neurons_per_expert']} neurons"

@@ -54,6 +54,7 @@ class RunLog:
         self.started = datetime.now(timezone.utc)
         self.stages: list[tuple[str, float, int | None]] = []
         self.warnings: list[str] = []
+        self.notes: list[str] = []  # what the run did that the user should know (parts kept or left out)
         self._depth = 0
         self._clock = time.perf_counter()
 
@@ -98,6 +99,10 @@ class RunLog:
         if text not in self.warnings:  # a warning repeated per layer or batch is listed once
             self.warnings.append(text)
 
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
     def timings(self) -> dict[str, float]:
         """Seconds per stage (a stage run several times is summed) and the total so far."""
         out: dict[str, float] = {}
@@ -117,6 +122,8 @@ class RunLog:
         for name, seconds, steps in self.stages:
             lines.append(f"  {name:<40} {seconds:>9.2f} s" + (f"  ({steps} steps)" if steps else ""))
         lines.append(f"  {'total':<40} {time.perf_counter() - self._clock:>9.2f} s")
+        if self.notes:
+            lines += ["", "notes"] + [f"  {n}" for n in self.notes]
         lines += ["", f"warnings ({len(self.warnings)})"] + [f"  {w}" for w in self.warnings or ["none"]]
         return "\n".join(lines) + "\n"
 

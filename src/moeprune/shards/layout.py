@@ -22,7 +22,7 @@ import json
 import re
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -87,16 +87,84 @@ def _expert_number(pattern: str, renamed: str) -> int:
     return int(match.group(1))
 
 
-class Naming:
-    """transformers' own load-time conversion of checkpoint keys, asked one key at a time."""
+@dataclass(frozen=True)
+class ExtraLayer:
+    """A decoder layer a release stores beside the stack transformers builds (a multi-token-
+    prediction layer): its stored key prefix, the number it gets after the stack's last layer
+    (`index`: num_hidden_layers + its own number), and the stack layer whose MoE it is laid out
+    like (`like`: its keys are read as that layer's, then given `index`)."""
 
-    def __init__(self, model: torch.nn.Module):
+    prefix: str  # "model.layers.61." (DeepSeek-V3, GLM-4.5), "mtp.layers.0." (Qwen3-Next), ...
+    index: int
+    like_prefix: str  # stored prefix of the stack layer it is read as ("model.layers.60.")
+    like_internal: str  # that layer's in-memory prefix ("model.layers.60.")
+    internal: str  # the in-memory prefix it is given ("model.layers.61.")
+    root: str  # every stored key of the MTP module starts with it ("model.layers.61.", "mtp.")
+
+
+_MTP_STACK = re.compile(
+    r"^((?:\w+\.)*?mtp\.layers\.)(\d+)\."
+)  # Qwen3-Next's mtp.layers.0., MiMo's model.mtp.layers.0.
+_NUMBERED = re.compile(r"^(.*?\.)(\d+)\.")
+
+
+def extra_layers(keys: list[str], naming: Naming, stack: str, count: int, like: int) -> list[ExtraLayer]:
+    """The multi-token-prediction layers a checkpoint stores beyond its `count` stack layers, read
+    off the stored keys: layers numbered past the stack's last one under the stack's own prefix
+    (DeepSeek-V3 and GLM-4.5 store their MTP layer as `model.layers.{num_hidden_layers}`), or an
+    `mtp.layers.{i}` list (Qwen3-Next, Qwen3.5, MiMo, DeepSeek-V4). Each is read as stack layer
+    `like` (the last MoE layer: the MTP layer is a decoder layer of the same kind)."""
+    like_internal = f"{stack}.{like}."
+    stored_stack = None
+    for key in keys:
+        match = _NUMBERED.match(key)
+        if match and int(match.group(2)) == like and naming.address(key).internal.startswith(like_internal):
+            stored_stack = match.group(1)
+            break
+    if stored_stack is None:
+        return []
+    found: dict[str, tuple[int, str]] = {}
+    for key in keys:
+        match = _MTP_STACK.match(key)
+        if match:
+            found.setdefault(
+                match.group(0), (count + int(match.group(2)), match.group(1).removesuffix("layers."))
+            )
+        elif key.startswith(stored_stack):
+            number = key[len(stored_stack) :].split(".", 1)[0]
+            if number.isdigit() and int(number) >= count:
+                found.setdefault(f"{stored_stack}{number}.", (int(number), f"{stored_stack}{number}."))
+    return [
+        ExtraLayer(prefix, index, f"{stored_stack}{like}.", like_internal, f"{stack}.{index}.", root)
+        for prefix, (index, root) in sorted(found.items(), key=lambda item: item[1][0])
+    ]
+
+
+class Naming:
+    """transformers' own load-time conversion of checkpoint keys, asked one key at a time.
+
+    Keys of a release's extra layers (`extras`: multi-token-prediction layers transformers does
+    not build) are read as the keys of the stack layer they are laid out like, then given their
+    own layer number: `mtp.layers.0.mlp.experts.3.gate_proj.weight` of a 48-layer Qwen3-Next is
+    expert 3's gate of `model.layers.48.mlp.experts.gate_up_proj`."""
+
+    def __init__(self, model: torch.nn.Module, extras: tuple[ExtraLayer, ...] = ()):
         assert isinstance(model, PreTrainedModel), "transformers' conversion mapping is a PreTrainedModel's"
         transforms = get_model_conversion_mapping(model)
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.extras = extras
 
     def address(self, key: str) -> Address:
+        extra = next((e for e in self.extras if key.startswith(e.prefix)), None)
+        if extra is not None:
+            addr = self._address(extra.like_prefix + key[len(extra.prefix) :])
+            if addr.internal.startswith(extra.like_internal):
+                return replace(addr, internal=extra.internal + addr.internal[len(extra.like_internal) :])
+            return addr
+        return self._address(key)
+
+    def _address(self, key: str) -> Address:
         renamed, _ = rename_source_key(key, self.renamings, [])  # renamings only, in order
         for converter in self.converters:  # at most one converter applies, as when loading
             internal, pattern = converter.rename_source_key(renamed)
@@ -206,7 +274,18 @@ class CheckpointLayout:
         self.coded = {stored[0]: base for base, stored in pairs.items()}  # codes key -> model key
         self.shapes = {codes: logical_shape(fmt, codes, self.tensors[codes]) for codes in self.coded}
         scale_keys = set(self.scales.values()) | {k for others in self.companions.values() for k in others}
-        self.naming = Naming(self.moe.model)
+        last = self.moe.layers[-1]
+        stored_keys = [self.coded.get(k, k) for k in self.tensors if k not in scale_keys]
+        self.extras = tuple(
+            extra_layers(
+                stored_keys,
+                Naming(self.moe.model),
+                last.spec.layers,
+                int(self.config.get_text_config().num_hidden_layers),
+                last.index,
+            )
+        )
+        self.naming = Naming(self.moe.model, self.extras)
         self.addresses = {
             key: self.naming.address(self.coded.get(key, key))
             for key in self.tensors
@@ -217,17 +296,34 @@ class CheckpointLayout:
             self.stored_as[addr.internal].append(key)
         blocks = {id(m): name for name, m in self.moe.model.named_modules()}
         self.layers = [self._layout(layer, blocks[id(layer.block)]) for layer in self.moe.layers]
+        # the MTP layers' MoE, laid out like the last stack layer's (those holding experts)
+        like = blocks[id(last.block)]
+        self.extra_layers = [
+            self._layout(last, extra.internal + like[len(extra.like_internal) :], extra.index)
+            for extra in self.extras
+            if any(
+                a.internal.startswith(extra.internal) and a.expert is not None
+                for a in self.addresses.values()
+            )
+        ]
         self.roles = {  # in-memory name -> (layer, expert dim) of every per-expert tensor
-            **{p.internal: (lay.index, 0) for lay in self.layers for p in lay.experts.values()},
+            **{p.internal: (lay.index, 0) for lay in self.all_layers for p in lay.experts.values()},
             **{
                 self.addresses[key].internal: (lay.index, dim)
-                for lay in self.layers
+                for lay in self.all_layers
                 for key, dim in lay.router.values()
             },
         }
         self._check_unknown_expert_tensors()
 
-    def _layout(self, layer: MoELayer, block: str) -> LayerLayout:
+    @property
+    def all_layers(self) -> list[LayerLayout]:
+        """The stack's MoE layers, then the release's extra (MTP) layers holding experts."""
+        return self.layers + self.extra_layers
+
+    def _layout(self, layer: MoELayer, block: str, index: int | None = None) -> LayerLayout:
+        """Where `layer`'s experts and router are stored; with `index`, those of the extra layer
+        of that number laid out like `layer`, its block at `block`."""
         n = layer.num_experts
         params = {
             name: ExpertParam(f"{block}.experts.{name}", tuple(p.shape))
@@ -268,7 +364,9 @@ class CheckpointLayout:
             for k in param_keys
             if k in self.companions
         }
-        return LayerLayout(layer.index, layer.spec, n, params, router, self.fp8, coded)
+        return LayerLayout(
+            layer.index if index is None else index, layer.spec, n, params, router, self.fp8, coded
+        )
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
         if param.fused is not None:
@@ -300,7 +398,9 @@ class CheckpointLayout:
 
     def _check_unknown_expert_tensors(self) -> None:
         """Refuse per-expert tensors the model has no parameter for (quantization scales...)."""
-        prefixes = [p.internal.rsplit(".", 1)[0] + "." for lay in self.layers for p in lay.experts.values()]
+        prefixes = [
+            p.internal.rsplit(".", 1)[0] + "." for lay in self.all_layers for p in lay.experts.values()
+        ]
         under = re.compile("|".join(re.escape(p) for p in set(prefixes)))
         for key, addr in self.addresses.items():
             if under.match(addr.internal) and addr.internal not in self.roles:

@@ -42,6 +42,7 @@ from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout, ExpertParam, LayerLayout
+from moeprune.shards.mtp import MTP_COUNT_FIELDS, MtpPlan
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 from moeprune.shards.rewrite import (
     PLAN,
@@ -50,6 +51,7 @@ from moeprune.shards.rewrite import (
     copy_other_files,
     index_json,
     whole_tensor,
+    with_mtp,
     write_shard,
 )
 from moeprune.surgery.neurons import check_neuron_prunable, shared_multiplier, stock_width_expressible
@@ -277,14 +279,21 @@ def _padded(
 
 # --------------------------------------------------------------------------- the rewrite
 def _neuron_shards(
-    layout: CheckpointLayout, keep: Keep, width: int, shared: Mapping[str, OutTensor]
+    layout: CheckpointLayout,
+    keep: Keep,
+    width: int,
+    shared: Mapping[str, OutTensor],
+    leave_out: tuple[str, ...] = (),
 ) -> dict[str, list[OutTensor]]:
-    """Per shard file, the tensors of the shrunk checkpoint (same keys, same order)."""
+    """Per shard file, the tensors of the shrunk checkpoint (same keys, same order), but those
+    under the prefixes `leave_out` (MTP layers the shrink does not narrow)."""
     full = layout.moe.layers[0].intermediate_size
     slicer = _Slicer(layout, keep, full)
     params = {p.internal: (lay, name, p) for lay in layout.layers for name, p in lay.experts.items()}
     out: dict[str, list[OutTensor]] = defaultdict(list)
     for key, stored in layout.tensors.items():
+        if leave_out and key.startswith(leave_out):
+            continue
         addr = layout.addresses[key]
         hit = params.get(addr.internal) if width < full else None
         axis = NEURON_AXES[hit[0].spec.layout][hit[1]] if hit else None
@@ -307,8 +316,10 @@ def rewrite_neuron_checkpoint(
     keep: Keep,
     overwrite: bool = False,
     extra: Callable[[Path], None] | None = None,
+    mtp: MtpPlan | None = None,
 ) -> Path:
-    """Write the checkpoint a uniform neuron plan gives, shard by shard, without loading the model.
+    """Write the checkpoint a uniform neuron plan gives, shard by shard, without loading the model;
+    the release's MTP layers of `mtp` are left out (it says why).
 
     `keep[layer][expert]` are the kept neuron ids (increasing; `plans.resolve_plan(...).keep`,
     from calibration statistics). The config's intermediate size becomes K (and the shared
@@ -327,7 +338,8 @@ def rewrite_neuron_checkpoint(
     _check_keep(keep, moe, width)
     full = moe.layers[0].intermediate_size
     shared, multiplier = _shared_padding(layout, full, width)
-    shards = {f: ts for f, ts in _neuron_shards(layout, keep, width, shared).items() if ts}
+    leave_out = mtp.roots if mtp is not None else ()
+    shards = {f: ts for f, ts in _neuron_shards(layout, keep, width, shared, leave_out).items() if ts}
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
@@ -340,9 +352,13 @@ def rewrite_neuron_checkpoint(
             setattr(text, moe.spec.intermediate_field, width)
             if multiplier is not None:
                 setattr(text, *multiplier)
+        if mtp is not None:  # left out (its experts are not narrowed), as the report says
+            for name in MTP_COUNT_FIELDS:
+                if getattr(config.get_text_config(), name, None):
+                    setattr(config.get_text_config(), name, 0)
         config.save_pretrained(tmp)
         copy_other_files(layout.path, tmp)
-        plan.save(tmp / PLAN)
+        with_mtp(plan, mtp).save(tmp / PLAN)
         if extra is not None:
             extra(tmp)
 

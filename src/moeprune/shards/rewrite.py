@@ -18,7 +18,7 @@ import torch
 from transformers import PretrainedConfig
 
 from moeprune.allocate.limits import expert_allocation
-from moeprune.checkpoint.files import INDEX, StoredTensor
+from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header
 from moeprune.checkpoint.save import carry_input_files, copy_modeling_files, moeprune_config
 from moeprune.checkpoint.structure import CONFIG
 from moeprune.config import PruneConfig
@@ -31,6 +31,7 @@ from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
 from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout
+from moeprune.shards.mtp import MTP_COUNT_FIELDS, NEURONS_SKIP_MTP, MtpPlan, is_mtp_key, plan_mtp
 from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"
@@ -91,8 +92,11 @@ def _sliced(key: str, stored: StoredTensor, dim: int, kept: Sequence[int]) -> Ou
     return OutTensor(key, stored.dtype, shape, _merge(ranges))
 
 
-def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str, list[OutTensor]]:
-    """Per shard file, the tensors of the pruned checkpoint (dropped experts gone, kept renumbered).
+def _rewritten(
+    layout: CheckpointLayout, kept: dict[int, list[int]], keep: Callable[[str], bool] = lambda key: True
+) -> dict[str, list[OutTensor]]:
+    """Per shard file, the tensors of the pruned checkpoint (dropped experts gone, kept renumbered),
+    of the stored keys `keep` accepts (their scales and companions follow them).
 
     An fp8 weight's `weight_scale_inv` follows it byte for byte under the weight's new name
     (in the scale's own shard): copied whole, or cut on the same expert dimension; never
@@ -100,7 +104,7 @@ def _rewritten(layout: CheckpointLayout, kept: dict[int, list[int]]) -> dict[str
     out: dict[str, list[OutTensor]] = defaultdict(list)
     for key, stored in layout.tensors.items():
         addr = layout.addresses.get(key)
-        if addr is None:  # a scale: written with its weight
+        if addr is None or not keep(key):  # a scale: written with its weight
             continue
         layer, dim = layout.roles.get(addr.internal, (None, 0))
         if layer not in kept:
@@ -303,6 +307,15 @@ def _write_moeprune_config(layout: CheckpointLayout, kept: dict[int, list[int]],
     copy_modeling_files(dst)
 
 
+def _set_fields(config_file: Path, names: Sequence[str], value: int) -> None:
+    """Set the config fields of `names` it has (at its top level or in its text config) to `value`."""
+    data = json.loads(config_file.read_text())
+    for holder in (data, data.get("text_config")):
+        if isinstance(holder, dict):
+            holder.update({name: value for name in names if name in holder})
+    config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def _follow_kept_experts(config_file: Path, kept: dict[int, list[int]]) -> None:
     """A kept quantization_config's module names that name single experts (a release that left
     some experts unquantized) renumbered as the experts were, dropped experts' names removed."""
@@ -313,6 +326,71 @@ def _follow_kept_experts(config_file: Path, kept: dict[int, list[int]]) -> None:
         config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+DROP_MTP = "--drop-mtp asked for it"
+
+
+def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | None:
+    """What a result of `plan` does with the multi-token-prediction layers the checkpoint `src`
+    stores: pruned to the plan's count, or left out for the reason `left_out` (None: it has none,
+    or is not a safetensors stock checkpoint moeprune can map)."""
+    try:
+        layout = CheckpointLayout(src)
+    except MoePruneError:
+        return None
+    if not left_out and any(lp.neurons for lp in plan.layers):
+        left_out = NEURONS_SKIP_MTP
+    counts = {len(lp.kept) for lp in plan.layers}
+    return plan_mtp(layout, counts.pop() if plan.is_uniform() else None, plan.criterion, left_out)
+
+
+def with_mtp(plan: Plan, mtp: MtpPlan | None) -> Plan:
+    """`plan` recording what happened to the MTP layers (plan.json's `extra.mtp`)."""
+    if mtp is not None:
+        plan.extra["mtp"] = mtp.to_json()
+    return plan
+
+
+def append_input_tensors(src: str | Path, folder: Path, mtp: MtpPlan | None, carried: Sequence[str]) -> None:
+    """Add to the saved checkpoint in `folder` the input's tensors the loaded model never held: the
+    MTP layers of `mtp` (pruned as it says, unless it leaves them out) and the stored keys
+    `carried` (copied as stored), in shards of their own (`model-extra-*.safetensors`) that the
+    index lists beside the model's."""
+    layout = CheckpointLayout(src)
+    keep_mtp = mtp is not None and not mtp.left_out
+    wanted = set(carried)
+
+    def keep(key: str) -> bool:
+        return key in wanted or (keep_mtp and mtp is not None and is_mtp_key(mtp, key))
+
+    shards = {f: ts for f, ts in _rewritten(layout, mtp.kept if keep_mtp and mtp else {}, keep).items() if ts}
+    if not shards:
+        return
+    index = json.loads((folder / INDEX).read_text()) if (folder / INDEX).is_file() else None
+    if index is None:  # one model.safetensors so far: it becomes the first of numbered shards, which
+        # an index lists (loaders read a lone model.safetensors and never look for an index)
+        total = len(shards) + 1
+        first = f"model-00001-of-{total:05d}.safetensors"
+        (folder / SINGLE).rename(folder / first)
+        header, _ = read_header(folder / first)
+        index = {"metadata": {}, "weight_map": dict.fromkeys(header, first)}
+        names = {file: f"model-{i:05d}-of-{total:05d}.safetensors" for i, file in enumerate(shards, 2)}
+    else:
+        names = {
+            file: f"model-extra-{i:05d}-of-{len(shards):05d}.safetensors" for i, file in enumerate(shards, 1)
+        }
+    for file, tensors in shards.items():
+        write_shard(layout.path / file, folder / names[file], tensors, layout.file_metadata[file])
+        index["weight_map"].update({t.key: names[file] for t in tensors})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    total = sum(
+        t.end - t.start
+        for f in set(index["weight_map"].values())
+        for t in read_header(folder / f)[0].values()
+    )
+    index["metadata"] = {**(index.get("metadata") or {}), "total_size": total}
+    write_json(folder / INDEX, index)
+
+
 def rewrite_checkpoint(
     src: str | Path,
     dst: str | Path,
@@ -321,6 +399,7 @@ def rewrite_checkpoint(
     extra: Callable[[Path], None] | None = None,
     *,
     stock: bool = True,
+    mtp: MtpPlan | None = None,
 ) -> Path:
     """Write the checkpoint `plan` prunes, shard by shard, without loading the model.
 
@@ -330,7 +409,8 @@ def rewrite_checkpoint(
     `drop_experts` then `save_pretrained`. Only uniform drop plans (what a stock config can
     express), unless `stock=False` allows different counts per layer, written in moeprune's format
     (the same tensors, the structure in config.json, the modeling files). `extra(tmp_dir)` may add
-    files (a report) before the folder is renamed into place.
+    files (a report) before the folder is renamed into place. The release's MTP layers are
+    pruned as `mtp` says (`release_mtp`), or left out with the count field set to 0.
     """
     layout = CheckpointLayout(src)
     if Path(dst).resolve() == layout.path.resolve():
@@ -338,8 +418,16 @@ def rewrite_checkpoint(
             "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
         )
     kept = uniform_kept(plan, layout.moe) if stock else plan_kept(plan, layout.moe)
-    shards = {f: ts for f, ts in _rewritten(layout, kept).items() if ts}
     counts = {len(k) for k in kept.values()}
+    leave_out = mtp is not None and bool(mtp.left_out)
+    every = {**kept, **(mtp.kept if mtp is not None and not leave_out else {})}
+    shards = {
+        f: ts
+        for f, ts in _rewritten(
+            layout, every, lambda key: not (leave_out and mtp is not None and is_mtp_key(mtp, key))
+        ).items()
+        if ts
+    }
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
@@ -351,8 +439,10 @@ def rewrite_checkpoint(
         else:  # moeprune's format: per-layer counts (the in-memory pipeline asks for it, stock=False)
             _write_moeprune_config(layout, kept, tmp)
         _follow_kept_experts(tmp / CONFIG, kept)
+        if leave_out:
+            _set_fields(tmp / CONFIG, MTP_COUNT_FIELDS, 0)
         copy_other_files(layout.path, tmp)
-        plan.save(tmp / PLAN)
+        with_mtp(plan, mtp).save(tmp / PLAN)
         if extra is not None:
             extra(tmp)
 

@@ -1,0 +1,106 @@
+"""The multi-token-prediction (MTP) layers a release stores beside the decoder stack, pruned with
+the result rather than lost.
+
+DeepSeek-V3/R1, GLM-4.5, Qwen3-Next, Qwen3.5-MoE, MiMo and DeepSeek-V4 ship one MoE decoder layer
+more than transformers builds (it skips their weights on load); vLLM builds it for speculative
+decoding, with the expert count of the config, the same as every other layer's. So a stock result
+keeps each MTP layer with that count: its experts are chosen by a weight-only criterion on the MTP
+layer's own weights (AIMER by default, the user's criterion when that is weight-only), read from
+the input's shards, because calibrating it would take the MTP forward transformers does not have
+(the last hidden state and the next token's embedding). Its kept experts, router rows and
+selection biases are cut in step like any layer's (`shards/rewrite.py`), every other MTP tensor is
+copied as stored, and the config keeps `num_nextn_predict_layers`. A result in moeprune's format
+(different counts per layer) leaves them out, saying so: neither its loader nor vLLM's plugin
+builds MTP drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeprune.criteria import compute_scores, get_criterion
+from moeprune.shards.layout import CheckpointLayout
+from moeprune.shards.reader import SafetensorsExperts, ShardReader
+
+MTP_CRITERION = "aimer"  # weight-only, scale invariant: needs nothing but the MTP layer's weights
+MTP_COUNT_FIELDS = ("num_nextn_predict_layers",)  # the config field vLLM reads (DeepSeek-V3, GLM-4.5)
+MTP_NOT_REQUANTIZED = (
+    "the input stores them quantized and this result is dequantized (moeprune does not quantize)"
+)
+NEURONS_SKIP_MTP = "narrowing experts (the neurons methods) does not reach MTP layers yet"
+
+
+@dataclass
+class MtpPlan:
+    """What happens to a checkpoint's MTP layers: `kept` experts per layer (pruned and kept), or
+    `left_out` with the reason (the result has none)."""
+
+    prefixes: dict[int, str]  # layer number -> its stored key prefix
+    roots: tuple[str, ...]  # every stored key of the MTP modules starts with one of them
+    kept: dict[int, list[int]] = field(default_factory=dict)
+    num_experts: int = 0
+    criterion: str = ""
+    left_out: str = ""
+
+    def to_json(self) -> dict:
+        if self.left_out:
+            return {"layers": sorted(self.prefixes), "left_out": self.left_out}
+        return {
+            "criterion": self.criterion,
+            "layers": {
+                str(i): {"prefix": self.prefixes[i], "num_experts": self.num_experts, "kept": kept}
+                for i, kept in sorted(self.kept.items())
+            },
+        }
+
+    def note(self) -> str:
+        """One line for the summary and the log."""
+        names = ", ".join(f"{p}*" for p in self.prefixes.values())
+        count = len(self.prefixes)
+        what = f"{count} multi-token-prediction layer{'s' if count > 1 else ''} ({names})"
+        if self.left_out:
+            return f"{what} left out: {self.left_out}"
+        if not self.kept:
+            return f"{what} kept as stored (no routed experts)"
+        kept = len(next(iter(self.kept.values())))
+        return f"{what} kept, pruned to {kept} of {self.num_experts} experts by {self.criterion} on its own weights"
+
+
+def mtp_layers(layout: CheckpointLayout) -> dict[int, str]:
+    """Layer number -> stored prefix of every MTP layer the checkpoint holds (with experts or not)."""
+    return {extra.index: extra.prefix for extra in layout.extras}
+
+
+def is_mtp_key(plan: MtpPlan, key: str) -> bool:
+    return key.startswith(plan.roots)
+
+
+def plan_mtp(
+    layout: CheckpointLayout, count: int | None, criterion: str | None = None, left_out: str = ""
+) -> MtpPlan | None:
+    """The plan of `layout`'s MTP layers in a result keeping `count` experts per layer (None: a
+    result with different counts per layer, which leaves them out), or None without MTP layers.
+    `criterion` is used when it needs no data, `MTP_CRITERION` otherwise; `left_out` drops them
+    for that reason (`--drop-mtp`)."""
+    prefixes = mtp_layers(layout)
+    if not prefixes:
+        return None
+    roots = tuple(sorted({extra.root for extra in layout.extras}))
+    if left_out:
+        return MtpPlan(prefixes, roots, left_out=left_out)
+    if count is None:
+        return MtpPlan(
+            prefixes,
+            roots,
+            left_out="the result keeps different expert counts per layer (moeprune's format), which neither "
+            "moeprune's loader nor vLLM builds MTP drafts for",
+        )
+    name = criterion if criterion and not get_criterion(criterion).needs_data else MTP_CRITERION
+    shards = ShardReader(layout.path, layout.tensors)
+    sources = [SafetensorsExperts(lay, shards) for lay in layout.extra_layers]
+    kept = {}
+    for scores in compute_scores(name, weights=sources):
+        n = len(scores.scores)
+        kept[scores.layer] = sorted(scores.order[n - count :]) if count < n else list(range(n))
+    n = layout.extra_layers[0].num_experts if layout.extra_layers else 0
+    return MtpPlan(prefixes, roots, kept, n, name)

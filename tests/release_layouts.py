@@ -1,0 +1,124 @@
+"""Tiny checkpoints laid out as the releases are: the decoder stack transformers builds, plus what a
+release ships beside it (multi-token-prediction layers, under the release's own names).
+
+An MTP layer is a decoder layer of the family's own kind plus a few projections and norms. The
+fixture builds the family's tiny model with one more layer, saves it (the stack in the family's
+hub naming), then moves that last layer under the release's MTP prefix, adds the MTP-only
+tensors under the names vLLM's MTP loaders read (`deepseek_mtp.py`, `glm4_moe_mtp.py`,
+`qwen3_next_mtp.py`, `mimo_v2_mtp`), and writes the config the release ships (one layer fewer,
+`num_nextn_predict_layers` where the family's config has it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeprune.models.factory import tiny_config, tiny_model
+from moeprune.quant.testing import save_fp8_checkpoint
+
+
+@dataclass(frozen=True)
+class MtpRelease:
+    """How one release family stores its MTP layer."""
+
+    model_type: str
+    prefix: str  # the MTP decoder layer's stored prefix, {n}: num_hidden_layers
+    extras: tuple[str, ...]  # MTP-only tensors below the prefix (or whole names, starting with "/")
+    count_field: str | None = "num_nextn_predict_layers"
+
+
+_DEEPSEEK_EXTRAS = (
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    "shared_head.norm.weight",
+    "shared_head.head.weight",
+)
+_QWEN_EXTRAS = (
+    "/mtp.fc.weight",
+    "/mtp.norm.weight",
+    "/mtp.pre_fc_norm_hidden.weight",
+    "/mtp.pre_fc_norm_embedding.weight",
+)
+
+RELEASES = {
+    "deepseek_v3": MtpRelease("deepseek_v3", "model.layers.{n}.", (*_DEEPSEEK_EXTRAS, "embed_tokens.weight")),
+    "glm4_moe": MtpRelease("glm4_moe", "model.layers.{n}.", _DEEPSEEK_EXTRAS),
+    "qwen3_next": MtpRelease("qwen3_next", "mtp.layers.0.", _QWEN_EXTRAS, None),
+    # the multimodal release: a vision tower, the language model under model.language_model, mtp.*
+    "qwen3_5_moe": MtpRelease("qwen3_5_moe", "mtp.layers.0.", _QWEN_EXTRAS, None),
+    "mimo_v2_flash": MtpRelease(
+        "mimo_v2_flash",
+        "model.mtp.layers.0.",
+        ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
+        None,
+    ),
+}
+
+
+def _extra_shape(name: str, hidden: int, vocab: int) -> tuple[int, ...]:
+    if name.endswith(("eh_proj.weight", "fc.weight")):
+        return (hidden, 2 * hidden)
+    if name.endswith(("head.weight", "embed_tokens.weight")):
+        return (vocab, hidden)
+    return (hidden,)
+
+
+def write_mtp_release(model_type: str, folder: Path, seed: int = 0, fp8: bool = False) -> Path:
+    """A tiny `model_type` checkpoint with one MTP layer stored the release's way, in `folder`;
+    with `fp8`, block-scaled as DeepSeek-V3 ships (the MTP layer's experts too)."""
+    release = RELEASES[model_type]
+    config = tiny_config(model_type)
+    text = config.get_text_config()  # a wrapper's (Qwen3.5-MoE) language model holds the stack
+    n = text.num_hidden_layers
+    longer = {
+        key: [*value, "full_attention" if "full_attention" in value else value[-1]]
+        for key, value in text.to_dict().items()
+        if isinstance(value, list) and len(value) == n and key != "architectures"
+    }
+    model = tiny_model(model_type, seed=seed, num_hidden_layers=n + 1, **longer)
+    if fp8:
+        save_fp8_checkpoint(model, folder)
+    else:
+        model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    stack = next(k[: k.index(f"layers.{n}.") + len(f"layers.{n}.")] for k in tensors if f"layers.{n}." in k)
+    prefix = release.prefix.format(n=n)
+    stored = {(prefix + k[len(stack) :] if k.startswith(stack) else k): v for k, v in tensors.items()}
+    generator = torch.Generator().manual_seed(seed + 1)
+    for extra in release.extras:
+        name = extra[1:] if extra.startswith("/") else prefix + extra
+        shape = _extra_shape(name, text.hidden_size, text.vocab_size)
+        stored[name] = (1.0 if len(shape) == 1 else 0.0) + 0.2 * torch.randn(shape, generator=generator)
+    save_file(
+        {k: v.contiguous() for k, v in stored.items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    saved = json.loads((folder / "config.json").read_text())
+    holder = saved.get("text_config", saved)
+    holder["num_hidden_layers"] = n
+    for key in longer:
+        holder[key] = holder[key][:n]
+    if release.count_field:
+        holder[release.count_field] = 1
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
+    return folder
+
+
+def mtp_keys(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
+    """The stored tensors of the checkpoint's MTP layer (its prefix and MTP-only whole names)."""
+    release = RELEASES[model_type]
+    saved = json.loads((folder / "config.json").read_text())
+    n = saved.get("text_config", saved)["num_hidden_layers"]
+    prefix = release.prefix.format(n=n)
+    whole = {e[1:] for e in release.extras if e.startswith("/")}
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update({k: v for k, v in load_file(file).items() if k.startswith(prefix) or k in whole})
+    return out
