@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,28 @@ def test_fp8_release_keeps_its_mtp_layer_quantized(tmp_path, no_load):
 def test_inspect_names_the_mtp_layer(releases):
     out = run_cli("inspect", str(releases["qwen3_5_moe"]))
     assert "1 multi-token-prediction layer(s) (mtp.layers.0.*)" in out.output
+
+
+def test_tensors_the_model_class_skips_are_carried_and_named(releases, tmp_path):
+    """Qwen3.5-MoE's release loaded through its text-only config: transformers skips the vision
+    tower (`_keys_to_ignore_on_load_unexpected`) and the MTP layer; the result holds both."""
+    source = tmp_path / "text"
+    shutil.copytree(releases["qwen3_5_moe"], source)
+    saved = json.loads((source / "config.json").read_text())
+    text = {
+        **saved["text_config"],
+        "model_type": "qwen3_5_moe_text",
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+    }
+    (source / "config.json").write_text(json.dumps(text))
+    plan = _prune(source, tmp_path / "out", "--sparsity", "0.25")
+    before, after = stored_tensors(source), stored_tensors(tmp_path / "out")
+    visual = [k for k in before if k.startswith("model.visual.")]
+    assert visual and all(torch.equal(after[k], before[k]) for k in visual)
+    assert plan["extra"]["mtp"]["layers"]["4"]["kept"]
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["release_layers"]
+    assert (
+        notes[1]
+        == f"{len(visual)} stored tensors the model class skips on load (model.visual.*) carried into the result as stored"
+    )
+    _assert_masked_original(source, tmp_path / "out", plan)

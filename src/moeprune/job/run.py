@@ -26,8 +26,15 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
-from moeprune.shards.mtp import MTP_NOT_REQUANTIZED
-from moeprune.shards.rewrite import DROP_MTP, append_input_tensors, release_mtp, rewrite_checkpoint, with_mtp
+from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, ignored_note
+from moeprune.shards.rewrite import (
+    DROP_MTP,
+    append_input_tensors,
+    ignored_keys,
+    release_mtp,
+    rewrite_checkpoint,
+    with_mtp,
+)
 
 
 def prune_in_memory(request: PruneRequest) -> dict:
@@ -103,9 +110,12 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         else "",
     )
     with_mtp(result.plan, mtp)
-    report.release_layers = [mtp.note()] if mtp is not None else None
-    if mtp is not None:
-        log.note(mtp.note())
+    ignored = ignored_keys(job.model_path) if not quantized_input else []  # a kept quantization copies all
+    carry = result.plan.is_uniform()  # a stock result: its loader skips them as the input's did
+    notes = ([mtp.note()] if mtp is not None else []) + ([ignored_note(ignored, carry)] if ignored else [])
+    report.release_layers = notes or None
+    for note in notes:
+        log.note(note)
     evidence = Evidence(
         job.model_path,
         job.output,
@@ -129,8 +139,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 max_shard_size=job.max_shard_size,
                 keep_mtp=mtp is not None and not mtp.left_out,
             )
-            if mtp is not None:
-                append_input_tensors(job.model_path, tmp, mtp, ())
+            if mtp is not None or (ignored and carry):
+                append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

@@ -316,6 +316,20 @@ class CheckpointLayout:
         }
         self._check_unknown_expert_tensors()
 
+    def ignored_keys(self) -> list[str]:
+        """Stored keys the model class declares it skips on load (`_keys_to_ignore_on_load_unexpected`:
+        a vision tower under a text-only config, say), but the MTP layers' (pruned and kept apart)."""
+        patterns = [
+            re.compile(p)
+            for p in getattr(type(self.moe.model), "_keys_to_ignore_on_load_unexpected", None) or []
+        ]
+        roots = tuple(extra.root for extra in self.extras)
+        return sorted(
+            key
+            for key in self.addresses
+            if any(p.search(key) for p in patterns) and not (roots and key.startswith(roots))
+        )
+
     @property
     def all_layers(self) -> list[LayerLayout]:
         """The stack's MoE layers, then the release's extra (MTP) layers holding experts."""

@@ -104,3 +104,13 @@ def plan_mtp(
         kept[scores.layer] = sorted(scores.order[n - count :]) if count < n else list(range(n))
     n = layout.extra_layers[0].num_experts if layout.extra_layers else 0
     return MtpPlan(prefixes, roots, kept, n, name)
+
+
+def ignored_note(keys: list[str], carried: bool) -> str:
+    """One line for the tensors the model class skips on load: carried as stored, or not in the result."""
+    groups = sorted({".".join(k.split(".")[:2]) + ".*" for k in keys})
+    shown = ", ".join(groups[:3]) + (f" and {len(groups) - 3} more" if len(groups) > 3 else "")
+    what = f"{len(keys)} stored tensor{'s' if len(keys) > 1 else ''} the model class skips on load ({shown})"
+    if carried:
+        return f"{what} carried into the result as stored"
+    return f"{what} not in the result: moeprune's format holds what its loader builds"

@@ -343,6 +343,14 @@ def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | No
     return plan_mtp(layout, counts.pop() if plan.is_uniform() else None, plan.criterion, left_out)
 
 
+def ignored_keys(src: str | Path) -> list[str]:
+    """The stored keys of `src` its model class skips on load (none where the layout cannot be read)."""
+    try:
+        return CheckpointLayout(src).ignored_keys()
+    except MoePruneError:
+        return []
+
+
 def with_mtp(plan: Plan, mtp: MtpPlan | None) -> Plan:
     """`plan` recording what happened to the MTP layers (plan.json's `extra.mtp`)."""
     if mtp is not None:
