@@ -30,6 +30,7 @@ class MtpRelease:
     prefix: str  # the MTP decoder layer's stored prefix, {n}: num_hidden_layers
     extras: tuple[str, ...]  # MTP-only tensors below the prefix (or whole names, starting with "/")
     count_field: str | None = "num_nextn_predict_layers"
+    layer_kind: tuple[tuple[str, str], ...] = ()  # per-layer config lists set for the MTP layer
 
 
 _DEEPSEEK_EXTRAS = (
@@ -52,11 +53,13 @@ RELEASES = {
     "qwen3_next": MtpRelease("qwen3_next", "mtp.layers.0.", _QWEN_EXTRAS, None),
     # the multimodal release: a vision tower, the language model under model.language_model, mtp.*
     "qwen3_5_moe": MtpRelease("qwen3_5_moe", "mtp.layers.0.", _QWEN_EXTRAS, None),
+    # MiMo-V2-Flash's MTP layer has a dense MLP (vLLM's mimo_v2_mtp.py): nothing to prune in it
     "mimo_v2_flash": MtpRelease(
         "mimo_v2_flash",
         "model.mtp.layers.0.",
         ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight"),
         None,
+        (("mlp_layer_types", "dense"),),
     ),
 }
 
@@ -76,8 +79,9 @@ def write_mtp_release(model_type: str, folder: Path, seed: int = 0, fp8: bool = 
     config = tiny_config(model_type)
     text = config.get_text_config()  # a wrapper's (Qwen3.5-MoE) language model holds the stack
     n = text.num_hidden_layers
+    kinds = dict(release.layer_kind)
     longer = {
-        key: [*value, "full_attention" if "full_attention" in value else value[-1]]
+        key: [*value, kinds.get(key, "full_attention" if "full_attention" in value else value[-1])]
         for key, value in text.to_dict().items()
         if isinstance(value, list) and len(value) == n and key != "architectures"
     }

@@ -96,6 +96,8 @@ def plan_mtp(
             "moeprune's loader nor vLLM builds MTP drafts for",
         )
     name = criterion if criterion and not get_criterion(criterion).needs_data else MTP_CRITERION
+    if not layout.extra_layers:  # dense MTP layers (MiMo-V2's): nothing to prune, copied as stored
+        return MtpPlan(prefixes, roots)
     shards = ShardReader(layout.path, layout.tensors)
     sources = [SafetensorsExperts(lay, shards) for lay in layout.extra_layers]
     kept = {}
