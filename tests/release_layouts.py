@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -72,11 +73,14 @@ def _extra_shape(name: str, hidden: int, vocab: int) -> tuple[int, ...]:
     return (hidden,)
 
 
-def write_mtp_release(model_type: str, folder: Path, seed: int = 0, fp8: bool = False) -> Path:
+def write_mtp_release(
+    model_type: str, folder: Path, seed: int = 0, fp8: bool = False, **overrides: Any
+) -> Path:
     """A tiny `model_type` checkpoint with one MTP layer stored the release's way, in `folder`;
-    with `fp8`, block-scaled as DeepSeek-V3 ships (the MTP layer's experts too)."""
+    with `fp8`, block-scaled as DeepSeek-V3 ships (the MTP layer's experts too). `overrides` are
+    config fields for `tiny_config` (num_hidden_layers: the stack without the MTP layer)."""
     release = RELEASES[model_type]
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, **overrides)
     text = config.get_text_config()  # a wrapper's (Qwen3.5-MoE) language model holds the stack
     n = text.num_hidden_layers
     kinds = dict(release.layer_kind)
@@ -85,7 +89,7 @@ def write_mtp_release(model_type: str, folder: Path, seed: int = 0, fp8: bool = 
         for key, value in text.to_dict().items()
         if isinstance(value, list) and len(value) == n and key != "architectures"
     }
-    model = tiny_model(model_type, seed=seed, num_hidden_layers=n + 1, **longer)
+    model = tiny_model(model_type, seed=seed, **{**overrides, "num_hidden_layers": n + 1, **longer})
     if fp8:
         save_fp8_checkpoint(model, folder)
     else:
