@@ -16,4 +16,5 @@ cd "$(dirname "$0")/.."
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 # (the modules that drive .venv-vllm's vLLM in a subprocess ran in the first pass already)
 .venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py --ignore=tests/serve/test_serve_check.py \
-  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/evaluate/test_lm_eval_vllm.py "$@"
+  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/evaluate/test_lm_eval_vllm.py \
+  --ignore=tests/serve/test_serve_mtp.py "$@"
