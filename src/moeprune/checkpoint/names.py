@@ -144,7 +144,7 @@ def disk_tensors(moe: MoEModel, stock: bool = False) -> dict[str, torch.Tensor]:
 
 _MTP_MODULE = re.compile(r"(^|\.)mtp\.")
 _NUMBERED_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.\d+\.")
+_MTP_LAYER = re.compile(r"(?:^|\.)mtp\.(?:layers\.)?\d+\.")
 
 
 def beside_stack(key: str, num_hidden_layers: int) -> bool:
@@ -168,4 +168,4 @@ def beside_stack_prefixes(keys, num_hidden_layers: int) -> list[str]:
             continue
         match = _MTP_LAYER.search(key) or _NUMBERED_LAYER.search(key)
         found.add(key[: match.end()] if match else key.rsplit(".", 1)[0] + ".")
-    return sorted(p for p in found if "layers." in p)
+    return sorted(p for p in found if _NUMBERED_LAYER.search(p) or _MTP_LAYER.search(p))

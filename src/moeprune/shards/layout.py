@@ -102,9 +102,8 @@ class ExtraLayer:
     root: str  # every stored key of the MTP module starts with it ("model.layers.61.", "mtp.")
 
 
-_MTP_STACK = re.compile(
-    r"^((?:\w+\.)*?mtp\.layers\.)(\d+)\."
-)  # Qwen3-Next's mtp.layers.0., MiMo's model.mtp.layers.0.
+# Qwen3-Next's mtp.layers.0., MiMo's model.mtp.layers.0., DeepSeek's reference naming mtp.0.
+_MTP_STACK = re.compile(r"^((?:\w+\.)*?mtp\.(?:layers\.)?)(\d+)\.")
 _NUMBERED = re.compile(r"^(.*?\.)(\d+)\.")
 
 
