@@ -32,8 +32,7 @@ from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
     LOGPROB_ATOL,
     NEW_TOKENS,
     _greedy_and_logprobs,
-    _run_vllm,
-    _tail,
+    drive_vllm,
     vllm_python,
 )
 from tests.helpers import run_cli
@@ -156,18 +155,8 @@ def served(vllm_python, tmp_path_factory) -> dict:  # noqa: F811
     }
     work = root / "vllm"
     work.mkdir()
-    (work / "spec.json").write_text(json.dumps(spec))
-    (work / "driver.py").write_text(DRIVER)
     start = time.time()
-    result = _run_vllm(
-        vllm_python, [work / "driver.py", work / "spec.json", work / "out.json"], work / "log.txt"
-    )
-    if result.returncode != 0:
-        pytest.fail(
-            f"vLLM failed (exit {result.returncode}); the end of its log:\n{_tail(work / 'log.txt')}",
-            pytrace=False,
-        )
-    served = json.loads((work / "out.json").read_text())
+    served = drive_vllm(vllm_python, work, spec, DRIVER)
     print(f"\nvLLM: {len(spec['runs'])} runs and a refusal in {time.time() - start:.0f} s (one process)")
     return {"vllm": served, "source": source, **results}
 

@@ -311,16 +311,11 @@ def damaged(outputs, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def served(vllm_python, outputs, unserved_family, new_family, damaged, tmp_path_factory) -> dict:
-    """vLLM's results for every output, from one subprocess; also its load times."""
-    work = tmp_path_factory.mktemp("vllm")
-    spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
-            "models": [[str(path), VLLM_OPTIONS.get(family, {})] for (family, _), path in outputs.items()],
-            "refuse": [str(unserved_family), str(new_family), str(damaged)]}  # fmt: skip
+def drive_vllm(vllm_python, work: Path, spec: dict, driver: str) -> dict:
+    """Run `driver` (a script reading spec.json, writing out.json) in vLLM's venv; its output, or
+    the test fails showing the end of vLLM's log."""
     (work / "spec.json").write_text(json.dumps(spec))
-    (work / "driver.py").write_text(DRIVER)
-    start = time.time()
+    (work / "driver.py").write_text(driver)
     result = _run_vllm(
         vllm_python, [work / "driver.py", work / "spec.json", work / "out.json"], work / "log.txt"
     )
@@ -329,7 +324,18 @@ def served(vllm_python, outputs, unserved_family, new_family, damaged, tmp_path_
             f"vLLM failed (exit {result.returncode}); the end of its log:\n{_tail(work / 'log.txt')}",
             pytrace=False,
         )
-    served = json.loads((work / "out.json").read_text())
+    return json.loads((work / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def served(vllm_python, outputs, unserved_family, new_family, damaged, tmp_path_factory) -> dict:
+    """vLLM's results for every output, from one subprocess; also its load times."""
+    work = tmp_path_factory.mktemp("vllm")
+    spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
+            "models": [[str(path), VLLM_OPTIONS.get(family, {})] for (family, _), path in outputs.items()],
+            "refuse": [str(unserved_family), str(new_family), str(damaged)]}  # fmt: skip
+    start = time.time()
+    served = drive_vllm(vllm_python, work, spec, DRIVER)
     served["seconds"] = time.time() - start
     print(f"\nvLLM served {len(outputs)} outputs in {served['seconds']:.0f} s (one process)")
     return served

@@ -43,7 +43,7 @@ from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_format
-from moeprune.shards.mtp import NEURONS_SKIP_MTP
+from moeprune.shards.mtp import NEURONS_SKIP_MTP, MtpPlan
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
 from moeprune.shards.rewrite import DROP_MTP, release_mtp, rewrite_checkpoint, stock_counts
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
@@ -252,6 +252,15 @@ class _NoLoadJob:
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
 
 
+def _release_mtp(job: _NoLoadJob, plan: Plan, report: PruneReport, left_out: str = "") -> MtpPlan | None:
+    """What the rewrite does with the input's MTP layers, said in the report and the run log."""
+    mtp = release_mtp(job.model_path, plan, DROP_MTP if job.drop_mtp else left_out)
+    if mtp is not None:
+        report.release_layers = [mtp.note()]
+        RunLog.join().note(mtp.note())
+    return mtp
+
+
 def _drop(job: _NoLoadJob) -> dict:
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
     stock_counts(moe, config, NO_LOAD_COUNTS)  # before scoring
@@ -281,10 +290,7 @@ def _drop(job: _NoLoadJob) -> dict:
         target=job.target,
     )
 
-    mtp = release_mtp(model_path, plan, DROP_MTP if job.drop_mtp else "")
-    report.release_layers = [mtp.note()] if mtp is not None else None
-    if mtp is not None:
-        RunLog.join().note(mtp.note())
+    mtp = _release_mtp(job, plan, report)
     if rank_and_world()[0] == 0:
         rewrite_checkpoint(
             model_path,
@@ -362,10 +368,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         report.parameters_after = ParameterCounts.from_json(routed_parameters(after))
         _publish(tmp, job, report, plan)
 
-    mtp = release_mtp(model_path, plan, DROP_MTP if job.drop_mtp else NEURONS_SKIP_MTP)
-    report.release_layers = [mtp.note()] if mtp is not None else None
-    if mtp is not None:
-        RunLog.join().note(mtp.note())
+    mtp = _release_mtp(job, plan, report, NEURONS_SKIP_MTP)
     if rank_and_world()[0] == 0:
         rewrite_neuron_checkpoint(
             model_path, output, plan, keep, overwrite=job.run.overwrite, extra=extra, mtp=mtp
