@@ -216,3 +216,32 @@ def test_tensors_the_model_class_skips_are_carried_and_named(releases, tmp_path)
         == f"{len(visual)} stored tensors the model class skips on load (model.visual.*) carried into the result as stored"
     )
     _assert_masked_original(source, tmp_path / "out", plan)
+
+
+@pytest.mark.parametrize("no_load", [False, True], ids=["in-memory", "no-load"])
+def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, data, no_load):
+    """Calibrating the MTP layer would take the MTP forward transformers does not have: with a data
+    criterion (REAP observed on the calibration text), the MTP layer's plan is AIMER's, and says so."""
+    from moeprune.data.tokenizer import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    source = write_mtp_release("deepseek_v3", tmp_path / "in", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(source)
+    args = ["--criterion", "reap", "--data", str(data), "--samples", "8", "--sparsity", "0.25"]
+    run_cli(
+        "prune",
+        str(source),
+        "--output",
+        str(tmp_path / "out"),
+        "--quiet",
+        *args,
+        *(["--no-load"] if no_load else []),
+    )
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    mtp = plan["extra"]["mtp"]
+    assert plan["criterion"] == "reap" and mtp["criterion"] == "aimer"
+    assert mtp["layers"]["3"]["kept"] == _expected_kept(mtp_keys(source, "deepseek_v3"), 6)
+    assert (
+        "pruned to 6 of 8 experts by aimer on its own weights" in (tmp_path / "out" / "report.md").read_text()
+    )
+    _assert_masked_original(source, tmp_path / "out", plan)
