@@ -187,12 +187,17 @@ def setting(
     help: str,
     *,
     flag: str | None = None,
-    minimum: int | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    open_bounds: bool = False,
     choices: Sequence[str] | None = None,
+    metavar: str | None = None,
 ) -> Any:
-    """A config field that carries its command-line help, flag, lower bound and choices, so the
-    CLI's options, their --help and the docs' CLI reference are made from the field (cli/options.py)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "min": minimum, "choices": choices})
+    """A config field that carries its command-line help, flag, bounds (`open_bounds`: both
+    excluded), choices and metavar, so the CLI's options, their --help and the docs' CLI reference
+    are made from the field (cli/options.py). `default=MISSING`: a required field and option."""
+    metadata = {"help": help, "flag": flag, "min": minimum, "max": maximum, "open": open_bounds}
+    return field(default=default, metadata=metadata | {"choices": choices, "metavar": metavar})
 
 
 @dataclass
@@ -269,18 +274,39 @@ class SearchConfig:
 class PruneConfig:
     """What to prune and how; see docs/python-api.md. Round-trips through JSON."""
 
-    criterion: str  # a registered criterion, or "auto" (the best uniform plan on the search data)
-    # drop/novice: fraction of routed experts; neurons/tenp: of routed-expert parameters. None only
-    # with `target_size`, which solves it (job.prepare / the no-load pipeline, before any weight loads)
-    sparsity: float | None = None
-    allocation: str | None = None  # None: the method's default (uniform; trapezoid for tenp)
-    method: str = "drop"
-    expert_multiple: int = 1  # every layer keeps a multiple of this many experts
-    seed: int = 0  # the random criterion's permutation
+    # a registered criterion, or "auto" (the best uniform plan on the search data); the CLI adds
+    # the registry's names and help (cli/prune.py)
+    criterion: str = setting(MISSING, "How experts are ranked:")
+    # None only with `target_size`, which solves it (job.prepare / the no-load pipeline, before any
+    # weight loads)
+    sparsity: float | None = setting(
+        None,
+        "drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert "
+        "parameters. Give it or --target-size.",
+        minimum=0,
+        maximum=1,
+        open_bounds=True,
+    )
+    # None: the method's default (uniform; trapezoid for tenp)
+    allocation: str | None = setting(None, "How many experts each layer loses [default: the method's first]:")
+    method: str = setting("drop", "What happens to the chosen experts:")
+    expert_multiple: int = setting(
+        1,
+        "Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible "
+        "by the EP size; kernels like multiples of 8).",
+        minimum=1,
+    )
+    # the random criterion's permutation; the CLI's --seed (every command's) also seeds the data
+    seed: int = setting(0, "Seed of the data sampling and of the random criterion.")
     search: SearchConfig = field(default_factory=SearchConfig)
-    # instead of `sparsity`: the weights' bytes on disk the result must fit in ("40GiB", "500MB",
-    # or bytes as an int), in the format it is saved in; the smallest sparsity that fits is solved
-    target_size: int | str | None = None
+    # the weights' bytes on disk the result must fit in ("40GiB", "500MB", or bytes as an int)
+    target_size: int | str | None = setting(
+        None,
+        "Instead of --sparsity: the bytes of weights the result may hold on disk, in the format it "
+        "is saved in (e.g. 40GiB, 500MB, 123456; kB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of "
+        "2); the smallest sparsity that fits is solved before any weight is loaded.",
+        metavar="SIZE",
+    )
     # the method's own settings: an instance of its options class (`Method.options`, e.g. TenpOptions),
     # or a dict of its fields (JSON); None: its defaults. Resolved with the names (check_config).
     options: Any = None

@@ -11,6 +11,7 @@ sparsity was predicted not to fit, and a dry run at that sparsity predicts the s
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 
 from moeprune.checkpoint.files import tensor_bytes
 from moeprune.cli.main import main
+from moeprune.cli.options import SettingOption, option_name
 from moeprune.config import PruneConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
@@ -178,3 +180,22 @@ def test_the_python_api_takes_a_target_and_prune_of_a_loaded_model_says_where(ti
 
     with pytest.raises(MoePruneError, match="prune\\(\\) of a loaded model takes a sparsity"):
         prune(tiny_model("qwen3_moe"), config)
+
+
+def test_every_option_that_sets_a_prune_config_field_is_made_from_that_field():
+    """Each PruneConfig setting is one flag of `prune`, generated from the field (its default,
+    required-ness and help), and no other option sets it: a hand-written duplicate fails here."""
+    params = main.commands["prune"].params
+    settings = [f for f in fields(PruneConfig) if "help" in f.metadata]
+    assert {f.name for f in settings} == {
+        f.name for f in fields(PruneConfig) if f.init and f.name not in ("search", "options")
+    }
+    for setting in settings:
+        flag = setting.metadata["flag"] or "--" + setting.name.replace("_", "-")
+        same = [p for p in params if p.name == option_name(setting) or flag in p.opts]
+        assert len(same) == 1, (setting.name, same)
+        option = same[0]
+        assert isinstance(option, SettingOption) and option.setting is setting, setting.name
+        assert option.required == (setting.default is MISSING)
+        assert option.required or option.default == setting.default
+        assert option.help.startswith(setting.metadata["help"])

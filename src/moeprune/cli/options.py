@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
-from dataclasses import Field, fields
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
 import click
 import torch
 
-from moeprune.config import DataOptions
+from moeprune.config import DataOptions, PruneConfig, Registry
 from moeprune.errors import MoePruneError
 from moeprune.runtime.device import DTYPES
 
@@ -50,13 +50,7 @@ def data_options(func):
             default=None,
             help="Tokenizer folder, if the checkpoint has none.",
         ),
-        click.option(
-            "--seed",
-            type=int,
-            default=0,
-            show_default=True,
-            help="Seed of the data sampling and of the random criterion.",
-        ),
+        field_options(settings_of(PruneConfig, "seed")),  # --seed: also the data's
         click.option(
             "--dtype",
             type=click.Choice(list(DTYPES)),
@@ -139,20 +133,51 @@ def option_name(setting: Field) -> str:
     return flag.lstrip("-").replace("-", "_") if flag else setting.name
 
 
+def settings_of(cls: type, *names: str) -> list[Field]:
+    """The `setting` fields of `cls` named, in that order (the order of their flags in --help)."""
+    by_name = {f.name: f for f in fields(cls) if "help" in f.metadata}
+    return [by_name[name] for name in names]
+
+
+class SettingOption(click.Option):
+    """A click option made from a config field by `field_options`; `setting` is that field."""
+
+    def __init__(self, *args: Any, setting: Field, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.setting = setting
+
+
 def config_options(
-    cls: type, *, choices: dict[str, list[str]] | None = None, helps: dict[str, str] | None = None
+    cls: type,
+    *,
+    choices: dict[str, list[str]] | None = None,
+    helps: dict[str, str] | None = None,
+    registries: dict[str, Registry] | None = None,
 ) -> Callable:
     """Decorator: one click option per `setting` field of the config class `cls` (see `field_options`)."""
-    return field_options(fields(cls), choices=choices, helps=helps)
+    return field_options(fields(cls), choices=choices, helps=helps, registries=registries)
 
 
 _JSON_TYPES = {"str": str, "float": float, "int": int}
 
 
 def _value_type(setting: Field) -> type:
-    """The Python type a setting's value has: its annotation's first non-None part (`float | None`)."""
+    """The Python type a typed value becomes: text when the field takes text (`int | str`: a size
+    like "40GiB"), else its annotation's first non-None part (`float | None`)."""
     parts = [part.strip() for part in str(setting.type).split("|")]
-    return next((_JSON_TYPES[p] for p in parts if p in _JSON_TYPES), str)
+    return str if "str" in parts else next((_JSON_TYPES[p] for p in parts if p in _JSON_TYPES), str)
+
+
+def _option_type(setting: Field, choices: Sequence[str] | None) -> Any:
+    """The click type of a setting's option: its choices, its range, or its value type."""
+    meta = setting.metadata
+    if choices:
+        return click.Choice(list(choices))
+    low, high, open_ = meta.get("min"), meta.get("max"), bool(meta.get("open"))
+    if low is None and high is None:
+        return _value_type(setting)
+    range_type = click.FloatRange if _value_type(setting) is float else click.IntRange
+    return range_type(low, high, min_open=open_, max_open=open_)
 
 
 def field_options(
@@ -160,38 +185,44 @@ def field_options(
     *,
     choices: dict[str, list[str]] | None = None,
     helps: dict[str, str] | None = None,
+    registries: dict[str, Registry] | None = None,
 ) -> Callable:
-    """Decorator: one click option per `setting` field, with the field's default, lower bound,
-    choices and help (`choices` and `helps` add what a config module cannot import, e.g. a
-    registry's names), so a setting is declared once and the flag follows it."""
-    choices, helps = choices or {}, helps or {}
+    """Decorator: one click option per `setting` field, with the field's default (none: a required
+    option), range, choices, metavar and help, so a setting is declared once and the flag follows
+    it. What a config module cannot import is passed in: a registry (`registries`: its names are
+    the choices, its entries' help follows the field's), or `choices` and `helps` themselves."""
+    choices, helps, registries = choices or {}, helps or {}, registries or {}
 
     def decorate(func: Callable) -> Callable:
         for setting in reversed([f for f in settings if "help" in f.metadata]):
-            meta = setting.metadata
-            if setting.name in choices or meta.get("choices"):
-                kind: Any = click.Choice(list(choices.get(setting.name) or meta["choices"]))
-            elif meta.get("min") is not None:
-                kind = click.IntRange(min=meta["min"])
-            else:
-                kind = _value_type(setting)
-            flag = meta.get("flag") or "--" + setting.name.replace("_", "-")
+            meta, name = setting.metadata, setting.name
+            registry = registries.get(name)
+            allowed = choices.get(name) or (registry.names() if registry else meta.get("choices"))
+            help = helps.get(name) or (registry_help(registry, meta["help"]) if registry else meta["help"])
+            required = setting.default is MISSING  # and then no default
+            default = {} if required else {"default": setting.default}
             func = click.option(
-                flag,
+                meta.get("flag") or "--" + name.replace("_", "-"),
                 option_name(setting),
-                type=kind,
-                default=setting.default,
-                show_default=setting.default is not None,
-                help=helps.get(setting.name, meta["help"]),
+                cls=SettingOption,
+                setting=setting,
+                type=_option_type(setting, allowed),
+                required=required,
+                show_default=setting.default not in (None, MISSING),
+                metavar=meta.get("metavar"),
+                help=help,
+                **default,
             )(func)
         return func
 
     return decorate
 
 
-def config_from_options(cls: type, options: dict[str, Any]) -> Any:
-    """The config the command line's options describe; its fields' options are taken out of `options`."""
-    return cls(**{f.name: options.pop(option_name(f)) for f in fields(cls) if "help" in f.metadata})
+def config_from_options(cls: type, values: dict[str, Any], /, **given: Any) -> Any:
+    """The config the command line's option `values` describe (`given`: its fields that are no
+    setting, e.g. a nested config); its settings' values are taken out of `values`."""
+    settings = {f.name: values.pop(option_name(f)) for f in fields(cls) if "help" in f.metadata}
+    return cls(**settings, **given)
 
 
 def options_of(config: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from moeprune.cli.options import (
     registry_help,
     registry_option,
     setting_help,
+    settings_of,
 )
 from moeprune.config import PruneConfig, Recipe, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
@@ -55,8 +56,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     if path is None:
         return None
     recipe = Recipe.load(path)  # unknown or mistyped keys: an error naming them
-    defaults = {k: v for k, v in recipe.config.to_dict().items() if k not in ("search", "options")}
-    defaults.update(options_of(recipe.config.search))
+    defaults = options_of(recipe.config) | options_of(recipe.config.search)
     own = recipe.config.options
     defaults.update(own if isinstance(own, dict) else options_of(own) if own is not None else {})
     data = recipe.data
@@ -84,34 +84,14 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="Repeat an earlier run: its recipe.json (written beside every result) sets the defaults of every "
     "option below; options you type still win.",
 )
-@click.option(
-    "--criterion",
-    required=True,
-    type=click.Choice([*CRITERIA.names(), AUTO]),
-    help=registry_help(CRITERIA, "How experts are ranked:")
-    + " auto: the best uniform plan on --search-data.",
-)
-@click.option(
-    "--sparsity",
-    type=click.FloatRange(0, 1, min_open=True, max_open=True),
-    help="drop/novice: fraction of routed experts removed; neurons/tenp: fraction of routed-expert parameters. "
-    "Give it or --target-size.",
-)
-@click.option(
-    "--target-size",
-    metavar="SIZE",
-    help="Instead of --sparsity: the bytes of weights the result may hold on disk, in the format it is saved "
-    "in (e.g. 40GiB, 500MB, 123456; kB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB of 2); the smallest "
-    "sparsity that fits is solved before any weight is loaded.",
-)
-@registry_option(
-    "--allocation",
-    ALLOCATIONS,
-    "How many experts each layer loses [default: the method's first]:",
-    default=None,
-)
-@registry_option(
-    "--method", METHODS, "What happens to the chosen experts:", default="drop", show_default=True
+@field_options(
+    settings_of(PruneConfig, "criterion", "sparsity", "target_size", "allocation", "method"),
+    choices={"criterion": [*CRITERIA.names(), AUTO]},
+    helps={
+        "criterion": registry_help(CRITERIA, setting_help(PruneConfig, "criterion"))
+        + f" {AUTO}: the best uniform plan on --search-data."
+    },
+    registries={"allocation": ALLOCATIONS, "method": METHODS},
 )
 @field_options(method_settings())
 @click.option(
@@ -120,24 +100,13 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     metavar="FILE[:WEIGHT]",
     help="evo/auto: search data (prompt/answer JSONL...).",
 )
-@config_options(
-    SearchConfig,
-    choices={"fitness": FITNESSES.names()},
-    helps={"fitness": registry_help(FITNESSES, setting_help(SearchConfig, "fitness"))},
-)
+@config_options(SearchConfig, registries={"fitness": FITNESSES})
 @click.option(
     "--resume",
     is_flag=True,
     help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
 )
-@click.option(
-    "--expert-multiple",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Every layer keeps a multiple of N experts (vLLM expert parallelism needs counts divisible by the "
-    "EP size; kernels like multiples of 8).",
-)
+@field_options(settings_of(PruneConfig, "expert_multiple"))
 @click.option(
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),
@@ -188,13 +157,11 @@ def prune(model: str, output: str, **options) -> None:
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
-    config = PruneConfig(
-        **{
-            f.name: options[f.name]
-            for f in fields(PruneConfig)
-            if f.init and f.name not in ("search", "options")
-        },
-        search=config_from_options(SearchConfig, options),
+    search = config_from_options(SearchConfig, options)
+    config = config_from_options(  # a copy of the options: --seed seeds the data, too
+        PruneConfig,
+        dict(options),
+        search=search,
         options={name: value for name, value in own.items() if name in method.knobs} or None,
     )
     pipeline = PIPELINES.get("no-load" if options["no_load"] else options["pipeline"])
