@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moeprune.allocate.fitness import FITNESSES
+from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
 from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, SearchUniform, Serving
@@ -124,6 +125,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "save_dtype": report.save_dtype,
         "format": report.format,
         "target": report.target.to_json() if report.target else None,
+        "kept_whole": kept_whole_note(report.kept_whole or {}),
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -175,6 +177,8 @@ def format_lines(facts: dict) -> list[str]:
             f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()
         )
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
+    if facts.get("kept_whole"):
+        lines.append(f"  fixed layers    {facts['kept_whole']}")
     if facts["neurons_per_expert"]:
         lines.append(
             f"  experts         every routed expert narrowed to {facts['neurons_per_expert']} neurons"

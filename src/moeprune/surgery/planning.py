@@ -80,7 +80,8 @@ def check_fixed_layers(moe: MoEModel, method: str) -> None:
     note = moe.kept_whole_note()
     if note and METHODS.get(method).sparsity_unit != EXPERTS:
         raise MoePruneError(
-            f"the {method} method narrows the experts of every MoE layer, but {note}: use drop or novice",
+            f"the {method} method narrows the experts of every MoE layer and cannot keep a layer whole "
+            f"({note}); use the drop or novice method",
             options=("method",),
         )
 
