@@ -348,7 +348,7 @@ def kept_whole_note(kept_whole: dict[int, str] | dict[str, str]) -> str | None:
         head, _, why = reason.partition(": ")
         which = layer_ranges(sorted(layers))
         word = "layers" if len(layers) > 1 else "layer"
-        verb = head if len(layers) > 1 else head.replace("route ", "routes ", 1)
+        verb = head.replace("routes ", "route ", 1) if len(layers) > 1 else head
         clauses.append(
             f"{word} {which} {verb}: kept whole ({why})" if why else f"{word} {which} {verb}: kept whole"
         )

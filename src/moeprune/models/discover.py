@@ -289,7 +289,7 @@ def _takes_routing(experts: nn.Module) -> bool:
 
 
 HASH_ROUTING = (
-    "route by token id (hash routing): removing an expert would leave the tokens hashed to it unrouted"
+    "routes by token id (hash routing): removing an expert would leave the tokens hashed to it unrouted"
 )
 
 
