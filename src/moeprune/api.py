@@ -212,6 +212,7 @@ def prune(
         expert_multiple=config.expert_multiple,
         budget_experts_removed=plan.extra.get("budget"),
         removed_per_layer={str(lp.layer): len(lp.dropped) + len(lp.novice) for lp in plan.layers},
+        kept_whole=plan.extra.get("kept_whole"),
         surgery=Surgery.from_json(surgery),
         layers_before=LayerShape.rows(before_layers),
         layers_after=LayerShape.rows(describe_layers(moe)),

@@ -69,10 +69,13 @@ HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 # ----------------------------------------------------------------------------- making results
 def uneven_removal(moe: MoEModel) -> dict[int, list[int]]:
-    """Different expert counts per layer; group-limited routers lose one expert from each group."""
-    removed = {}
+    """Different expert counts per layer; group-limited routers lose one expert from each group;
+    layers kept whole (hash routing) lose none."""
+    removed: dict[int, list[int]] = {}
     for j, layer in enumerate(moe.layers):
-        if layer.n_group > 1:
+        if layer.fixed:
+            removed[layer.index] = []
+        elif layer.n_group > 1:
             size = layer.num_experts // layer.n_group
             removed[layer.index] = [] if j == 0 else [g * size for g in range(layer.n_group)]
         else:

@@ -85,6 +85,8 @@ def test_projection_and_l2_choose_differently():
 def test_uniform_neurons_virtual_physical_and_stock_reload(family, tmp_path):
     model = tiny_model(family)
     moe = MoEModel(model)
+    if moe.fixed_layers:  # refused by build_plan (tests/models/test_fixed_layers.py)
+        pytest.skip(f"{family}: the neuron methods refuse a model with layers kept whole")
     stats = neuron_stats(moe)
     half = moe.layers[0].intermediate_size // 2
     plan = neuron_plan(moe, stats, 0.5)  # half the neurons of every expert (16 -> 8 in the fixtures)

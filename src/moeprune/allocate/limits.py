@@ -5,7 +5,10 @@
 - groups: group-limited routers lose the same number of experts from each of their groups;
 - multiple: removals per layer are a multiple of this, so that the kept count is a multiple of
   `expert_multiple` (vLLM's expert parallelism needs counts divisible by the EP size, and
-  kernels prefer multiples of 8) and group-limited layers stay balanced.
+  kernels prefer multiples of 8) and group-limited layers stay balanced;
+- fixed: layers that cannot lose an expert (`MoELayer.kept_whole`: hash routing) have cap 0 and
+  do not count toward the budget, so a sparsity is a fraction of the prunable layers' experts and
+  every allocation (uniform, global, evo, a target size) spreads it over those layers only.
 
 Works on a model on the meta device, so an impossible request is refused before any weight
 is loaded. `expert_allocation` applies the uniform and global allocations under these limits.
@@ -37,10 +40,24 @@ class LayerLimits:
     caps: list[int]  # most experts the layer may lose
     groups: list[int]  # routing groups (removals are spread evenly over them); 1 if none
     multiples: list[int]  # removals per layer must be a multiple of this
+    fixed: list[bool]  # kept whole (cap 0), outside the budget
 
     def as_kwargs(self) -> dict[str, list[int]]:
         """The per-layer constraints in the form the allocators take."""
         return {"multiple_of": self.multiples, "max_removed": self.caps}
+
+    @property
+    def prunable_experts(self) -> int:
+        """Experts of the layers that may lose some: what a sparsity is a fraction of."""
+        return sum(n for n, f in zip(self.num_experts, self.fixed) if not f)
+
+    def budget(self, sparsity: float) -> int:
+        """Experts to remove for `sparsity`, over the prunable layers only (a fixed layer's experts
+        are neither removed nor counted, so 50% halves every prunable layer)."""
+        prunable = [i for i, f in enumerate(self.fixed) if not f]
+        return budget_from_sparsity(
+            sparsity, [self.num_experts[i] for i in prunable], [self.top_k[i] for i in prunable]
+        )
 
 
 def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool = True) -> LayerLimits:
@@ -63,9 +80,14 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
             options=("expert_multiple",),
         )
     groups = [m.n_group if routing_changes else 1 for m in moe.layers]
+    fixed = [m.fixed for m in moe.layers]
     caps = [
-        group_limited_cap(m.num_experts, m.top_k, g, m.topk_group) if g > 1 else m.num_experts - m.top_k
-        for m, g in zip(moe.layers, groups)
+        0
+        if f
+        else group_limited_cap(m.num_experts, m.top_k, g, m.topk_group)
+        if g > 1
+        else m.num_experts - m.top_k
+        for m, g, f in zip(moe.layers, groups, fixed)
     ]
     return LayerLimits(
         layers=[m.index for m in moe.layers],
@@ -74,6 +96,7 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
         caps=caps,
         groups=groups,
         multiples=[math.lcm(g, expert_multiple) for g in groups],
+        fixed=fixed,
     )
 
 
@@ -87,7 +110,7 @@ def expert_allocation(
 ) -> list[int]:
     """How many experts each MoE layer loses under the global budget (uniform or global)."""
     limits = limits or layer_limits(moe)
-    budget = budget_from_sparsity(sparsity, limits.num_experts, limits.top_k)
+    budget = limits.budget(sparsity)
     counts = ALLOCATIONS.get(allocation).counts
     if counts is not None:
         return counts(criterion, scores, budget, limits)

@@ -28,6 +28,7 @@ from moeprune.criteria import (
     unseen_note,
 )
 from moeprune.data.loading import CalibrationData, calibration_sets
+from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneRequest
 from moeprune.models import MoEModel
@@ -129,6 +130,7 @@ def prune_without_loading(request: PruneRequest) -> dict:
     check_output_dir(output, run.overwrite)
     path = Path(model_path)
     moe = meta_model(path)
+    refuse_fixed_layers(moe)
     config, target, size = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
     if run.dry_run:
         return _plan_of_work(path, Path(output), moe, config, size, target)
@@ -137,6 +139,19 @@ def prune_without_loading(request: PruneRequest) -> dict:
             path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target, request.save.drop_mtp
         )
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
+
+
+def refuse_fixed_layers(moe: MoEModel) -> None:
+    """A no-load result is a stock checkpoint, one expert count (and width) for every layer; a model
+    with layers kept whole (hash routing) cannot lose experts elsewhere and keep that, so it is
+    refused before any work: the loaded pipeline writes it in moeprune's format."""
+    note = moe.kept_whole_note()
+    if note:
+        raise MoePruneError(
+            f"--no-load writes a stock checkpoint (the same expert count in every layer), but {note}: "
+            "prune the loaded model instead (without --no-load; the result is saved in moeprune's format)",
+            options=("no_load",),
+        )
 
 
 def _solve_target(

@@ -20,10 +20,12 @@ from torch.nn import functional as F
 from moeprune.errors import UnsupportedModelError
 from moeprune.models.classes import model_class as class_of
 from moeprune.models.discover import (
+    HASH_ROUTING,
     discover_spec,
     find_decoder_layers,
     names_experts,
     no_moe_message,
+    routes_by_token,
     text_config,
 )
 from moeprune.models.spec import DOWN_IS_D_BY_I, FUSED, INTERLEAVED, TRANSPOSED, UNGATED, FamilySpec
@@ -85,6 +87,19 @@ class MoELayer:
         return self.index
 
     @property
+    def kept_whole(self) -> str | None:
+        """Why this layer cannot lose an expert, or None when it can. A router that routes by
+        token id (DeepSeek-V4's hash layers) sends every token to the experts its table names;
+        removing one would leave those tokens unrouted, so every allocation keeps the layer whole.
+        The one place this is decided: allocation, plans, surgery and reports read it here."""
+        return HASH_ROUTING if routes_by_token(self.router) else None
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the layer is kept whole by every method (see `kept_whole`)."""
+        return self.kept_whole is not None
+
+    @property
     def num_experts(self) -> int:
         """Experts the router chooses among (a packed layer's slots, novices included)."""
         slots = getattr(self.experts, "moeprune_slots", None)  # models.packed: per-expert widths
@@ -130,10 +145,14 @@ class MoELayer:
 
     def routing_tensors(self) -> list[tuple[nn.Module, str, int]]:
         """(owner, dotted path, expert axis) of every per-expert routing tensor: the router's
-        rows, biases and selection biases, and those the block itself holds."""
-        return [(self.router, p, d) for p, d in self.spec.router_tensors] + [
+        rows, biases and selection biases, and those the block itself holds. A layer kept whole
+        lists those it holds (a hash router has no selection bias: the spec is read off a learned one)."""
+        found = [(self.router, p, d) for p, d in self.spec.router_tensors] + [
             (self.block, p, d) for p, d in self.spec.block_tensors
         ]
+        if self.fixed:
+            return [(owner, p, d) for owner, p, d in found if _holds(owner, p)]
+        return found
 
     @property
     def shared_modules(self) -> list[nn.Module]:
@@ -212,6 +231,13 @@ class MoELayer:
     def down_matrix(self, expert: int) -> torch.Tensor:
         """W_down [d, I] of one expert (so that y = W_down m (+ bias))."""
         return self.expert_weights(expert)[2]
+
+
+def _holds(module: nn.Module, dotted: str) -> bool:
+    try:
+        return isinstance(get_path(module, dotted), torch.Tensor)
+    except AttributeError:
+        return False
 
 
 def top_k_of(index: int, router: nn.Module, block: nn.Module, experts: nn.Module) -> int:
@@ -293,9 +319,56 @@ class MoEModel:
     def model_type(self) -> str:
         return self.spec.model_type
 
+    @property
+    def fixed_layers(self) -> list[MoELayer]:
+        """The MoE layers no method may take an expert from (`MoELayer.kept_whole`)."""
+        return [m for m in self.layers if m.fixed]
+
+    def kept_whole(self) -> dict[int, str]:
+        """Decoder layer index -> why it is kept whole, for every fixed layer (plans record it)."""
+        return {m.index: str(m.kept_whole) for m in self.fixed_layers}
+
+    def kept_whole_note(self) -> str | None:
+        """One line saying which layers are kept whole and why (inspect, plans, reports), or None."""
+        return kept_whole_note(self.kept_whole())
+
     def is_uniform(self) -> bool:
         """Whether every MoE layer has the same expert count and intermediate size."""
         return len({(m.num_experts, m.intermediate_size) for m in self.layers}) == 1
+
+
+def kept_whole_note(kept_whole: dict[int, str] | dict[str, str]) -> str | None:
+    """'layers 0-2 route by token id (hash routing): kept whole' from {layer: reason} (the keys
+    may be strings: a plan read back from JSON), one clause per reason."""
+    by_reason: dict[str, list[int]] = {}
+    for layer, reason in kept_whole.items():
+        by_reason.setdefault(reason, []).append(int(layer))
+    clauses = []
+    for reason, layers in by_reason.items():
+        head, _, why = reason.partition(": ")
+        which = layer_ranges(sorted(layers))
+        word = "layers" if len(layers) > 1 else "layer"
+        verb = head.replace("routes ", "route ", 1) if len(layers) > 1 else head
+        clauses.append(
+            f"{word} {which} {verb}: kept whole ({why})" if why else f"{word} {which} {verb}: kept whole"
+        )
+    return "; ".join(clauses) or None
+
+
+def layer_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[str] = []
+    start = prev = None
+    for i in indices:
+        if prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            parts.append(f"{start}-{prev}" if prev != start else str(start))
+        start = prev = i
+    if start is not None:
+        parts.append(f"{start}-{prev}" if prev != start else str(start))
+    return ", ".join(parts)
 
 
 def block_of(decoder_layer: nn.Module, spec: FamilySpec) -> nn.Module | None:

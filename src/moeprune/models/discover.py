@@ -288,6 +288,39 @@ def _takes_routing(experts: nn.Module) -> bool:
     return len(params) >= 3
 
 
+HASH_ROUTING = (
+    "routes by token id (hash routing): removing an expert would leave the tokens hashed to it unrouted"
+)
+
+
+def routes_by_token(router: nn.Module) -> bool:
+    """Whether a router chooses experts by token id (DeepSeek-V4's hash layers look up a fixed
+    token -> experts table) rather than from the hidden state: its forward takes `input_ids`.
+    Such a layer cannot lose an expert, so it is kept whole; read off the signature, not a name."""
+    return "input_ids" in inspect.signature(router.forward).parameters
+
+
+def _block_routes_by_token(block: nn.Module) -> bool:
+    """Whether any child of the block (its router) routes by token id."""
+    return any(
+        routes_by_token(child)
+        for attr, child in block.named_children()
+        if attr != "experts" and "shared" not in attr
+    )
+
+
+def _learned_block(blocks: list[tuple[int, str, nn.Module]], model_type: str) -> tuple[int, str, nn.Module]:
+    """The first MoE block whose router learns its choice: the family's structure is read there
+    (a hash router lacks the selection bias a learned one has); hash layers are kept whole."""
+    learned = [b for b in blocks if not _block_routes_by_token(b[2])]
+    if not learned:
+        raise UnsupportedModelError(
+            f"{model_type}: every MoE layer's router routes by token id (hash routing), so no expert can be "
+            "removed: nothing to prune"
+        )
+    return learned[0]
+
+
 def discover_spec(model: nn.Module) -> FamilySpec:
     """The FamilySpec of a transformers MoE model, read off the instance (meta tensors suffice)."""
     config = text_config(model.config)
@@ -314,7 +347,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         raise UnsupportedModelError(
             f"{model_type}: MoE blocks sit at different places in its layers ({sorted(paths)})"
         )
-    _, block_attr, block = blocks[0]
+    _, block_attr, block = _learned_block(blocks, model_type)
     experts = cast(nn.Module, block.experts)  # moe_blocks found it
     hidden = int(config.hidden_size)
     count = _expert_count(experts)
@@ -326,11 +359,6 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         )
     router_attr, weight_path = _router(block, count, hidden)
     router = getattr(block, router_attr)
-    if "input_ids" in inspect.signature(router.forward).parameters:
-        raise UnsupportedModelError(
-            f"{type(router).__name__} routes by token id (hash routing): removing an expert would leave tokens "
-            "hashed to it; not supported"
-        )
     index_position = (
         2 if override.get("weight_on_input") else _router_index_position(router, weight_path, count)
     )

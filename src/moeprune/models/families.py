@@ -49,6 +49,8 @@ def family_status(model_type: str) -> FamilyStatus:
     parts = [f"{spec.layout} experts at {spec.block_attr or 'the decoder layer'}", spec.routing]
     if spec.shared_attrs:
         parts.append("shared " + ", ".join(spec.shared_attrs))
+    if moe.kept_whole_note():  # layers no method may prune (hash routing)
+        parts.append(str(moe.kept_whole_note()))
     return FamilyStatus(
         model_type,
         WORKS,

@@ -36,6 +36,8 @@ def check_not_packed(moe: MoEModel | Sequence[MoELayer]) -> None:
 def kept_experts(layer: MoELayer, removed: Sequence[int]) -> list[int]:
     """Positions (in the block's current storage) that survive removing `removed`."""
     check_not_packed([layer])
+    if layer.kept_whole and removed:  # the one gate every mask and drop passes (allocations never ask)
+        raise MoePruneError(f"decoder layer {layer.index} is kept whole: its router {layer.kept_whole}")
     n = layer.num_experts
     bad = [e for e in removed if not 0 <= e < n]
     if bad:

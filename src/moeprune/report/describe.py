@@ -55,6 +55,9 @@ def describe_model(model: nn.Module, source: str = "") -> dict:
         "dense_layers": [i for i in range(config.num_hidden_layers) if i not in moe_indices],
         "hidden_size": int(config.hidden_size),
         "routing": moe.spec.routing,
+        # layers no method may take an expert from (hash routing), and the one line saying so
+        "kept_whole": {str(i): reason for i, reason in moe.kept_whole().items()},
+        "kept_whole_note": moe.kept_whole_note(),
         "uniform": len({(r["experts"], r["intermediate_size"], r["novices"]) for r in layers}) == 1,
         "layers": layers,
         "parameters": routed_parameters(moe),
@@ -77,6 +80,7 @@ def format_description(info: dict) -> str:
             if info.get("mtp_layers")
             else []
         ),
+        *([f"  {info['kept_whole_note']}"] if info.get("kept_whole_note") else []),
         *([f"  quantized: {info['quantization']}"] if info.get("quantization") else []),
         *(
             [f"  weights on disk: {info['weight_bytes']:,} bytes"]

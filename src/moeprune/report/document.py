@@ -111,6 +111,7 @@ class PruneReport:
     expert_multiple: int = 1
     budget_experts_removed: int | None = None  # written even when None (no expert budget)
     removed_per_layer: dict[str, int] = field(default_factory=dict)
+    kept_whole: dict[str, str] | None = None  # layers no method may prune (hash routing) -> why
     surgery: Surgery | None = None
     kept_neurons: dict[str, Any] | None = None  # no-load neurons: importance, digest of the kept ids
     # what it kept and cost

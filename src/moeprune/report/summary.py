@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moeprune.allocate.fitness import FITNESSES
+from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
 from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, SearchUniform, Serving
@@ -125,6 +126,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "format": report.format,
         "target": report.target.to_json() if report.target else None,
         "release_layers": list(report.release_layers or []),
+        "kept_whole": kept_whole_note(report.kept_whole or {}),
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -178,6 +180,8 @@ def format_lines(facts: dict) -> list[str]:
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
     for note in facts.get("release_layers") or []:
         lines.append(f"  beside stack    {note}")
+    if facts.get("kept_whole"):
+        lines.append(f"  fixed layers    {facts['kept_whole']}")
     if facts["neurons_per_expert"]:
         lines.append(
             f"  experts         every routed expert narrowed to {facts['neurons_per_expert']} neurons"

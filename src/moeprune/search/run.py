@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import LayerLimits, layer_limits
 from moeprune.config import PruneConfig, SearchConfig
@@ -343,9 +343,7 @@ def search_allocation(
     continues it and refuses other data or settings.
     """
     runtime = runtime or SearchRuntime()
-    budget = budget_from_sparsity(
-        config.sparsity_value(), [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
-    )
+    budget = layer_limits(moe).budget(config.sparsity_value())  # over the prunable layers only
     fingerprint = {
         "model": model_fingerprint(moe),
         "criterion": criterion.name,

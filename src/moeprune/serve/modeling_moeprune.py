@@ -147,10 +147,12 @@ class MoePruneModelMixin(_StockCausalLM):
                 raise fail(
                     f"layer {entry.layer} has {n} experts, which its {groups} routing groups cannot share"
                 )
-            for path, dim in family.router_tensors:
-                replace_tensor(router, path, get_tensor(router, path).narrow(dim, 0, n).clone())
-            for path, dim in family.block_tensors:
-                replace_tensor(block, path, get_tensor(block, path).narrow(dim, 0, n).clone())
+            if n < most:  # a layer keeping every expert keeps its router as built (a hash router
+                # kept whole has none of the selection bias the family's learned routers hold)
+                for path, dim in family.router_tensors:
+                    replace_tensor(router, path, get_tensor(router, path).narrow(dim, 0, n).clone())
+                for path, dim in family.block_tensors:
+                    replace_tensor(block, path, get_tensor(block, path).narrow(dim, 0, n).clone())
             set_counts(family, (block, router), n)
             block.moeprune_expert_ids = list(entry.expert_ids)  # for readers: which original expert is where
             if entry.is_stock(full_width):

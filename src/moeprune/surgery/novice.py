@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from moeprune.allocate.basic import budget_from_sparsity, plan_removals
+from moeprune.allocate.basic import plan_removals
 from moeprune.allocate.limits import expert_allocation, layer_limits
 from moeprune.config import CALIBRATION
 from moeprune.criteria import Criterion, LayerScores
@@ -94,10 +94,9 @@ def novice_plan(
     """
     require_stats(stats, "novice surgery (experts are replaced by their mean calibration output)")
     layers = moe.layers
-    num_experts, top_k = [m.num_experts for m in layers], [m.top_k for m in layers]
-    budget = budget_from_sparsity(sparsity, num_experts, top_k)
+    limits = layer_limits(moe, routing_changes=False)
+    budget = limits.budget(sparsity)
     if removed is None:
-        limits = layer_limits(moe, routing_changes=False)
         removed = expert_allocation(moe, criterion, scores, sparsity, allocation, limits)
     positions = plan_removals([s.order for s in scores], removed)
     plan = Plan.from_removals(

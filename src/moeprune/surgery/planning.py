@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import ALLOCATIONS, searches
@@ -24,6 +24,7 @@ from moeprune.plan import Plan
 from moeprune.surgery.neurons import check_neuron_prunable
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.registry import (
+    EXPERTS,
     METHODS,
     PlanRequest,
     check_method,
@@ -68,7 +69,38 @@ def build_plan(
     )
     plan_of = METHODS.get(method).fn
     assert plan_of is not None, f"method {method} registered without a function"
-    return plan_of(request)
+    check_fixed_layers(moe, method)
+    return record_kept_whole(moe, plan_of(request))
+
+
+def check_fixed_layers(moe: MoEModel, method: str) -> None:
+    """Refuse a method that cannot keep the fixed layers whole. Expert methods take their counts
+    from `layer_limits`, where a fixed layer's cap is 0; the neuron methods (neurons, TENP) narrow
+    every layer's experts and have no such limit yet, so they are refused in one line."""
+    note = moe.kept_whole_note()
+    if note and METHODS.get(method).sparsity_unit != EXPERTS:
+        raise MoePruneError(
+            f"the {method} method narrows the experts of every MoE layer and cannot keep a layer whole "
+            f"({note}); use the drop or novice method",
+            options=("method",),
+        )
+
+
+def record_kept_whole(moe: MoEModel, plan: Plan) -> Plan:
+    """Check that no fixed layer loses anything and record them in the plan (`extra.kept_whole`:
+    layer -> reason), so plan.json, the summary and the report say which layers stayed whole and why.
+    Novices would be exact even in a hash layer (routing is unchanged), but every method keeps
+    fixed layers whole: one rule, and a hash layer's tokens keep their trained experts."""
+    kept = moe.kept_whole()
+    for index in kept:
+        layer_plan = plan.layer(index)
+        if layer_plan.dropped or layer_plan.novice or layer_plan.neurons:
+            raise MoePruneError(
+                f"the {plan.method} plan changes decoder layer {index}, which must stay whole: {kept[index]}"
+            )
+    if kept:
+        plan.extra["kept_whole"] = {str(i): reason for i, reason in kept.items()}
+    return plan
 
 
 def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
@@ -184,13 +216,14 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     does); returns what is already known per layer (for a dry run). A method with a `feasible`
     hook answers for itself; the expert methods share the budget's per-layer limits here."""
     method = METHODS.get(config.method)
+    check_fixed_layers(moe, config.method)
     if method.feasible is not None:
         layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
         if method.neurons:
             check_neuron_prunable(moe)
         return dict(method.feasible(moe, config))
     limits = method_limits(moe, config.method, config.expert_multiple)
-    budget = budget_from_sparsity(config.sparsity_value(), limits.num_experts, limits.top_k)
+    budget = limits.budget(config.sparsity_value())
     uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
     known: dict = {"budget_experts_removed": budget}
     if ALLOCATIONS.get(config.allocation or method.allocations[0]).fixed:

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeprune.allocate.basic import budget_from_sparsity, uniform_allocation
+from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.limits import LayerLimits
 from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.config import PruneConfig, parse_target_size
@@ -89,7 +89,7 @@ def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
     method = METHODS.get(config.method)
     if method.sparsity_unit == EXPERTS:
         limits = method_limits(moe, config.method, config.expert_multiple)
-        budget = budget_from_sparsity(config.sparsity, limits.num_experts, limits.top_k)
+        budget = limits.budget(config.sparsity)
         return expert_plan_bytes(moe, config, size, budget)
     if not size.linear_neurons:
         raise MoePruneError(
@@ -132,7 +132,7 @@ def _expert_search(
     walk starts there instead of at 1 (a 58 x 256-expert model has 14,848 budgets; starting there, 48 x 128 solves in 10 ms instead of 15 s).
     """
     limits = method_limits(moe, config.method, config.expert_multiple)
-    experts, most = sum(limits.num_experts), sum(limits.caps)
+    experts, most = limits.prunable_experts, sum(limits.caps)  # a sparsity counts prunable layers only
 
     def planned(budget: int) -> int | None:
         try:
