@@ -54,6 +54,8 @@ RELEASES = {
     "qwen3_next": MtpRelease("qwen3_next", "mtp.layers.0.", _QWEN_EXTRAS, None),
     # the multimodal release: a vision tower, the language model under model.language_model, mtp.*
     "qwen3_5_moe": MtpRelease("qwen3_5_moe", "mtp.layers.0.", _QWEN_EXTRAS, None),
+    # DeepSeek-V4 in its reference naming (layers.{i}.ffn.experts.{j}.w1, mtp.{i}.*)
+    "deepseek_v4": MtpRelease("deepseek_v4", "mtp.0.", ("enorm.weight", "hnorm.weight", "e_proj.weight", "norm.weight")),
     # MiMo-V2-Flash's MTP layer has a dense MLP (vLLM's mimo_v2_mtp.py): nothing to prune in it
     "mimo_v2_flash": MtpRelease(
         "mimo_v2_flash",

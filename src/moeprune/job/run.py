@@ -139,7 +139,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 max_shard_size=job.max_shard_size,
                 keep_mtp=mtp is not None and not mtp.left_out,
             )
-            if mtp is not None or (ignored and carry):
+            if (mtp is not None and not mtp.left_out) or (ignored and carry):
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
         write_evidence(tmp, evidence, moe)
 

@@ -17,7 +17,11 @@ builds MTP drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from moeprune.checkpoint import load_config
+from moeprune.checkpoint.files import shard_names, stored_tensors
+from moeprune.checkpoint.names import beside_stack_prefixes
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
@@ -116,3 +120,20 @@ def ignored_note(keys: list[str], carried: bool) -> str:
     if carried:
         return f"{what} carried into the result as stored"
     return f"{what} not in the result: moeprune's format holds what its loader builds"
+
+
+def unmapped_mtp(src: str | Path, why: str) -> MtpPlan | None:
+    """The MTP layers of a checkpoint whose shards moeprune cannot map onto its model (`why`),
+    found from the stored names alone: left out, saying so (None when it has none)."""
+    folder = Path(src)
+    if not shard_names(folder):
+        return None
+    config = load_config(folder)
+    prefixes = beside_stack_prefixes(stored_tensors(folder), int(config.get_text_config().num_hidden_layers))
+    if not prefixes:
+        return None
+    count = int(config.get_text_config().num_hidden_layers)
+    numbered = {count + i: prefix for i, prefix in enumerate(prefixes)}
+    return MtpPlan(
+        numbered, tuple(prefixes), left_out=f"their shards cannot be mapped onto the model ({why})"
+    )

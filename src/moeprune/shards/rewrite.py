@@ -31,7 +31,14 @@ from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
 from moeprune.runtime.atomic import atomic_write_dir, write_json
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.shards.mtp import MTP_COUNT_FIELDS, NEURONS_SKIP_MTP, MtpPlan, is_mtp_key, plan_mtp
+from moeprune.shards.mtp import (
+    MTP_COUNT_FIELDS,
+    NEURONS_SKIP_MTP,
+    MtpPlan,
+    is_mtp_key,
+    plan_mtp,
+    unmapped_mtp,
+)
 from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"
@@ -335,8 +342,8 @@ def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | No
     or is not a safetensors stock checkpoint moeprune can map)."""
     try:
         layout = CheckpointLayout(src)
-    except MoePruneError:
-        return None
+    except MoePruneError as exc:  # MTP layers it cannot map are left out, saying why: never lost silently
+        return unmapped_mtp(src, str(exc).split(":")[0])
     if not left_out and any(lp.neurons for lp in plan.layers):
         left_out = NEURONS_SKIP_MTP
     counts = {len(lp.kept) for lp in plan.layers}
