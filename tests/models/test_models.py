@@ -108,6 +108,7 @@ def test_recorded_expert_outputs_sum_to_the_routed_output(family):
     model = working_model(family)
     moe = MoEModel(model)
     reference: dict[int, torch.Tensor] = {}
+    weighted = {m.index: TOKENS.numel() * m.top_k for m in moe.layers}  # selections of weighted experts
     handles = []
     for layer in moe.layers:
         if layer.spec.weight_on_input:  # Llama-4 block output = routed + shared expert
@@ -121,6 +122,11 @@ def test_recorded_expert_outputs_sum_to_the_routed_output(family):
 
             def hook(mod, args, out, layer=layer):
                 reference[layer.index] = out.detach().clone()
+                hidden, index, weights = args[:3]
+                weighted[layer.index] = int((index < layer.num_experts).sum())
+                if layer.spec.extra_routed:  # zero experts (LongCat): not recorded, so not rebuilt
+                    extras = weights * (index >= layer.num_experts).to(weights.dtype)
+                    reference[layer.index] -= type(mod).forward(mod, hidden, index, extras)
 
             handles.append(layer.experts.register_forward_hook(hook))
     logits(model)
@@ -140,7 +146,7 @@ def test_recorded_expert_outputs_sum_to_the_routed_output(family):
     with override_routed(moe, RoutedOptions(on_layer=record)):
         logits(model)
     for layer in moe.layers:
-        assert selections[layer.index] == TOKENS.numel() * layer.top_k  # only selected experts ran
+        assert selections[layer.index] == weighted[layer.index]  # only selected (weighted) experts ran
         assert (rebuilt[layer.index] - reference[layer.index]).abs().max() <= 1e-5
 
 
