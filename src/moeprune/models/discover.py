@@ -233,7 +233,12 @@ def _router_index_position(
         if len(integer) == 1
         else []
     )
-    if len(integer) == 1 and len(logits) == 1 and weights and (extra or len({tuple(t.shape) for t in out}) == 2):
+    if (
+        len(integer) == 1
+        and len(logits) == 1
+        and weights
+        and (extra or len({tuple(t.shape) for t in out}) == 2)
+    ):
         return integer[0], int(out[logits[0]].shape[1])
     got = [
         f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
@@ -366,7 +371,9 @@ def discover_spec(model: nn.Module) -> FamilySpec:
             "hashed to it; not supported"
         )
     index_position, scored = (
-        (2, None) if override.get("weight_on_input") else _router_index_position(router, weight_path, count, extra)
+        (2, None)
+        if override.get("weight_on_input")
+        else _router_index_position(router, weight_path, count, extra)
     )
     # extra experts the router selects (its logits span them) are computed by the experts module
     # (LongCat's identity); when the router could not be asked, its experts' extra rows say so

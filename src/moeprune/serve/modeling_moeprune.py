@@ -69,6 +69,7 @@ from .moeprune_layers import (
     expert_disk_tensors,
     fail,
     family_of,
+    first_rows,
     get_tensor,
     read_structure,
     replace_tensor,
@@ -148,14 +149,14 @@ class MoePruneModelMixin(_StockCausalLM):
                     f"layer {entry.layer} has {n} experts, which its {groups} routing groups cannot share"
                 )
             for path, dim in family.router_tensors:
-                replace_tensor(router, path, get_tensor(router, path).narrow(dim, 0, n).clone())
+                replace_tensor(router, path, first_rows(family, get_tensor(router, path), dim, n, most))
             for path, dim in family.block_tensors:
-                replace_tensor(block, path, get_tensor(block, path).narrow(dim, 0, n).clone())
+                replace_tensor(block, path, first_rows(family, get_tensor(block, path), dim, n, most))
             set_counts(family, (block, router), n)
             block.moeprune_expert_ids = list(entry.expert_ids)  # for readers: which original expert is where
             if entry.is_stock(full_width):
                 for name, param in list(stock.named_parameters(recurse=False)):
-                    replace_tensor(stock, name, param.detach()[:n].clone())
+                    replace_tensor(stock, name, first_rows(family, param.detach(), 0, n, most))
                 set_counts(family, (stock,), n)
                 continue
             hidden = int(config.hidden_size)

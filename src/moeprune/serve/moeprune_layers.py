@@ -52,6 +52,11 @@ class Family:
     block_tensors: tuple[tuple[str, int], ...] = ()
     own_gate: bool = False  # the experts gate with their own _apply_gate (soft-capped SwiGLU, ...)
     layers: str = "model.layers"  # where the decoder layers are
+    # Router rows past the weighted experts' (LongCat-Flash's zero experts, Inkling's shared-expert
+    # sink): the last rows of the router matrix and of every per-expert tensor that long, kept
+    # after the weighted rows whatever was pruned; attributes counting weighted + extra experts.
+    extra_experts: int = 0
+    total_count_attrs: tuple[str, ...] = ()
 
 
 _BIASED = (("weight", 0), ("e_score_correction_bias", 0))  # DeepSeek-V3, GLM-4-MoE selection bias
@@ -175,7 +180,7 @@ def family_of(config) -> Family:
     try:
         tuples = {
             key: tuple(tuple(x) if isinstance(x, list) else x for x in record[key])
-            for key in ("router_tensors", "block_tensors", "count_attrs", "disk_renames")
+            for key in ("router_tensors", "block_tensors", "count_attrs", "disk_renames", "total_count_attrs")
             if key in record
         }
         names = record.get("disk_expert_names")
@@ -452,6 +457,18 @@ def set_counts(family: Family, modules, count: int) -> None:
         for attr in family.count_attrs:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, count)
+        for attr in family.total_count_attrs:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, count + family.extra_experts)
+
+
+def first_rows(family: Family, tensor: torch.Tensor, dim: int, n: int, most: int) -> torch.Tensor:
+    """The first `n` weighted rows of a stock-sized per-expert tensor along `dim`, followed by the
+    extra experts' rows when it has them (it is `most + extra` long): those stay routed."""
+    extra = family.extra_experts
+    if extra and tensor.shape[dim] == most + extra:
+        return torch.cat((tensor.narrow(dim, 0, n), tensor.narrow(dim, most, extra)), dim=dim).clone()
+    return tensor.narrow(dim, 0, n).clone()
 
 
 def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
