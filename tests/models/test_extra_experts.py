@@ -19,7 +19,6 @@ from moeprune.data.loading import CalibrationData, Sample
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import moe_families, tiny_model
-from moeprune.models.packed import pack_layer
 from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.observer import observe
@@ -161,14 +160,10 @@ def test_observation_never_attributes_extra_expert_tokens_to_weighted_experts(fa
         )  # frequency of weighted experts, exact
 
 
-def test_zero_experts_refuse_novices_and_streaming_in_one_line(tmp_path):
+def test_zero_experts_refuse_streaming_in_one_line(tmp_path):
     if "longcat_flash" not in moe_families():
         pytest.skip("no longcat_flash")
     model, moe = model_of("longcat_flash")
-    layer = moe.layers[0]
-    with pytest.raises(MoePruneError, match="zero experts") as refused:
-        pack_layer(layer, {1: torch.zeros(layer.hidden_size)}, {})
-    assert "\n" not in str(refused.value)
     moeprune.save_pretrained(model, tmp_path)
     from moeprune.shards.layout import CheckpointLayout
 

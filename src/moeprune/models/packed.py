@@ -207,12 +207,6 @@ def pack_layer(
     (their weights are deleted), experts in `keep` keep only those neuron indices (ascending)."""
     if is_packed(layer):
         raise MoePruneError(f"layer {layer.index} is already packed (novices or per-expert widths applied)")
-    if layer.spec.extra_routed:  # moeprune's packed computation does not run the family's zero experts
-        raise MoePruneError(
-            f"layer {layer.index}: {layer.spec.model_type} routes to {layer.spec.extra_experts} zero experts "
-            "beside its weighted ones, which novices and per-expert widths do not support; drop experts or "
-            "shrink every expert's neurons alike instead"
-        )
     experts, n, width, hidden = layer.experts, layer.num_experts, layer.intermediate_size, layer.hidden_size
     bad = sorted(p for p in [*novices, *keep] if not 0 <= p < n)
     if bad:

@@ -99,7 +99,7 @@ def _extra_expert(layer: MoELayer, x: torch.Tensor, expert: int, g: torch.Tensor
     """g * E(x) for rows routed to extra expert `expert`, computed by the experts class's own
     forward (not a copy of it: an identity, zero or null expert stays whatever the family says)."""
     experts = layer.experts
-    if layer.spec.extra_experts == 0 or getattr(experts, "moeprune_packed", False):
+    if layer.spec.extra_experts == 0:
         raise MoePruneError(
             f"decoder layer {layer.index}: the router selected expert {expert}, past its {layer.num_experts} "
             "experts (no extra experts are known to this layer)"
@@ -108,7 +108,11 @@ def _extra_expert(layer: MoELayer, x: torch.Tensor, expert: int, g: torch.Tensor
     # squeezes its one-hot mask and breaks on a single column
     index = torch.full((x.shape[0], 2), expert, dtype=torch.long, device=x.device)
     weights = torch.stack((g, torch.zeros_like(g)), dim=1).to(x.dtype)
-    return type(experts).forward(experts, x, index, weights)
+    # the family's own class (a packed module's stock base: its zero experts touch no weights)
+    stock = next(
+        c for c in type(experts).__mro__ if "forward" in vars(c) and not getattr(c, "moeprune_packed", False)
+    )
+    return stock.forward(experts, x, index, weights)
 
 
 def _gather(parts: list[tuple], index: torch.Tensor, order: torch.Tensor) -> RoutedRows:

@@ -168,7 +168,10 @@ class MoePruneModelMixin(_StockCausalLM):
                     for p, width in enumerate(entry.widths)
                 ],
                 weight_on_input=family.weight_on_input,
+                zero_experts=stock if family.extra_experts else None,
             )
+            if family.extra_experts:
+                set_counts(family, (stock,), n)
             if family.weight_on_input:
                 block = MoePruneInputWeightedMoe(block, experts)
                 block.moeprune_expert_ids = list(entry.expert_ids)
@@ -352,16 +355,30 @@ class MoePruneModelMixin(_StockCausalLM):
             for buffer_name in module._non_persistent_buffers_set:
                 buffer = module._buffers.get(buffer_name)
                 if buffer is not None:
-                    module._buffers[buffer_name] = torch.full_like(buffer, float("nan"), device=device)
+                    module._buffers[buffer_name] = torch.full_like(
+                        buffer, _unset(buffer.dtype), device=device
+                    )
             self._init_weights(module)
         finally:
             module._parameters.update(loaded)
         for buffer_name in module._non_persistent_buffers_set:
             buffer = module._buffers.get(buffer_name)
-            if buffer is not None and buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+            if (
+                buffer is not None
+                and buffer.dtype != torch.bool
+                and bool((buffer == _unset(buffer.dtype)).any() | buffer.isnan().any())
+            ):
                 raise fail(
                     f"cannot rebuild the buffer {buffer_name} of {module_name} ({type(module).__name__})"
                 )
+
+
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """What a buffer holds until `_init_weights` sets it: NaN, or the least integer (Inkling's
+    audio token offsets are int64, which NaN cannot fill)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else int(torch.iinfo(dtype).min)
 
 
 # ----------------------------------------------------------------------------- the classes

@@ -333,10 +333,19 @@ class MoePruneExperts(nn.ModuleList):
     on the tokens routed to it and summing in fp32, as moeprune and transformers' kernels do.
     """
 
-    def __init__(self, experts: list[nn.Module], weight_on_input: bool):
+    def __init__(
+        self, experts: list[nn.Module], weight_on_input: bool, zero_experts: nn.Module | None = None
+    ):
         super().__init__(experts)
         self.num_experts = len(experts)
         self.weight_on_input = weight_on_input
+        if zero_experts is not None:
+            # the stock experts module, emptied of weights, computes the zero experts the router
+            # selects past the weighted ones (LongCat-Flash's identity): its own code, not a copy;
+            # kept outside the module tree, so nothing of it is saved or loaded
+            for name, _ in list(zero_experts.named_parameters(recurse=False)):
+                zero_experts.register_parameter(name, None)
+            self.__dict__["moeprune_zero_experts"] = zero_experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         top_k = top_k_index.shape[1]
@@ -360,6 +369,22 @@ class MoePruneExperts(nn.ModuleList):
                 y = expert(x)
                 contribution = y * g.to(y.dtype)
             out.index_add_(0, rows, contribution.to(out.dtype))
+        zero_experts = self.__dict__.get("moeprune_zero_experts")
+        for expert in range(len(self), len(counts)):  # indices past the weighted experts
+            n = counts[expert]
+            if n == 0:
+                continue
+            if zero_experts is None:
+                raise fail(f"the router selected expert {expert} of {len(self)}")
+            picked = order[start : start + n]
+            start += n
+            rows = picked // top_k
+            # two selections, the second weighted 0: LongCat's forward squeezes a one-column mask
+            index = torch.full((n, 2), expert, dtype=torch.long, device=rows.device)
+            g = flat_weights[picked]
+            weights = torch.stack((g, torch.zeros_like(g)), dim=1)
+            y = type(zero_experts).forward(zero_experts, hidden_states[rows], index, weights)
+            out.index_add_(0, rows, y.to(out.dtype))
         return out.to(hidden_states.dtype)
 
 
