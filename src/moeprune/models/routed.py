@@ -109,7 +109,7 @@ def _extra_expert(layer: MoELayer, x: torch.Tensor, expert: int, g: torch.Tensor
     index = torch.full((x.shape[0], 2), expert, dtype=torch.long, device=x.device)
     weights = torch.stack((g, torch.zeros_like(g)), dim=1).to(x.dtype)
     # the family's own class (a packed module's stock base: its zero experts touch no weights)
-    stock = next(
+    stock: Any = next(
         c for c in type(experts).__mro__ if "forward" in vars(c) and not getattr(c, "moeprune_packed", False)
     )
     return stock.forward(experts, x, index, weights)

@@ -370,17 +370,17 @@ class MoePruneExperts(nn.ModuleList):
                 contribution = y * g.to(y.dtype)
             out.index_add_(0, rows, contribution.to(out.dtype))
         zero_experts = self.__dict__.get("moeprune_zero_experts")
-        for expert in range(len(self), len(counts)):  # indices past the weighted experts
-            n = counts[expert]
+        for position in range(len(self), len(counts)):  # indices past the weighted experts
+            n = counts[position]
             if n == 0:
                 continue
             if zero_experts is None:
-                raise fail(f"the router selected expert {expert} of {len(self)}")
+                raise fail(f"the router selected expert {position} of {len(self)}")
             picked = order[start : start + n]
             start += n
             rows = picked // top_k
             # two selections, the second weighted 0: LongCat's forward squeezes a one-column mask
-            index = torch.full((n, 2), expert, dtype=torch.long, device=rows.device)
+            index = torch.full((n, 2), position, dtype=torch.long, device=rows.device)
             g = flat_weights[picked]
             weights = torch.stack((g, torch.zeros_like(g)), dim=1)
             y = type(zero_experts).forward(zero_experts, hidden_states[rows], index, weights)
