@@ -175,23 +175,34 @@ def _router(block: nn.Module, count: int, hidden: int, extra: int = 0) -> tuple[
             raise UnsupportedModelError(
                 f"{type(block).__name__}'s router is a bare parameter ({path}), not a module: not supported yet"
             )
-    wider = [
+    wider = _wider_matrices(block, count, hidden)
+    named = [w for w in wider if ("router" in w[0] or "gate" in w[0]) and "shared" not in w[0]]
+    if not extra and len(named) == 1:  # the router scores extra experts after the weighted ones
+        attr, path, rows = named[0]
+        return attr, path, rows - count
+    raise UnsupportedModelError(_no_router(block, count, hidden, extra))
+
+
+def _wider_matrices(block: nn.Module, count: int, hidden: int) -> list[tuple[str, str, int]]:
+    """(child, path, rows) of every [rows > count, hidden] matrix beside the experts."""
+    return [
         (attr, path, int(p.shape[0]))
         for attr, child in block.named_children()
         if attr != "experts"
         for path, p in child.named_parameters()
         if p.dim() == 2 and p.shape[-1] == hidden and p.shape[0] > count and attr not in ("mlp",)
     ]
-    named = [w for w in wider if ("router" in w[0] or "gate" in w[0]) and "shared" not in w[0]]
-    if not extra and len(named) == 1:  # the router scores extra experts after the weighted ones
-        attr, path, rows = named[0]
-        return attr, path, rows - count
-    detail = f" (the nearest is {wider[0][0]}.{wider[0][1]} [{wider[0][2]}, {hidden}])" if wider else ""
-    raise UnsupportedModelError(
-        f"{type(block).__name__} has no router scoring its {count} routed experts"
-        + (f" and {extra} extra experts" if extra else "")
-        + f"{detail}: not supported yet"
+
+
+def _no_router(block: nn.Module, count: int, hidden: int, extra: int = 0) -> str:
+    wider = _wider_matrices(block, count, hidden)
+    detail = (
+        f" (the nearest is {wider[0][0]}.{wider[0][1]} [{wider[0][2]}, {hidden}], wider than the expert count)"
+        if wider
+        else ""
     )
+    also = f" and {extra} extra experts" if extra else ""
+    return f"{type(block).__name__} has no router scoring its {count} routed experts{also}{detail}: not supported yet"
 
 
 def _router_index_position(
@@ -377,11 +388,8 @@ def discover_spec(model: nn.Module) -> FamilySpec:
     )
     # extra experts the router selects (its logits span them) are computed by the experts module
     # (LongCat's identity); when the router could not be asked, its experts' extra rows say so
-    if extra and scored is None and not carried:
-        raise UnsupportedModelError(
-            f"{type(router).__name__} scores {count + extra} rows for {count} routed experts and cannot be asked "
-            "which it selects: not supported"
-        )
+    if extra and scored is None and not carried:  # a wider matrix that is no router (Zaya's MLP gate)
+        raise UnsupportedModelError(_no_router(block, count, hidden))
     extra_routed = bool(extra) and (scored == count + extra if scored is not None else True)
     router_tensors = _per_expert(router, count, recurse=True, extra=extra)
     router_tensors.sort(key=lambda pd: pd[0] != weight_path)  # the [E, d] matrix first
@@ -438,7 +446,7 @@ def _describe_routing(selection: str | None, group, extra: int = 0, routed: bool
         text += ", group-limited"
     if extra:
         kind = "zero (identity) experts it selects" if routed else "extra rows scored apart (never selected)"
-        text += f", {extra} {kind}, kept"
+        text += f", {kind}: {extra}, kept"
     return text
 
 
