@@ -49,9 +49,10 @@ def header_bound(path: Path) -> int:
 
 
 def _routing_elements(layer: MoELayer) -> int:
-    """Elements of one expert's router rows and per-expert routing tensors."""
+    """Elements of one expert's router rows and per-expert routing tensors (a row's size: a router
+    also scoring extra experts, LongCat's zero experts, has more rows than experts)."""
     return sum(
-        get_path(owner, path).numel() // layer.num_experts for owner, path, _ in layer.routing_tensors()
+        (t := get_path(owner, path)).numel() // t.shape[dim] for owner, path, dim in layer.routing_tensors()
     )
 
 
