@@ -72,8 +72,9 @@ def stock_expert_output(layer, expert: int, x: torch.Tensor) -> torch.Tensor:
         routed_in = torch.zeros(layer.num_experts, n, x.shape[1])
         routed_in[expert] = x
         return layer.experts(routed_in.reshape(-1, x.shape[1])).reshape(layer.num_experts, n, -1)[expert]
-    index = torch.full((n, 1), expert, dtype=torch.long)
-    return layer.experts(x, index, torch.ones(n, 1))
+    # two selections, the second weighted 0: LongCat's experts squeeze a one-column mask
+    index = torch.full((n, 2), expert, dtype=torch.long)
+    return layer.experts(x, index, torch.tensor([[1.0, 0.0]]).expand(n, 2))
 
 
 @pytest.mark.parametrize("family", supported_families())
@@ -91,6 +92,8 @@ def test_observer_matches_brute_force(family):
                 for t in torch.nonzero(ok).flatten().tolist():  # padding never counts
                     for j in range(layer.top_k):
                         e, g = int(idx[t, j]), float(w[t, j])
+                        if e >= layer.num_experts:  # a zero expert (LongCat): no weighted expert's token
+                            continue
                         x = h[t : t + 1] * g if layer.spec.weight_on_input else h[t : t + 1]
                         y = stock_expert_output(layer, e, x)[0]
                         gate, up, _ = layer.expert_weights(e)

@@ -66,7 +66,13 @@ def family_record(moe: MoEModel) -> dict[str, Any]:
     it: the self-contained modeling files read this instead of a table of family names, so a
     result of any family loads with stock transformers (serve/moeprune_layers.py `Family`)."""
     spec = moe.spec
+    extra = (
+        {"extra_experts": spec.extra_experts, "total_count_attrs": list(spec.total_count_attrs)}
+        if spec.extra_experts
+        else {}  # every other family's record stays as it was
+    )
     return {
+        **extra,
         "config_class": type(moe.model.config).__name__,
         "causal_lm_class": type(moe.model).__name__,
         "layers": spec.layers,

@@ -92,18 +92,21 @@ def moe_blocks(layers: nn.ModuleList) -> list[tuple[int, str, nn.Module]]:
     return found
 
 
-def _expert_count(experts: nn.Module) -> int:
+def _expert_count(experts: nn.Module) -> tuple[int, int]:
+    """(weighted experts, extra rows): the weighted count is the smallest first axis of the expert
+    tensors; a tensor one block of rows longer holds rows for extra experts that carry no weights
+    of their own (LongCat-Flash's `gate_up_proj` spans its zero experts too, `down_proj` not)."""
     counts = {
         name: int(t.shape[0])
         for name in _EXPERT_TENSORS
         if isinstance(t := getattr(experts, name, None), torch.Tensor)
     }
-    if len(set(counts.values())) != 1:
+    if len(set(counts.values())) > 2:
         raise UnsupportedModelError(
-            f"{type(experts).__name__} holds tensors of different expert counts ({counts}): zero or identity "
-            "experts beside the weighted ones are not supported yet"
+            f"{type(experts).__name__} holds tensors of more than two expert counts ({counts}): not supported"
         )
-    return next(iter(counts.values()))
+    count = min(counts.values())
+    return count, max(counts.values()) - count
 
 
 def _layout(experts: nn.Module, hidden: int) -> str:
@@ -141,66 +144,113 @@ def _layout(experts: nn.Module, hidden: int) -> str:
     return TRANSPOSED if transposed else FUSED
 
 
-def _per_expert(module: nn.Module, count: int, recurse: bool) -> list[tuple[str, int]]:
-    """(dotted path, expert axis) of every parameter and buffer with an axis of length `count`."""
+def _per_expert(module: nn.Module, count: int, recurse: bool, extra: int = 0) -> list[tuple[str, int]]:
+    """(dotted path, expert axis) of every parameter and buffer with an axis of length `count`
+    (or `count + extra`: rows for the extra experts follow the weighted ones')."""
     found = []
+    lengths = {count, count + extra}
     tensors = list(module.named_parameters(recurse=recurse)) + list(module.named_buffers(recurse=recurse))
     for path, tensor in tensors:
-        axes = [d for d, n in enumerate(tensor.shape) if n == count]
+        axes = [d for d, n in enumerate(tensor.shape) if n in lengths]
         if axes:
             found.append((path, axes[0]))
     return found
 
 
-def _router(block: nn.Module, count: int, hidden: int) -> tuple[str, str]:
-    """(attribute of the router on the block, path of its [E, d] matrix inside the router)."""
+def _router(block: nn.Module, count: int, hidden: int, extra: int = 0) -> tuple[str, str, int]:
+    """(attribute of the router on the block, path of its [E, d] matrix inside the router, extra
+    rows). A router called router or gate may score more than the E weighted experts: its last
+    rows then belong to extra experts without weights (LongCat-Flash's zero experts, Inkling's
+    shared-expert sink), which moeprune keeps; when the experts' own tensors carry extra rows,
+    the router must carry exactly as many."""
     children = sorted(block.named_children(), key=lambda ac: ("router" not in ac[0], "gate" not in ac[0]))
     for attr, child in children:  # modules called router or gate first
         if attr == "experts" or "shared" in attr:
             continue
         for path, param in child.named_parameters():
-            if param.dim() == 2 and tuple(param.shape) == (count, hidden):
-                return attr, path
+            if param.dim() == 2 and tuple(param.shape) == (count + extra, hidden):
+                return attr, path, extra
     for path, tensor in child_free_params(block):
         if tensor.dim() == 2 and tuple(tensor.shape) == (count, hidden):
             raise UnsupportedModelError(
                 f"{type(block).__name__}'s router is a bare parameter ({path}), not a module: not supported yet"
             )
-    wider = [
-        f"{attr}.{path} {list(p.shape)}"
+    wider = _wider_matrices(block, count, hidden)
+    named = [w for w in wider if ("router" in w[0] or "gate" in w[0]) and "shared" not in w[0]]
+    if not extra and len(named) == 1:  # the router scores extra experts after the weighted ones
+        attr, path, rows = named[0]
+        return attr, path, rows - count
+    raise UnsupportedModelError(_no_router(block, count, hidden, extra))
+
+
+def _wider_matrices(block: nn.Module, count: int, hidden: int) -> list[tuple[str, str, int]]:
+    """(child, path, rows) of every [rows > count, hidden] matrix beside the experts."""
+    return [
+        (attr, path, int(p.shape[0]))
         for attr, child in block.named_children()
         if attr != "experts"
         for path, p in child.named_parameters()
         if p.dim() == 2 and p.shape[-1] == hidden and p.shape[0] > count and attr not in ("mlp",)
     ]
-    detail = f" (the nearest is {wider[0]}, wider than the expert count)" if wider else ""
-    raise UnsupportedModelError(
-        f"{type(block).__name__} has no router scoring its {count} routed experts{detail}: not supported yet"
+
+
+def _no_router(block: nn.Module, count: int, hidden: int, extra: int = 0) -> str:
+    wider = _wider_matrices(block, count, hidden)
+    detail = (
+        f" (the nearest is {wider[0][0]}.{wider[0][1]} [{wider[0][2]}, {hidden}], wider than the expert count)"
+        if wider
+        else ""
     )
+    also = f" and {extra} extra experts" if extra else ""
+    return f"{type(block).__name__} has no router scoring its {count} routed experts{also}{detail}: not supported yet"
 
 
-def _router_index_position(router: nn.Module, weight_path: str, count: int) -> int:
-    """Where the router's output holds the expert indices. The router must return its logits
-    [T, E], the applied weights [T, k] and the expert indices [T, k] (an integer tensor), in any
-    order: moeprune maps the indices back after narrowing the router. Asked of the router itself
-    on two zero rows (on its own device: the meta device costs nothing); a router that needs more
-    than the hidden states (a bias the block passes) is taken to follow transformers' order."""
+def _router_index_position(
+    router: nn.Module, weight_path: str, count: int, extra: int = 0
+) -> tuple[int, int | None]:
+    """Where the router's output holds the expert indices, and how many experts its logits score
+    (None when not asked). The router must return its logits [T, E], the applied weights [T, k]
+    and the expert indices [T, k] (an integer tensor), in any order: moeprune maps the indices
+    back after narrowing the router. With extra experts the logits may span them too ([T, E + Z]:
+    the router selects them) and more outputs may follow (Inkling's shared-expert gammas). Asked
+    of the router itself on two zero rows (on its own device: the meta device costs nothing); a
+    router that needs more than the hidden states (a bias the block passes) is taken to follow
+    transformers' order."""
     weight = router.get_parameter(weight_path)
     rows = torch.zeros(2, weight.shape[1], dtype=weight.dtype, device=weight.device)
     try:
         with torch.no_grad():
             out = router(rows)
     except Exception:  # noqa: BLE001 - needs arguments the block supplies, or data-dependent code
-        return 2
-    tensors = isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
+        return 2, None
+    tensors = (
+        isinstance(out, tuple)
+        and len(out) in ((3, 4) if extra else (3,))
+        and all(isinstance(t, torch.Tensor) for t in out)
+    )
     integer = [i for i, t in enumerate(out) if not t.is_floating_point()] if tensors else []
+    widths = {count, count + extra}
     logits = (
-        [i for i, t in enumerate(out) if tuple(t.shape) == (2, count) and t.is_floating_point()]
+        [
+            i
+            for i, t in enumerate(out)
+            if t.dim() == 2 and t.shape[0] == 2 and t.shape[1] in widths and t.is_floating_point()
+        ]
         if tensors
         else []
     )
-    if len(integer) == 1 and len(logits) == 1 and len({tuple(t.shape) for t in out}) == 2:
-        return integer[0]
+    weights = (
+        [i for i, t in enumerate(out) if t.is_floating_point() and t.shape == out[integer[0]].shape]
+        if len(integer) == 1
+        else []
+    )
+    if (
+        len(integer) == 1
+        and len(logits) == 1
+        and weights
+        and (extra or len({tuple(t.shape) for t in out}) == 2)
+    ):
+        return integer[0], int(out[logits[0]].shape[1])
     got = [
         f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
         if isinstance(t, torch.Tensor)
@@ -350,21 +400,28 @@ def discover_spec(model: nn.Module) -> FamilySpec:
     _, block_attr, block = _learned_block(blocks, model_type)
     experts = cast(nn.Module, block.experts)  # moe_blocks found it
     hidden = int(config.hidden_size)
-    count = _expert_count(experts)
+    count, carried = _expert_count(experts)  # carried: extra rows on the experts' own tensors
     layout = _layout(experts, hidden)
     override = OVERRIDES.get(model_type) or OVERRIDES.get(getattr(config, "model_type", ""), {})
     if not _takes_routing(experts) and not override.get("weight_on_input"):
         raise UnsupportedModelError(
             f"{type(experts).__name__}.forward takes no routing indices (it runs every expert): not supported yet"
         )
-    router_attr, weight_path = _router(block, count, hidden)
+    router_attr, weight_path, extra = _router(block, count, hidden, carried)
     router = getattr(block, router_attr)
-    index_position = (
-        2 if override.get("weight_on_input") else _router_index_position(router, weight_path, count)
+    index_position, scored = (
+        (2, None)
+        if override.get("weight_on_input")
+        else _router_index_position(router, weight_path, count, extra)
     )
-    router_tensors = _per_expert(router, count, recurse=True)
+    # extra experts the router selects (its logits span them) are computed by the experts module
+    # (LongCat's identity); when the router could not be asked, its experts' extra rows say so
+    if extra and scored is None and not carried:  # a wider matrix that is no router (Zaya's MLP gate)
+        raise UnsupportedModelError(_no_router(block, count, hidden))
+    extra_routed = bool(extra) and (scored == count + extra if scored is not None else True)
+    router_tensors = _per_expert(router, count, recurse=True, extra=extra)
     router_tensors.sort(key=lambda pd: pd[0] != weight_path)  # the [E, d] matrix first
-    block_tensors = _per_expert(block, count, recurse=False)
+    block_tensors = _per_expert(block, count, recurse=False, extra=extra)
     selection = next(
         (
             p
@@ -384,7 +441,7 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         count_field=_count_field(config, count),
         intermediate_field=_width_field(config, width),
         layout=layout,
-        routing=_describe_routing(selection, group),
+        routing=_describe_routing(selection, group, extra, extra_routed),
         router_tensors=tuple(router_tensors),
         block_tensors=tuple(block_tensors),
         selection_bias=selection,
@@ -393,6 +450,9 @@ def discover_spec(model: nn.Module) -> FamilySpec:
         layers=found[0],
         router_index_position=index_position,
         count_attrs=_count_attrs([block, router, experts], count),
+        extra_experts=extra,
+        extra_routed=extra_routed,
+        total_count_attrs=_count_attrs([block, router, experts], count + extra) if extra else (),
     )
     spec = replace(spec, **disk_names(model, found[0], blocks, spec))
     if spec.disk_names_known and not names_agree(model, found[0], blocks, spec):
@@ -406,12 +466,15 @@ def discover_spec(model: nn.Module) -> FamilySpec:
     return replace(spec, **override)
 
 
-def _describe_routing(selection: str | None, group) -> str:
+def _describe_routing(selection: str | None, group, extra: int = 0, routed: bool = False) -> str:
     text = "router's own top-k"
     if selection:
         text += f", per-expert {selection.rsplit('.', 1)[-1]}"
     if group:
         text += ", group-limited"
+    if extra:
+        kind = "zero (identity) experts it selects" if routed else "extra rows scored apart (never selected)"
+        text += f", {kind}: {extra}, kept"
     return text
 
 

@@ -73,14 +73,29 @@ def check_group_balance(layer: MoELayer, removed: set[int]) -> None:
         )
 
 
+def with_extra(kept: torch.Tensor, count: int, extra: int) -> torch.Tensor:
+    """The kept weighted rows followed by every extra expert's row (rows count..count+extra-1):
+    zero or null experts stay routed whatever is pruned."""
+    if not extra:
+        return kept
+    return torch.cat((kept, torch.arange(count, count + extra, dtype=kept.dtype, device=kept.device)))
+
+
+def _rows(tensor: torch.Tensor, dim: int, kept: torch.Tensor, count: int, extra: int) -> torch.Tensor:
+    """`tensor`'s kept rows along `dim`: the weighted ones, and the extra experts' when it has them."""
+    index = with_extra(kept, count, extra) if extra and tensor.shape[dim] == count + extra else kept
+    return tensor.detach().index_select(dim, index.to(tensor.device))
+
+
 def _slice_router(layer: MoELayer, kept: torch.Tensor) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """Replace the routing's per-expert tensors (on the router, and any the block holds) by
-    their kept rows; returns the originals."""
+    their kept rows (the extra experts' rows kept after them); returns the originals."""
     originals = []
+    count, extra = layer.num_experts, layer.spec.extra_experts
     for owner, path, dim in layer.routing_tensors():
         tensor = get_path(owner, path)
         originals.append((owner, path, tensor))
-        set_path(owner, path, tensor.detach().index_select(dim, kept.to(tensor.device)))
+        set_path(owner, path, _rows(tensor, dim, kept, count, extra))
     return originals
 
 
@@ -88,16 +103,18 @@ def _set_counts(
     layer: MoELayer, modules: Sequence[nn.Module], count: int
 ) -> list[tuple[nn.Module, str, int]]:
     changed = []
+    totals = {attr: count + layer.spec.extra_experts for attr in layer.spec.total_count_attrs}
     for module in modules:
-        for attr in layer.spec.count_attrs:
+        for attr, value in {**dict.fromkeys(layer.spec.count_attrs, count), **totals}.items():
             if hasattr(module, attr) and isinstance(getattr(module, attr), int):
                 changed.append((module, attr, getattr(module, attr)))
-                setattr(module, attr, count)
+                setattr(module, attr, value)
     return changed
 
 
 def _remap_hook(layer: MoELayer, kept: torch.Tensor, total: int):
-    """Forward hook mapping the sliced router's outputs back to the block's expert positions."""
+    """Forward hook mapping the sliced router's outputs back to the block's expert positions
+    (an extra expert's index, past the kept weighted ones, back to its own position)."""
     if layer.spec.weight_on_input:  # Llama-4: (scores [T, E'], logits [T, E']) -> full width
 
         def expand(module, args, output):
@@ -112,6 +129,7 @@ def _remap_hook(layer: MoELayer, kept: torch.Tensor, total: int):
         return expand
 
     position = layer.spec.router_index_position
+    kept = with_extra(kept, total, layer.spec.extra_experts)
 
     def remap(module, args, output):
         indices = output[position]
@@ -161,9 +179,10 @@ def drop_experts(moe: MoEModel, removed: Mapping[int, Sequence[int]]) -> None:
         original_ids = layer.expert_ids
         n = layer.num_experts
         _slice_router(layer, kept)
+        extra = layer.spec.extra_experts
         for name, param in list(layer.experts.named_parameters(recurse=False)):
-            if param.dim() >= 1 and param.shape[0] == n:
-                set_path(layer.experts, name, param.detach().index_select(0, kept.to(param.device)))
+            if param.dim() >= 1 and param.shape[0] in (n, n + extra):
+                set_path(layer.experts, name, _rows(param, 0, kept, n, extra))
         _set_counts(layer, [layer.block, layer.router, layer.experts], len(positions))
         setattr(layer.block, EXPERT_IDS_ATTR, [original_ids[p] for p in positions])
     sync_config_counts(moe)

@@ -49,7 +49,11 @@ class RoutedOptions:
 def routed_compute(
     layer: MoELayer, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, options: RoutedOptions
 ) -> torch.Tensor:
-    """sum_j g_j E_{i_j}(h) over the selected experts (Llama-4: sum_j E_{i_j}(g_j h))."""
+    """sum_j g_j E_{i_j}(h) over the selected experts (Llama-4: sum_j E_{i_j}(g_j h)).
+
+    Indices past the weighted experts select extra experts without weights (LongCat-Flash's zero
+    experts): the experts module's own code computes them, and they are never reported to the
+    observer, so no statistic of a weighted expert counts a token routed to one."""
     tokens, top_k = index.shape
     out = torch.zeros_like(hidden, dtype=torch.float32)  # top-k sums in fp32, as transformers' kernels do
     flat = index.reshape(-1)
@@ -63,12 +67,17 @@ def routed_compute(
     want_m = options.need_intermediate and record
     parts: list[tuple] = []
     start = 0
+    weighted = layer.num_experts
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         picked = order[start : start + n]
         start += n
         rows = picked // top_k
+        if expert >= weighted:  # an extra (zero / identity) expert: its module's own computation
+            y = _extra_expert(layer, hidden[rows], expert, flat_weights[picked])
+            out.index_add_(0, rows, y.to(out.dtype))
+            continue
         x = hidden[rows]
         g = flat_weights[picked]
         x_in = x * g.unsqueeze(1).to(x.dtype) if layer.spec.weight_on_input else x
@@ -86,12 +95,34 @@ def routed_compute(
     return out.to(hidden.dtype)
 
 
+def _extra_expert(layer: MoELayer, x: torch.Tensor, expert: int, g: torch.Tensor) -> torch.Tensor:
+    """g * E(x) for rows routed to extra expert `expert`, computed by the experts class's own
+    forward (not a copy of it: an identity, zero or null expert stays whatever the family says)."""
+    experts = layer.experts
+    if layer.spec.extra_experts == 0:
+        raise MoePruneError(
+            f"decoder layer {layer.index}: the router selected expert {expert}, past its {layer.num_experts} "
+            "experts (no extra experts are known to this layer)"
+        )
+    # two selections per row, the second weighted 0 (exactly nothing added): LongCat's forward
+    # squeezes its one-hot mask and breaks on a single column
+    index = torch.full((x.shape[0], 2), expert, dtype=torch.long, device=x.device)
+    weights = torch.stack((g, torch.zeros_like(g)), dim=1).to(x.dtype)
+    # the family's own class (a packed module's stock base: its zero experts touch no weights)
+    stock: Any = next(
+        c for c in type(experts).__mro__ if "forward" in vars(c) and not getattr(c, "moeprune_packed", False)
+    )
+    return stock.forward(experts, x, index, weights)
+
+
 def _gather(parts: list[tuple], index: torch.Tensor, order: torch.Tensor) -> RoutedRows:
-    """Concatenate per-expert pieces; rows stay grouped by ascending expert id."""
+    """Concatenate per-expert pieces; rows stay grouped by ascending expert id (only the
+    weighted experts' rows: extra experts, whose ids sort last, are left out)."""
     rows, x, y, m, g = zip(*parts)
+    rows_cat = torch.cat(rows)
     return RoutedRows(
-        rows=torch.cat(rows),
-        experts=index.reshape(-1)[order],
+        rows=rows_cat,
+        experts=index.reshape(-1)[order][: rows_cat.shape[0]],
         inputs=torch.cat(x),
         outputs=torch.cat([t.expand(t.shape) for t in y]),
         weights=torch.cat(g),

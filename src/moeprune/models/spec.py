@@ -55,6 +55,16 @@ class FamilySpec:
     router_index_position: int = 2
     # Attributes holding the expert count on block / router / experts modules.
     count_attrs: tuple[str, ...] = ("num_experts",)
+    # Router rows past the weighted experts' (the last `extra_experts` rows of the router matrix
+    # and of every per-expert tensor one that long): LongCat-Flash's zero-computation (identity)
+    # experts, Inkling's shared-expert sink. moeprune never counts, scores or removes them; it
+    # keeps them, after the kept weighted rows, so the model routes to them as before.
+    extra_experts: int = 0
+    # Whether the router's indices select the extra experts (LongCat's zero experts, computed by
+    # the experts module itself for indices >= the weighted count), or score them apart (Inkling).
+    extra_routed: bool = False
+    # Attributes holding weighted + extra experts (LongCat's router `n_routed_experts`).
+    total_count_attrs: tuple[str, ...] = ()
     # How a stock checkpoint of the family names its tensors (what save_pretrained writes):
     # fragments of transformers' internal names replaced on disk (internal, on disk), and the
     # per-expert names of gate, up and down ("B.experts.<p>.<name>.weight"); None where the

@@ -69,6 +69,7 @@ from .moeprune_layers import (
     expert_disk_tensors,
     fail,
     family_of,
+    first_rows,
     get_tensor,
     read_structure,
     replace_tensor,
@@ -150,14 +151,14 @@ class MoePruneModelMixin(_StockCausalLM):
             if n < most:  # a layer keeping every expert keeps its router as built (a hash router
                 # kept whole has none of the selection bias the family's learned routers hold)
                 for path, dim in family.router_tensors:
-                    replace_tensor(router, path, get_tensor(router, path).narrow(dim, 0, n).clone())
+                    replace_tensor(router, path, first_rows(family, get_tensor(router, path), dim, n, most))
                 for path, dim in family.block_tensors:
-                    replace_tensor(block, path, get_tensor(block, path).narrow(dim, 0, n).clone())
+                    replace_tensor(block, path, first_rows(family, get_tensor(block, path), dim, n, most))
             set_counts(family, (block, router), n)
             block.moeprune_expert_ids = list(entry.expert_ids)  # for readers: which original expert is where
             if entry.is_stock(full_width):
                 for name, param in list(stock.named_parameters(recurse=False)):
-                    replace_tensor(stock, name, param.detach()[:n].clone())
+                    replace_tensor(stock, name, first_rows(family, param.detach(), 0, n, most))
                 set_counts(family, (stock,), n)
                 continue
             hidden = int(config.hidden_size)
@@ -169,7 +170,10 @@ class MoePruneModelMixin(_StockCausalLM):
                     for p, width in enumerate(entry.widths)
                 ],
                 weight_on_input=family.weight_on_input,
+                zero_experts=stock if family.extra_experts else None,
             )
+            if family.extra_experts:
+                set_counts(family, (stock,), n)
             if family.weight_on_input:
                 block = MoePruneInputWeightedMoe(block, experts)
                 block.moeprune_expert_ids = list(entry.expert_ids)
@@ -353,16 +357,30 @@ class MoePruneModelMixin(_StockCausalLM):
             for buffer_name in module._non_persistent_buffers_set:
                 buffer = module._buffers.get(buffer_name)
                 if buffer is not None:
-                    module._buffers[buffer_name] = torch.full_like(buffer, float("nan"), device=device)
+                    module._buffers[buffer_name] = torch.full_like(
+                        buffer, _unset(buffer.dtype), device=device
+                    )
             self._init_weights(module)
         finally:
             module._parameters.update(loaded)
         for buffer_name in module._non_persistent_buffers_set:
             buffer = module._buffers.get(buffer_name)
-            if buffer is not None and buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+            if (
+                buffer is not None
+                and buffer.dtype != torch.bool
+                and bool((buffer == _unset(buffer.dtype)).any() | buffer.isnan().any())
+            ):
                 raise fail(
                     f"cannot rebuild the buffer {buffer_name} of {module_name} ({type(module).__name__})"
                 )
+
+
+def _unset(dtype: torch.dtype) -> float | int | bool:
+    """What a buffer holds until `_init_weights` sets it: NaN, or the least integer (Inkling's
+    audio token offsets are int64, which NaN cannot fill)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    return False if dtype == torch.bool else int(torch.iinfo(dtype).min)
 
 
 # ----------------------------------------------------------------------------- the classes

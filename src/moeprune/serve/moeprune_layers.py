@@ -52,6 +52,11 @@ class Family:
     block_tensors: tuple[tuple[str, int], ...] = ()
     own_gate: bool = False  # the experts gate with their own _apply_gate (soft-capped SwiGLU, ...)
     layers: str = "model.layers"  # where the decoder layers are
+    # Router rows past the weighted experts' (LongCat-Flash's zero experts, Inkling's shared-expert
+    # sink): the last rows of the router matrix and of every per-expert tensor that long, kept
+    # after the weighted rows whatever was pruned; attributes counting weighted + extra experts.
+    extra_experts: int = 0
+    total_count_attrs: tuple[str, ...] = ()
 
 
 _BIASED = (("weight", 0), ("e_score_correction_bias", 0))  # DeepSeek-V3, GLM-4-MoE selection bias
@@ -175,7 +180,7 @@ def family_of(config) -> Family:
     try:
         tuples = {
             key: tuple(tuple(x) if isinstance(x, list) else x for x in record[key])
-            for key in ("router_tensors", "block_tensors", "count_attrs", "disk_renames")
+            for key in ("router_tensors", "block_tensors", "count_attrs", "disk_renames", "total_count_attrs")
             if key in record
         }
         names = record.get("disk_expert_names")
@@ -328,10 +333,19 @@ class MoePruneExperts(nn.ModuleList):
     on the tokens routed to it and summing in fp32, as moeprune and transformers' kernels do.
     """
 
-    def __init__(self, experts: list[nn.Module], weight_on_input: bool):
+    def __init__(
+        self, experts: list[nn.Module], weight_on_input: bool, zero_experts: nn.Module | None = None
+    ):
         super().__init__(experts)
         self.num_experts = len(experts)
         self.weight_on_input = weight_on_input
+        if zero_experts is not None:
+            # the stock experts module, emptied of weights, computes the zero experts the router
+            # selects past the weighted ones (LongCat-Flash's identity): its own code, not a copy;
+            # kept outside the module tree, so nothing of it is saved or loaded
+            for name, _ in list(zero_experts.named_parameters(recurse=False)):
+                zero_experts.register_parameter(name, None)
+            self.__dict__["moeprune_zero_experts"] = zero_experts
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         top_k = top_k_index.shape[1]
@@ -355,6 +369,22 @@ class MoePruneExperts(nn.ModuleList):
                 y = expert(x)
                 contribution = y * g.to(y.dtype)
             out.index_add_(0, rows, contribution.to(out.dtype))
+        zero_experts = self.__dict__.get("moeprune_zero_experts")
+        for position in range(len(self), len(counts)):  # indices past the weighted experts
+            n = counts[position]
+            if n == 0:
+                continue
+            if zero_experts is None:
+                raise fail(f"the router selected expert {position} of {len(self)}")
+            picked = order[start : start + n]
+            start += n
+            rows = picked // top_k
+            # two selections, the second weighted 0: LongCat's forward squeezes a one-column mask
+            index = torch.full((n, 2), position, dtype=torch.long, device=rows.device)
+            g = flat_weights[picked]
+            weights = torch.stack((g, torch.zeros_like(g)), dim=1)
+            y = type(zero_experts).forward(zero_experts, hidden_states[rows], index, weights)
+            out.index_add_(0, rows, y.to(out.dtype))
         return out.to(hidden_states.dtype)
 
 
@@ -452,6 +482,18 @@ def set_counts(family: Family, modules, count: int) -> None:
         for attr in family.count_attrs:
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, count)
+        for attr in family.total_count_attrs:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, count + family.extra_experts)
+
+
+def first_rows(family: Family, tensor: torch.Tensor, dim: int, n: int, most: int) -> torch.Tensor:
+    """The first `n` weighted rows of a stock-sized per-expert tensor along `dim`, followed by the
+    extra experts' rows when it has them (it is `most + extra` long): those stay routed."""
+    extra = family.extra_experts
+    if extra and tensor.shape[dim] == most + extra:
+        return torch.cat((tensor.narrow(dim, 0, n), tensor.narrow(dim, most, extra)), dim=dim).clone()
+    return tensor.narrow(dim, 0, n).clone()
 
 
 def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:

@@ -252,6 +252,12 @@ class CheckpointLayout:
         self.fp8 = fmt if isinstance(fmt, Fp8Format) else None
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
+        spec = self.moe.spec
+        if spec.extra_routed:  # their gate/up rows sit among the weighted experts' on disk
+            raise MoePruneError(
+                f"{spec.model_type} routes to {spec.extra_experts} zero experts beside its weighted ones, whose "
+                "rows streaming does not keep apart from theirs yet: load the model instead (drop --no-load)"
+            )
         files = shard_names(self.path)
         if not files:
             raise MoePruneError(

@@ -109,6 +109,7 @@ def _rewritten(
     (in the scale's own shard): copied whole, or cut on the same expert dimension; never
     re-quantized."""
     out: dict[str, list[OutTensor]] = defaultdict(list)
+    counts = {lay.index: lay.num_experts for lay in layout.layers}
     for key, stored in layout.tensors.items():
         addr = layout.addresses.get(key)
         if addr is None or not keep(key):  # a scale: written with its weight
@@ -117,7 +118,7 @@ def _rewritten(
         if layer not in kept:
             written = [whole_tensor(key, stored)]
         elif addr.expert is None:
-            written = [_sliced(key, stored, dim, kept[layer])]
+            written = [_sliced(key, stored, dim, _with_extra(kept[layer], counts[layer], stored.shape[dim]))]
         elif addr.expert in kept[layer]:
             model_key = layout.coded.get(key, key)  # codes are renumbered as the weight they stand for
             renamed = layout.naming.renumber(model_key, kept[layer].index(addr.expert))
@@ -151,6 +152,12 @@ def _rewritten(
                 scaled = whole_tensor(new_scale, layout.tensors[scale])
             out[layout.tensors[scale].file].append(scaled)
     return out
+
+
+def _with_extra(kept: list[int], count: int, rows: int) -> list[int]:
+    """The kept weighted rows, then the rows of extra experts a router tensor scores after them
+    (Inkling's shared-expert sink): never pruned."""
+    return kept + list(range(count, rows)) if rows > count else kept
 
 
 def _renamed(old: str, other: str, new: str) -> str:

@@ -49,9 +49,10 @@ def header_bound(path: Path) -> int:
 
 
 def _routing_elements(layer: MoELayer) -> int:
-    """Elements of one expert's router rows and per-expert routing tensors."""
+    """Elements of one expert's router rows and per-expert routing tensors (a row's size: a router
+    also scoring extra experts, LongCat's zero experts, has more rows than experts)."""
     return sum(
-        get_path(owner, path).numel() // layer.num_experts for owner, path, _ in layer.routing_tensors()
+        (t := get_path(owner, path)).numel() // t.shape[dim] for owner, path, dim in layer.routing_tensors()
     )
 
 
@@ -108,7 +109,8 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
         scales = [s for p in lay.experts.values() for s in p.scales.values()]
         scales += [c for k in keys for c in layout.companions.get(k, ())]  # mxfp4 / compressed-tensors
         routed = sum(_nbytes(tensors[k]) for k in keys + scales)
-        router = sum(_nbytes(tensors[key]) for key, _ in lay.router.values())
+        # one row of each routing tensor (a router scoring extra experts has more rows than experts)
+        router_row = sum(_nbytes(tensors[key]) // tensors[key].shape[dim] for key, dim in lay.router.values())
         per_expert = routed // lay.num_experts
         cost = layer_cost(m)
         item = per_expert // cost.params(m.intermediate_size) if not scales else 0
@@ -119,7 +121,7 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
                 width=m.intermediate_size,
                 per_neuron=cost.per_neuron * item,
                 per_expert=per_expert - cost.per_neuron * item * m.intermediate_size,
-                router_row=router // lay.num_experts,
+                router_row=router_row,
                 novice=m.hidden_size * item,
                 shared_width=shared_width,
                 shared_per_neuron=shared_per_neuron * item,

@@ -163,13 +163,25 @@ def shared_multiplier(moe: MoEModel) -> str | None:
     )
 
 
+def _multiplier_resizes_shared(moe: MoEModel) -> bool:
+    """Whether the shared experts are one gate/up/down MLP whose width is the multiplier field
+    times the expert width (DeepSeek): padded, then it still is. Inkling's `n_shared_experts`
+    counts separate shared experts (and the router's sink rows scoring them) instead."""
+    return shared_multiplier(moe) is not None and all(
+        isinstance(getattr(module, name, None), nn.Linear)
+        for layer in moe.layers[:1]
+        for module in layer.shared_modules
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
 def stock_width_expressible(moe: MoEModel, width: int | None = None) -> bool:
     """Whether a stock checkpoint can hold uniform expert width `width` and still run.
 
     The config must state it without changing the shared expert, and the width must keep
     grouped_mm's 16-byte strides (a multiple of 8 neurons, unless the original width is not).
     """
-    if moe.spec.shared_width_derived and shared_multiplier(moe) is None or moe.spec.dense_width_derived:
+    if moe.spec.shared_width_derived and not _multiplier_resizes_shared(moe) or moe.spec.dense_width_derived:
         return False
     full = moe.layers[0].intermediate_size
     return width is None or width % STOCK_MULTIPLE == 0 or full % STOCK_MULTIPLE != 0
@@ -202,6 +214,13 @@ def shrink_uniform(moe: MoEModel, keep: Keep) -> None:
             rows = [
                 slice_neurons(layer.spec.layout, name, param[p], keep[layer.index][p], full)
                 for p in range(layer.num_experts)
+            ]
+            # rows of extra experts without weights of their own (LongCat's zero experts in
+            # gate_up_proj): never computed, cut to the new width so the stock shapes hold
+            first = torch.arange(width, device=param.device)
+            rows += [
+                slice_neurons(layer.spec.layout, name, param[p], first, full)
+                for p in range(layer.num_experts, param.shape[0])
             ]
             set_path(layer.experts, name, torch.stack(rows))
         _set_int_attrs(layer.experts, _WIDTH_ATTRS, full, width)
