@@ -21,14 +21,14 @@ from moeprune.models.reshape import drop_experts
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore")]
 
-FAMILIES = sorted(RELEASES)
+FAMILIES = sorted(set(RELEASES) - {"deepseek_v4"})  # its hash layers make every result per-layer
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("releases")
-    return {family: write_mtp_release(family, root / family) for family in FAMILIES}
+    return {family: write_mtp_release(family, root / family) for family in RELEASES}
 
 
 def _prune(source: Path, out: Path, *args: str) -> dict:
@@ -244,4 +244,17 @@ def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, dat
     assert (
         "pruned to 6 of 8 experts by aimer on its own weights" in (tmp_path / "out" / "report.md").read_text()
     )
+    _assert_masked_original(source, tmp_path / "out", plan)
+
+
+def test_deepseek_v4_release_prunes_and_says_where_its_mtp_layer_went(releases, tmp_path):
+    """DeepSeek-V4 keeps its hash-routed layers whole, so every result has per-layer counts
+    (moeprune's format), which holds no MTP layer: it is left out, and the summary says so."""
+    source = releases["deepseek_v4"]
+    plan = _prune(source, tmp_path / "out", "--sparsity", "0.25")
+    assert plan["extra"]["mtp"]["left_out"] and plan["extra"]["mtp"]["layers"] == [4]
+    assert not any(k.startswith("mtp.") for k in stored_tensors(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["release_layers"][0].startswith("1 multi-token-prediction layer (mtp.0.*) left out: the result keeps different expert counts")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     _assert_masked_original(source, tmp_path / "out", plan)

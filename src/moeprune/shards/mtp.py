@@ -31,6 +31,10 @@ MTP_COUNT_FIELDS = ("num_nextn_predict_layers",)  # the config field vLLM reads 
 MTP_NOT_REQUANTIZED = (
     "the input stores them quantized and this result is dequantized (moeprune does not quantize)"
 )
+PER_LAYER_COUNTS = (
+    "the result keeps different expert counts per layer (moeprune's format), which neither moeprune's loader "
+    "nor vLLM builds MTP drafts for"
+)
 NEURONS_SKIP_MTP = "narrowing experts (the neurons methods) does not reach MTP layers yet"
 
 
@@ -93,12 +97,7 @@ def plan_mtp(
     if left_out:
         return MtpPlan(prefixes, roots, left_out=left_out)
     if count is None:
-        return MtpPlan(
-            prefixes,
-            roots,
-            left_out="the result keeps different expert counts per layer (moeprune's format), which neither "
-            "moeprune's loader nor vLLM builds MTP drafts for",
-        )
+        return MtpPlan(prefixes, roots, left_out=PER_LAYER_COUNTS)
     name = criterion if criterion and not get_criterion(criterion).needs_data else MTP_CRITERION
     if not layout.extra_layers:  # dense MTP layers (MiMo-V2's): nothing to prune, copied as stored
         return MtpPlan(prefixes, roots)
@@ -123,8 +122,8 @@ def ignored_note(keys: list[str], carried: bool) -> str:
 
 
 def unmapped_mtp(src: str | Path, why: str) -> MtpPlan | None:
-    """The MTP layers of a checkpoint whose shards moeprune cannot map onto its model (`why`),
-    found from the stored names alone: left out, saying so (None when it has none)."""
+    """The MTP layers of a checkpoint whose shards moeprune cannot map onto its model, found from
+    the stored names alone: left out for the reason `why` (None when it has none)."""
     folder = Path(src)
     if not shard_names(folder):
         return None
@@ -134,6 +133,4 @@ def unmapped_mtp(src: str | Path, why: str) -> MtpPlan | None:
         return None
     count = int(config.get_text_config().num_hidden_layers)
     numbered = {count + i: prefix for i, prefix in enumerate(prefixes)}
-    return MtpPlan(
-        numbered, tuple(prefixes), left_out=f"their shards cannot be mapped onto the model ({why})"
-    )
+    return MtpPlan(numbered, tuple(prefixes), left_out=why)

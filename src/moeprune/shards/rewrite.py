@@ -34,6 +34,7 @@ from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.mtp import (
     MTP_COUNT_FIELDS,
     NEURONS_SKIP_MTP,
+    PER_LAYER_COUNTS,
     MtpPlan,
     is_mtp_key,
     plan_mtp,
@@ -109,7 +110,7 @@ def _rewritten(
     (in the scale's own shard): copied whole, or cut on the same expert dimension; never
     re-quantized."""
     out: dict[str, list[OutTensor]] = defaultdict(list)
-    counts = {lay.index: lay.num_experts for lay in layout.layers}
+    counts = {lay.index: lay.num_experts for lay in layout.all_layers}
     for key, stored in layout.tensors.items():
         addr = layout.addresses.get(key)
         if addr is None or not keep(key):  # a scale: written with its weight
@@ -347,12 +348,16 @@ def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | No
     """What a result of `plan` does with the multi-token-prediction layers the checkpoint `src`
     stores: pruned to the plan's count, or left out for the reason `left_out` (None: it has none,
     or is not a safetensors stock checkpoint moeprune can map)."""
+    if not left_out and any(lp.neurons for lp in plan.layers):
+        left_out = NEURONS_SKIP_MTP
+    if not left_out and not plan.is_uniform():
+        left_out = PER_LAYER_COUNTS
     try:
         layout = CheckpointLayout(src)
     except MoePruneError as exc:  # MTP layers it cannot map are left out, saying why: never lost silently
-        return unmapped_mtp(src, str(exc).split(":")[0])
-    if not left_out and any(lp.neurons for lp in plan.layers):
-        left_out = NEURONS_SKIP_MTP
+        return unmapped_mtp(
+            src, left_out or f"their shards cannot be mapped onto the model ({str(exc).split(':')[0]})"
+        )
     counts = {len(lp.kept) for lp in plan.layers}
     return plan_mtp(layout, counts.pop() if plan.is_uniform() else None, plan.criterion, left_out)
 
