@@ -5,7 +5,11 @@
 - groups: group-limited routers lose the same number of experts from each of their groups;
 - multiple: removals per layer are a multiple of this, so that the kept count is a multiple of
   `expert_multiple` (vLLM's expert parallelism needs counts divisible by the EP size, and
-  kernels prefer multiples of 8) and group-limited layers stay balanced.
+  kernels prefer multiples of 8) and group-limited layers stay balanced;
+- protected: the layer's super experts (`moe.protected`) are never removed, so the cap leaves
+  room for them (every group of a group-limited layer keeps its own); the pruning orders put them
+  last (criteria/super_experts.py), so a count within the cap never reaches them. Every
+  allocation and the search read these caps, which is what makes the guard hold everywhere.
 
 Works on a model on the meta device, so an impossible request is refused before any weight
 is loaded. `expert_allocation` applies the uniform and global allocations under these limits.
@@ -64,7 +68,10 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
         )
     groups = [m.n_group if routing_changes else 1 for m in moe.layers]
     caps = [
-        group_limited_cap(m.num_experts, m.top_k, g, m.topk_group) if g > 1 else m.num_experts - m.top_k
+        min(
+            group_limited_cap(m.num_experts, m.top_k, g, m.topk_group) if g > 1 else m.num_experts - m.top_k,
+            protected_cap(m.num_experts, g, moe.protected.get(m.index, ())),
+        )
         for m, g in zip(moe.layers, groups)
     ]
     return LayerLimits(
@@ -75,6 +82,18 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
         groups=groups,
         multiples=[math.lcm(g, expert_multiple) for g in groups],
     )
+
+
+def protected_cap(num_experts: int, groups: int, protected: Sequence[int]) -> int:
+    """Most experts a layer may lose keeping every protected expert: with g balanced groups each
+    group loses r / g, so the group holding the most protected experts sets the limit."""
+    if not protected:
+        return num_experts
+    size = num_experts // groups
+    per_group = [0] * groups
+    for e in protected:
+        per_group[min(int(e) // size, groups - 1)] += 1
+    return groups * (size - max(per_group))
 
 
 def expert_allocation(

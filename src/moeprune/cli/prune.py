@@ -139,6 +139,13 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "EP size; kernels like multiples of 8).",
 )
 @click.option(
+    "--allow-super-experts",
+    is_flag=True,
+    help="Let the plan remove, make novices of or narrow the super experts (the few experts with massive "
+    "activations, found in the calibration data; removing them can collapse the model). By default they "
+    "are kept and a sparsity only their removal could meet is refused.",
+)
+@click.option(
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),
     default=None,

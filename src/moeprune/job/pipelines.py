@@ -23,6 +23,7 @@ from typing import Any
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
+from moeprune.criteria.super_experts import found_in
 from moeprune.errors import MoePruneError
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.job.prepare import PruneRequest
@@ -226,7 +227,11 @@ def _without_loading(request: ScoreRequest, _tokenizer, _sets) -> dict:
         seed=request.seed,
         progress=request.run.progress,
     )
-    return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
+    return {
+        **scores_document(crit, scores, stats),
+        "unseen": unseen_experts(stats) if stats else {},
+        "super_experts": found_in(stats),
+    }
 
 
 def _loaded(request: ScoreRequest, tokenizer, sets) -> dict:
