@@ -233,7 +233,7 @@ def prune(
         unseen_experts=unseen_note(stats) if stats else [],
         unseen=unseen_experts(stats) if stats else {},
         super_experts=as_report(found) if found is not None else None,
-        super_experts_note=guard_note(found, config.allow_super_experts, method.neurons),
+        super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
     )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin

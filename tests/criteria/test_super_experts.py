@@ -182,5 +182,26 @@ def test_without_data_the_summary_says_super_experts_were_not_checked(planted, t
 def test_score_lists_them(planted, data, tmp_path):
     done = run_cli("score", planted, "--criterion", "reap", "--output", tmp_path / "s.json", "--data", data,
                    "--samples", "8")  # fmt: skip
-    assert json.loads((tmp_path / "s.json").read_text())["super_experts"] == {str(LAYER): [EXPERT]}
+    document = json.loads((tmp_path / "s.json").read_text())
+    assert document["super_experts"] == {str(LAYER): [EXPERT]} and document["super_experts_guarded"]
     assert f"layer {LAYER}: {EXPERT}" in done.output
+    layer = next(x for x in document["layers"] if x["layer"] == LAYER)
+    assert layer["order"][-1] == EXPERT  # the order prune follows: the super expert last
+    run_cli("score", planted, "--criterion", "reap", "--output", tmp_path / "raw.json", "--data", data,
+            "--samples", "8", "--allow-super-experts")  # fmt: skip
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert not raw["super_experts_guarded"]
+    raw_layer = next(x for x in raw["layers"] if x["layer"] == LAYER)
+    assert raw_layer["order"] == [int(i) for i in np.argsort(raw_layer["scores"], kind="stable")]
+
+
+def test_tenp_keeps_it_whole_and_neurons_says_it_narrows_it(planted, data, tmp_path):
+    run_cli("prune", planted, "--output", tmp_path / "tenp", "--criterion", "tenp", "--method", "tenp",
+            "--sparsity", "0.5", "--data", data, "--samples", "8", "--quiet")  # fmt: skip
+    plan = json.loads((tmp_path / "tenp" / "plan.json").read_text())
+    layer = next(lp for lp in plan["layers"] if lp["layer"] == LAYER)
+    assert str(EXPERT) not in layer["neurons"] and EXPERT not in layer["neurons"]  # whole
+    assert "whole experts" in _report(tmp_path / "tenp")["super_experts_note"]
+    run_cli("prune", planted, "--output", tmp_path / "enp", "--criterion", "reap", "--method", "neurons",
+            "--sparsity", "0.5", "--data", data, "--samples", "8", "--quiet")  # fmt: skip
+    assert "narrowed" in _report(tmp_path / "enp")["super_experts_note"]

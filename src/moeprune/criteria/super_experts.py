@@ -105,11 +105,15 @@ def as_report(protected: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
     return {str(layer): [int(e) for e in ids] for layer, ids in sorted(protected.items())}
 
 
-def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, narrows: bool = False) -> str:
-    """The report's one sentence on the guard: what was found and what the plan did with it.
+NARROWED = {  # what a neuron method does with the super experts (it keeps every expert, routed)
+    "neurons": "are narrowed like every expert by the neurons method (the guard does not cover it yet)",
+    "tenp": "rank first among each layer's whole experts (kept whole where the trapezoid keeps that many "
+    "whole experts in their layer; narrowed otherwise)",
+}
 
-    `narrows`: the method narrows every expert's neurons (neurons, tenp), which the guard does not
-    cover yet, so the sentence says the super experts were narrowed like the others."""
+
+def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, method: str = "drop") -> str:
+    """The report's one sentence on the guard: what was found and what the plan did with it."""
     if found is None:
         return NOT_CHECKED
     if not found:
@@ -117,11 +121,24 @@ def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, narrows
     named = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in sorted(found.items()))
     if allowed:
         return f"super experts ({named}) were not protected (allow_super_experts): the plan may remove them"
-    if narrows:
-        return f"super experts ({named}) keep their routing but are narrowed like every expert by this method"
+    if method in NARROWED:
+        return f"super experts ({named}) keep their routing and {NARROWED[method]}"
     return f"super experts ({named}) were kept: no plan removes them"
 
 
 def found_in(stats: Sequence[ExpertStats]) -> dict[str, list[int]] | None:
     """report.json / scores.json's `super_experts`: `{layer: [ids]}`, None without statistics."""
     return as_report(super_experts(list(stats))) if stats else None
+
+
+def guard_document(document: dict, allowed: bool) -> dict:
+    """The `moeprune score` document with each layer's `order` as `moeprune prune` would use it:
+    the super experts last (unless `allowed`), and `super_experts_guarded` saying which it is."""
+    found = document.get("super_experts") or {}
+    if found and not allowed:
+        for layer in document["layers"]:
+            keep = set(found.get(str(layer["layer"]), ()))
+            layer["order"] = [e for e in layer["order"] if e not in keep] + [
+                e for e in layer["order"] if e in keep
+            ]
+    return {**document, "super_experts_guarded": bool(found) and not allowed}

@@ -367,7 +367,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         unseen_experts=unseen_note(stats),
         unseen=unseen_experts(stats),
         super_experts=as_report(found) if found is not None else None,
-        super_experts_note=guard_note(found, config.allow_super_experts, narrows=True),
+        super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
         target=job.target,
     )
