@@ -29,6 +29,7 @@ from moeprune.criteria import (
     unseen_experts,
     unseen_note,
 )
+from moeprune.criteria.super_experts import as_report, guard_note
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
@@ -58,7 +59,14 @@ from moeprune.surgery.parameters import (
     routed_parameters,
     served_parameters,
 )
-from moeprune.surgery.planning import apply_plan, build_plan, check_config, check_feasible, requirements
+from moeprune.surgery.planning import (
+    apply_plan,
+    build_plan,
+    check_config,
+    check_feasible,
+    guard_super_experts,
+    requirements,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -132,7 +140,9 @@ def prune(
     batch_size, progress = options.batch_size, run.progress
     needs = requirements(config)  # without a reason to, calibration data is not read at all
     sets = (
-        _as_sets(data, tokenizer, options, needs.per_domain, needs.calibration) if needs.calibration else []
+        _as_sets(data, tokenizer, options, needs.per_domain, needs.calibration or "the super-expert guard")
+        if needs.reads_calibration(data is not None)
+        else []
     )
     needs.check(calibration=bool(sets))
     search_options = replace(
@@ -160,6 +170,7 @@ def prune(
         progress=progress,
         neurons=method.neurons,
     )
+    found = guard_super_experts(moe, config, stats)  # refuses a budget only removing one could meet
     auto_table = None
     if auto:
         assert search_set is not None  # needs.check refused a choice of criterion without search data
@@ -222,6 +233,8 @@ def prune(
         data=DataSummary.of(sets, stats),
         unseen_experts=unseen_note(stats) if stats else [],
         unseen=unseen_experts(stats) if stats else {},
+        super_experts=as_report(found) if found is not None else None,
+        super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
     )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin

@@ -310,6 +310,14 @@ class PruneConfig:
     # the method's own settings: an instance of its options class (`Method.options`, e.g. TenpOptions),
     # or a dict of its fields (JSON); None: its defaults. Resolved with the names (check_config).
     options: Any = None
+    # False (the default): the super experts found in the calibration statistics are never removed,
+    # made novices, narrowed or merged (criteria/super_experts.py); True turns that guard off
+    allow_super_experts: bool = setting(
+        False,
+        "Let the plan remove, make novices of or narrow the super experts (the few experts with massive "
+        "activations, found in the calibration data; removing them can collapse the model). By default they "
+        "are kept and a sparsity only their removal could meet is refused.",
+    )
     # set by check_config on the copy it returns: names resolved, options an object; never by hand
     resolved: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -331,6 +339,8 @@ class PruneConfig:
             del out["target_size"]
         if out["options"] is None:
             del out["options"]
+        if not out["allow_super_experts"]:  # recipes of guarded runs keep the keys they always had
+            del out["allow_super_experts"]
         return out
 
     @classmethod
@@ -492,7 +502,7 @@ def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _field_types() -> None:
     """The JSON type of each field, from the annotations (`int | None` is an optional int)."""
-    names = {"str": str, "float": float, "int": int}
+    names = {"str": str, "float": float, "int": int, "bool": bool}
     for cls in (SearchConfig, PruneConfig):
         for f in fields(cls):
             if f.name in ("search", "options", "resolved"):

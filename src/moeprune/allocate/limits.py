@@ -9,6 +9,10 @@
 - fixed: layers that cannot lose an expert (`MoELayer.kept_whole`: hash routing) have cap 0 and
   do not count toward the budget, so a sparsity is a fraction of the prunable layers' experts and
   every allocation (uniform, global, evo, a target size) spreads it over those layers only.
+- protected: the layer's super experts (`moe.protected`) are never removed, so the cap leaves
+  room for them (every group of a group-limited layer keeps its own); the pruning orders put them
+  last (criteria/super_experts.py), so a count within the cap never reaches them. Every
+  allocation and the search read these caps, which is what makes the guard hold everywhere.
 
 Works on a model on the meta device, so an impossible request is refused before any weight
 is loaded. `expert_allocation` applies the uniform and global allocations under these limits.
@@ -84,9 +88,10 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
     caps = [
         0
         if f
-        else group_limited_cap(m.num_experts, m.top_k, g, m.topk_group)
-        if g > 1
-        else m.num_experts - m.top_k
+        else min(
+            group_limited_cap(m.num_experts, m.top_k, g, m.topk_group) if g > 1 else m.num_experts - m.top_k,
+            protected_cap(m.num_experts, g, moe.protected.get(m.index, ())),
+        )
         for m, g, f in zip(moe.layers, groups, fixed)
     ]
     return LayerLimits(
@@ -98,6 +103,18 @@ def layer_limits(moe: MoEModel, expert_multiple: int = 1, routing_changes: bool 
         multiples=[math.lcm(g, expert_multiple) for g in groups],
         fixed=fixed,
     )
+
+
+def protected_cap(num_experts: int, groups: int, protected: Sequence[int]) -> int:
+    """Most experts a layer may lose keeping every protected expert: with g balanced groups each
+    group loses r / g, so the group holding the most protected experts sets the limit."""
+    if not protected:
+        return num_experts
+    size = num_experts // groups
+    per_group = [0] * groups
+    for e in protected:
+        per_group[min(int(e) // size, groups - 1)] += 1
+    return groups * (size - max(per_group))
 
 
 def expert_allocation(

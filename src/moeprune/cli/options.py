@@ -201,16 +201,18 @@ def field_options(
             help = helps.get(name) or (registry_help(registry, meta["help"]) if registry else meta["help"])
             required = setting.default is MISSING  # and then no default
             default = {} if required else {"default": setting.default}
+            flag = str(setting.type).strip() == "bool"  # a switch: on when given, the default off
+            kind = {"is_flag": True} if flag else {"type": _option_type(setting, allowed)}
             func = click.option(
                 meta.get("flag") or "--" + name.replace("_", "-"),
                 option_name(setting),
                 cls=SettingOption,
                 setting=setting,
-                type=_option_type(setting, allowed),
                 required=required,
-                show_default=setting.default not in (None, MISSING),
+                show_default=setting.default not in (None, MISSING) and not flag,
                 metavar=meta.get("metavar"),
                 help=help,
+                **kind,
                 **default,
             )(func)
         return func

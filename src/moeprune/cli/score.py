@@ -29,8 +29,22 @@ from moeprune.runtime.distributed import rank_and_world
     help="Weight-only criteria (aimer, magnitude, random) read expert by expert from the safetensors "
     "shards; the model is never loaded (memory: about one expert).",
 )
+@click.option(
+    "--allow-super-experts",
+    is_flag=True,
+    help="Give each layer's pruning order as the criterion ranks it; by default the super experts found in "
+    "the calibration data come last, as moeprune prune keeps them.",
+)
 @data_options
-def score(model: str, criterion: str, output: str, overwrite: bool, streaming: bool, **kwargs) -> None:
+def score(
+    model: str,
+    criterion: str,
+    output: str,
+    overwrite: bool,
+    streaming: bool,
+    allow_super_experts: bool,
+    **kwargs,
+) -> None:
     """Score every routed expert of MODEL with one criterion and write the scores as JSON."""
     data = data_from_options(kwargs)
     pipeline = score_pipeline(streaming, data)
@@ -44,6 +58,7 @@ def score(model: str, criterion: str, output: str, overwrite: bool, streaming: b
         data=data,
         tokenizer_path=kwargs["tokenizer_path"],
         seed=kwargs["seed"],
+        allow_super_experts=allow_super_experts,
         run=RunOptions(
             progress=not kwargs["quiet"], overwrite=overwrite, trust_remote_code=kwargs["trust_remote_code"]
         ),

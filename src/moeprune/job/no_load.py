@@ -27,6 +27,7 @@ from moeprune.criteria import (
     unseen_experts,
     unseen_note,
 )
+from moeprune.criteria.super_experts import as_report, guard_note
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
@@ -52,12 +53,15 @@ from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
-from moeprune.surgery.planning import build_plan, check_feasible
+from moeprune.surgery.planning import build_plan, check_feasible, guard_super_experts
 from moeprune.surgery.plans import resolve_plan
 from moeprune.surgery.registry import METHODS
 from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
 
 NO_LOAD_COUNTS = ("without loading", "or prune the loaded model", ("sparsity", "no_load"))
+
+
+GUARD = "the super-expert guard"  # observe_for: the data is read only to find the super experts
 
 
 def score_without_loading(
@@ -77,8 +81,13 @@ def score_without_loading(
     `observe_for` names a surgery method that needs the statistics whatever the criterion
     (`neurons`: with neuron sums); the criterion is then only a label for a weight-only
     criterion, whose scores are not streamed (an empty list: the method does not use them).
+    `observe_for=GUARD`: calibration data, when given, is observed for a weight-only criterion
+    too, only to find the super experts (its scores are still streamed from the shards).
     """
     crit = get_criterion(criterion)
+    if observe_for == GUARD and (crit.needs_data or not (data and data.sources)):
+        observe_for = ""  # the criterion observes anyway, or no data was given (not checked)
+    guard = observe_for == GUARD
     if not crit.needs_data and not observe_for:
         return crit, score_checkpoint(model_path, criterion, seed=seed), [], []
     checked = check_model_path(model_path)
@@ -103,7 +112,7 @@ def score_without_loading(
         for d in sets
     ]
     if not crit.needs_data:
-        return crit, [], stats, sets
+        return crit, score_checkpoint(model_path, criterion, seed=seed) if guard else [], stats, sets
     scores = compute_scores(
         crit.name,
         stats=stats if len(stats) > 1 else stats[0],
@@ -286,7 +295,9 @@ def _drop(job: _NoLoadJob) -> dict:
         tokenizer_path=job.tokenizer_path,
         seed=config.seed,
         progress=job.run.progress,
+        observe_for=GUARD,
     )
+    found = guard_super_experts(moe, config, stats)  # refuses a budget only removing one could meet
     timer.lap("score")
     plan = build_plan(moe, crit, scores, config=config)
     report = PruneReport.no_load(
@@ -301,6 +312,8 @@ def _drop(job: _NoLoadJob) -> dict:
         removed_per_layer={str(lp.layer): len(lp.dropped) for lp in plan.layers},
         data=DataSummary.of(sets, stats),
         unseen=unseen_experts(stats) if stats else {},
+        super_experts=as_report(found) if found is not None else None,
+        super_experts_note=guard_note(found, config.allow_super_experts),
         scores=scores_document(crit, scores, stats),
         target=job.target,
     )
@@ -342,6 +355,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         observe_for="the neurons method",
         neurons=True,
     )
+    found = guard_super_experts(moe, config, stats)
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     plan = build_plan(
@@ -373,6 +387,8 @@ def _shrink(job: _NoLoadJob) -> dict:
         data=DataSummary.of(sets, stats),
         unseen_experts=unseen_note(stats),
         unseen=unseen_experts(stats),
+        super_experts=as_report(found) if found is not None else None,
+        super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
         target=job.target,
     )

@@ -23,6 +23,7 @@ from typing import Any
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
+from moeprune.criteria.super_experts import found_in, guard_document
 from moeprune.errors import MoePruneError
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.job.prepare import PruneRequest
@@ -154,6 +155,7 @@ class ScoreRequest:
     tokenizer_path: str | Path | None = None
     seed: int = 0
     run: RunOptions = field(default_factory=RunOptions)
+    allow_super_experts: bool = False  # False: each layer's order puts its super experts last
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ def run_score(name: str, request: ScoreRequest) -> dict:
     rank, _ = init_distributed()  # torchrun: data-parallel observation; rank 0 writes
     run = replace(request.run, progress=request.run.progress and rank == 0)
     document = pipeline.fn(replace(request, model_path=model_path, run=run), tokenizer, sets)
+    document = guard_document(document, request.allow_super_experts)  # the order prune would follow
     if rank == 0:
         write_json(request.output, document)
     return document
@@ -226,7 +229,11 @@ def _without_loading(request: ScoreRequest, _tokenizer, _sets) -> dict:
         seed=request.seed,
         progress=request.run.progress,
     )
-    return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
+    return {
+        **scores_document(crit, scores, stats),
+        "unseen": unseen_experts(stats) if stats else {},
+        "super_experts": found_in(stats),
+    }
 
 
 def _loaded(request: ScoreRequest, tokenizer, sets) -> dict:

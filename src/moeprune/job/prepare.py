@@ -270,9 +270,10 @@ def prepare(request: PruneRequest) -> PruneJob:
     layer_budget = check_feasible(meta, config)
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
-    if needs.calibration or needs.search:
+    reads_calibration = needs.reads_calibration(bool(data.sources))
+    if reads_calibration or needs.search:
         tokenizer = require_tokenizer(checked, tokenizer_path, trust_remote_code)
-        if needs.calibration:
+        if reads_calibration:
             calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
         if needs.search:
             search_set = load_data(

@@ -20,6 +20,7 @@ from moeprune.criteria import (
     scores_document,
     unseen_experts,
 )
+from moeprune.criteria.super_experts import found_in
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.job.prepare import check_sources
@@ -93,4 +94,8 @@ def score_loaded(
         seed=seed,
         progress=progress,
     )
-    return {**scores_document(crit, scores, stats), "unseen": unseen_experts(stats) if stats else {}}
+    return {
+        **scores_document(crit, scores, stats),
+        "unseen": unseen_experts(stats) if stats else {},
+        "super_experts": found_in(stats),
+    }

@@ -287,6 +287,9 @@ class MoEModel:
         self.config = text_config(model.config)
         self.spec = spec_of(model)
         self.layers = self._find_layers()
+        # decoder layer -> original expert ids no plan may remove, make novices or narrow (the super
+        # experts, criteria/super_experts.py); set once the calibration statistics are known
+        self.protected: dict[int, list[int]] = {}
         if not self.layers:
             raise UnsupportedModelError(
                 f"this {self.spec.model_type} model has no MoE layers (every decoder layer is dense)"

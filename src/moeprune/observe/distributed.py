@@ -20,11 +20,18 @@ import torch.distributed as dist
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
-from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats, LayerStats
+from moeprune.observe.stats import (
+    MAX_FIELDS,
+    MOMENT_FIELDS,
+    NEURON_FIELDS,
+    SUM_FIELDS,
+    ExpertStats,
+    LayerStats,
+)
 from moeprune.runtime.distributed import is_distributed, shard_data
 
 _MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
-_NEURON_FIELDS = NEURON_FIELDS
+_OPTIONAL_FIELDS = NEURON_FIELDS + MAX_FIELDS  # gathered when present; merge() sums or maxes them
 
 
 def observe_distributed(
@@ -78,7 +85,7 @@ def reduce_stats(local: ExpertStats, data: CalibrationData) -> ExpertStats:
 
 
 def _fields(stats: LayerStats) -> list[str]:
-    return list(_MOMENT_FIELDS) + [f for f in _NEURON_FIELDS if getattr(stats, f) is not None]
+    return list(_MOMENT_FIELDS) + [f for f in _OPTIONAL_FIELDS if getattr(stats, f) is not None]
 
 
 def _flatten(stats: ExpertStats) -> torch.Tensor:

@@ -24,7 +24,7 @@ class _Accumulator:
     """Folds one layer call's routed rows into LayerStats with segment sums by expert id.
 
     Per-token terms are computed in fp32 or fp64 and every sum is accumulated in fp64; moments
-    merge per batch with Chan's exact parallel update.
+    merge per batch with Chan's exact parallel update; the per-expert output maximum is a max.
     """
 
     def __init__(self, moe: MoEModel, neurons: bool):
@@ -84,6 +84,15 @@ class _Accumulator:
         stats.norm_sum += segment(norms64)
         stats.weighted_norm_sum += segment(g64 * norms64)
         stats.tenp_sum += segment(g64 * norms64 * (1 - cos.to(F64)))
+        # Super-expert statistic: the largest |output element| per expert, a max (no rounding:
+        # fp32 values are exact in fp64), so batches, ranks and domains merge exactly.
+        absmax = torch.zeros(n_experts, dtype=F64, device=ids.device).scatter_reduce_(
+            0, ids, y32.abs().amax(1).to(F64), reduce="amax"
+        )
+        if stats.output_absmax is None:
+            stats.output_absmax = absmax
+        else:
+            torch.maximum(stats.output_absmax, absmax, out=stats.output_absmax)
         if self.neurons and m is not None:
             self._neurons(layer, stats, ids, y32, m.float(), norms)
 

@@ -19,6 +19,7 @@ F64 = torch.float64
 SUM_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum")  # plain fp64 sums, [E]
 MOMENT_FIELDS = ("mean", "m2")  # Welford moments, [E, d]
 NEURON_FIELDS = ("neuron_proj_sum", "neuron_l2_sum")  # optional, [E, I]
+MAX_FIELDS = ("output_absmax",)  # running maxima, [E]: merged with max, not summed
 
 
 @dataclass
@@ -38,6 +39,9 @@ class LayerStats:
     m2: torch.Tensor  # [E, d] running sum of squared deviations (Welford)
     neuron_proj_sum: torch.Tensor | None = None  # [E, I] sum <y_k, y> / (||y|| + 1e-8)
     neuron_l2_sum: torch.Tensor | None = None  # [E, I] sum ||y_k||
+    # [E] max over routed tokens of max_j |E_i(h_t)_j| (before the routing weight): the super-expert
+    # statistic (criteria/super_experts.py). None only in statistics saved before it was recorded.
+    output_absmax: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -62,6 +66,7 @@ class LayerStats:
             m2=z(e, d),
             neuron_proj_sum=z(e, i) if neurons else None,
             neuron_l2_sum=z(e, i) if neurons else None,
+            output_absmax=z(e),
         )
 
     @property
@@ -109,6 +114,12 @@ class LayerStats:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 mine.add_(theirs)
+        for name in MAX_FIELDS:  # a maximum over both accumulations: exact, order-independent
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None:
+                torch.maximum(mine, theirs, out=mine)
+            elif theirs is not None:
+                setattr(self, name, theirs.clone())
 
     def to_dict(self) -> dict[str, object]:
         """Tensors as plain tensors (for torch.save); keys mirror the field names."""

@@ -43,20 +43,30 @@ _IN_MEMORY = (
     *("criterion", "prune_first", "allocation", "method", "sparsity", "sparsity_unit", "expert_multiple"),
     *("budget_experts_removed", "removed_per_layer", "surgery", "layers_before", "layers_after"),
     *("parameters_before", "parameters_after", "kept_per_layer", "data", "unseen_experts", "unseen"),
-    *("release_layers", "scores", "serving", "criterion_auto", "search"),
+    *(
+        "super_experts",
+        "super_experts_note",
+        "release_layers",
+        "scores",
+        "serving",
+        "criterion_auto",
+        "search",
+    ),
     *("save_dtype", "command_line", "format", "disk_bytes", "timing_s", "target"),
 )
 _NO_LOAD_HEAD = (*_HEAD, "criterion", "allocation", "method", "sparsity", "format")
 _EVIDENCE = ("timing_s", "disk_bytes", "save_dtype", "target")  # written with the rewritten shards
 _NO_LOAD_DROP = (
     *_NO_LOAD_HEAD,
-    *("budget_experts_removed", "removed_per_layer", "data", "unseen", "release_layers", "scores"),
+    *("budget_experts_removed", "removed_per_layer", "data", "unseen", "super_experts", "super_experts_note"),
+    *("release_layers", "scores"),
     *_EVIDENCE,
 )
 _NO_LOAD_NEURONS = (
     *_NO_LOAD_HEAD,
     *("prune_first", "sparsity_unit", "surgery", "kept_neurons", "layers_before", "parameters_before"),
-    *("data", "unseen_experts", "unseen", "release_layers", "scores", "layers_after", "parameters_after"),
+    *("data", "unseen_experts", "unseen", "super_experts", "super_experts_note", "release_layers", "scores"),
+    *("layers_after", "parameters_after"),
     *_EVIDENCE,
 )
 _REQUIRED = ("criterion", "allocation", "method", "sparsity")
@@ -127,6 +137,10 @@ class PruneReport:
     # model class does not load), one note each
     release_layers: list[str] | None = None
     unseen: dict[str, list[int]] = field(default_factory=dict)  # per layer, experts no token reached
+    # per layer, the super experts found in the calibration statistics (criteria/super_experts.py);
+    # None: not checked (no calibration data was read)
+    super_experts: dict[str, list[int]] | None = None
+    super_experts_note: str | None = None  # one sentence: kept, allowed to go, or not checked and why
     scores: dict[str, Any] = field(default_factory=dict)  # the scores document (`moeprune score`)
     serving: Serving | None = None
     criterion_auto: CriterionAuto | None = None

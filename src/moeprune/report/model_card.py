@@ -158,6 +158,8 @@ def measured(report: PruneReport) -> list[str]:
         lines.append(f"- Criterion chosen automatically by {auto.fitness} of its uniform plan: {shown}.")
     for note in report.unseen_experts or []:
         lines.append(f"- {note}")
+    if report.super_experts_note:  # the experts with massive activations, and what the plan did with them
+        lines.append(f"- Super experts: {report.super_experts_note}.")
     if report.serve_check:
         lines.append(serve_check_line(report.serve_check))
     return lines or [

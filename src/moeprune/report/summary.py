@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moeprune.allocate.fitness import FITNESSES
+from moeprune.criteria.super_experts import NOT_CHECKED
 from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
@@ -127,6 +128,8 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "target": report.target.to_json() if report.target else None,
         "release_layers": list(report.release_layers or []),
         "kept_whole": kept_whole_note(report.kept_whole or {}),
+        "super_experts": report.super_experts,
+        "super_experts_note": report.super_experts_note,
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -178,6 +181,8 @@ def format_lines(facts: dict) -> list[str]:
             f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()
         )
         lines.append(f"  unseen experts  {facts['unseen_experts']} got no calibration token ({where})")
+    if facts.get("super_experts_note"):
+        lines.append(f"  super experts   {facts['super_experts_note']}")
     for note in facts.get("release_layers") or []:
         lines.append(f"  beside stack    {note}")
     if facts.get("kept_whole"):
@@ -258,6 +263,12 @@ def score_lines(document: dict, output: str | Path) -> list[str]:
         count = sum(len(ids) for ids in unseen.values())
         where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in unseen.items())
         lines.append(f"  unseen experts  {count} got no calibration token ({where})")
+    found = document.get("super_experts")
+    if found is None:
+        lines.append(f"  super experts   {NOT_CHECKED}")
+    else:
+        where = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in found.items())
+        lines.append(f"  super experts   {where or 'none found'} (kept by moeprune prune by default)")
     lines.append(f"  output          {output}")
     return lines
 

@@ -33,6 +33,7 @@ from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import LayerLimits, layer_limits
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import Criterion, LayerScores
+from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -354,7 +355,7 @@ def search_allocation(
     return run_evo_search(
         moe,
         search_set,
-        [s.order for s in scores],
+        [s.order for s in protected_order(scores, moe.protected)],  # super experts last: never reached
         budget,
         config=config.search,
         fingerprint=fingerprint,

@@ -17,7 +17,8 @@ from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import ALLOCATIONS, searches
 from moeprune.config import PruneConfig
 from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
-from moeprune.errors import DataError, MoePruneError
+from moeprune.criteria.super_experts import as_report, protected_order, super_experts
+from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
@@ -57,7 +58,7 @@ def build_plan(
     request = PlanRequest(
         moe,
         criterion,
-        scores,
+        protected_order(scores, moe.protected),  # the super experts last; the caps never reach them
         config.sparsity_value(),
         allocation,
         method,
@@ -135,6 +136,12 @@ class Requirements:
     per_domain: bool  # calibration files are kept apart (TENP's per-domain normalisation)
     other_knobs: dict[str, tuple[str, ...]]  # "neurons or tenp" -> the settings only those methods read
 
+    def reads_calibration(self, given: bool) -> bool:
+        """Whether the calibration data is read: when something needs it, and whenever it is given,
+        to find the super experts (a criterion that needs no data, random or a weight-only one,
+        then still keeps them; with allow_super_experts the report still names them)."""
+        return bool(self.calibration) or given
+
     def check(self, *, calibration: bool = True, search: bool = True) -> None:
         """One line naming the missing input, before anything is loaded."""
         if self.calibration and not calibration:
@@ -171,7 +178,13 @@ def requirements(config: PruneConfig) -> Requirements:
     for knob, names in readers.items():
         key = " or ".join(names)
         others[key] = (*others.get(key, ()), knob)
-    return Requirements(calibration, search, method.neurons, criterion.per_domain, others)
+    return Requirements(
+        calibration,
+        search,
+        method.neurons,
+        criterion.per_domain,
+        others,
+    )
 
 
 def check_config(config: PruneConfig) -> PruneConfig:
@@ -196,6 +209,11 @@ def check_config(config: PruneConfig) -> PruneConfig:
         raise MoePruneError(
             f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
             options=("expert_multiple",),
+        )
+    if not isinstance(config.allow_super_experts, bool):
+        raise MoePruneError(
+            f"allow_super_experts must be true or false, got {config.allow_super_experts!r}",
+            options=("allow_super_experts",),
         )
     if searches(allocation) or config.criterion == AUTO:
         check_search(config.search)
@@ -229,3 +247,40 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     if ALLOCATIONS.get(config.allocation or method.allocations[0]).fixed:
         known["removed_per_layer"] = dict(zip([m.index for m in moe.layers], uniform))
     return known
+
+
+def guard_super_experts(
+    moe: MoEModel, config: PruneConfig, stats: Sequence[ExpertStats]
+) -> dict[int, list[int]] | None:
+    """Find the super experts in the calibration statistics and, unless the config allows removing
+    them, protect them (`moe.protected`: every later plan, allocation and search keeps them).
+
+    Returns them (None: no statistics, so not checked). Right after observation, a budget the
+    other experts cannot meet is refused in one line, before any search or surgery runs.
+    """
+    if not stats:
+        moe.protected = {}
+        return None
+    found = super_experts(list(stats))
+    moe.protected = {} if config.allow_super_experts else found
+    if moe.protected:
+        check_guarded_budget(moe, config)
+    return found
+
+
+def check_guarded_budget(moe: MoEModel, config: PruneConfig) -> None:
+    """Refuse a budget that only removing a protected (super) expert could meet."""
+    method = METHODS.get(config.method)
+    if method.feasible is not None:  # neuron methods: every expert stays, so nothing to refuse here
+        return
+    limits = method_limits(moe, config.method, config.expert_multiple)
+    budget = limits.budget(config.sparsity_value())
+    try:
+        uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
+    except InfeasibleBudgetError as exc:
+        raise InfeasibleBudgetError(
+            f"sparsity {config.sparsity} removes {budget} experts, which cannot be met without removing "
+            f"a super expert {as_report(moe.protected)} (per-layer limits keeping them: {limits.caps}); "
+            "lower the sparsity, or allow removing super experts (at the risk of collapsing the model)",
+            options=("sparsity", "allow_super_experts"),
+        ) from exc

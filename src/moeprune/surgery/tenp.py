@@ -98,6 +98,9 @@ def tenp_plan(
             raise MoePruneError(f"no {criterion} scores for the {m.num_experts} experts of layer {m.index}")
         rank = np.argsort(-np.asarray(by_layer[m.index].scores, dtype=np.float64), kind="stable").tolist()
         ids = m.expert_ids
+        # super experts (moe.protected) rank first, so they are among the layer's whole experts
+        super_ids = set(moe.protected.get(m.index, ()))
+        rank = [p for p in rank if ids[p] in super_ids] + [p for p in rank if ids[p] not in super_ids]
         neurons = dict(sorted((ids[p], w) for p, w in zip(rank[count:], widths) if w < m.intermediate_size))
         plans.append(
             LayerPlan(
