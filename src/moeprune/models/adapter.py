@@ -20,14 +20,13 @@ from torch.nn import functional as F
 from moeprune.errors import UnsupportedModelError
 from moeprune.models.classes import model_class as class_of
 from moeprune.models.discover import (
-    HASH_ROUTING,
     discover_spec,
     find_decoder_layers,
     names_experts,
     no_moe_message,
-    routes_by_token,
     text_config,
 )
+from moeprune.models.routers import HASH_ROUTING, routes_by_token
 from moeprune.models.spec import DOWN_IS_D_BY_I, FUSED, INTERLEAVED, TRANSPOSED, UNGATED, FamilySpec
 
 EXPERT_IDS_ATTR = "moeprune_expert_ids"  # original expert ids kept by a block after surgery
