@@ -89,6 +89,10 @@ def test_mtp_layer_is_pruned_and_kept(releases, tmp_path, family, no_load):
             assert torch.equal(tensor, before[key]), key
     assert "multi-token-prediction layer" in (tmp_path / "out" / "report.md").read_text()
     assert "multi-token-prediction layer" in (tmp_path / "out" / "moeprune.log").read_text()
+    assert (
+        "- Beside the decoder stack: 1 multi-token-prediction layer"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
     _assert_masked_original(source, tmp_path / "out", plan)
 
 
@@ -255,6 +259,8 @@ def test_deepseek_v4_release_prunes_and_says_where_its_mtp_layer_went(releases, 
     assert plan["extra"]["mtp"]["left_out"] and plan["extra"]["mtp"]["layers"] == [4]
     assert not any(k.startswith("mtp.") for k in stored_tensors(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["release_layers"][0].startswith("1 multi-token-prediction layer (mtp.0.*) left out: the result keeps different expert counts")
+    assert report["release_layers"][0].startswith(
+        "1 multi-token-prediction layer (mtp.0.*) left out: the result keeps different expert counts"
+    )
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     _assert_masked_original(source, tmp_path / "out", plan)

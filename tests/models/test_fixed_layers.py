@@ -184,6 +184,10 @@ def test_prune_save_reload_equals_the_masked_original(checkpoint, calibration, t
     report = json.loads((out / "report.json").read_text())
     assert report["format"] == "moeprune" and report["kept_whole"] == plan["extra"]["kept_whole"]
     assert "layer 0 routes by token id (hash routing): kept whole" in (out / "report.md").read_text()
+    assert (
+        "- Fixed layers: layer 0 routes by token id (hash routing): kept whole"
+        in (out / "README.md").read_text()
+    )
     original = moeprune.load_pretrained(checkpoint).eval()
     ids = torch.randint(3, original.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     reloaded = moeprune.load_pretrained(out).eval()

@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package
 from moeprune.report.document import PruneReport, as_report
 from moeprune.report.parts import LayerShape, ParameterCounts, SearchUniform, ServeCheck, Serving
@@ -160,6 +161,11 @@ def measured(report: PruneReport) -> list[str]:
         lines.append(f"- {note}")
     if report.super_experts_note:  # the experts with massive activations, and what the plan did with them
         lines.append(f"- Super experts: {report.super_experts_note}.")
+    kept_whole = kept_whole_note(report.kept_whole or {})
+    if kept_whole:  # layers no plan may touch (hash routing)
+        lines.append(f"- Fixed layers: {kept_whole}.")
+    for note in report.release_layers or []:  # what the release stores beside the stack
+        lines.append(f"- Beside the decoder stack: {note}.")
     if report.serve_check:
         lines.append(serve_check_line(report.serve_check))
     return lines or [
