@@ -27,7 +27,9 @@ TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3)
 def non_uniform_removal(moe: MoEModel) -> dict[int, list[int]]:
     removed = {}
     for j, layer in enumerate(moe.layers):
-        if layer.n_group > 1:  # whole groups-balanced steps: 0 in the first layer, 1 per group after
+        if layer.fixed:  # kept whole (hash routing): nothing may take its experts
+            removed[layer.index] = []
+        elif layer.n_group > 1:  # whole groups-balanced steps: 0 in the first layer, 1 per group after
             size = layer.num_experts // layer.n_group
             removed[layer.index] = [] if j == 0 else [g * size for g in range(layer.n_group)]
         else:
