@@ -252,6 +252,11 @@ class CheckpointLayout:
         self.fp8 = fmt if isinstance(fmt, Fp8Format) else None
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
+        if self.moe.fixed_layers:  # a stock rewrite says one expert count, which these layers cannot follow
+            raise MoePruneError(
+                f"{self.moe.kept_whole_note()}; checkpoint streaming reads and writes stock layouts where every "
+                "MoE layer can lose experts: load the model instead (drop --no-load / --streaming)"
+            )
         spec = self.moe.spec
         if spec.extra_routed:  # their gate/up rows sit among the weighted experts' on disk
             raise MoePruneError(
