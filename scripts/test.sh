@@ -14,7 +14,12 @@ cd "$(dirname "$0")/.."
 .venv/bin/mypy   # types of src/moeprune, as pyproject's [tool.mypy] says (modules not yet typed are listed there)
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
+# Only the folders whose behaviour depends on transformers' model classes run again: families,
+# loading and saving, shards, quantized formats, surgery, observation, serving without vLLM and the
+# end-to-end commands. Formulas, allocation, search, reports, the demo and torchrun code read no
+# model class of transformers, so a second run of them tests nothing new (it cost CI 8 minutes).
 # (the modules that drive .venv-vllm's vLLM in a subprocess ran in the first pass already)
-.venv-vllm/bin/python -m pytest --ignore=tests/serve/test_serve_vllm.py --ignore=tests/serve/test_serve_check.py \
-  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/evaluate/test_lm_eval_vllm.py \
-  --ignore=tests/serve/test_serve_mtp.py "$@"
+.venv-vllm/bin/python -m pytest tests/models tests/checkpoint tests/shards tests/quant tests/surgery \
+  tests/observe tests/serve tests/e2e tests/test_pipelines.py \
+  --ignore=tests/serve/test_serve_vllm.py --ignore=tests/serve/test_serve_check.py \
+  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/serve/test_serve_mtp.py "$@"
