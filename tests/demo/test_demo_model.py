@@ -188,6 +188,47 @@ def test_spec_key_tracks_every_field() -> None:
     assert DemoModelSpec().key() == DemoModelSpec().key()
     assert DemoModelSpec(steps=1).key() != DemoModelSpec().key()
     assert FIXTURE.key() != train_mod.DEMO.key()
+    # fields added later enter the key only when set: older cached models keep theirs
+    assert "shared_experts" not in FIXTURE.spec_dict()
+    assert dataclasses.replace(FIXTURE, shared_experts=1).key() != FIXTURE.key()
+    assert train_mod.DEEPSEEK_FIXTURE.spec_dict()["bias_rate"] == train_mod.DEEPSEEK_FIXTURE.bias_rate
+
+
+def test_demo_specs_per_family() -> None:
+    assert train_mod.demo_spec() is train_mod.DEMO and train_mod.demo_spec(quick=True) is FIXTURE
+    assert train_mod.demo_spec("deepseek_v3", quick=True) is train_mod.DEEPSEEK_FIXTURE
+    assert train_mod.demo_spec("olmoe").family == "olmoe"
+    with pytest.raises(ValueError, match="unsupported family"):
+        train_mod.demo_spec("mixtral")
+
+
+def test_route_counter_counts_what_the_router_selects() -> None:
+    """Counts equal the top-k of the DeepSeek router recomputed by hand (sigmoid + selection bias),
+    masked tokens left out; the balance step moves each bias by the sign of (mean - count)."""
+    from moeprune.models.factory import tiny_model
+
+    model = tiny_model("deepseek_v3", n_group=1, topk_group=1)
+    counter = train_mod.RouteCounter(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    inputs: list[torch.Tensor] = []
+    handles = [m.router.register_forward_hook(lambda _m, a, _o: inputs.append(a[0])) for m in counter.layers]
+    counter.mask = torch.tensor([True] * 10 + [False] * 4)
+    with counter, torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    for layer, hidden, counts in zip(counter.layers, inputs, counter.counts):
+        router = layer.router
+        scores = (hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().T).sigmoid()
+        chosen = (scores + router.e_score_correction_bias).topk(model.config.num_experts_per_tok).indices
+        expected = torch.bincount(chosen[:10].reshape(-1), minlength=layer.num_experts).double()
+        assert torch.equal(counts, expected)
+        assert counts.sum() == 10 * model.config.num_experts_per_tok
+    before = [layer.router.e_score_correction_bias.clone() for layer in counter.layers]
+    train_mod.balance_selection_bias(counter, 0.5)
+    for layer, counts, old in zip(counter.layers, counter.counts, before):
+        step = torch.where(counts < counts.mean(), 0.5, torch.where(counts > counts.mean(), -0.5, 0.0))
+        assert torch.allclose(layer.router.e_score_correction_bias, old + step.float())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +249,7 @@ def test_checkpoint_reloads_exactly(trained_moe: tuple[Path, Path], eval_stats: 
     """Statistics from the reloaded checkpoint equal those measured right after training."""
     model_dir, _ = trained_moe
     recorded = json.loads((model_dir / train_mod.TRAINING_JSON).read_text())
-    assert recorded["spec"] == dataclasses.asdict(FIXTURE)
+    assert recorded["spec"] == FIXTURE.spec_dict()  # a model cached before the later fields matches
     assert eval_stats["nll"] == pytest.approx(recorded["eval"]["nll"], abs=1e-4)
     assert recorded["losses"][-1]["ce"] < recorded["losses"][0]["ce"] - 2
 
@@ -228,3 +269,23 @@ def test_experts_are_not_collapsed(eval_stats: dict) -> None:
         assert entropy > ENTROPY_FLOOR * math.log(FIXTURE.experts), (layer, entropy)
         assert used >= USED_FLOOR, (layer, used)
     assert max(routing["domain_mi"]) > DOMAIN_MI_FLOOR, routing["domain_mi"]
+
+
+def test_deepseek_architecture_trains_with_its_selection_bias(trained_moe: tuple[Path, Path], tmp_path: Path) -> None:
+    """The `--family deepseek_v3` demo model: a dense first layer, a shared expert, a sigmoid router
+    whose selection bias only the balance rule moves (each entry a whole number of rate steps)."""
+    spec = dataclasses.replace(train_mod.DEEPSEEK_FIXTURE, steps=24, warmup=4)
+    out = train_mod.train_demo_model(spec, trained_moe[1], tmp_path / "m", progress=False, threads=1)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    config = model.config
+    assert config.model_type == "deepseek_v3" and config.first_k_dense_replace == 1
+    assert config.n_shared_experts == 1 and config.n_routed_experts == spec.experts
+    record = json.loads((out / train_mod.TRAINING_JSON).read_text())
+    assert record["spec"] == spec.spec_dict() and record["losses"][-1]["ce"] < record["losses"][0]["ce"] - 1
+    assert all(loss["aux"] == 0.0 and loss["max_load"] >= 1.0 for loss in record["losses"])
+    assert len(record["eval"]["routing"]["entropy"]) == spec.layers - spec.dense_layers
+    biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers[1:]]
+    for bias in biases:
+        steps = bias.double() / spec.bias_rate
+        assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= spec.steps
+        assert bias.abs().sum() > 0

@@ -2,16 +2,20 @@
 
 Nothing can be downloaded, so the demo and the quality tests build their own model:
 `build_corpus` writes a code / prose / math corpus from the standard library and generated word
-problems, and `get_demo_model` trains (once, then cached) a small Qwen3-MoE on it.
+problems, and `get_demo_model` trains (once, then cached) a small Qwen3-MoE on it (or a
+DeepSeek-V3-architecture model: `demo_spec("deepseek_v3")`).
 """
 
 from __future__ import annotations
 
 from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, SPLITS, build_corpus, load_split
 from moeprune.demo.train import (
+    DEEPSEEK,
+    DEEPSEEK_FIXTURE,
     DEMO,
     FIXTURE,
     DemoModelSpec,
+    demo_spec,
     get_demo_model,
     heldout_stats,
     train_demo_model,
@@ -19,12 +23,15 @@ from moeprune.demo.train import (
 
 __all__ = [
     "CORPUS_VERSION",
+    "DEEPSEEK",
+    "DEEPSEEK_FIXTURE",
     "DEMO",
     "DOMAINS",
     "FIXTURE",
     "SPLITS",
     "DemoModelSpec",
     "build_corpus",
+    "demo_spec",
     "get_demo_model",
     "heldout_stats",
     "load_split",

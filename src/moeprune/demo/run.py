@@ -25,7 +25,7 @@ from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
-from moeprune.demo.train import CORPUS_SUBDIR, DEMO, FIXTURE, get_demo_model
+from moeprune.demo.train import CORPUS_SUBDIR, demo_spec, get_demo_model
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
@@ -158,25 +158,33 @@ def run_demo(
     progress: bool = True,
     rebuild: bool = False,
     threads: int | None = None,
+    family: str = "qwen3_moe",
 ) -> dict:
     """Train or reuse the demo model, compare criteria x allocations x sparsities, write results.
 
     `threads`: torch CPU threads for every stage, training included (None: torch's setting).
+    `family`: the demo model's architecture (demo/train.py FAMILIES; deepseek_v3: sigmoid router
+    with a selection bias, a shared expert, a dense first layer).
     """
     check_output_dir(output, overwrite)
     with RunLog.join() as log:
-        return _run_demo(output, quick, overwrite, progress, rebuild, threads, log)
+        return _run_demo(output, quick, overwrite, progress, rebuild, threads, log, family)
 
 
 def _run_demo(
-    output, quick: bool, overwrite: bool, progress: bool, rebuild: bool, threads: int | None, log: RunLog
+    output,
+    quick: bool,
+    overwrite: bool,
+    progress: bool,
+    rebuild: bool,
+    threads: int | None,
+    log: RunLog,
+    family: str = "qwen3_moe",
 ) -> dict:
     settings = DemoSettings.for_mode(quick)
     start = time.perf_counter()
     threads = threads or torch.get_num_threads()
-    model_dir = get_demo_model(
-        FIXTURE if quick else DEMO, rebuild=rebuild, progress=progress, threads=threads
-    )
+    model_dir = get_demo_model(demo_spec(family, quick), rebuild=rebuild, progress=progress, threads=threads)
     trained_s = time.perf_counter() - start
     corpus = model_dir / CORPUS_SUBDIR
     with stage(f"loading {model_dir}", progress), transformers_bars_off():
@@ -243,6 +251,7 @@ def _run_demo(
     results = {
         "model": str(model_dir),
         "mode": "quick" if quick else "full",
+        "family": family,
         "domains": list(DOMAINS),
         "calibration": {"samples": len(calibration.samples), "tokens": stats.tokens},
         "eval_samples_per_domain": settings.eval_samples,

@@ -1,7 +1,8 @@
 """Train a tiny MoE language model on the local corpus, cache it, and measure what it learned.
 
 Why: the demo and the quality tests need an MoE whose experts carry real, specialised knowledge,
-and nothing can be downloaded. A few minutes on two CPU cores suffice for a 4-layer Qwen3-MoE.
+and nothing can be downloaded. A few minutes on two CPU cores suffice for a 4-layer Qwen3-MoE
+(the default) or a 5-layer DeepSeek-V3-architecture model (`demo_spec("deepseek_v3")`).
 
 The trained folder is a normal transformers checkpoint (model, tokenizer, chat template) plus
 ``training.json`` (spec, losses, time, held-out statistics) and the corpus in ``corpus/``.
@@ -34,8 +35,8 @@ from moeprune.runtime.progress import progress_bar
 TRAINER_VERSION = 1
 CORPUS_SUBDIR = "corpus"
 TRAINING_JSON = "training.json"
-# Config field holding the routed experts' intermediate size, per supported family.
-_EXPERT_WIDTH_FIELD = {"qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size"}
+_LATER_FIELDS = ("shared_experts", "dense_layers", "dense_intermediate", "bias_rate")
+FAMILIES = ("qwen3_moe", "olmoe", "deepseek_v3")  # the architectures a demo model can have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +61,27 @@ class DemoModelSpec:
     seed: int = 0
     corpus_train: int = 6000  # examples per domain in the train split
     corpus_heldout: int = 200  # examples per domain in each of search and eval
+    # Added with the DeepSeek-architecture model (they enter spec_dict only when set, so the
+    # models cached before them keep their key):
+    shared_experts: int = 0  # always-on shared experts beside the routed ones
+    dense_layers: int = 0  # leading decoder layers with a dense MLP (DeepSeek's first_k_dense_replace)
+    dense_intermediate: int = 256  # their MLP width
+    bias_rate: float = 0.0  # step of the auxiliary-loss-free balance of routers with a selection bias
 
     def corpus_sizes(self) -> dict[str, int]:
         return {"train": self.corpus_train, "search": self.corpus_heldout, "eval": self.corpus_heldout}
+
+    def spec_dict(self) -> dict[str, Any]:
+        """The fields that determine the model: the later fields only where they differ from their
+        default, so a model trained before they existed keeps its cache key and record."""
+        later = {f.name: f.default for f in dataclasses.fields(self) if f.name in _LATER_FIELDS}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in later or v != later[k]}
 
     def key(self) -> str:
         """Short hash of the spec and of everything else the result depends on."""
         blob = json.dumps(
             {
-                "spec": dataclasses.asdict(self),
+                "spec": self.spec_dict(),
                 "corpus": CORPUS_VERSION,
                 "trainer": TRAINER_VERSION,
                 "python": sys.version,  # the stdlib, hence the corpus, can change in any release
@@ -96,6 +109,41 @@ FIXTURE = DemoModelSpec(
     corpus_train=1500,
     corpus_heldout=64,
 )
+# The DeepSeek architecture: a sigmoid router whose selection adds a bias that no gradient trains (balanced as
+# DeepSeek-V3 trains it, without an auxiliary loss), a shared expert, a dense first layer, MLA.
+DEEPSEEK = DemoModelSpec(
+    family="deepseek_v3",
+    layers=5,
+    kv_heads=4,  # MLA: one key/value head per query head
+    experts=16,
+    top_k=4,
+    moe_intermediate=64,
+    shared_experts=1,
+    dense_layers=1,
+    dense_intermediate=256,
+    bias_rate=0.01,
+)
+DEEPSEEK_FIXTURE = dataclasses.replace(
+    FIXTURE,
+    family="deepseek_v3",
+    layers=3,
+    kv_heads=FIXTURE.heads,
+    moe_intermediate=32,
+    shared_experts=1,
+    dense_layers=1,
+    dense_intermediate=128,
+    bias_rate=0.01,
+)
+
+
+def demo_spec(family: str = "qwen3_moe", quick: bool = False) -> DemoModelSpec:
+    """The demo model of an architecture: the full one, or the quick one (the test fixture's size)."""
+    if family == "deepseek_v3":
+        return DEEPSEEK_FIXTURE if quick else DEEPSEEK
+    if family not in FAMILIES:
+        raise ValueError(f"unsupported family {family!r}; use one of {', '.join(FAMILIES)}")
+    base = FIXTURE if quick else DEMO
+    return base if family == base.family else dataclasses.replace(base, family=family)
 
 
 @contextlib.contextmanager
@@ -108,9 +156,39 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def _family_fields(spec: DemoModelSpec) -> dict[str, Any]:
+    """The config fields that spell the MoE block in each family's own names."""
+    if spec.family == "deepseek_v3":
+        head = spec.hidden // spec.heads
+        return {
+            "n_routed_experts": spec.experts,
+            "n_shared_experts": spec.shared_experts,
+            "moe_intermediate_size": spec.moe_intermediate,
+            "first_k_dense_replace": spec.dense_layers,
+            "intermediate_size": spec.dense_intermediate,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,  # DeepSeek-V3's
+            "q_lora_rank": None,
+            "kv_lora_rank": 2 * head,
+            "qk_rope_head_dim": head // 2,
+            "qk_nope_head_dim": head // 2,
+            "v_head_dim": head,
+        }
+    if spec.shared_experts or spec.dense_layers or spec.bias_rate:
+        raise ValueError(f"{spec.family} demo models have no shared experts, dense layers or selection bias")
+    width = {"qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size"}[spec.family]
+    return {
+        "num_experts": spec.experts,
+        "intermediate_size": spec.moe_intermediate,
+        "router_aux_loss_coef": spec.aux_loss_coef,
+        width: spec.moe_intermediate,
+    }
+
+
 def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    if spec.family not in _EXPERT_WIDTH_FIELD:
-        raise ValueError(f"unsupported family {spec.family!r}; use one of {sorted(_EXPERT_WIDTH_FIELD)}")
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unsupported family {spec.family!r}; use one of {', '.join(FAMILIES)}")
     config = AutoConfig.for_model(
         spec.family,
         vocab_size=len(tokenizer),
@@ -118,21 +196,69 @@ def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> Pre
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
-        intermediate_size=spec.moe_intermediate,
-        num_experts=spec.experts,
         num_experts_per_tok=spec.top_k,
         norm_topk_prob=True,
-        router_aux_loss_coef=spec.aux_loss_coef,
         output_router_logits=False,  # training asks for them per call; inference need not pay
         max_position_embeddings=spec.seq_len,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **{_EXPERT_WIDTH_FIELD[spec.family]: spec.moe_intermediate},
+        **_family_fields(spec),
     )
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config)
+
+
+class RouteCounter:
+    """Counts the experts each MoE layer's router selects, from the routers' own outputs.
+
+    The routers are found by moeprune's model discovery, and their selection read from the index
+    tensor they return, so a selection bias, groups or renormalisation are counted as they route.
+    Use as a context manager; `counts` holds one [experts] float64 tensor per MoE layer.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        from moeprune.models import MoEModel  # models needs the demo's nothing; keep the import local
+
+        self.layers = MoEModel(model).layers
+        self.counts = [torch.zeros(m.num_experts, dtype=torch.float64) for m in self.layers]
+        self.mask: torch.Tensor | None = None  # tokens to count (flattened), None: all
+        self._handles: list = []
+
+    def __enter__(self) -> RouteCounter:
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, output) -> None:
+            index = next(t for t in output if isinstance(t, torch.Tensor) and not t.is_floating_point())
+            index = index.reshape(-1, index.shape[-1])
+            if self.mask is not None:
+                index = index[self.mask]
+            self.counts[i] += torch.bincount(index.reshape(-1).cpu(), minlength=len(self.counts[i])).double()
+
+        return hook
+
+    def reset(self) -> None:
+        for c in self.counts:
+            c.zero_()
+
+
+@torch.no_grad()
+def balance_selection_bias(counter: RouteCounter, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balance: after each step, raise the selection bias of the
+    experts that got fewer tokens than the mean and lower it for those that got more, by `rate`."""
+    for layer, counts in zip(counter.layers, counter.counts):
+        bias = getattr(layer.router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
 
 
 def encode_rows(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict[str, str]]) -> list[list[int]]:
@@ -201,19 +327,27 @@ def train_demo_model(
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, spec))
         g = torch.Generator().manual_seed(spec.seed)
         losses: list[dict[str, float]] = []
+        aux_loss = hasattr(model.config, "router_aux_loss_coef")  # else balanced by the selection bias
+        counter = RouteCounter(model)
         bar = progress_bar(range(spec.steps), desc=f"training demo MoE ({spec.family})", enabled=progress)
-        for _ in bar:
-            x = _batch(streams, spec.batch, spec.seq_len, g)
-            out = model(input_ids=x, labels=x, output_router_logits=True)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            aux = float(out.aux_loss.detach())
-            ce = float(out.loss.detach()) - spec.aux_loss_coef * aux
-            losses.append({"ce": round(ce, 4), "aux": round(aux, 4)})
-            bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.3f}")
+        with counter:
+            for _ in bar:
+                x = _batch(streams, spec.batch, spec.seq_len, g)
+                counter.reset()
+                out = model(input_ids=x, labels=x, output_router_logits=aux_loss)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                if spec.bias_rate:
+                    balance_selection_bias(counter, spec.bias_rate)
+                aux = float(out.aux_loss.detach()) if aux_loss else 0.0
+                ce = float(out.loss.detach()) - spec.aux_loss_coef * aux
+                # max/mean selections of the busiest expert over the layers: 1.0 is perfect balance
+                load = max(float(c.max() / c.mean().clamp_min(1e-9)) for c in counter.counts)
+                losses.append({"ce": round(ce, 4), "aux": round(aux, 4), "max_load": round(load, 3)})
+                bar.set_postfix(ce=f"{ce:.3f}", aux=f"{aux:.3f}", load=f"{load:.2f}")
         train_seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         model.eval()
         stats = heldout_stats(model, tokenizer, corpus_dir, "eval")
@@ -222,7 +356,7 @@ def train_demo_model(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     record = {
-        "spec": dataclasses.asdict(spec),
+        "spec": spec.spec_dict(),
         "key": spec.key(),
         "train_seconds": round(train_seconds, 1),  # wall: tokenizer, data and training steps
         "cpu_seconds": round(cpu_seconds, 1),  # all threads; compare to judge contention
@@ -291,7 +425,8 @@ def heldout_stats(
     expert (nats; 0 when experts ignore the domain), a measure of specialisation.
     """
     max_len = model.config.max_position_embeddings
-    n_experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    counter = RouteCounter(model)
+    n_experts = len(counter.counts[0])
     seqs = {
         d: [s[:max_len] for s in encode_rows(tokenizer, load_split(corpus_dir, d, split))] for d in DOMAINS
     }
@@ -308,18 +443,19 @@ def heldout_stats(
             for row, seq in enumerate(chunk):
                 ids[row, : len(seq)] = torch.tensor(seq)
                 mask[row, : len(seq)] = 1
-            out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+            counter.reset()
+            counter.mask = mask.reshape(-1).bool()
+            with counter:
+                out = model(input_ids=ids, attention_mask=mask)
             logp = out.logits[:, :-1].float().log_softmax(-1)
             nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
             target_mask = mask[:, 1:].bool()
             total_nll += float(nll[target_mask].sum())
             total_tokens += int(target_mask.sum())
             if counts is None:
-                counts = torch.zeros(len(out.router_logits), len(DOMAINS), n_experts, dtype=torch.float64)
-            keep = mask.reshape(-1).bool()
-            for layer, logits in enumerate(out.router_logits):
-                chosen = logits[keep].topk(top_k, dim=-1).indices.reshape(-1)
-                counts[layer, di] += torch.bincount(chosen, minlength=n_experts).double()
+                counts = torch.zeros(len(counter.counts), len(DOMAINS), n_experts, dtype=torch.float64)
+            for layer, chosen in enumerate(counter.counts):
+                counts[layer, di] += chosen
         per_domain[domain] = {"nll": total_nll / max(total_tokens, 1), "tokens": total_tokens}
     assert counts is not None, "empty held-out split"
     total_tokens = sum(v["tokens"] for v in per_domain.values())
