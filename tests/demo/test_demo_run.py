@@ -40,6 +40,11 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     for sparsity in (0.25, 0.5):  # searched >= uniform on the search data, by construction
         search = next(s for s in results["searches"] if s["sparsity"] == sparsity)
         assert search["fitness_value"] >= search["uniform"]["fitness_value"]
+    # the super experts (a model this small always has one) stay in every row, as prune keeps them
+    assert results["super_experts"] and "super experts kept in every row" in result.output
+    for row in rows[1:]:
+        for layer, ids in results["super_experts"].items():
+            assert not set(ids) & set(row["removed"][layer]), (row["criterion"], row["method"])
     assert (out / "results.md").read_text().startswith("| criterion |")
     assert (out / "density_50.png").is_file() and list(out.glob("search_*.png"))
     assert "ESAP" in result.output

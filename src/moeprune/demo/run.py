@@ -23,6 +23,7 @@ from moeprune.allocate.registry import searches
 from moeprune.checkpoint import load_model
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
+from moeprune.criteria.super_experts import as_report, protected_order
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import CORPUS_SUBDIR, demo_spec, get_demo_model
@@ -37,7 +38,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
 from moeprune.surgery.parameters import plan_kept_rows, plan_routed_parameters, routed_parameters
-from moeprune.surgery.planning import build_plan
+from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import virtual_plan
 
 DEMO_CRITERIA = ("frequency", "reap", "aimer", "mone", "seer", "ean", "tenp", "random")
@@ -142,7 +143,7 @@ def _search(
     return run_evo_search(
         moe,
         search,
-        [s.order for s in scores],
+        [s.order for s in protected_order(scores, moe.protected)],  # super experts last
         budget,
         config=config,
         fingerprint={"demo": True},
@@ -210,6 +211,7 @@ def _run_demo(
     before = routed_parameters(moe)
     rows = [_row("full model", "-", "-", 0.0, {d: e.score(nullcontext) for d, e in evals.items()}, before)]
     configs = list(configurations(quick))
+    found: dict[int, list[int]] | None = None
     search_docs: list[dict] = []
     for criterion, allocation, method, sparsity in progress_bar(
         configs, desc="demo", unit="config", enabled=progress
@@ -223,6 +225,8 @@ def _run_demo(
             num_experts=[m.num_experts for m in moe.layers],
             layers=[m.index for m in moe.layers],
         )
+        config = PruneConfig(criterion, sparsity, allocation=allocation, method=method)
+        found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
         removed = None
         if searches(allocation):
             removed, document = _search(moe, scores, search, sparsity, settings, pad)
@@ -231,7 +235,7 @@ def _run_demo(
             moe,
             crit,
             scores,
-            config=PruneConfig(criterion, sparsity, allocation=allocation, method=method),
+            config=config,
             stats=[stats],
             removed=removed,
         )
@@ -254,6 +258,7 @@ def _run_demo(
         "family": family,
         "domains": list(DOMAINS),
         "calibration": {"samples": len(calibration.samples), "tokens": stats.tokens},
+        "super_experts": as_report(found or {}),  # kept in every row
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
         "searches": [{k: v for k, v in s.items() if k != "generations"} for s in search_docs],
@@ -297,6 +302,7 @@ def _row(
     }
     if plan is not None:
         row["kept_per_layer"] = [len(lp.kept) - len(lp.novice) for lp in plan.layers]
+        row["removed"] = {str(lp.layer): sorted(lp.dropped + lp.novice) for lp in plan.layers}  # ids
         row["kept_rows"] = kept_rows
     return row
 

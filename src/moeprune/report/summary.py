@@ -322,6 +322,9 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
             f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
             "on the search data"
         )
+    if results.get("super_experts"):
+        named = "; ".join(f"layer {k}: {v}" for k, v in results["super_experts"].items())
+        lines.append(f"  super experts kept in every row ({named})")
     folder = Path(output)
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     lines.append(f"  output    {folder}: {', '.join(names)}")

@@ -1,0 +1,148 @@
+"""How good is each pruning recipe on a trained demo model? ESAP and NLL per domain, one table.
+
+The evidence behind docs/criteria.md and docs/surgery.md: every row is evaluated on the held-out
+eval split through the method's virtual form, as `moeprune demo` does, against the full model's
+distributions (computed once). A row is `criterion/allocation/method` with optional settings after
+a fourth slash (`key=value,...`: the method's own options, or `allow_super_experts=true`).
+
+    python benchmarks/quality.py --quick man/uniform/drop msan/uniform/drop reap/uniform/drop
+    python benchmarks/quality.py --quick --family deepseek_v3 mone/uniform/novice
+    python benchmarks/quality.py --quick --plant 30 frequency/uniform/drop \\
+        frequency/uniform/drop/allow_super_experts=true
+
+`--plant SCALE` first makes a super expert: the least-routed expert of the first MoE layer gets its
+down_proj multiplied by SCALE (so its rare outputs are massive), and that model is the reference.
+The table's last column says whether each row kept it. Sparsities: `--sparsity 0.25 0.5`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from moeprune.checkpoint import load_model
+from moeprune.config import PruneConfig
+from moeprune.criteria import compute_scores, get_criterion
+from moeprune.data.loading import load_data
+from moeprune.demo.corpus import DOMAINS
+from moeprune.demo.run import DemoSettings, DomainEval
+from moeprune.demo.train import CORPUS_SUBDIR, FAMILIES, demo_spec, get_demo_model
+from moeprune.models import MoEModel
+from moeprune.observe.observer import observe
+from moeprune.surgery.planning import build_plan, guard_super_experts
+from moeprune.surgery.plans import virtual_plan
+
+
+def parse_row(text: str, sparsity: float) -> PruneConfig:
+    """`criterion/allocation/method[/key=value,...]` at `sparsity`."""
+    parts = text.split("/")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"row {text!r}: write criterion/allocation/method[/key=value,...]")
+    criterion, allocation, method = parts[:3]
+    settings: dict[str, Any] = {}
+    for item in parts[3].split(",") if len(parts) == 4 else []:
+        key, _, value = item.partition("=")
+        settings[key] = json.loads(value) if value[:1] in "0123456789-tf[{\"" else value
+    allow = bool(settings.pop("allow_super_experts", False))
+    return PruneConfig(
+        criterion,
+        sparsity,
+        allocation=allocation,
+        method=method,
+        options=settings or None,
+        allow_super_experts=allow,
+    )
+
+
+def plant_super_expert(moe: MoEModel, stats, scale: float) -> tuple[int, int]:
+    """Scale the down_proj of the first MoE layer's least-routed (seen) expert; returns (layer, expert)."""
+    layer = moe.layers[0]
+    counts = stats.layer(layer.index).count
+    seen = [i for i in range(layer.num_experts) if counts[i] > 0]
+    expert = min(seen, key=lambda i: float(counts[i]))
+    down = layer.experts.down_proj
+    with torch.no_grad():
+        down[expert].mul_(scale)
+    return layer.index, expert
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rows", nargs="+", help="criterion/allocation/method[/key=value,...]")
+    parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    parser.add_argument("--quick", action="store_true", help="the quick demo model and settings")
+    parser.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--plant", type=float, default=None, metavar="SCALE", help="plant a super expert")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    settings = DemoSettings.for_mode(args.quick)
+    model_dir = get_demo_model(demo_spec(args.family, args.quick), progress=False, threads=args.threads)
+    model, tokenizer = load_model(model_dir)
+    moe = MoEModel(model)
+    pad = tokenizer.pad_token_id or 0
+    corpus = model_dir / CORPUS_SUBDIR
+
+    def data(split: str, domains, samples: int):
+        files = [str(corpus / f"{d}_{split}.jsonl") for d in domains]
+        return load_data(files, tokenizer, num_samples=samples, max_length=settings.max_length, seed=0)
+
+    calibration = data("train", DOMAINS, settings.calibration_samples)
+
+    def observed():
+        return observe(
+            moe, calibration, batch_size=settings.batch_size, pad_token_id=pad, neurons=True, progress=False
+        )
+
+    stats = observed()
+    planted = None
+    if args.plant:
+        planted = plant_super_expert(moe, stats, args.plant)
+        stats = observed()  # the planted model is the one pruned and the reference
+    evals = {d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad) for d in DOMAINS}
+    head = ["row", "sparsity", *[f"NLL {d}" for d in DOMAINS], "ESAP"] + (["planted kept"] if planted else [])
+    print(f"model {model_dir} ({args.family}{', quick' if args.quick else ''})")
+    if planted:
+        print(f"planted super expert: layer {planted[0]} expert {planted[1]} (down_proj x {args.plant:g})")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    full = {d: e.score(nullcontext) for d, e in evals.items()}
+    print(_line("full model", 0.0, full, "yes" if planted else None))
+    for sparsity in args.sparsity:
+        for text in args.rows:
+            config = parse_row(text, sparsity)
+            found = guard_super_experts(moe, config, [stats])
+            crit = get_criterion(config.criterion)
+            scores = compute_scores(
+                config.criterion,
+                stats=stats if crit.needs_data else None,
+                weights=moe.layers if crit.needs_weights else None,
+                seed=0,
+                num_experts=[m.num_experts for m in moe.layers],
+                layers=[m.index for m in moe.layers],
+            )
+            plan = build_plan(moe, crit, scores, config=config, stats=[stats])
+            metrics = {d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()}
+            kept = None
+            if planted:
+                layer_plan = next(lp for lp in plan.layers if lp.layer == planted[0])
+                kept = "no" if planted[1] in layer_plan.dropped or planted[1] in layer_plan.novice else "yes"
+                kept += f" (super: {found})" if found and text == args.rows[0] else ""
+            print(_line(text, sparsity, metrics, kept))
+    print(f"({time.perf_counter() - start:.0f} s)")
+
+
+def _line(name: str, sparsity: float, metrics: dict, kept: str | None) -> str:
+    esap = sum(m["esap"] for m in metrics.values()) / len(metrics)
+    cells = [name, f"{sparsity:.0%}", *[f"{metrics[d]['nll']:.3f}" for d in DOMAINS], f"{esap:.4f}"]
+    return "| " + " | ".join(cells + ([kept] if kept is not None else [])) + " |"
+
+
+if __name__ == "__main__":
+    main()
