@@ -50,8 +50,9 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> dict[str, Path]:
-    """The base model, one result of every output kind (stock drop and neurons; per-layer counts,
-    novices and TENP widths in moeprune's format), the calibration and a prompt file."""
+    """The base model, a stock result (drop) and the two per-layer structures of moeprune's format
+    (expert counts, TENP widths), the calibration and a prompt file. Novices and neuron widths are
+    served by test_serve_vllm.py against the same loader; serve-check's own path is the same for them."""
     root = tmp_path_factory.mktemp("serve_check")
     tokenizer = byte_tokenizer()
     data = root / "calib.jsonl"
@@ -65,7 +66,7 @@ def made(tmp_path_factory) -> dict[str, Path]:
     _reference(FAMILY, base, len(tokenizer))
     tokenizer.save_pretrained(base)
     out = {"base": base, "data": data, "prompts": prompts}
-    for kind in ("drop", "neurons", "global", "novice", "tenp"):
+    for kind in ("drop", "global", "tenp"):
         out[kind] = root / kind
         prune_checkpoint(PruneRequest(base, out[kind], PruneConfig(**KINDS[kind][0]),
                          data=DataOptions(sources=[str(data)], samples=16, max_length=64),
@@ -113,18 +114,14 @@ def test_a_stock_result_matches_and_is_timed_against_its_base(made, stock_run):
           f"{check['vllm_tokens_per_s']:.0f} tokens/s, ratio to base {check['throughput_ratio']:.2f}")  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", ["neurons", "global", "novice", "tenp"])
+@pytest.mark.parametrize("kind", ["global", "tenp"])
 def test_every_other_output_kind_matches(made, vllm_python, kind):
-    """One neuron width (stock), per-layer expert counts, novices and per-expert widths (served
-    through the plugin); prompts from a file, the tokenizer from the base when the output has none."""
+    """Per-layer expert counts and per-expert widths (served through the plugin); prompts from a
+    file, the tokenizer from the base when the output has none."""
     config = json.loads((made[kind] / "config.json").read_text())
     section = config.get("moeprune", {}).get("layers", [])
-    if kind == "neurons":
-        assert not section and config["intermediate_size"] < 32  # a stock config, narrower experts
-    elif kind == "global":
+    if kind == "global":
         assert len({layer["num_experts"] for layer in section}) > 1
-    elif kind == "novice":
-        assert any(layer.get("novice") for layer in section)
     else:
         assert any(len({w for w in layer["widths"] if w}) > 1 for layer in section)
     done = serve_check(made[kind], "--vllm-python", vllm_python, "--vllm-option", SMALL_KV_CACHE,
