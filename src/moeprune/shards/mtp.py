@@ -32,6 +32,7 @@ from moeprune.checkpoint.names import beside_stack_prefixes
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.plan import Plan
 from moeprune.serve.moeprune_format import CONFIG, MtpLayer, MtpStructure
+from moeprune.serve.vllm.layout import MTP_DRAFTED
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 
@@ -40,9 +41,10 @@ MTP_COUNT_FIELDS = ("num_nextn_predict_layers",)  # the config field vLLM reads 
 MTP_NOT_REQUANTIZED = (
     "the input stores them quantized and this result is dequantized (moeprune does not quantize)"
 )
+MTP_SERVED = "vLLM drafts with them through moeprune's plugin (speculative method mtp)"
 MTP_NOT_SERVED = (
-    "vLLM does not draft with them from this result: moeprune's plugin serves its main model only "
-    "(`moeprune.load_pretrained` and the modeling files load the main model, the MTP tensors stay on disk)"
+    "vLLM does not draft with them from this {family} result: moeprune's plugin serves MTP drafts of "
+    "{drafted} results only (the loaders load the main model, the MTP tensors stay on disk)"
 )
 NEURONS_SKIP_MTP = "narrowing experts (the neurons methods) does not reach MTP layers yet"
 
@@ -104,7 +106,9 @@ def mtp_count(plan: Plan) -> int:
 
 def mtp_serving(model_type: str) -> str:
     """What a moeprune-format result's summary says of vLLM's drafts with its MTP layers."""
-    return MTP_NOT_SERVED
+    if model_type in MTP_DRAFTED:
+        return MTP_SERVED
+    return MTP_NOT_SERVED.format(family=model_type, drafted=", ".join(MTP_DRAFTED))
 
 
 def record_mtp(folder: Path, mtp: MtpPlan | None) -> None:
