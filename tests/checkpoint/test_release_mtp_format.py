@@ -63,6 +63,22 @@ def _check_mtp(source: Path, out: Path, family: str, plan: dict, config: dict) -
     return kept
 
 
+def _check_draft_config(out: Path, drafted: bool, count: int) -> None:
+    """The vLLM plugin's MTP draft config (no vLLM needed): the base family's at the MTP count."""
+    from transformers import AutoConfig
+
+    from moeprune.serve.vllm_plugin import draft_config
+
+    config = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    if not drafted:
+        with pytest.raises(ValueError, match="serves MTP drafts of deepseek_v3 results only, not qwen3_next"):
+            draft_config(config)
+        return
+    draft = draft_config(config)
+    assert (draft.model_type, draft.architectures) == ("deepseek_v3", ["DeepseekV3ForCausalLM"])
+    assert draft.n_routed_experts == count and not hasattr(draft, "moeprune")
+
+
 def _remote_logits(folder: Path) -> torch.Tensor:
     """The result loaded by the modeling files saved with it (stock transformers, trust_remote_code)."""
     from transformers import AutoModelForCausalLM
@@ -83,10 +99,15 @@ def test_per_layer_counts_keep_the_mtp_layer(releases, tmp_path, case):
     source, out = releases[case], tmp_path / "out"
     plan, config = _prune(source, out, "--sparsity", "0.4", "--allocation", "global")
     assert len({len(lp["kept"]) for lp in plan["layers"]}) > 1 and "moeprune" in config  # moeprune's format
-    _check_mtp(source, out, family, plan, config)
-    report = json.loads((out / "report.json").read_text())
-    assert "kept, pruned to" in report["release_layers"][0]
-    assert "moeprune's plugin" in report["release_layers"][0]  # whether vLLM drafts with it, said
+    kept = _check_mtp(source, out, family, plan, config)
+    note = json.loads((out / "report.json").read_text())["release_layers"][0]
+    assert "kept, pruned to" in note
+    # whether vLLM drafts with it, said in one line (summary, report, model card)
+    drafted = family == "deepseek_v3"
+    assert ("vLLM drafts with them through moeprune's plugin" in note) == drafted, note
+    assert ("vLLM does not draft with them from this qwen3_next result" in note) == (not drafted), note
+    assert note in (out / "README.md").read_text()
+    _check_draft_config(out, drafted, len(kept))
     # both loaders build the main model with the MTP tensors on disk: nothing unexpected, and the
     # logits are the input's with the plan's experts dropped
     original = load_pretrained(source)
