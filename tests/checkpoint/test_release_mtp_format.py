@@ -41,7 +41,9 @@ def _check_mtp(source: Path, out: Path, family: str, plan: dict, config: dict) -
     last = max(plan["layers"], key=lambda lp: lp["layer"])
     (layer,) = plan["extra"]["mtp"]["layers"].values()
     kept = layer["kept"]
-    assert len(kept) == len(last["kept"]) - len(last["novice"]) < 8  # as many as the last layer holds
+    groups = config.get("text_config", config).get("n_group") or 1
+    weighted = len(last["kept"]) - len(last["novice"])  # as many as the last layer holds weights for,
+    assert len(kept) == weighted - weighted % groups < 8  # in whole routing groups
     section = config["moeprune"]["mtp"]
     assert section["num_experts"] == len(kept)
     assert [entry["expert_ids"] for entry in section["layers"]] == [kept]
@@ -154,3 +156,23 @@ def test_a_damaged_mtp_record_is_refused_in_one_line(releases, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(MoePruneError, match="'mtp'.*expert_ids.*damaged"):
         load_pretrained(out)
+
+
+@pytest.mark.parametrize(
+    "kept,novice,groups,expected",
+    [
+        (6, 0, 1, 6),  # a drop plan: the last layer's kept count
+        (8, 3, 1, 5),  # novices hold no weights: 8 - 3
+        (8, 3, 2, 4),  # 5 rounded down to whole routing groups
+        (8, 7, 4, 4),  # 1 -> top-k 2 -> down to 0 groups is below top-k: up to one group of 4
+    ],
+)
+def test_mtp_count_rule(kept, novice, groups, expected):
+    from moeprune.plan import LayerPlan, Plan
+    from moeprune.shards.mtp import mtp_count
+
+    def layer(index: int, keep: int) -> LayerPlan:
+        return LayerPlan(index, 8, 2, list(range(keep)), list(range(keep, 8)), list(range(novice)))
+
+    plan = Plan("deepseek_v3", [layer(1, 8), layer(2, kept)], "aimer", "global", "novice", 0.25)
+    assert mtp_count(plan, groups) == expected

@@ -94,14 +94,19 @@ class MtpPlan:
         return f"{pruned}; {self.served}" if self.served else pruned
 
 
-def mtp_count(plan: Plan) -> int:
+def mtp_count(plan: Plan, groups: int = 1) -> int:
     """The routed experts a result's MTP layers keep: as many as its last MoE layer (the layer
     whose output the MTP layer reads) holds weights for, its kept experts less its novices (a
-    drop plan: its kept count; a uniform one: every layer's), and at least its top-k. A draft
-    needs no more experts than the layer it follows; experts narrowed by the neurons methods
-    count whole (the MTP layer keeps them at full width)."""
+    drop plan: its kept count; a uniform one: every layer's), at least its top-k, and a multiple
+    of the config's routing `groups` (vLLM's grouped top-k views the experts as [groups, E /
+    groups]). A draft needs no more experts than the layer it follows; experts narrowed by the
+    neurons methods count whole (the MTP layer keeps them at full width)."""
     last = max(plan.layers, key=lambda lp: lp.layer)
-    return max(last.top_k, len(last.kept) - len(last.novice))
+    count = max(last.top_k, len(last.kept) - len(last.novice))
+    if groups > 1 and count % groups:
+        down = count - count % groups
+        count = down if down >= last.top_k else min(last.num_experts, down + groups)
+    return count
 
 
 def mtp_serving(model_type: str) -> str:

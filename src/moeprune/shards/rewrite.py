@@ -359,7 +359,8 @@ def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | No
         return unmapped_mtp(
             src, left_out or f"their shards cannot be mapped onto the model ({str(exc).split(':')[0]})"
         )
-    mtp = plan_mtp(layout, mtp_count(plan), plan.criterion, left_out)
+    groups = int(getattr(layout.config.get_text_config(), "n_group", None) or 1)  # DeepSeek's routing groups
+    mtp = plan_mtp(layout, mtp_count(plan, groups), plan.criterion, left_out)
     if mtp is not None and not mtp.left_out and not plan.is_uniform():
         mtp.served = mtp_serving(layout.moe.model_type)
     return mtp
