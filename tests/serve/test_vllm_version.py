@@ -85,7 +85,18 @@ def fake_vllm(monkeypatch):
     utils.config = config  # type: ignore[attr-defined]
     utils.model_arch_config_convertor = arch  # type: ignore[attr-defined]
     root.transformers_utils = utils  # type: ignore[attr-defined]
-    for module in (root, utils, config, arch):
+    config_package = types.ModuleType("vllm.config")
+    speculative = types.ModuleType("vllm.config.speculative")
+
+    def stock_override(hf_config):
+        return ("vllm's", hf_config)
+
+    speculative.SpeculativeConfig = type(  # type: ignore[attr-defined]
+        "SpeculativeConfig", (), {"hf_config_override": staticmethod(stock_override)}
+    )
+    config_package.speculative = speculative  # type: ignore[attr-defined]
+    root.config = config_package  # type: ignore[attr-defined]
+    for module in (root, utils, config, arch, config_package, speculative):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(vllm_plugin, "_registered", False)
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
@@ -99,6 +110,7 @@ def fake_vllm(monkeypatch):
             models=dict(registered), configs=dict(configs), convertors=dict(convertors)
         )
 
+    run.speculative = speculative.SpeculativeConfig  # type: ignore[attr-defined]
     return run
 
 
@@ -108,6 +120,12 @@ def test_a_tested_vllm_gets_everything_registered(fake_vllm, caplog):
     assert set(done.models) == {ARCHITECTURE_PREFIX + a for a in SERVED_FAMILIES.values()}
     assert done.configs[MODEL_TYPE_PREFIX + "qwen3_moe"].model_type == "moeprune_qwen3_moe"
     assert set(done.convertors) == {"moeprune_deepseek_v2", "moeprune_deepseek_v3"}
+    # MTP drafts: vLLM's override is wrapped, once, and still called (a stock config passes through)
+    stock = types.SimpleNamespace(model_type="deepseek_v3")
+    assert fake_vllm.speculative.hf_config_override(stock) == ("vllm's", stock)
+    wrapped = fake_vllm.speculative.hf_config_override
+    vllm_plugin._register_mtp()
+    assert fake_vllm.speculative.hf_config_override is wrapped
     assert not caplog.records
 
 

@@ -198,7 +198,7 @@ def load_pretrained(
         model = _load_stock(path, dtype, device)
     elif saved.version >= 3:
         model = build_skeleton(path, dtype)
-        fill_from_disk(MoEModel(model), path)
+        fill_from_disk(MoEModel(model), path, saved.mtp.roots if saved.mtp is not None else ())
     else:
         model = _load_legacy(path, dtype)
     # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which typeshed's _Wrapped leaves unbound
@@ -315,12 +315,14 @@ def _has_accelerate() -> bool:
     return True
 
 
-def fill_from_disk(moe: MoEModel, path: Path) -> None:
-    """Copy every stored tensor into the model by its on-disk name; strict both ways. Quantized
-    weights (a result that kept its input's quantization) are dequantized as they are read."""
+def fill_from_disk(moe: MoEModel, path: Path, beside: tuple[str, ...] = ()) -> None:
+    """Copy every stored tensor into the model by its on-disk name; strict both ways, but for the
+    keys under `beside` (the MTP layers the structure records, which transformers never builds:
+    they stay on disk for vLLM's drafts). Quantized weights (a result that kept its input's
+    quantization) are dequantized as they are read."""
     targets = disk_tensors(moe)
     sources = QuantizedSources.of(path)
-    stored = sources.weight_keys()
+    stored = [key for key in sources.weight_keys() if not (beside and key.startswith(beside))]
     missing, unexpected = sorted(set(targets) - set(stored)), sorted(set(stored) - set(targets))
     if missing or unexpected:
         problems = {"missing_keys": missing, "unexpected_keys": unexpected}

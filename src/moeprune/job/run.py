@@ -26,7 +26,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
-from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, ignored_note
+from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, ignored_note, record_mtp
 from moeprune.shards.rewrite import (
     DROP_MTP,
     append_input_tensors,
@@ -141,6 +141,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             )
             if (mtp is not None and not mtp.left_out) or (ignored and carry):
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
+            record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

@@ -74,8 +74,8 @@ def format_description(info: dict) -> str:
         *(
             [
                 f"  beside the stack: {len(info['mtp_layers'])} multi-token-prediction layer(s) "
-                f"({', '.join(p + '*' for p in info['mtp_layers'])}): a stock result keeps them, pruned to its "
-                "expert count (--drop-mtp leaves them out)"
+                f"({', '.join(p + '*' for p in info['mtp_layers'])}): a result keeps them, pruned to its (last "
+                "MoE layer's) expert count (--drop-mtp leaves them out)"
             ]
             if info.get("mtp_layers")
             else []

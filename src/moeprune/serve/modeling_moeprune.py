@@ -81,6 +81,7 @@ from .moeprune_loading import (
     HUB_ARGUMENTS,
     default_dtype,
     load_weights,
+    mtp_roots,
     plain_device,
     refuse_unsupported,
     resolve_dtype,
@@ -253,7 +254,7 @@ class MoePruneModelMixin(_StockCausalLM):
         model._keep_in_fp32(dtype)
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gives tied parameters separate storage
-        load_weights(model, folder)
+        load_weights(model, folder, mtp_roots(config))
         if getattr(model.config, "quantization_config", None) is not None:
             # quantized weights were decoded: the model in memory (and what it saves) is not quantized
             del model.config.quantization_config

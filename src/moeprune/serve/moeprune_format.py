@@ -208,6 +208,74 @@ class LayerStructure:
 
 
 @dataclass(frozen=True)
+class MtpLayer:
+    """One multi-token-prediction layer a release keeps beside the decoder stack, as saved."""
+
+    layer: int  # its number (DeepSeek's naming: num_hidden_layers + i)
+    prefix: str  # its stored key prefix ("model.layers.61.", "mtp.layers.0.")
+    expert_ids: tuple[int, ...]  # original expert id of each kept expert (empty: a dense layer)
+
+
+@dataclass(frozen=True)
+class MtpStructure:
+    """The section's `mtp` entry: the MTP layers stored beside the stack, dropped to one count.
+
+    The model the loaders build has no MTP layer (transformers never builds one): their tensors
+    stay on disk for vLLM's drafts, and the loaders skip exactly the keys under `roots`."""
+
+    roots: tuple[str, ...]  # every stored key of the MTP modules starts with one of them
+    num_experts: int  # routed experts each MTP layer keeps (0: dense MTP layers)
+    layers: tuple[MtpLayer, ...]
+
+    def holds(self, key: str) -> bool:
+        return key.startswith(self.roots)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "roots": list(self.roots),
+            "num_experts": self.num_experts,
+            "layers": [
+                {"layer": m.layer, "prefix": m.prefix, "expert_ids": list(m.expert_ids)} for m in self.layers
+            ],
+        }
+
+
+def parse_mtp(data: Any, where: str) -> MtpStructure | None:
+    """The `mtp` entry of a section (None when absent), checked field by field."""
+    if data is None:
+        return None
+    at = f"{where}: 'mtp'"
+    if not isinstance(data, dict):
+        raise damaged(at, "is not a record")
+    roots, count, entries = data.get("roots"), data.get("num_experts"), data.get("layers")
+    if not isinstance(roots, list) or not roots or not all(isinstance(r, str) and r for r in roots):
+        raise damaged(at, "'roots' must be a non-empty list of key prefixes")
+    if not _int(count) or count < 0:
+        raise damaged(at, f"'num_experts' {count!r} is not an expert count")
+    if not isinstance(entries, list) or not entries:
+        raise damaged(at, "'layers' is missing or empty")
+    layers = []
+    for entry in entries:
+        if (
+            not isinstance(entry, dict)
+            or not _int(entry.get("layer"))
+            or not isinstance(entry.get("prefix"), str)
+        ):
+            raise damaged(at, f"layer entry {entry!r} needs an integer 'layer' and a 'prefix'")
+        ids = entry.get("expert_ids")
+        if not isinstance(ids, list) or len(ids) != count or not all(_int(e) and e >= 0 for e in ids):
+            raise damaged(at, f"layer {entry['layer']}: 'expert_ids' must list {count} expert ids")
+        if len(set(ids)) != len(ids):
+            raise damaged(at, f"layer {entry['layer']}: expert ids appear twice")
+        if not entry["prefix"].startswith(tuple(roots)):
+            raise damaged(
+                at, f"layer {entry['layer']}: prefix {entry['prefix']!r} is under none of the roots"
+            )
+        layers.append(MtpLayer(entry["layer"], entry["prefix"], tuple(ids)))
+    return MtpStructure(tuple(roots), count, tuple(layers))
+
+
+@dataclass(frozen=True)
 class Structure:
     """What a moeprune-format checkpoint says about its MoE layers."""
 
@@ -215,6 +283,7 @@ class Structure:
     base_model_type: str
     layers: tuple[LayerStructure, ...]
     family: dict[str, Any] | None = None  # how the base family lays out its blocks (version 3)
+    mtp: MtpStructure | None = None  # the release's MTP layers kept beside the stack
 
     def layer(self, index: int) -> LayerStructure:
         for entry in self.layers:
@@ -268,7 +337,8 @@ def parse_section(
     family = data.get("family")
     if family is not None and not isinstance(family, dict):
         raise damaged(where, "'family' is not a record")
-    return Structure(version=version, base_model_type=base, layers=layers, family=family)
+    mtp = parse_mtp(data.get("mtp"), where)
+    return Structure(version=version, base_model_type=base, layers=layers, family=family, mtp=mtp)
 
 
 def _parse_layer(entry: Any, where: str, version: int) -> LayerStructure:

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from .moeprune_format import FormatError, parse_mtp
 from .moeprune_layers import INDEX_FILE, SINGLE_FILE, fail
 from .moeprune_quantized import StoredQuantization
 
@@ -180,15 +181,30 @@ def stored_quantization(folder: str) -> StoredQuantization | None:
     return StoredQuantization(quant, folder)
 
 
-def load_weights(model: DiskTensors, folder: str) -> None:
-    """Copy every stored tensor into the model by its on-disk name; strict both ways. Quantized
-    weights (codes beside scales) are decoded to float32 first, then cast to the model's dtype."""
+def mtp_roots(config) -> tuple[str, ...]:
+    """The key prefixes of the multi-token-prediction layers the section's `mtp` entry records:
+    kept on disk for vLLM's drafts, never built here (transformers has no MTP forward)."""
+    section = getattr(config, "moeprune", None)
+    try:
+        mtp = parse_mtp(
+            section.get("mtp") if isinstance(section, dict) else None, "config.json's 'moeprune' section"
+        )
+    except FormatError as exc:
+        raise fail(str(exc)) from None
+    return mtp.roots if mtp is not None else ()
+
+
+def load_weights(model: DiskTensors, folder: str, beside: tuple[str, ...] = ()) -> None:
+    """Copy every stored tensor into the model by its on-disk name; strict both ways, but for the
+    keys under `beside` (the MTP layers the config records: `mtp_roots`), which stay on disk.
+    Quantized weights (codes beside scales) are decoded to float32 first, then cast to the model's dtype."""
     targets, aliases = model.moeprune_disk_tensors()
     shards = shard_files(folder)
     stored: dict[str, str] = {}
     for shard in shards:
         with safe_open(os.path.join(folder, shard), framework="pt") as handle:
-            stored.update(dict.fromkeys(handle.keys(), shard))
+            names = handle.keys()  # a safetensors handle is not iterable
+            stored.update({key: shard for key in names if not (beside and key.startswith(beside))})
     quantization = stored_quantization(folder)
     coded = quantization.parts(set(stored)) if quantization else {}
     sources = {name: (name,) for name in stored} | coded

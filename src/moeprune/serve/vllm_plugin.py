@@ -11,8 +11,15 @@ declared in pyproject.toml). It tells vLLM three things:
    that refuses with one sentence naming the alternatives, before anything is loaded;
 3. vLLM decisions keyed on `model_type` that matter for the served families see through the
    prefix: DeepSeek-V2/V3 attention is MLA (`is_deepseek_mla`, via vLLM's
-   MODEL_ARCH_CONFIG_CONVERTORS registry). The other model_type checks in vLLM 0.32 (MTP
-   speculative drafts, DeepSeek-V3.2/V4 indexers, GLM-5 router dtype) concern features or
+   MODEL_ARCH_CONFIG_CONVERTORS registry), and MTP speculative drafts (`speculative_config=
+   {"method": "mtp"}`): vLLM picks the draft model by the target config's model type
+   (`SpeculativeConfig.hf_config_override`, deepseek_v3 -> deepseek_mtp), so the plugin wraps
+   that function: a moeprune-format config with MTP layers (its section's `mtp` entry) is turned
+   back into its base family's config with the MTP layers' expert count, and vLLM's own draft
+   model (DeepSeekMTP) is built from it and loads the MTP layers' tensors, which keep the
+   release's names (shards/mtp.py). Families listed in MTP_DRAFTED only (the ones checked);
+   any other moeprune result asked for MTP drafts is refused in one sentence. The other
+   model_type checks in vLLM 0.32 (DeepSeek-V3.2/V4 indexers, GLM-5 router dtype) concern
    families a moeprune result does not have.
 
 On a vLLM release outside the tested range (serve/vllm/version.py) it registers none of this:
@@ -31,12 +38,16 @@ import importlib
 import logging
 import os
 
+from moeprune.serve.moeprune_format import parse_mtp
 from moeprune.serve.vllm.layout import (
     ARCHITECTURE_PREFIX,
     MODEL_TYPE_PREFIX,
+    MTP_DRAFTED,
     SERVED_FAMILIES,
+    mtp_refusal,
     refusal,
     refused_families,
+    route_like_transformers,
 )
 from moeprune.serve.vllm.version import ALLOW_UNTESTED_ENV, is_tested, untested_refusal
 
@@ -72,6 +83,7 @@ def register() -> None:
         ModelRegistry.register_model(name, f"{MODELS_MODULE}:{name}")
     _register_configs()
     _register_mla()
+    _register_mtp()
     _registered = True
 
 
@@ -143,3 +155,46 @@ def _register_mla() -> None:
 
     for family in MLA_FAMILIES:
         convertors.MODEL_ARCH_CONFIG_CONVERTORS[MODEL_TYPE_PREFIX + family] = MoePruneMLAConvertor
+
+
+def draft_config(hf_config):
+    """A moeprune-format target config as the config of its base family's MTP draft: model type,
+    architecture and routed-expert count (the MTP layers' own, from the section's `mtp` entry)
+    put back, the section removed (the draft model is vLLM's stock class). Any other config is
+    returned unchanged; a moeprune config vLLM cannot draft from is refused in one sentence."""
+    section = getattr(hf_config, "moeprune", None)
+    if not isinstance(section, dict) or not str(getattr(hf_config, "model_type", "")).startswith(
+        MODEL_TYPE_PREFIX
+    ):
+        return hf_config
+    family = str(section.get("base_model_type", ""))
+    where = f"{getattr(hf_config, 'name_or_path', '') or 'the checkpoint'}/config.json"
+    mtp = parse_mtp(section.get("mtp"), f"{where} ('moeprune' section)")
+    if family not in MTP_DRAFTED or mtp is None or mtp.num_experts == 0:
+        raise ValueError(mtp_refusal(family, where, mtp is not None))
+    count_field = (section.get("family") or {}).get("count_field")
+    if not isinstance(count_field, str):
+        raise ValueError(
+            f"{where}: the moeprune section names no expert-count field; re-create it with moeprune"
+        )
+    text = hf_config.get_text_config()
+    setattr(text, count_field, mtp.num_experts)
+    route_like_transformers(family, hf_config)  # the draft routes as the target does
+    hf_config.model_type = family
+    hf_config.architectures = [str(section.get("base_architecture") or SERVED_FAMILIES[family])]
+    delattr(hf_config, "moeprune")
+    return hf_config
+
+
+def _register_mtp() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    stock = SpeculativeConfig.hf_config_override
+    if getattr(stock, "_moeprune", False):
+        return
+
+    def hf_config_override(hf_config):
+        return stock(draft_config(hf_config))
+
+    hf_config_override._moeprune = True  # type: ignore[attr-defined]
+    SpeculativeConfig.hf_config_override = staticmethod(hf_config_override)

@@ -9,13 +9,20 @@ layer's own weights (AIMER by default, the user's criterion when that is weight-
 the input's shards, because calibrating it would take the MTP forward transformers does not have
 (the last hidden state and the next token's embedding). Its kept experts, router rows and
 selection biases are cut in step like any layer's (`shards/rewrite.py`), every other MTP tensor is
-copied as stored, and the config keeps `num_nextn_predict_layers`. A result in moeprune's format
-(different counts per layer) leaves them out, saying so: neither its loader nor vLLM's plugin
-builds MTP drafts.
+copied as stored, and the config keeps `num_nextn_predict_layers`.
+
+A result in moeprune's format (different counts per layer, novices, narrowed experts) keeps them
+too, dropped to one count: the kept count of the plan's last MoE layer (`mtp_count`), the layer
+whose output the MTP layer reads. A drop is enough there whatever the main model's method: the MTP
+layer is a draft, its quality only moves how many drafted tokens are accepted, never the
+result's outputs. Its count and kept ids are recorded in config.json's `moeprune` section
+(`mtp`: serve/moeprune_format.py `MtpStructure`), where the loaders find which stored keys are
+the MTP layers' (kept on disk, not built) and vLLM's plugin builds the draft from.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +30,9 @@ from moeprune.checkpoint import load_config
 from moeprune.checkpoint.files import shard_names, stored_tensors
 from moeprune.checkpoint.names import beside_stack_prefixes
 from moeprune.criteria import compute_scores, get_criterion
+from moeprune.plan import Plan
+from moeprune.serve.moeprune_format import CONFIG, MtpLayer, MtpStructure
+from moeprune.serve.vllm.layout import MTP_DRAFTED
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.reader import SafetensorsExperts, ShardReader
 
@@ -31,9 +41,10 @@ MTP_COUNT_FIELDS = ("num_nextn_predict_layers",)  # the config field vLLM reads 
 MTP_NOT_REQUANTIZED = (
     "the input stores them quantized and this result is dequantized (moeprune does not quantize)"
 )
-PER_LAYER_COUNTS = (
-    "the result keeps different expert counts per layer (moeprune's format), which neither moeprune's loader "
-    "nor vLLM builds MTP drafts for"
+MTP_SERVED = "vLLM drafts with them through moeprune's plugin (speculative method mtp)"
+MTP_NOT_SERVED = (
+    "vLLM does not draft with them from this {family} result: moeprune's plugin serves MTP drafts of "
+    "{drafted} results only (the loaders load the main model, the MTP tensors stay on disk)"
 )
 NEURONS_SKIP_MTP = "narrowing experts (the neurons methods) does not reach MTP layers yet"
 
@@ -49,6 +60,7 @@ class MtpPlan:
     num_experts: int = 0
     criterion: str = ""
     left_out: str = ""
+    served: str = ""  # moeprune's format: how vLLM drafts with them, or why it does not (the note says it)
 
     def to_json(self) -> dict:
         if self.left_out:
@@ -61,6 +73,12 @@ class MtpPlan:
             },
         }
 
+    def structure(self) -> MtpStructure:
+        """The `mtp` entry of a moeprune-format config.json (kept ids renumbered 0..count-1 on disk)."""
+        count = len(next(iter(self.kept.values()))) if self.kept else 0
+        layers = tuple(MtpLayer(i, p, tuple(self.kept.get(i, ()))) for i, p in sorted(self.prefixes.items()))
+        return MtpStructure(self.roots, count, layers)
+
     def note(self) -> str:
         """One line for the summary and the log."""
         names = ", ".join(f"{p}*" for p in self.prefixes.values())
@@ -69,9 +87,45 @@ class MtpPlan:
         if self.left_out:
             return f"{what} left out: {self.left_out}"
         if not self.kept:
-            return f"{what} kept as stored (no routed experts)"
+            dense = f"{what} kept as stored (no routed experts)"
+            return f"{dense}; {self.served}" if self.served else dense
         kept = len(next(iter(self.kept.values())))
-        return f"{what} kept, pruned to {kept} of {self.num_experts} experts by {self.criterion} on its own weights"
+        pruned = f"{what} kept, pruned to {kept} of {self.num_experts} experts by {self.criterion} on its own weights"
+        return f"{pruned}; {self.served}" if self.served else pruned
+
+
+def mtp_count(plan: Plan, groups: int = 1) -> int:
+    """The routed experts a result's MTP layers keep: as many as its last MoE layer (the layer
+    whose output the MTP layer reads) holds weights for, its kept experts less its novices (a
+    drop plan: its kept count; a uniform one: every layer's), at least its top-k, and a multiple
+    of the config's routing `groups` (vLLM's grouped top-k views the experts as [groups, E /
+    groups]). A draft needs no more experts than the layer it follows; experts narrowed by the
+    neurons methods count whole (the MTP layer keeps them at full width)."""
+    last = max(plan.layers, key=lambda lp: lp.layer)
+    count = max(last.top_k, len(last.kept) - len(last.novice))
+    if groups > 1 and count % groups:
+        down = count - count % groups
+        count = down if down >= last.top_k else min(last.num_experts, down + groups)
+    return count
+
+
+def mtp_serving(model_type: str) -> str:
+    """What a moeprune-format result's summary says of vLLM's drafts with its MTP layers."""
+    if model_type in MTP_DRAFTED:
+        return MTP_SERVED
+    return MTP_NOT_SERVED.format(family=model_type, drafted=", ".join(MTP_DRAFTED))
+
+
+def record_mtp(folder: Path, mtp: MtpPlan | None) -> None:
+    """Add the kept MTP layers to the `moeprune` section of `folder`'s config.json (moeprune's
+    format; a stock config's count field already says theirs)."""
+    if mtp is None or mtp.left_out:
+        return
+    data = json.loads((folder / CONFIG).read_text())
+    if not isinstance(data.get("moeprune"), dict):
+        return
+    data["moeprune"]["mtp"] = mtp.structure().to_json()
+    (folder / CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def mtp_layers(layout: CheckpointLayout) -> dict[int, str]:
@@ -84,10 +138,10 @@ def is_mtp_key(plan: MtpPlan, key: str) -> bool:
 
 
 def plan_mtp(
-    layout: CheckpointLayout, count: int | None, criterion: str | None = None, left_out: str = ""
+    layout: CheckpointLayout, count: int, criterion: str | None = None, left_out: str = ""
 ) -> MtpPlan | None:
-    """The plan of `layout`'s MTP layers in a result keeping `count` experts per layer (None: a
-    result with different counts per layer, which leaves them out), or None without MTP layers.
+    """The plan of `layout`'s MTP layers dropped to `count` experts (`mtp_count`), or None
+    without MTP layers.
     `criterion` is used when it needs no data, `MTP_CRITERION` otherwise; `left_out` drops them
     for that reason (`--drop-mtp`)."""
     prefixes = mtp_layers(layout)
@@ -96,8 +150,6 @@ def plan_mtp(
     roots = tuple(sorted({extra.root for extra in layout.extras}))
     if left_out:
         return MtpPlan(prefixes, roots, left_out=left_out)
-    if count is None:
-        return MtpPlan(prefixes, roots, left_out=PER_LAYER_COUNTS)
     name = criterion if criterion and not get_criterion(criterion).needs_data else MTP_CRITERION
     if not layout.extra_layers:  # dense MTP layers (MiMo-V2's): nothing to prune, copied as stored
         return MtpPlan(prefixes, roots)

@@ -34,10 +34,12 @@ from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.mtp import (
     MTP_COUNT_FIELDS,
     NEURONS_SKIP_MTP,
-    PER_LAYER_COUNTS,
     MtpPlan,
     is_mtp_key,
+    mtp_count,
+    mtp_serving,
     plan_mtp,
+    record_mtp,
     unmapped_mtp,
 )
 from moeprune.surgery.registry import METHODS, method_limits
@@ -346,20 +348,22 @@ DROP_MTP = "--drop-mtp asked for it"
 
 def release_mtp(src: str | Path, plan: Plan, left_out: str = "") -> MtpPlan | None:
     """What a result of `plan` does with the multi-token-prediction layers the checkpoint `src`
-    stores: pruned to the plan's count, or left out for the reason `left_out` (None: it has none,
-    or is not a safetensors stock checkpoint moeprune can map)."""
-    if not left_out and any(lp.neurons for lp in plan.layers):
-        left_out = NEURONS_SKIP_MTP
-    if not left_out and not plan.is_uniform():
-        left_out = PER_LAYER_COUNTS
+    stores: pruned to the count of the plan's last MoE layer (`mtp_count`: every layer's in a
+    stock result), or left out for the reason `left_out` (None: it has none, or is not a
+    safetensors stock checkpoint moeprune can map)."""
+    if not left_out and plan.is_uniform() and any(lp.neurons for lp in plan.layers):
+        left_out = NEURONS_SKIP_MTP  # a stock config's narrowed width would not fit the MTP experts
     try:
         layout = CheckpointLayout(src)
     except MoePruneError as exc:  # MTP layers it cannot map are left out, saying why: never lost silently
         return unmapped_mtp(
             src, left_out or f"their shards cannot be mapped onto the model ({str(exc).split(':')[0]})"
         )
-    counts = {len(lp.kept) for lp in plan.layers}
-    return plan_mtp(layout, counts.pop() if plan.is_uniform() else None, plan.criterion, left_out)
+    groups = int(getattr(layout.config.get_text_config(), "n_group", None) or 1)  # DeepSeek's routing groups
+    mtp = plan_mtp(layout, mtp_count(plan, groups), plan.criterion, left_out)
+    if mtp is not None and not mtp.left_out and not plan.is_uniform():
+        mtp.served = mtp_serving(layout.moe.model_type)
+    return mtp
 
 
 def ignored_keys(src: str | Path) -> list[str]:
@@ -465,6 +469,7 @@ def rewrite_checkpoint(
             _write_config(layout.config, tmp, layout.moe.spec.count_field, counts.pop())
         else:  # moeprune's format: per-layer counts (the in-memory pipeline asks for it, stock=False)
             _write_moeprune_config(layout, kept, tmp)
+            record_mtp(tmp, mtp)
         _follow_kept_experts(tmp / CONFIG, kept)
         if leave_out:
             _set_fields(tmp / CONFIG, MTP_COUNT_FIELDS, 0)

@@ -48,6 +48,25 @@ SERVED_FAMILIES: dict[str, str] = {
     "exaone_moe": "ExaoneMoeForCausalLM",
 }
 
+# Families whose moeprune-format results vLLM drafts from with their MTP layers (vLLM's own MTP
+# draft class, built with the MTP layers' expert count: vllm_plugin.draft_config), checked by
+# tests/serve/test_serve_mtp_format.py on vLLM 0.32's CPU build.
+MTP_DRAFTED = ("deepseek_v3",)
+
+
+def mtp_refusal(family: str, where: str, has_mtp: bool) -> str:
+    """Why vLLM cannot draft from this moeprune-format result with MTP layers (one sentence)."""
+    if not has_mtp:
+        return (
+            f"{where}: this moeprune result keeps no multi-token-prediction layer (its input had none, or it "
+            "was pruned with --drop-mtp); serve it without speculative_config, or with another method"
+        )
+    return (
+        f"{where}: moeprune's vLLM plugin serves MTP drafts of {', '.join(MTP_DRAFTED)} results only, not "
+        f"{family}; serve it without speculative_config (its main model is served)"
+    )
+
+
 # Families vLLM 0.32 implements that the plugin does not serve, and why (measured on the CPU
 # build with tiny transformers-written checkpoints: scripts/vllm_family_probe.py, see
 # docs/serving.md). Every other family: vLLM has no class for it, or it was not tried.
@@ -198,3 +217,22 @@ def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             header = json.loads(handle.read(size))
         shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
     return shapes
+
+
+def route_like_transformers(family: str, config) -> None:
+    """Spell out the routing transformers applies but transformers-written configs leave implicit.
+
+    vLLM reads DeepSeek's routing from optional config fields that DeepSeek's own configs carry
+    and transformers' configs omit, defaulting to softmax without selection bias. moeprune's
+    result must route as transformers did when it was pruned, so the fields are set here:
+    DeepSeek-V3 always uses sigmoid scores and the selection bias (noaux_tc); DeepSeek-V2 never
+    renormalises the top-k weights, and its "greedy" top-k ignores expert groups (vLLM applies
+    them whenever n_group > 1).
+    """
+    if family == "deepseek_v3":
+        config.scoring_func = "sigmoid"
+        config.topk_method = "noaux_tc"
+    elif family == "deepseek_v2":
+        config.norm_topk_prob = False
+        if getattr(config, "topk_method", None) in (None, "greedy"):
+            config.n_group, config.topk_group = 1, 1

@@ -27,6 +27,7 @@ from moeprune.serve.vllm.layout import (
     SERVED_FAMILIES,
     quantized_refusal,
     read_layout,
+    route_like_transformers,
     served_family,
 )
 from moeprune.serve.vllm.moe import BuiltLayer, per_layer_moe
@@ -60,7 +61,7 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                 f"{where} names a MoePrune architecture but has no moeprune section; "
                 "re-create the checkpoint with moeprune"
             )
-        _route_like_transformers(self.family, config)
+        route_like_transformers(self.family, config)
         with per_layer_moe(layout, self.family) as built:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         model = self.model
@@ -117,25 +118,6 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                 yield name[: match.start(2)] + str(index) + name[match.end(2) :], padded
             elif record is not None:
                 _load_into_block(record, group, index, position, rest, name, padded)
-
-
-def _route_like_transformers(family: str, config) -> None:
-    """Spell out the routing transformers applies but transformers-written configs leave implicit.
-
-    vLLM reads DeepSeek's routing from optional config fields that DeepSeek's own configs carry
-    and transformers' configs omit, defaulting to softmax without selection bias. moeprune's
-    result must route as transformers did when it was pruned, so the fields are set here:
-    DeepSeek-V3 always uses sigmoid scores and the selection bias (noaux_tc); DeepSeek-V2 never
-    renormalises the top-k weights, and its "greedy" top-k ignores expert groups (vLLM applies
-    them whenever n_group > 1).
-    """
-    if family == "deepseek_v3":
-        config.scoring_func = "sigmoid"
-        config.topk_method = "noaux_tc"
-    elif family == "deepseek_v2":
-        config.norm_topk_prob = False
-        if getattr(config, "topk_method", None) in (None, "greedy"):
-            config.n_group, config.topk_group = 1, 1
 
 
 def _load_novice(record: BuiltLayer | None, layer: LayerStructure, position: int, name: str, tensor) -> None:
