@@ -26,8 +26,6 @@ echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 
 # loading and saving, shards, quantized formats, surgery, observation, serving without vLLM and the
 # end-to-end commands. Formulas, allocation, search, reports, the demo and torchrun code read no
 # model class of transformers, so a second run of them tests nothing new (it cost CI 8 minutes).
-# (the modules that drive .venv-vllm's vLLM in a subprocess ran in the first pass already)
+# (the modules that drive .venv-vllm's vLLM in a subprocess, marked vllm, ran in the first pass)
 .venv-vllm/bin/python -m pytest tests/models tests/checkpoint tests/shards tests/quant tests/surgery \
-  tests/observe tests/serve tests/e2e tests/test_pipelines.py \
-  --ignore=tests/serve/test_serve_vllm.py --ignore=tests/serve/test_serve_check.py \
-  --ignore=tests/serve/test_serve_speed_benchmark.py --ignore=tests/serve/test_serve_mtp.py "$@"
+  tests/observe tests/serve tests/e2e tests/test_pipelines.py -m "not vllm" "$@"
