@@ -25,6 +25,21 @@ FAMILIES = sorted(set(RELEASES) - {"deepseek_v4"})  # its hash layers make every
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+def assert_mtp_kept(before: dict, after: dict, kept: list[int]) -> None:
+    """Every MTP tensor is there: experts renumbered from the kept ones (`kept[i]` is new expert
+    i's input id), router rows and biases cut in step, everything else as stored."""
+    assert {_EXPERT.sub(".experts.E.", k) for k in after} == {_EXPERT.sub(".experts.E.", k) for k in before}
+    for key, tensor in after.items():
+        match = _EXPERT.search(key)
+        if match:
+            source_key = _EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
+            assert torch.equal(tensor, before[source_key]), key
+        elif key.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            assert torch.equal(tensor, before[key][kept]), key
+        else:
+            assert torch.equal(tensor, before[key]), key
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("releases")
@@ -77,16 +92,7 @@ def test_mtp_layer_is_pruned_and_kept(releases, tmp_path, family, no_load):
         assert config[RELEASES[family].count_field] == 1
     # every MTP tensor is there: experts renumbered from the kept ones, router rows and biases cut
     # in step, everything else as stored
-    assert {_EXPERT.sub(".experts.E.", k) for k in after} == {_EXPERT.sub(".experts.E.", k) for k in before}
-    for key, tensor in after.items():
-        match = _EXPERT.search(key)
-        if match:
-            source_key = _EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
-            assert torch.equal(tensor, before[source_key]), key
-        elif key.endswith(("mlp.gate.weight", "e_score_correction_bias")):
-            assert torch.equal(tensor, before[key][kept]), key
-        else:
-            assert torch.equal(tensor, before[key]), key
+    assert_mtp_kept(before, after, kept)
     assert "multi-token-prediction layer" in (tmp_path / "out" / "report.md").read_text()
     assert "multi-token-prediction layer" in (tmp_path / "out" / "moeprune.log").read_text()
     assert (

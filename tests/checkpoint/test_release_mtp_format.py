@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_release_mtp import assert_mtp_kept
 from tests.helpers import assert_logits_close, fixed_logits, run_cli
 from tests.release_layouts import RELEASES, mtp_keys, write_mtp_release
 
@@ -51,17 +52,8 @@ def _check_mtp(source: Path, out: Path, family: str, plan: dict, config: dict) -
     if RELEASES[family].count_field:
         assert config.get("text_config", config)[RELEASES[family].count_field] == 1  # kept, not 0
     before, after = mtp_keys(source, family), mtp_keys(out, family)
-    assert {_EXPERT.sub(".experts.E.", k) for k in after} == {_EXPERT.sub(".experts.E.", k) for k in before}
     assert {int(m.group(1)) for k in after if (m := _EXPERT.search(k))} == set(range(len(kept)))
-    for key, tensor in after.items():
-        match = _EXPERT.search(key)
-        if match:
-            source_key = _EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
-            assert torch.equal(tensor, before[source_key]), key
-        elif key.endswith(("mlp.gate.weight", "e_score_correction_bias")):
-            assert torch.equal(tensor, before[key][kept]), key
-        else:
-            assert torch.equal(tensor, before[key]), key
+    assert_mtp_kept(before, after, kept)
     return kept
 
 

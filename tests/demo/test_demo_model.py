@@ -16,7 +16,8 @@ from moeprune.data.tokenizer import BOS, EOS, PAD, byte_tokenizer, train_bpe_tok
 from moeprune.demo import corpus as corpus_mod
 from moeprune.demo import train as train_mod
 from moeprune.demo.corpus import DOMAINS, SPLITS, build_corpus, load_split
-from moeprune.demo.train import FIXTURE, DemoModelSpec, get_demo_model, heldout_stats, unigram_nll
+from moeprune.demo.heldout import RouteCounter, heldout_stats, unigram_nll
+from moeprune.demo.train import FIXTURE, DemoModelSpec, get_demo_model
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
@@ -208,7 +209,7 @@ def test_route_counter_counts_what_the_router_selects() -> None:
     from moeprune.models.factory import tiny_model
 
     model = tiny_model("deepseek_v3", n_group=1, topk_group=1)
-    counter = train_mod.RouteCounter(model)
+    counter = RouteCounter(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     inputs: list[torch.Tensor] = []
     handles = [m.router.register_forward_hook(lambda _m, a, _o: inputs.append(a[0])) for m in counter.layers]

@@ -9,6 +9,7 @@ DeepSeek-V3-architecture model: `demo_spec("deepseek_v3")`).
 from __future__ import annotations
 
 from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, SPLITS, build_corpus, load_split
+from moeprune.demo.heldout import heldout_stats
 from moeprune.demo.train import (
     DEEPSEEK,
     DEEPSEEK_FIXTURE,
@@ -17,7 +18,6 @@ from moeprune.demo.train import (
     DemoModelSpec,
     demo_spec,
     get_demo_model,
-    heldout_stats,
     train_demo_model,
 )
 
