@@ -66,25 +66,28 @@ def to_internal(
     if first is None:
         return out
     for lay in layout.layers:
-        rows = kept[lay.index] + list(range(lay.num_experts, lay.num_experts + lay.spec.extra_experts))
         for param in lay.experts.values():
+            rows = kept[lay.index] + list(range(lay.num_experts, lay.num_experts + param.extra_rows))
             out[first].append(_fused(layout, reader, param, rows))
     return out
 
 
 def _fused(layout: CheckpointLayout, reader: ShardReader, param: ExpertParam, rows: list[int]) -> OutTensor:
     """The fused parameter `param` holding `rows` (its stored experts' numbers), made in memory one
-    expert at a time while the shard is written."""
-    present = [e for e in rows if param.fused or e in param.parts]
-    sample = reader.row(param.fused, 0) if param.fused else _expert(reader, param, present[0])
+    expert at a time while the shard is written; the rows of extra experts the input does not
+    store (LongCat-Flash's release: its zero experts' gate/up) are zeros, as moeprune loads them."""
+    sample = reader.row(param.fused, 0) if param.fused else _expert(reader, param, rows[0])
     if sample.dtype not in _DTYPES:
         raise MoePruneError(f"cannot write {param.internal}: unsupported dtype {sample.dtype}")
 
     def chunks() -> Iterator[torch.Tensor]:
-        for e in present:
-            yield reader.row(param.fused, e) if param.fused else _expert(reader, param, e)
+        for e in rows:
+            if param.fused:
+                yield reader.row(param.fused, e)
+            else:
+                yield _expert(reader, param, e) if e in param.parts else torch.zeros_like(sample)
 
-    return OutTensor(param.internal, _DTYPES[sample.dtype], (len(present), *sample.shape), chunks=chunks)
+    return OutTensor(param.internal, _DTYPES[sample.dtype], (len(rows), *sample.shape), chunks=chunks)
 
 
 def _expert(reader: ShardReader, param: ExpertParam, expert: int) -> torch.Tensor:
