@@ -53,5 +53,7 @@ def unstored_rows(model: PreTrainedModel, tensors: dict[str, StoredTensor]) -> d
             continue
         first = experts[0]
         for e in range(count, count + extra):
-            out[f"{prefix}{e}.{part}.weight"] = torch.zeros(first.shape, dtype=_DTYPES.get(first.dtype, torch.float32))
+            out[f"{prefix}{e}.{part}.weight"] = torch.zeros(
+                first.shape, dtype=_DTYPES.get(first.dtype, torch.float32)
+            )
     return out
