@@ -12,6 +12,7 @@ tensors under the names vLLM's MTP loaders read (`deepseek_mtp.py`, `glm4_moe_mt
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ RELEASES = {
     # the multimodal release: a vision tower, the language model under model.language_model, mtp.*
     "qwen3_5_moe": MtpRelease("qwen3_5_moe", "mtp.layers.0.", _QWEN_EXTRAS, None),
     # DeepSeek-V4 in its reference naming (layers.{i}.ffn.experts.{j}.w1, mtp.{i}.*)
-    "deepseek_v4": MtpRelease("deepseek_v4", "mtp.0.", ("enorm.weight", "hnorm.weight", "e_proj.weight", "norm.weight")),
+    "deepseek_v4": MtpRelease(
+        "deepseek_v4", "mtp.0.", ("enorm.weight", "hnorm.weight", "e_proj.weight", "norm.weight")
+    ),
     # MiMo-V2-Flash's MTP layer has a dense MLP (vLLM's mimo_v2_mtp.py): nothing to prune in it
     "mimo_v2_flash": MtpRelease(
         "mimo_v2_flash",
@@ -131,4 +134,74 @@ def mtp_keys(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(folder.glob("*.safetensors")):
         out.update({k: v for k, v in load_file(file).items() if k.startswith(prefix) or k in whole})
+    return out
+
+
+# LongCat-Flash as meituan-longcat/LongCat-Flash-Chat ships it (vLLM's longcat_flash.py and
+# longcat_flash_mtp.py): per-expert tensors for the weighted experts only (`experts.0..n-1`; the
+# zero experts have no weights, only their router rows: `router.classifier.weight` and
+# `router.e_score_correction_bias` are n + zero_expert_num long), and one dense MTP layer under
+# `model.mtp.*`: a single attention and a plain MLP (`transformer_layer.mlp`), no experts.
+_LONGCAT_MTP_FROM_LAYER_0 = {  # MTP name below model.mtp.layers.0. -> the stack layer 0 tensor it is shaped as
+    "input_layernorm.weight": "input_layernorm.0.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.0.weight",
+    **{
+        f"self_attn.{name}.weight": f"self_attn.0.{name}.weight"
+        for name in (
+            "q_a_proj",
+            "q_a_layernorm",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "kv_a_layernorm",
+            "kv_b_proj",
+            "o_proj",
+        )
+    },
+    **{
+        f"transformer_layer.mlp.{p}.weight": f"mlps.0.{p}.weight"
+        for p in ("gate_proj", "up_proj", "down_proj")
+    },
+}
+
+
+def write_longcat_release(folder: Path, seed: int = 0) -> Path:
+    """A tiny LongCat-Flash checkpoint in the release's naming (see above), its zero experts made
+    popular (tokens really reach them): what moeprune must prune without losing the MTP layer."""
+    model = tiny_model("longcat_flash", seed=seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.router
+            router.e_score_correction_bias[model.config.n_routed_experts :] += 0.3
+    model.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    n = model.config.n_routed_experts
+    expert = re.compile(r"\.experts\.(\d+)\.")
+    stored = {k: v for k, v in tensors.items() if not ((m := expert.search(k)) and int(m.group(1)) >= n)}
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def noisy(shape: torch.Size) -> torch.Tensor:
+        return (1.0 if len(shape) == 1 else 0.0) + 0.2 * torch.randn(shape, generator=generator)
+
+    mtp = "model.mtp.layers.0."
+    for name, like in _LONGCAT_MTP_FROM_LAYER_0.items():
+        stored[mtp + name] = noisy(tensors["model.layers.0." + like].shape)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    stored[mtp + "eh_proj.weight"] = noisy(torch.Size((hidden, 2 * hidden)))
+    stored[mtp + "enorm.m.weight"] = noisy(torch.Size((hidden,)))
+    stored[mtp + "hnorm.m.weight"] = noisy(torch.Size((hidden,)))
+    stored["model.mtp.norm.weight"] = noisy(torch.Size((hidden,)))
+    stored["model.mtp.embed_tokens.weight"] = noisy(torch.Size((vocab, hidden)))
+    save_file(
+        {k: v.contiguous() for k, v in stored.items()},
+        folder / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    return folder
+
+
+def longcat_mtp_keys(folder: Path) -> dict[str, torch.Tensor]:
+    """The stored tensors of a LongCat-Flash checkpoint's MTP module (`model.mtp.*`)."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update({k: v for k, v in load_file(file).items() if k.startswith("model.mtp.")})
     return out

@@ -26,8 +26,11 @@ def test_in_memory_runs_every_method_and_no_load_what_a_stock_checkpoint_express
     with pytest.raises(MoePruneError, match="runs the drop or neurons method with the uniform allocation") as caught:
         no_load.check(PruneConfig("reap", 0.5, method="tenp"))
     assert "the tenp method with the trapezoid allocation needs the in-memory pipeline" in str(caught.value)
-    with pytest.raises(MoePruneError, match="the global allocation needs the in-memory pipeline"):
-        no_load.check(PruneConfig("reap", 0.5, allocation="global"))
+    no_load.check(PruneConfig("reap", 0.5, allocation="global"))  # per-layer counts: moeprune's format
+    with pytest.raises(MoePruneError, match="the drop method with the evo allocation needs the in-memory pipeline"):
+        no_load.check(PruneConfig("reap", 0.5, allocation="evo"))
+    with pytest.raises(MoePruneError, match="the neurons method with the global allocation needs the in-memory"):
+        no_load.check(PruneConfig("reap", 0.5, allocation="global", method="neurons"))
     with pytest.raises(MoePruneError, match="needs a named criterion"):
         no_load.check(PruneConfig("auto", 0.5))
 

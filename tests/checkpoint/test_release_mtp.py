@@ -243,12 +243,13 @@ def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, dat
     _assert_masked_original(source, tmp_path / "out", plan)
 
 
-def test_deepseek_v4_release_prunes_and_says_where_its_mtp_layer_went(releases, tmp_path):
+@pytest.mark.parametrize("no_load", [False, True], ids=["in-memory", "no-load"])
+def test_deepseek_v4_release_prunes_and_says_where_its_mtp_layer_went(releases, tmp_path, no_load):
     """DeepSeek-V4 keeps its hash-routed layers whole, so every result has per-layer counts
     (moeprune's format); moeprune does not map its hash-routed shards, so its MTP layer (whose
     experts it would read from them) is left out, and the summary says so."""
     source = releases["deepseek_v4"]
-    plan = _prune(source, tmp_path / "out", "--sparsity", "0.25")
+    plan = _prune(source, tmp_path / "out", "--sparsity", "0.25", *(["--no-load"] if no_load else []))
     assert plan["extra"]["mtp"]["left_out"] and plan["extra"]["mtp"]["layers"] == [4]
     assert not any(k.startswith("mtp.") for k in stored_tensors(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -16,7 +16,6 @@ import torch
 import moeprune
 from helpers import assert_logits_close, stock_from_pretrained
 from moeprune.data.loading import CalibrationData, Sample
-from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.adapter import get_path
 from moeprune.models.factory import tiny_model
@@ -162,13 +161,24 @@ def test_observation_never_attributes_extra_expert_tokens_to_weighted_experts(fa
         )  # frequency of weighted experts, exact
 
 
-def test_zero_experts_refuse_streaming_in_one_line(tmp_path):
+def test_streaming_maps_the_zero_experts_rows_apart(tmp_path):
+    """transformers sizes LongCat's gate_up_proj for the zero experts too (rows it never computes)
+    and saves them as experts 8 and 9 (gate and up, no down): the checkpoint layout reads them as
+    those rows, not as weighted experts; the rewrite keeps them after the kept weighted experts
+    (tests/shards/test_no_load_special_layers.py)."""
     if "longcat_flash" not in supported_families():
         pytest.skip("longcat_flash not supported here")
     model, moe = model_of("longcat_flash")
     moeprune.save_pretrained(model, tmp_path)
     from moeprune.shards.layout import CheckpointLayout
 
-    with pytest.raises(MoePruneError, match="zero experts.*load the model instead") as refused:
-        CheckpointLayout(tmp_path)
-    assert "\n" not in str(refused.value)
+    layout = CheckpointLayout(tmp_path)
+    layer = layout.layers[0]
+    assert layer.num_experts == 8
+    gate_up, down = layer.experts["gate_up_proj"], layer.experts["down_proj"]
+    assert (gate_up.extra_rows, gate_up.extra_stored) == (2, 2) and sorted(gate_up.parts) == list(range(10))
+    assert (down.extra_rows, down.extra_stored) == (0, 0) and sorted(down.parts) == list(range(8))
+    assert {path: layout.tensors[key].shape for path, (key, _) in layer.router.items()} == {
+        "router.classifier.weight": (10, 32),
+        "router.e_score_correction_bias": (10,),
+    }

@@ -222,7 +222,27 @@ def test_inspect_and_refusals_say_which_layers_are_kept_whole(checkpoint, calibr
     assert "layer 0 routes by token id (hash routing): kept whole" in shown
     info = json.loads(run_cli("inspect", checkpoint, "--json").output)
     assert list(info["kept_whole"]) == ["0"]
-    no_load = run_cli("prune", checkpoint, "--output", tmp_path / "nl", "--no-load", "--criterion", "frequency",
-                      "--sparsity", "0.5", "--data", calibration, ok=False)  # fmt: skip
-    assert no_load.exit_code != 0 and "--no-load writes a stock checkpoint" in no_load.output
-    assert len(no_load.output.strip().splitlines()) == 1 and not (tmp_path / "nl").exists()
+    narrowed = run_cli("prune", checkpoint, "--output", tmp_path / "nl", "--no-load", "--criterion", "frequency",
+                       "--sparsity", "0.5", "--method", "neurons", "--data", calibration, ok=False)  # fmt: skip
+    assert narrowed.exit_code == 2 and "cannot keep a layer whole (layer 0 routes by token id" in narrowed.output
+    assert len(narrowed.output.strip().splitlines()) == 1 and not (tmp_path / "nl").exists()
+
+
+def test_no_load_keeps_hash_layers_whole_and_writes_moeprune_format(checkpoint, calibration, tmp_path):
+    """The shards rewritten without loading: the same plan as in memory (data observed layer by
+    layer), layer 0 copied whole, the result reloading to the masked original's logits."""
+    plans = {}
+    for name, flags in (("memory", []), ("streamed", ["--no-load"])):
+        run_cli("prune", checkpoint, "--output", tmp_path / name, "--criterion", "frequency", "--sparsity", "0.5",
+                "--data", calibration, "--samples", "8", "--quiet", *flags)  # fmt: skip
+        plans[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert [lp["kept"] for lp in plans["streamed"]["layers"]] == [lp["kept"] for lp in plans["memory"]["layers"]]
+    assert plans["streamed"]["layers"][0]["kept"] == list(range(8))
+    assert HASH in plans["streamed"]["extra"]["kept_whole"]["0"]
+    report = json.loads((tmp_path / "streamed" / "report.json").read_text())
+    assert report["format"] == "moeprune" and report["kept_whole"] == plans["streamed"]["extra"]["kept_whole"]
+    original = moeprune.load_pretrained(checkpoint).eval()
+    reloaded = moeprune.load_pretrained(tmp_path / "streamed").eval()
+    with mask_experts(MoEModel(original), {lp["layer"]: lp["dropped"] for lp in plans["streamed"]["layers"]}):
+        expected = logits(original, IDS)
+    assert torch.equal(logits(reloaded, IDS), expected)

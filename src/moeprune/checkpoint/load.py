@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from moeprune.checkpoint import files, structure
 from moeprune.checkpoint.names import beside_stack, disk_tensors
 from moeprune.checkpoint.quantized import QuantizedSources, quantization_format
+from moeprune.checkpoint.zero_rows import unstored_rows
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
 from moeprune.models.adapter import EXPERT_IDS_ATTR
@@ -214,15 +215,26 @@ def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
         return model if device is None else model.to(device)
     on_gpu = device is not None and torch.device(device).type != "cpu"
     placed = {"device_map": {"": str(device)}} if on_gpu and _has_accelerate() else {}  # straight to the GPU
-    model = _from_pretrained(path, dtype=dtype, **placed)
+    try:
+        model = _from_pretrained(path, dtype=dtype, **placed)
+    except MoePruneError:
+        # a release storing fewer rows than the model holds (LongCat-Flash's zero experts)
+        rows = unstored_rows(build_skeleton(path, dtype, meta=True), files.stored_tensors(path))
+        if not rows:
+            raise
+        model = load_dequantized(path, dtype, rows)
     return model if placed or device is None else model.to(device)
 
 
-def load_dequantized(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+def load_dequantized(
+    path: Path, dtype: torch.dtype, unstored: dict[str, torch.Tensor] | None = None
+) -> PreTrainedModel:
     """A quantized stock checkpoint as the full-precision model it stands for, on the CPU: each
     weight dequantized in float32 (checkpoint.quantized), then converted to the in-memory layout
     and cast to `dtype` by transformers' own loading code, as `from_pretrained` would load the
     dequantized checkpoint. The model's config no longer names a quantization: it is not quantized.
+    `unstored`: tensors the release does not store, given to the loader as if it did
+    (`checkpoint.zero_rows`).
     """
     model = build_skeleton(path, dtype)
     sources = QuantizedSources.of(path)
@@ -236,7 +248,7 @@ def load_dequantized(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     hf_logging.set_verbosity_error()
     try:
         with ExitStack() as stack:
-            state = sources.sources(list(sources.weight_keys()), stack)
+            state = {**sources.sources(list(sources.weight_keys()), stack), **(unstored or {})}
             info, _ = convert_and_load_state_dict_in_model(model, state, settings)
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -2,8 +2,10 @@
 `prune --no-load`): weights streamed from the shards or statistics observed one decoder layer at
 a time, then the shards rewritten one tensor (or byte range) at a time.
 
-Only what a stock config can express is written this way: a uniform drop, or every routed
-expert cut to the same K neurons. Under torchrun every rank observes its share of the data and
+Whole experts dropped by the uniform or the global allocation are written this way (a stock
+checkpoint when every layer keeps the same count, moeprune's format otherwise: the global
+allocation, or layers kept whole such as DeepSeek-V4's hash layers), or every routed expert cut
+to the same K neurons (a stock checkpoint). Under torchrun every rank observes its share of the data and
 rank 0 alone writes.
 """
 
@@ -13,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.files import stored_dtype
 from moeprune.checkpoint.quantized import check_quantized
@@ -29,7 +32,6 @@ from moeprune.criteria import (
 )
 from moeprune.criteria.super_experts import as_report, guard_note
 from moeprune.data.loading import CalibrationData, calibration_sets
-from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneRequest
 from moeprune.models import MoEModel
@@ -53,7 +55,7 @@ from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
-from moeprune.surgery.planning import build_plan, check_feasible, guard_super_experts
+from moeprune.surgery.planning import build_plan, check_feasible, check_fixed_layers, guard_super_experts
 from moeprune.surgery.plans import resolve_plan
 from moeprune.surgery.registry import METHODS
 from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
@@ -127,7 +129,8 @@ def prune_without_loading(request: PruneRequest) -> dict:
     body of the `no-load` pipeline, moeprune.job.pipelines, which checks the config first).
 
     `config` is resolved (its allocation set) and accepted by the pipeline: a method that drops whole
-    experts with an allocation fixed by the budget (the same count in every layer), or a neuron
+    experts with the uniform or global allocation (the uniform one on a model whose every layer can
+    lose experts must keep one count: a stock checkpoint, `stock_only`), or a neuron
     method keeping each routed expert's top-K neurons (K the same for all: a stock checkpoint),
     chosen from neuron statistics observed layer by layer. Returns the report written beside the result.
     """
@@ -139,7 +142,7 @@ def prune_without_loading(request: PruneRequest) -> dict:
     check_output_dir(output, run.overwrite)
     path = Path(model_path)
     moe = meta_model(path)
-    refuse_fixed_layers(moe)
+    check_fixed_layers(moe, config.method)  # the neuron methods cannot keep a layer whole: refused now
     config, target, size = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
     if run.dry_run:
         return _plan_of_work(path, Path(output), moe, config, size, target)
@@ -150,17 +153,14 @@ def prune_without_loading(request: PruneRequest) -> dict:
         return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
 
 
-def refuse_fixed_layers(moe: MoEModel) -> None:
-    """A no-load result is a stock checkpoint, one expert count (and width) for every layer; a model
-    with layers kept whole (hash routing) cannot lose experts elsewhere and keep that, so it is
-    refused before any work: the loaded pipeline writes it in moeprune's format."""
-    note = moe.kept_whole_note()
-    if note:
-        raise MoePruneError(
-            f"--no-load writes a stock checkpoint (the same expert count in every layer), but {note}: "
-            "prune the loaded model instead (without --no-load; the result is saved in moeprune's format)",
-            options=("no_load",),
-        )
+def stock_only(moe: MoEModel, config: PruneConfig) -> bool:
+    """Whether the result must be a stock checkpoint (one expert count for every layer): the
+    uniform allocation on a model whose every MoE layer can lose experts, the same sparsity in
+    every layer as a stock config says it. Otherwise the counts differ by design (the global
+    allocation, or layers kept whole: DeepSeek-V4's hash layers) and the rewrite writes them in
+    moeprune's format, as the in-memory pipeline does."""
+    allocation = config.allocation or METHODS.get(config.method).allocations[0]
+    return not moe.fixed_layers and ALLOCATIONS.get(allocation).fixed
 
 
 def _solve_target(
@@ -173,7 +173,7 @@ def _solve_target(
     target_bytes = check_target_config(config)
     if target_bytes is None:
         return config, None, size
-    solution = solve_target(moe, config, size, target_bytes, stock=True)
+    solution = solve_target(moe, config, size, target_bytes, stock=stock_only(moe, config))
     target = TargetSize(
         solution.target_bytes,
         solution.sparsity,
@@ -194,7 +194,7 @@ def _plan_of_work(
     structure, the uniform plan's counts, the sizes; nothing is observed, scored or written."""
     if METHODS.get(config.method).neurons:
         check_stock_shrink(moe)
-    else:
+    elif stock_only(moe, config):
         stock_counts(moe, config, NO_LOAD_COUNTS)
     known = check_feasible(moe, config)
     out = {
@@ -287,7 +287,8 @@ def _release_mtp(job: _NoLoadJob, plan: Plan, report: PruneReport, left_out: str
 
 def _drop(job: _NoLoadJob) -> dict:
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
-    stock_counts(moe, config, NO_LOAD_COUNTS)  # before scoring
+    if stock_only(moe, config):
+        stock_counts(moe, config, NO_LOAD_COUNTS)  # before scoring
     crit, scores, stats, sets = score_without_loading(
         model_path,
         config.criterion,
@@ -317,6 +318,9 @@ def _drop(job: _NoLoadJob) -> dict:
         scores=scores_document(crit, scores, stats),
         target=job.target,
     )
+    report.kept_whole = plan.extra.get("kept_whole")
+    if not plan.is_uniform():  # the global allocation, or layers kept whole: moeprune's format
+        report.format = "moeprune"
 
     mtp = _release_mtp(job, plan, report)
     if rank_and_world()[0] == 0:
@@ -326,6 +330,7 @@ def _drop(job: _NoLoadJob) -> dict:
             plan,
             overwrite=job.run.overwrite,
             extra=lambda tmp: _publish(tmp, job, report, plan),
+            stock=False,  # different counts (checked above where a stock result is due) in moeprune's format
             mtp=mtp,
         )
     return report.to_json()

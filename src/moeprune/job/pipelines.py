@@ -4,8 +4,9 @@
   cut, save (`job.prune_checkpoint`). Every criterion, allocation and method.
 - `no-load`: never hold the whole model: weight-only scores streamed from the shards or statistics
   observed one decoder layer at a time, then the shards rewritten one tensor at a time
-  (`shards.prune.prune_without_loading`). What a stock checkpoint can express without the loaded
-  model: a uniform drop, or one neuron width for every expert.
+  (`job.no_load.prune_without_loading`). Whole experts dropped by the uniform or global
+  allocation (different counts per layer, as the global allocation or DeepSeek-V4's kept-whole
+  hash layers give, written in moeprune's format), or one neuron width for every expert.
 
 Each pipeline declares what it supports, so an unsupported combination is refused here in one
 sentence, before anything is read, and `unread_settings` lists the settings a run would silently
@@ -123,9 +124,14 @@ def _in_memory(request: PruneRequest) -> dict:
     Pipeline(
         "no-load",
         help="never hold the whole model: score from the shards or layer by layer, rewrite the shards one by one",
-        supports=lambda method, allocation: allocation.fixed and (method.whole_experts or method.neurons),
+        # the counts of whole-expert drops follow from the streamed scores (uniform or global: per-layer
+        # counts are written in moeprune's format); neuron widths must be one for all (a stock result)
+        supports=lambda method, allocation: (
+            (method.whole_experts and allocation.counts is not None and not allocation.searches)
+            or (method.neurons and allocation.fixed)
+        ),
         auto_criterion=False,
-        why_limited="without the loaded model it can only write what a stock checkpoint expresses",
+        why_limited="it never runs the loaded model: no search, no per-layer neuron widths",
         unread=(
             (
                 (

@@ -168,7 +168,8 @@ class PruneReport:
         allocation: str,
         **facts: Any,
     ) -> PruneReport:
-        """The report of a prune without loading: always the same count per layer, a stock checkpoint."""
+        """The report of a prune without loading: a stock checkpoint (`format` set to moeprune where
+        the plan keeps different counts per layer: the global allocation, layers kept whole)."""
         return cls(
             command=NO_LOAD,
             moeprune_version=__version__,

@@ -201,6 +201,11 @@ class ExpertParam:
     parts: dict[int, dict[int, str]] = field(default_factory=dict)  # expert -> part -> key
     cat_dim: int = 0
     scales: dict[str, str] = field(default_factory=dict)  # fp8 weight key -> its weight_scale_inv key
+    # rows past the weighted experts' that the model sizes the parameter for (LongCat-Flash's
+    # gate_up_proj holds its zero experts' rows too, never computed), and how many are stored
+    # (transformers' save writes them, the release does not)
+    extra_rows: int = 0
+    extra_stored: int = 0
 
     def keys(self, expert: int) -> list[str]:
         return [self.parts[expert][p] for p in sorted(self.parts[expert])]
@@ -252,17 +257,6 @@ class CheckpointLayout:
         self.fp8 = fmt if isinstance(fmt, Fp8Format) else None
         self.config = load_config(self.path)
         self.moe = meta_model(self.path, self.config)
-        if self.moe.fixed_layers:  # a stock rewrite says one expert count, which these layers cannot follow
-            raise MoePruneError(
-                f"{self.moe.kept_whole_note()}; checkpoint streaming reads and writes stock layouts where every "
-                "MoE layer can lose experts: load the model instead (drop --no-load / --streaming)"
-            )
-        spec = self.moe.spec
-        if spec.extra_routed:  # their gate/up rows sit among the weighted experts' on disk
-            raise MoePruneError(
-                f"{spec.model_type} routes to {spec.extra_experts} zero experts beside its weighted ones, whose "
-                "rows streaming does not keep apart from theirs yet: load the model instead (drop --no-load)"
-            )
         files = shard_names(self.path)
         if not files:
             raise MoePruneError(
@@ -348,11 +342,11 @@ class CheckpointLayout:
     def _layout(self, layer: MoELayer, block: str, index: int | None = None) -> LayerLayout:
         """Where `layer`'s experts and router are stored; with `index`, those of the extra layer
         of that number laid out like `layer`, its block at `block`."""
-        n = layer.num_experts
+        n, extra = layer.num_experts, layer.spec.extra_experts
         params = {
-            name: ExpertParam(f"{block}.experts.{name}", tuple(p.shape))
+            name: ExpertParam(f"{block}.experts.{name}", tuple(p.shape), extra_rows=p.shape[0] - n)
             for name, p in layer.experts.named_parameters(recurse=False)
-            if p.dim() >= 1 and p.shape[0] == n
+            if p.dim() >= 1 and p.shape[0] in (n, n + extra)
         }
         for param in params.values():
             for key in self.stored_as.get(param.internal, ()):
@@ -371,8 +365,12 @@ class CheckpointLayout:
                     param.scales[key] = self.scales[key]
             self._check_param(param, n)
         router = {}
-        routing = [(f"{layer.spec.router_attr}.{p}", d) for p, d in layer.spec.router_tensors]
-        for path, dim in routing + list(layer.spec.block_tensors):
+        # the routing tensors the layer holds (a hash router, kept whole, has no selection bias)
+        routing = [
+            (f"{layer.spec.router_attr}.{p}" if owner is layer.router else p, d)
+            for owner, p, d in layer.routing_tensors()
+        ]
+        for path, dim in routing:
             internal = f"{block}.{path}"
             keys = self.stored_as.get(internal)
             if not keys:
@@ -393,11 +391,13 @@ class CheckpointLayout:
         )
 
     def _check_param(self, param: ExpertParam, n: int) -> None:
+        total = n + param.extra_rows
         if param.fused is not None:
             got = self.shape_of(param.fused)
-        elif sorted(param.parts) == list(range(n)):
-            got = (n, *self.expert_shape(param, 0))
-            if any(self.expert_shape(param, e) != got[1:] for e in range(n)):
+        elif sorted(param.parts) in (list(range(n)), list(range(total))):
+            param.extra_stored = len(param.parts) - n  # the release stores the weighted experts only
+            got = (total, *self.expert_shape(param, 0))
+            if any(self.expert_shape(param, e) != got[1:] for e in param.parts):
                 got = ()  # experts of different shapes
         else:
             raise MoePruneError(

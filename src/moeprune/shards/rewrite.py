@@ -9,8 +9,7 @@ import json
 import math
 import struct
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,6 +29,7 @@ from moeprune.plan import Plan
 from moeprune.quant.fp8 import scale_name
 from moeprune.quant.support import follow_kept_experts
 from moeprune.runtime.atomic import atomic_write_dir, write_json
+from moeprune.shards.internal import needs_internal_names, to_internal
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.mtp import (
     MTP_COUNT_FIELDS,
@@ -42,35 +42,12 @@ from moeprune.shards.mtp import (
     record_mtp,
     unmapped_mtp,
 )
+from moeprune.shards.out_tensor import ITEMSIZE as _ITEMSIZE
+from moeprune.shards.out_tensor import OutTensor
 from moeprune.surgery.registry import METHODS, method_limits
 
 PLAN = "plan.json"
-_ITEMSIZE = {  # bytes per element of the safetensors dtypes a slice may cut
-    **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),
-    **dict.fromkeys(("F32", "I32", "U32"), 4),
-    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
-    **dict.fromkeys(("I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
-}
 _COPY = 1 << 24  # bytes read at a time when copying tensor data
-
-
-@dataclass(frozen=True)
-class OutTensor:
-    """One tensor of a rewritten shard: its header entry and the source byte ranges it is made of,
-    or (`chunks`) a function giving its data as tensors in the stored dtype, made in memory
-    piece by piece while the shard is written (an expert's sliced tensor, a padded one)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...] = ()  # (absolute offset in the source shard, length)
-    chunks: Callable[[], Iterable[torch.Tensor]] | None = None  # row-major pieces, in order
-
-    @property
-    def nbytes(self) -> int:
-        if self.chunks is not None:
-            return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-        return sum(length for _, length in self.ranges)
 
 
 def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -113,6 +90,7 @@ def _rewritten(
     re-quantized."""
     out: dict[str, list[OutTensor]] = defaultdict(list)
     counts = {lay.index: lay.num_experts for lay in layout.all_layers}
+    extra = {lay.index: lay.num_experts + lay.spec.extra_experts for lay in layout.all_layers}
     for key, stored in layout.tensors.items():
         addr = layout.addresses.get(key)
         if addr is None or not keep(key):  # a scale: written with its weight
@@ -122,9 +100,10 @@ def _rewritten(
             written = [whole_tensor(key, stored)]
         elif addr.expert is None:
             written = [_sliced(key, stored, dim, _with_extra(kept[layer], counts[layer], stored.shape[dim]))]
-        elif addr.expert in kept[layer]:
+        elif addr.expert in (rows := _with_extra(kept[layer], counts[layer], extra[layer])):
+            # a kept weighted expert, or the stored row of an extra (zero) expert, after them
             model_key = layout.coded.get(key, key)  # codes are renumbered as the weight they stand for
-            renamed = layout.naming.renumber(model_key, kept[layer].index(addr.expert))
+            renamed = layout.naming.renumber(model_key, rows.index(addr.expert))
             written = [whole_tensor(_renamed(model_key, key, renamed), stored)]
         else:
             continue
@@ -158,8 +137,8 @@ def _rewritten(
 
 
 def _with_extra(kept: list[int], count: int, rows: int) -> list[int]:
-    """The kept weighted rows, then the rows of extra experts a router tensor scores after them
-    (Inkling's shared-expert sink): never pruned."""
+    """The kept weighted rows, then the rows of extra experts a tensor holds after them (LongCat-
+    Flash's zero experts, Inkling's shared-expert sink): never pruned, never counted."""
     return kept + list(range(count, rows)) if rows > count else kept
 
 
@@ -459,6 +438,9 @@ def rewrite_checkpoint(
         ).items()
         if ts
     }
+
+    if needs_internal_names(layout, len(counts) > 1):  # moeprune's format under the model's own names
+        shards = to_internal(layout, shards, kept)
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():

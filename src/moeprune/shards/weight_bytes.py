@@ -103,12 +103,18 @@ def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:
     tensors = layout.tensors
     total = header_bound(layout.path) + sum(_nbytes(t) for t in tensors.values())
     layers = []
+    fused = {p.fused for lay in layout.layers for p in lay.experts.values() if p.fused}
     for lay, m in zip(layout.layers, layout.moe.layers):
+        n = lay.num_experts  # the rows of extra experts (LongCat's zero experts' gate/up) are no expert's
         keys = [k for p in lay.experts.values() for k in ([p.fused] if p.fused else [])]
-        keys += [k for p in lay.experts.values() for e in p.parts for k in p.keys(e)]
+        keys += [k for p in lay.experts.values() for e in p.parts if e < n for k in p.keys(e)]
         scales = [s for p in lay.experts.values() for s in p.scales.values()]
         scales += [c for k in keys for c in layout.companions.get(k, ())]  # mxfp4 / compressed-tensors
-        routed = sum(_nbytes(tensors[k]) for k in keys + scales)
+        routed = sum(
+            _nbytes(tensors[k]) * n // tensors[k].shape[0] if k in fused else _nbytes(tensors[k])
+            for k in keys
+        )
+        routed += sum(_nbytes(tensors[k]) for k in scales)
         # one row of each routing tensor (a router scoring extra experts has more rows than experts)
         router_row = sum(_nbytes(tensors[key]) // tensors[key].shape[dim] for key, dim in lay.router.values())
         per_expert = routed // lay.num_experts
