@@ -34,7 +34,7 @@ def assert_mtp_kept(before: dict, after: dict, kept: list[int]) -> None:
         if match:
             source_key = _EXPERT.sub(f".experts.{kept[int(match.group(1))]}.", key, count=1)
             assert torch.equal(tensor, before[source_key]), key
-        elif key.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+        elif key.endswith(("mlp.gate.weight", "e_score_correction_bias", "ffn.gate.weight", "ffn.gate.bias")):
             assert torch.equal(tensor, before[key][kept]), key
         else:
             assert torch.equal(tensor, before[key]), key
@@ -244,18 +244,20 @@ def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, dat
 
 
 @pytest.mark.parametrize("no_load", [False, True], ids=["in-memory", "no-load"])
-def test_deepseek_v4_release_prunes_and_says_where_its_mtp_layer_went(releases, tmp_path, no_load):
+def test_deepseek_v4_release_prunes_and_keeps_its_mtp_layer(releases, tmp_path, no_load):
     """DeepSeek-V4 keeps its hash-routed layers whole, so every result has per-layer counts
-    (moeprune's format); moeprune does not map its hash-routed shards, so its MTP layer (whose
-    experts it would read from them) is left out, and the summary says so."""
+    (moeprune's format); its MTP layer (`mtp.0.`, reference naming) is pruned by its own plan to
+    the last MoE layer's count and kept under its stored names, router rows and biases in step."""
     source = releases["deepseek_v4"]
     plan = _prune(source, tmp_path / "out", "--sparsity", "0.25", *(["--no-load"] if no_load else []))
-    assert plan["extra"]["mtp"]["left_out"] and plan["extra"]["mtp"]["layers"] == [4]
-    assert not any(k.startswith("mtp.") for k in stored_tensors(tmp_path / "out"))
+    mtp = plan["extra"]["mtp"]
+    assert "left_out" not in mtp and list(mtp["layers"]) == ["4"]
+    kept = mtp["layers"]["4"]["kept"]
+    last = plan["layers"][-1]
+    assert len(kept) == len(last["kept"]) - len(last.get("novice", []))
+    assert_mtp_kept(mtp_keys(source, "deepseek_v4"), mtp_keys(tmp_path / "out", "deepseek_v4"), kept)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["release_layers"][0].startswith(
-        "1 multi-token-prediction layer (mtp.0.*) left out: their shards cannot be mapped onto the model "
-        "(layer 0 routes by token id (hash routing))"
+        f"1 multi-token-prediction layer (mtp.0.*) kept, pruned to {len(kept)} of 8 experts"
     )
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
     _assert_masked_original(source, tmp_path / "out", plan)

@@ -13,7 +13,7 @@ transformers converts when loading beyond that, or a quantized input, is refused
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -31,11 +31,16 @@ def needs_internal_names(layout: CheckpointLayout, per_layer_counts: bool) -> bo
 
 
 def to_internal(
-    layout: CheckpointLayout, shards: dict[str, list[OutTensor]], kept: dict[int, list[int]]
+    layout: CheckpointLayout,
+    shards: dict[str, list[OutTensor]],
+    kept: dict[int, list[int]],
+    as_stored: Callable[[str], bool] = lambda key: False,
 ) -> dict[str, list[OutTensor]]:
     """`shards` (the rewrite under the input's names, dropped experts gone) with every tensor
     under its internal name and each MoE layer's experts fused, kept experts in plan order, the
-    extra (zero) experts' stored rows after them."""
+    extra (zero) experts' stored rows after them. Keys `as_stored` accepts (the release's MTP
+    layers, which the model does not hold and config.json's `mtp` entry names as stored) keep
+    their names."""
     if layout.fmt is not None:
         raise MoePruneError(
             f"{layout.moe.model_type} results with different expert counts per layer are written under the "
@@ -50,6 +55,9 @@ def to_internal(
     for file, tensors in shards.items():
         renamed = []
         for tensor in tensors:
+            if as_stored(tensor.key):
+                renamed.append(tensor)
+                continue
             addr = layout.naming.address(tensor.key)  # a renumbered expert key names its parameter too
             if addr.internal in fused:
                 continue  # the experts: written below, fused

@@ -440,7 +440,9 @@ def rewrite_checkpoint(
     }
 
     if needs_internal_names(layout, len(counts) > 1):  # moeprune's format under the model's own names
-        shards = to_internal(layout, shards, kept)
+        shards = to_internal(
+            layout, shards, kept, lambda key: not leave_out and mtp is not None and is_mtp_key(mtp, key)
+        )
 
     def write(tmp: Path) -> None:
         for file, tensors in shards.items():
