@@ -36,6 +36,9 @@ CORPUS_SUBDIR = "corpus"
 TRAINING_JSON = "training.json"
 # Config field holding the routed experts' intermediate size, per supported family.
 _EXPERT_WIDTH_FIELD = {"qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size"}
+# Whether the router renormalises its top-k gates: each family's own choice (OLMoE does not), so the
+# demo models cover softmax routing with and without renormalisation.
+_NORM_TOPK = {"qwen3_moe": True, "olmoe": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,8 @@ class DemoModelSpec:
                 "corpus": CORPUS_VERSION,
                 "trainer": TRAINER_VERSION,
                 "python": sys.version,  # the stdlib, hence the corpus, can change in any release
+                # trainer 1 renormalised every family; a family that does not gets a new name
+                **({} if _NORM_TOPK.get(self.family, True) else {"norm_topk_prob": False}),
             },
             sort_keys=True,
         )
@@ -111,8 +116,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     if spec.family not in _EXPERT_WIDTH_FIELD:
         raise ValueError(f"unsupported family {spec.family!r}; use one of {sorted(_EXPERT_WIDTH_FIELD)}")
-    config = AutoConfig.for_model(
-        spec.family,
+    fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden,
         num_hidden_layers=spec.layers,
@@ -121,7 +125,7 @@ def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> Pre
         intermediate_size=spec.moe_intermediate,
         num_experts=spec.experts,
         num_experts_per_tok=spec.top_k,
-        norm_topk_prob=True,
+        norm_topk_prob=_NORM_TOPK[spec.family],
         router_aux_loss_coef=spec.aux_loss_coef,
         output_router_logits=False,  # training asks for them per call; inference need not pay
         max_position_embeddings=spec.seq_len,
@@ -129,8 +133,10 @@ def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> Pre
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **{_EXPERT_WIDTH_FIELD[spec.family]: spec.moe_intermediate},
     )
+    # the routed experts' width (OLMoE names it intermediate_size: one keyword, not two)
+    fields[_EXPERT_WIDTH_FIELD[spec.family]] = spec.moe_intermediate
+    config = AutoConfig.for_model(spec.family, **fields)
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config)
 
