@@ -164,6 +164,23 @@ def test_none_keeps_routing_for_budget_size_and_pipelines():
         assert len([e for e in layer.dropped if e < 4]) == len([e for e in layer.dropped if e >= 4])
 
 
+def test_a_search_applies_none_candidates_as_the_plan_does():
+    """evo scores `none` candidates in the form the result will have: zero novices, routing kept;
+    `next` candidates keep the plain expert mask (no context of their own)."""
+    model = tiny_model("olmoe")
+    moe = MoEModel(model)
+    drop = METHODS.get("drop")
+    assert drop.search_context(moe, None, {"reroute": "next"}) is None
+    context = drop.search_context(moe, None, {"reroute": "none"})
+    plan = drop_plan(moe, "none")
+    removed = {lp.layer: [moe.layer(lp.layer).expert_ids.index(e) for e in lp.novice] for lp in plan.layers}
+    with context(removed):
+        searched = logits(model)
+    with virtual_plan(moe, plan):
+        planned = logits(model)
+    assert (searched - planned).abs().max() == 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
