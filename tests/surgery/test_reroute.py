@@ -6,6 +6,7 @@ gates and leaves the removed expert's pick empty (a zero novice)."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -209,3 +210,20 @@ def test_refusals_in_one_line_before_loading(tiny_checkpoint, tmp_path, flags, m
     assert done.exit_code == 2, done.output
     assert message in done.output and len(done.output.strip().splitlines()) == 1, done.output
     assert not out.exists()
+
+
+def test_the_command_line_prunes_with_none_and_says_so(tiny_checkpoint, tmp_path):
+    """`moeprune prune --reroute none`: moeprune's format, plan and report name it, and the result
+    computes the plan's virtual form on the reference."""
+    out = tmp_path / "out"
+    done = run_cli("prune", tiny_checkpoint, "--output", out, "--criterion", "random", "--sparsity", "0.25",
+                   "--reroute", "none", "--quiet")  # fmt: skip
+    assert "method drop --reroute none" in done.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["reroute"] == "none" and report["format"] == "moeprune"
+    plan = Plan.load(out / "plan.json")
+    assert plan.extra["reroute"] == "none" and all(len(lp.novice) == 2 for lp in plan.layers)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    with virtual_plan(MoEModel(reference), plan):
+        expected = logits(reference)
+    assert_logits_close(logits(moeprune.load_pretrained(out)), expected)
