@@ -206,7 +206,7 @@ def prune(
                 progress=progress,
                 state_path=search_state,
                 resume=run.resume,
-                candidate_context=method.candidate_context(moe, stats) if method.candidate_context else None,
+                candidate_context=method.search_context(moe, stats, config.options),
             ),
         )
     plan = build_plan(
@@ -219,6 +219,7 @@ def prune(
         allocation=str(config.allocation),  # resolved: check_config set it
         method=config.method,
         sparsity=config.sparsity,
+        reroute=plan.extra.get("reroute"),  # drop --reroute none (a `next` plan has no such key)
         sparsity_unit=method.sparsity_unit,
         expert_multiple=config.expert_multiple,
         budget_experts_removed=plan.extra.get("budget"),

@@ -38,6 +38,9 @@ CORPUS_SUBDIR = "corpus"
 TRAINING_JSON = "training.json"
 _LATER_FIELDS = ("shared_experts", "dense_layers", "dense_intermediate", "bias_rate")
 FAMILIES = ("qwen3_moe", "olmoe", "deepseek_v3")  # the architectures a demo model can have
+# Whether the router renormalises its top-k gates: each family's own choice (OLMoE does not), so the
+# demo models cover softmax routing with and without renormalisation, and sigmoid routing.
+_NORM_TOPK = {"qwen3_moe": True, "olmoe": False, "deepseek_v3": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,8 @@ class DemoModelSpec:
                 "corpus": CORPUS_VERSION,
                 "trainer": TRAINER_VERSION,
                 "python": sys.version,  # the stdlib, hence the corpus, can change in any release
+                # a family that does not renormalise (changed after its first models were cached)
+                **({} if _NORM_TOPK.get(self.family, True) else {"norm_topk_prob": False}),
             },
             sort_keys=True,
         )
@@ -198,7 +203,7 @@ def _build_model(spec: DemoModelSpec, tokenizer: PreTrainedTokenizerBase) -> Pre
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         num_experts_per_tok=spec.top_k,
-        norm_topk_prob=True,
+        norm_topk_prob=_NORM_TOPK[spec.family],
         output_router_logits=False,  # training asks for them per call; inference need not pay
         max_position_embeddings=spec.seq_len,
         tie_word_embeddings=True,

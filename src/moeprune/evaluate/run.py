@@ -232,8 +232,9 @@ def _plan_summary(path: str | None) -> dict | None:
         "criterion": plan.criterion,
         "allocation": plan.allocation,
         "method": plan.method,
+        **({"reroute": plan.extra["reroute"]} if "reroute" in plan.extra else {}),  # drop --reroute none
         "sparsity": plan.sparsity,
-        "kept_per_layer": {str(lp.layer): len(lp.kept) for lp in plan.layers},
+        "kept_per_layer": {str(lp.layer): len(lp.kept) for lp in plan.layers},  # router positions
     }
 
 

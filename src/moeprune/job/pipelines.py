@@ -58,8 +58,10 @@ class Pipeline:
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
                 options=("criterion", "pipeline"),
             )
+        method = METHODS.get(config.method)
         if self.supports is not None and not self.supports(
-            METHODS.get(config.method), ALLOCATIONS.get(allocation)
+            method.configured(config.options),
+            ALLOCATIONS.get(allocation),  # drop --reroute none: routed
         ):
             by_allocation: dict[str, list[str]] = {}  # what it runs, in the registries' words
             for m in METHODS:
@@ -71,9 +73,13 @@ class Pipeline:
                 for a, names in by_allocation.items()
             ]
             raise MoePruneError(
-                f"the {self.name} pipeline runs {' or '.join(pairs)} ({self.why_limited}); the {config.method} "
-                f"method with the {allocation} allocation needs the in-memory pipeline",
-                options=("pipeline", "method"),
+                f"the {self.name} pipeline runs {' or '.join(pairs)} ({self.why_limited}); "
+                f"{method.described(config.options)} with the {allocation} allocation needs the in-memory pipeline",
+                options=(
+                    "pipeline",
+                    "method",
+                    *(method.knobs if method.configured(config.options) != method else ()),
+                ),
             )
 
 

@@ -328,11 +328,12 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
-    if not rewrite_supports(config.method):
+    if not rewrite_supports(config.method, config.options):
         described = quantization_of(read_config_dict(model_path))
         raise MoePruneError(
             f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
-            f"which holds whole experts (--method drop, any allocation); the {config.method} method would cut "
+            f"which holds whole experts (--method drop, any allocation); "
+            f"{METHODS.get(config.method).described(config.options)} would cut "
             "scale groups or add vectors the input does not have: save dequantized weights with --save-dtype "
             "bf16 (larger on disk), or drop whole experts",
             options=("method", "save_dtype"),

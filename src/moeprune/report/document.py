@@ -117,6 +117,8 @@ class PruneReport:
     allocation: str
     method: str
     sparsity: float
+    # drop's --reroute when it is not the default `next` ("none": empty picks, stored as zero novices)
+    reroute: str | None = None
     sparsity_unit: str | None = None  # "experts" or "routed-expert parameters"
     expert_multiple: int = 1
     budget_experts_removed: int | None = None  # written even when None (no expert budget)

@@ -44,7 +44,7 @@ def draw_kept(
             before,
             search_doc["uniform"]["allocation"],
             hidden_sizes,
-            novices=METHODS.get(report.method).keeps_routing,
+            novices=METHODS.get(report.method).keeps_routing or report.reroute == "none",
         )
     what = f"{report.criterion}, {report.allocation}, {report.method}, sparsity {report.sparsity}"
     named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}

@@ -102,6 +102,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "criterion": report.criterion,
         "allocation": report.allocation,
         "method": report.method,
+        "reroute": report.reroute,
         "sparsity": report.sparsity,
         "sparsity_unit": report.sparsity_unit or "experts",
         "auto": _auto(report),
@@ -156,7 +157,7 @@ def format_lines(facts: dict) -> list[str]:
     how = " without loading it" if facts["command"] == "prune --no-load" else ""
     lines = [
         f"pruned {facts['model']}{how}: criterion {facts['criterion']}, allocation {facts['allocation']}, "
-        f"method {facts['method']}, sparsity {facts['sparsity']:g} of the {_unit(facts)}"
+        f"method {facts['method']}{' --reroute ' + facts['reroute'] if facts.get('reroute') else ''}, sparsity {facts['sparsity']:g} of the {_unit(facts)}"
     ]
     auto = facts["auto"]
     if auto:

@@ -215,10 +215,11 @@ def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
         )
 
 
-def rewrite_supports(method: str) -> bool:
-    """Whether plans of this method can be written from the input's bytes: whole experts
-    dropped (any counts per layer; different ones are written in moeprune's format)."""
-    return METHODS.get(method).whole_experts
+def rewrite_supports(method: str, options: object = None) -> bool:
+    """Whether plans of this method (with these options) can be written from the input's bytes:
+    whole experts dropped (any counts per layer; different ones are written in moeprune's format),
+    not a `--reroute none` drop, whose empty picks are zero novices."""
+    return METHODS.get(method).configured(options).whole_experts
 
 
 def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
@@ -226,7 +227,7 @@ def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[
     would keep different counts: a stock config says one count, and the rewrite writes nothing
     else. `why` = (when the rule holds, the other way out, the options that fix it)."""
     when, instead, options = why
-    limits = method_limits(moe, config.method, config.expert_multiple)
+    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     allocation = config.allocation or METHODS.get(config.method).allocations[0]
     removed = expert_allocation(
         moe, get_criterion(config.criterion), [], config.sparsity_value(), allocation, limits

@@ -240,7 +240,7 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         if method.neurons:
             check_neuron_prunable(moe)
         return dict(method.feasible(moe, config))
-    limits = method_limits(moe, config.method, config.expert_multiple)
+    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     budget = limits.budget(config.sparsity_value())
     uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
     known: dict = {"budget_experts_removed": budget}
@@ -273,7 +273,7 @@ def check_guarded_budget(moe: MoEModel, config: PruneConfig) -> None:
     method = METHODS.get(config.method)
     if method.feasible is not None:  # neuron methods: every expert stays, so nothing to refuse here
         return
-    limits = method_limits(moe, config.method, config.expert_multiple)
+    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     budget = limits.budget(config.sparsity_value())
     try:
         uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())

@@ -22,6 +22,7 @@ from moeprune.models.packed import pack_layer
 from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.plan import Plan
+from moeprune.surgery.drop import zero_novices, zero_vectors
 from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
@@ -62,7 +63,8 @@ def resolve_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> 
     """Positions, mu vectors and kept neurons the plan implies for `moe` (not yet modified)."""
     if plan.model_type != moe.model_type:
         raise MoePruneError(f"the plan is for {plan.model_type!r} but the model is {moe.model_type!r}")
-    needs_novices = any(lp.novice for lp in plan.layers)
+    zero = zero_novices(plan)  # a `--reroute none` drop: its novices are empty picks, no statistics
+    needs_novices = not zero and any(lp.novice for lp in plan.layers)
     needs_neurons = any(lp.neurons for lp in plan.layers)
     domains = []
     if needs_novices or needs_neurons:
@@ -77,9 +79,14 @@ def resolve_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> 
         out.dropped[lp.layer] = list(lp.dropped)
         if not (lp.novice or lp.neurons):
             continue
-        s = layer_stats(domains, layer)
         novice_pos = positions(layer, lp.novice)
-        out.novices[lp.layer] = dict(zip(lp.novice, mean_outputs(layer, s, novice_pos).values()))
+        if zero:
+            out.novices[lp.layer] = dict(zip(lp.novice, zero_vectors(layer, novice_pos).values()))
+            if not lp.neurons:
+                continue
+        s = layer_stats(domains, layer)
+        if not zero:
+            out.novices[lp.layer] = dict(zip(lp.novice, mean_outputs(layer, s, novice_pos).values()))
         counts = _by_position(layer, lp.neurons)
         kept = kept_neurons(layer, s, counts, kind)
         ids = layer.expert_ids

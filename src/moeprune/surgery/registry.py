@@ -8,7 +8,7 @@ allocations can decide for it (the first is its default) and what it needs; its 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from moeprune.allocate.limits import LayerLimits, expert_allocation, layer_limits
@@ -72,6 +72,29 @@ class Method:
         assert self.options is not None  # a non-empty dict passed the check above only with fields
         return self.options(**value)
 
+    def configured(self, options: Any = None) -> Method:
+        """This method as `options` make it: options whose `keeps_routing` is true (drop's
+        `--reroute none`) turn it into one that keeps routing, like novices (no group balance, its
+        result in moeprune's format). Everything that asks `keeps_routing` or `whole_experts` of a
+        configured run asks this one."""
+        if self.keeps_routing or not getattr(self.resolve_options(options), "keeps_routing", False):
+            return self
+        return replace(self, keeps_routing=True)
+
+    def described(self, options: Any = None) -> str:
+        """'the drop method', with what its options change said (' (--reroute none)'), for refusals."""
+        return f"the {self.name} method{getattr(self.resolve_options(options), 'label', '')}"
+
+    def search_context(self, moe: MoEModel, stats: Any, options: Any = None) -> Callable | None:
+        """How a search applies a candidate of this method, as `options` make it: the options' own
+        `candidate_context(moe)` (drop's `--reroute none`: zero novices) when they have one, else the
+        method's; None: the plain expert mask."""
+        own = getattr(self.resolve_options(options), "candidate_context", None)
+        context = own(moe) if own is not None else None
+        if context is None and self.candidate_context is not None:
+            context = self.candidate_context(moe, stats)
+        return context
+
     @property
     def whole_experts(self) -> bool:
         """Its result holds whole experts only, some removed with their router rows: what a rewrite
@@ -102,9 +125,11 @@ def check_method(method: str, allocation: str) -> None:
         )
 
 
-def method_limits(moe: MoEModel, method: str, expert_multiple: int = 1) -> LayerLimits:
-    """Drops change routing (group balance applies); novices stay routed (it does not)."""
-    return layer_limits(moe, expert_multiple, routing_changes=not METHODS.get(method).keeps_routing)
+def method_limits(moe: MoEModel, method: str, expert_multiple: int = 1, options: Any = None) -> LayerLimits:
+    """Drops change routing (group balance applies); novices and `--reroute none` drops stay
+    routed (it does not)."""
+    keeps = METHODS.get(method).configured(options).keeps_routing
+    return layer_limits(moe, expert_multiple, routing_changes=not keeps)
 
 
 @dataclass
@@ -132,7 +157,7 @@ class PlanRequest:
         """Experts each MoE layer loses: the searched counts, else the allocation's."""
         if self.removed is not None:
             return list(self.removed)
-        limits = method_limits(self.moe, self.method, self.expert_multiple)
+        limits = method_limits(self.moe, self.method, self.expert_multiple, self.options)
         return expert_allocation(
             self.moe, self.criterion, self.scores, self.sparsity, self.allocation, limits
         )

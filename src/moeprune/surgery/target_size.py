@@ -71,8 +71,8 @@ def _worst_removal(size: WeightBytes, budget: int, limits: LayerLimits, novice: 
 def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, budget: int) -> int:
     """Planned bytes of an expert method removing `budget` experts (InfeasibleBudgetError when
     no allocation can remove exactly that many under the per-layer limits)."""
-    method = METHODS.get(config.method)
-    limits = method_limits(moe, config.method, config.expert_multiple)
+    method = METHODS.get(config.method).configured(config.options)  # drop --reroute none: as novices
+    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     removed = uniform_allocation(
         budget, limits.num_experts, limits.top_k, **limits.as_kwargs()
     )  # also refuses an unreachable budget
@@ -88,7 +88,7 @@ def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
     assert config.sparsity is not None, "planned_bytes needs a sparsity"
     method = METHODS.get(config.method)
     if method.sparsity_unit == EXPERTS:
-        limits = method_limits(moe, config.method, config.expert_multiple)
+        limits = method_limits(moe, config.method, config.expert_multiple, config.options)
         budget = limits.budget(config.sparsity)
         return expert_plan_bytes(moe, config, size, budget)
     if not size.linear_neurons:
@@ -131,7 +131,7 @@ def _expert_search(
     grow with B, and no budget below `(total - target) / (the heaviest expert)` can fit, so the
     walk starts there instead of at 1 (a 58 x 256-expert model has 14,848 budgets; starting there, 48 x 128 solves in 10 ms instead of 15 s).
     """
-    limits = method_limits(moe, config.method, config.expert_multiple)
+    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     experts, most = limits.prunable_experts, sum(limits.caps)  # a sparsity counts prunable layers only
 
     def planned(budget: int) -> int | None:
@@ -145,7 +145,7 @@ def _expert_search(
                 return None
         return value
 
-    novice = METHODS.get(config.method).keeps_routing
+    novice = METHODS.get(config.method).configured(config.options).keeps_routing
     heaviest = max(
         lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers
     )
