@@ -165,3 +165,30 @@ def test_low_rank_novice_fits_its_tokens_better():
             b = fit.u @ fit.v.T
             gain = torch.trace(b @ m.c_hh @ b.T) - 2 * torch.trace(b @ m.c_yh.T)
             assert gain < 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text", "gpt_oss"])
+def test_saved_low_rank_novices_reload_exactly_and_with_stock_transformers(family, tmp_path):
+    """moeprune's loader and stock transformers (trust_remote_code, the saved modeling files)
+    give the virtual form's logits exactly; config.json records the rank."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import moeprune
+
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    data = calibration((20, 17, 15, 12))
+    stats = observe(moe, data, batch_size=2, progress=False)
+    plan = _plan(moe, stats, 3)
+    fits = fit_novices(moe, plan, [data], batch_size=2, progress=False)
+    with virtual_plan(moe, plan, stats, fits):
+        virtual = _logits(model)
+    apply_plan_physical(moe, plan, stats, fits)
+    assert moeprune.save_pretrained(model, tmp_path) == "moeprune"
+    layers = json.loads((tmp_path / "config.json").read_text())["moeprune"]["layers"]
+    assert {entry.get("novice_rank") for entry in layers if entry["novice"]} == {3}
+    assert (_logits(moeprune.load_pretrained(tmp_path)) - virtual).abs().max() == 0
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    assert (_logits(stock) - virtual).abs().max() == 0
