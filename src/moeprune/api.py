@@ -52,6 +52,7 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
+from moeprune.surgery.lowrank import fit_novices, plan_rank
 from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,
@@ -212,7 +213,8 @@ def prune(
     plan = build_plan(
         moe, crit, scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
     )
-    surgery = apply_plan(moe, plan, stats)
+    fits = fit_novices(moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress)
+    surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)
     report = PruneReport(
         criterion=crit.name,
         prune_first=crit.prune_first,

@@ -39,6 +39,10 @@ CASES = {
     "mone-global-novice": (PruneConfig(criterion="mone", sparsity=0.25, allocation="global", method="novice"),
                            ["--criterion", "mone", "--sparsity", "0.25", "--allocation", "global",
                             "--method", "novice"]),
+    "mone-uniform-novice-rank-2": (PruneConfig(criterion="mone", sparsity=0.25, method="novice",
+                                               options={"novice_rank": 2}),
+                                   ["--criterion", "mone", "--sparsity", "0.25", "--method", "novice",
+                                    "--novice-rank", "2"]),
     "frequency-evo": (PruneConfig(criterion="frequency", sparsity=0.5, allocation="evo",
                                   search=SearchConfig(samples=8, population=4, elites=2, generations=2)),
                       ["--criterion", "frequency", "--sparsity", "0.5", "--allocation", "evo", "--search-samples",
@@ -63,6 +67,12 @@ def test_api_on_a_loaded_model_equals_the_cli(tiny_checkpoint, data, tmp_path, c
     ids = torch.tensor([list(b"def add(a, b): return a + b"), list(b"Question 3: what is 3 plus 3?")[:27]])
     assert torch.equal(_logits(model, ids), _logits(reloaded, ids))
     assert result.report.criterion == config.criterion and result.report.method == config.method
+    if case.endswith("rank-2"):  # the low-rank novices were fitted, saved and counted (d + 2dR each)
+        layers = json.loads((out / "config.json").read_text())["moeprune"]["layers"]
+        assert {e.get("novice_rank") for e in layers if e["novice"]} == {2}
+        assert any(".novice_u" in name for name, _ in reloaded.named_parameters()) or any(
+            "moeprune_novice_u" in name for name, _ in reloaded.named_parameters()
+        )
 
 
 def test_config_round_trips_and_recipe_reproduces_the_output(tiny_checkpoint, data, tmp_path):

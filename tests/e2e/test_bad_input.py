@@ -470,6 +470,31 @@ CASES = [
         "--save-dtype has no effect",
     ),
     Case(
+        "negative novice rank",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--method", "novice", "--novice-rank", "-1"],
+        "Invalid value for '--novice-rank'",
+    ),
+    Case(
+        "novice rank above the hidden size",
+        [
+            "prune",
+            "{model}",
+            "--output",
+            "{root}/out",
+            *PRUNE,
+            "--method",
+            "novice",
+            "--novice-rank",
+            "100000",
+        ],
+        "larger than the hidden size",
+    ),
+    Case(
+        "novice rank with another method",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--novice-rank", "2"],
+        "--novice-rank has no effect without --method novice",
+    ),
+    Case(
         "bad shard size",
         ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--max-shard-size", "lots"],
         "is not a size",

@@ -52,6 +52,14 @@ def test_novices_keep_their_router_row_and_a_vector_and_equal_fits():
     assert (found.sparsity, found.predicted_bytes, found.step_below_bytes) == (0.25, TOTAL - 628, TOTAL - 471)
 
 
+def test_low_rank_novices_keep_d_plus_2dR_values():
+    # rank 2: a novice keeps 3 x (1 + 2 x 2) = 15 bytes and saves 145; 4 of them fit 100000 - 580
+    found = solve("qwen3_moe", TOTAL - 4 * 145, method="novice", options={"novice_rank": 2})
+    assert (found.sparsity, found.predicted_bytes, found.step_below_bytes) == (0.25, TOTAL - 580, TOTAL - 435)
+    config = PruneConfig("magnitude", 0.25, method="novice", options={"novice_rank": 2})
+    assert planned_bytes(moe("qwen3_moe"), config, SIZE) == TOTAL - 580
+
+
 def test_group_limited_routers_step_in_pairs():
     # deepseek_v3 removes experts two at a time: 1 is no plan, so 166 bytes need 2 (330 saved)
     first = solve("deepseek_v3", TOTAL - 166)
@@ -98,10 +106,14 @@ def test_tenp_solves_on_its_grid_and_one_step_less_does_not_fit():
 
 def test_nothing_fits_names_the_smallest_reachable_and_a_target_above_the_model_says_so():
     # at most 6 of 8 experts per layer: 12 x 165 = 1980 bytes can go
-    with pytest.raises(MoePruneError, match=r"the smallest reachable is 98\.02 kB \(98,020 bytes\)") as caught:
+    with pytest.raises(
+        MoePruneError, match=r"the smallest reachable is 98\.02 kB \(98,020 bytes\)"
+    ) as caught:
         solve("qwen3_moe", 50_000)
     assert "top-k" in str(caught.value) and caught.value.options == ("target_size",)
-    with pytest.raises(MoePruneError, match=r"already fits: 100\.00 kB \(100,000 bytes\).*nothing needs pruning"):
+    with pytest.raises(
+        MoePruneError, match=r"already fits: 100\.00 kB \(100,000 bytes\).*nothing needs pruning"
+    ):
         solve("qwen3_moe", TOTAL)
 
 

@@ -177,7 +177,7 @@ def shape_like(moe: MoEModel, saved: structure.Structure, path: Path) -> None:
         setattr(m.block, EXPERT_IDS_ATTR, list(entry.expert_ids))
         if entry.packed(m.intermediate_size):
             widths = {str(p): w for p, w in enumerate(entry.widths) if w is not None}
-            pack_like(m, {"novice": entry.novices, "widths": widths})
+            pack_like(m, {"novice": entry.novices, "widths": widths, "novice_rank": entry.novice_rank})
 
 
 def _surplus(layer, keep: int) -> list[int]:

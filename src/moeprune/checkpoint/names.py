@@ -22,13 +22,23 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, decoder_layers
-from moeprune.models.packed import NOVICE_PARAM, expert_tensor_names, expert_tensors, is_packed, layer_widths
+from moeprune.models.packed import (
+    NOVICE_PARAM,
+    NOVICE_U,
+    NOVICE_V,
+    expert_tensor_names,
+    expert_tensors,
+    is_packed,
+    layer_widths,
+)
 from moeprune.models.spec import FUSED
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 MEAN_OUTPUT = "mean_output"  # a novice's stored vector: mu_i, what the block adds times g_i(t)
+# a low-rank novice's factors [d, R] (it adds c + U V^T h; `mean_output` holds c)
+NOVICE_FACTORS = {"novice_u": NOVICE_U, "novice_v": NOVICE_V}
 
 
 def decoder_prefix(moe: MoEModel) -> str:
@@ -84,6 +94,10 @@ def _expert_tensors(moe: MoEModel, layer: MoELayer) -> Iterator[tuple[str, torch
     for position, width in enumerate(layer_widths(layer)):
         if width is None:
             yield f"{prefix}.{position}.{MEAN_OUTPUT}", novice_vector(layer, position)
+            slot = -1 - cast("list[int]", layer.experts.moeprune_slots)[position]
+            for disk, memory in NOVICE_FACTORS.items():
+                if hasattr(layer.experts, memory):
+                    yield f"{prefix}.{position}.{disk}", getattr(layer.experts, memory)[slot]
             continue
         native = native_expert(layer, position)
         if names is None:  # one expert's slice of the fused tensors

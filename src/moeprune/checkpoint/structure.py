@@ -19,7 +19,7 @@ from typing import Any
 from moeprune import __version__
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel, own_gate
-from moeprune.models.packed import layer_widths, router_count
+from moeprune.models.packed import layer_widths, novice_rank, router_count
 from moeprune.serve import moeprune_format
 from moeprune.serve.moeprune_format import (  # noqa: F401  (the format's names, read where they are defined)
     ARCHITECTURE_PREFIX,
@@ -48,7 +48,8 @@ def _as_moeprune_error():
 def describe(moe: MoEModel) -> dict[str, Any]:
     """The `moeprune` section of config.json for this (pruned, in-memory) model."""
     layers = [
-        LayerStructure(m.index, tuple(m.expert_ids), tuple(layer_widths(m))).to_json() for m in moe.layers
+        LayerStructure(m.index, tuple(m.expert_ids), tuple(layer_widths(m)), novice_rank(m)).to_json()
+        for m in moe.layers
     ]
     return {
         "format": FORMAT,
@@ -120,7 +121,7 @@ def resolve_widths(structure: LayerStructure, full_width: int, where: str) -> La
                 )
             )
         )
-    return LayerStructure(structure.layer, structure.expert_ids, widths)
+    return LayerStructure(structure.layer, structure.expert_ids, widths, structure.novice_rank)
 
 
 def router_counts(moe: MoEModel) -> list[int]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import EXPERT_IDS_ATTR, ExpertCost, MoELayer, own_gate, top_k_of
+from moeprune.models.lowrank import LowRankNovice
 from moeprune.models.routed import RoutedOptions, input_weighted_block_forward, routed_compute
 from moeprune.models.spec import FUSED, INTERLEAVED, TRANSPOSED, UNGATED, FamilySpec
 
@@ -43,7 +44,9 @@ NEURON_AXES: dict[str, dict[str, tuple[int, int] | None]] = {
     },
 }
 PACKED_PREFIX = "packed_"
-NOVICE_PARAM = "moeprune_novice"  # [n_novice, d], the novices' mean outputs mu_i
+NOVICE_PARAM = "moeprune_novice"  # [n_novice, d], the novices' mean outputs mu_i (low rank: c_i)
+# low-rank novices (models/lowrank.py): [n_novice, d, R] factors, the novice adds c + U (V^T h)
+NOVICE_U, NOVICE_V = "moeprune_novice_u", "moeprune_novice_v"
 
 
 def neuron_index(layout: str, name: str, keep: torch.Tensor, width: int) -> torch.Tensor:
@@ -148,11 +151,13 @@ class PackedView:
         return top_k_of(self.index, getattr(self.block, self.spec.router_attr), self.block, self.experts)
 
     def options(self) -> RoutedOptions:
-        novices = {
-            p: self.experts.moeprune_novice[-1 - s]
-            for p, s in enumerate(self.experts.moeprune_slots)
-            if s < 0
-        }
+        experts = self.experts
+        u, v = getattr(experts, NOVICE_U, None), getattr(experts, NOVICE_V, None)
+        novices: dict[int, torch.Tensor | LowRankNovice] = {}
+        for p, s in enumerate(experts.moeprune_slots):
+            if s < 0:
+                c = experts.moeprune_novice[-1 - s]
+                novices[p] = c if u is None or v is None else LowRankNovice(c, u[-1 - s], v[-1 - s])
         return RoutedOptions(novices={self.index: novices})
 
     def expert_forward(
@@ -200,11 +205,12 @@ def expert_tensors(experts: nn.Module, slot: int) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- packing
 def pack_layer(
     layer: MoELayer,
-    novices: Mapping[int, torch.Tensor],
+    novices: Mapping[int, torch.Tensor | LowRankNovice],
     keep: Mapping[int, torch.Tensor],
 ) -> None:
-    """Convert one native MoE layer in place: positions in `novices` become constant vectors
-    (their weights are deleted), experts in `keep` keep only those neuron indices (ascending)."""
+    """Convert one native MoE layer in place: positions in `novices` become constant vectors or
+    low-rank novices (their weights are deleted), experts in `keep` keep only those neuron
+    indices (ascending). Low-rank novices of one layer share one rank (lower ones are padded)."""
     if is_packed(layer):
         raise MoePruneError(f"layer {layer.index} is already packed (novices or per-expert widths applied)")
     experts, n, width, hidden = layer.experts, layer.num_experts, layer.intermediate_size, layer.hidden_size
@@ -237,8 +243,7 @@ def pack_layer(
         )
     if novice_rows:
         ref = getattr(experts, PACKED_PREFIX + next(iter(units)))
-        mu = torch.stack([v.detach().to(device=ref.device, dtype=ref.dtype) for v in novice_rows])
-        experts.register_parameter(NOVICE_PARAM, nn.Parameter(mu, requires_grad=False))
+        _store_novices(experts, novice_rows, ref)
     experts.moeprune_units = units
     experts.moeprune_widths = widths
     experts.moeprune_hidden = hidden
@@ -252,20 +257,54 @@ def pack_layer(
         layer.block.__class__ = _subclass(PackedInputWeightedBlock, type(layer.block))
 
 
+def _store_novices(experts: nn.Module, rows: list, ref: torch.Tensor) -> None:
+    """The novices' constants [n, d] and, for low-rank ones, their factors [n, d, R]."""
+    lowrank = [r for r in rows if isinstance(r, LowRankNovice)]
+    if lowrank and len(lowrank) != len(rows):
+        raise MoePruneError("a layer's novices are all constant or all low-rank")
+    rank = max((r.rank for r in lowrank), default=0)
+    lowrank = [r.padded(rank) for r in lowrank]
+
+    def stacked(values: list[torch.Tensor]) -> nn.Parameter:
+        data = torch.stack([v.detach().to(device=ref.device, dtype=ref.dtype) for v in values])
+        return nn.Parameter(data, requires_grad=False)
+
+    experts.register_parameter(NOVICE_PARAM, stacked([r.constant if lowrank else r for r in rows]))
+    if lowrank:
+        experts.register_parameter(NOVICE_U, stacked([r.u for r in lowrank]))
+        experts.register_parameter(NOVICE_V, stacked([r.v for r in lowrank]))
+
+
+def novice_rank(layer: MoELayer) -> int:
+    """The rank of a packed layer's novices (0: constant novices, or none)."""
+    u = getattr(layer.experts, NOVICE_U, None) if is_packed(layer) else None
+    return int(u.shape[2]) if u is not None else 0
+
+
 def packed_structure(layer: MoELayer) -> dict:
-    """JSON-ready description (router positions): novices and every weight-holder's width."""
+    """JSON-ready description (router positions): novices and every weight-holder's width
+    (and the novices' rank when they are low-rank)."""
     experts = layer.experts
     slots = experts.moeprune_slots
-    return {
+    out = {
         "novice": [p for p, s in enumerate(slots) if s < 0],
         "widths": {str(p): experts.moeprune_widths[s] for p, s in enumerate(slots) if s >= 0},
     }
+    if novice_rank(layer):
+        out["novice_rank"] = novice_rank(layer)
+    return out
 
 
 def pack_like(layer: MoELayer, structure: Mapping) -> None:
     """Rebuild a packed layer's shapes from `packed_structure` (values are loaded afterwards)."""
-    hidden = layer.hidden_size
-    novices = {int(p): torch.zeros(hidden) for p in structure["novice"]}
+    hidden, rank = layer.hidden_size, int(structure.get("novice_rank", 0) or 0)
+
+    def empty() -> torch.Tensor | LowRankNovice:
+        if not rank:
+            return torch.zeros(hidden)
+        return LowRankNovice(torch.zeros(hidden), torch.zeros(hidden, rank), torch.zeros(hidden, rank))
+
+    novices = {int(p): empty() for p in structure["novice"]}
     keep = {int(p): torch.arange(int(w)) for p, w in structure["widths"].items()}
     pack_layer(layer, novices, keep)
 

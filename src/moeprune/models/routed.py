@@ -2,7 +2,8 @@
 
 The router still runs unchanged; only the experts' computation is replaced, by one that runs
 each expert on exactly the tokens routed to it and can (a) report each expert's unweighted
-output to an observer, (b) substitute a constant novice vector, (c) mask intermediate neurons.
+output to an observer, (b) substitute a novice (a constant vector, or a low-rank affine map of
+the expert's input), (c) mask intermediate neurons.
 Swapping an instance's `forward` touches no weights and is undone on exit.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.lowrank import LowRankNovice, novice_output
 
 
 @dataclass
@@ -40,7 +42,8 @@ class RoutedOptions:
 
     on_layer: LayerCallback | None = None
     need_intermediate: bool = False
-    novices: Mapping[int, Mapping[int, torch.Tensor]] = field(default_factory=dict)  # layer -> expert -> [d]
+    # layer -> expert -> [d] constant mu, or a low-rank novice c + U (V^T h) (models/lowrank.py)
+    novices: Mapping[int, Mapping[int, torch.Tensor | LowRankNovice]] = field(default_factory=dict)
     neuron_masks: Mapping[int, Mapping[int, torch.Tensor]] = field(
         default_factory=dict
     )  # layer -> expert -> [I]
@@ -83,7 +86,7 @@ def routed_compute(
         x_in = x * g.unsqueeze(1).to(x.dtype) if layer.spec.weight_on_input else x
         m = None
         if expert in novices:
-            y = novices[expert].to(x.dtype).expand(n, -1)
+            y = novice_output(novices[expert], x_in)
         else:
             y, m = layer.expert_forward(expert, x_in, return_intermediate=True, neuron_mask=masks.get(expert))
         contribution = y if layer.spec.weight_on_input else y * g.unsqueeze(1).to(y.dtype)

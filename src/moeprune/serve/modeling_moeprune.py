@@ -64,7 +64,6 @@ from .moeprune_layers import (
     LayerStructure,
     MoePruneExperts,
     MoePruneInputWeightedMoe,
-    MoePruneNovice,
     block_of,
     expert_disk_tensors,
     fail,
@@ -87,6 +86,7 @@ from .moeprune_loading import (
     resolve_dtype,
     resolve_folder,
 )
+from .moeprune_novices import novice_module
 
 MODELING_FILES = (
     "modeling_moeprune.py",
@@ -94,6 +94,7 @@ MODELING_FILES = (
     "moeprune_loading.py",
     "moeprune_format.py",
     "moeprune_quantized.py",
+    "moeprune_novices.py",
 )  # copied together
 
 
@@ -165,7 +166,7 @@ class MoePruneModelMixin(_StockCausalLM):
             hidden = int(config.hidden_size)
             experts = MoePruneExperts(
                 [
-                    MoePruneNovice(stock.down_proj.new_zeros(hidden))
+                    novice_module(stock.down_proj.new_zeros(hidden), entry.novice_rank)
                     if width is None
                     else slice_expert(family, stock, p, width)
                     for p, width in enumerate(entry.widths)

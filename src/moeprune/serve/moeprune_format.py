@@ -160,6 +160,7 @@ class LayerStructure:
     layer: int  # decoder layer index
     expert_ids: tuple[int, ...]  # original expert id of each router position
     widths: tuple[int | None, ...]  # neurons of each router position; None for a novice
+    novice_rank: int = 0  # rank R of the layer's low-rank novices (c + U V^T h); 0: constant novices
 
     @property
     def num_experts(self) -> int:
@@ -204,6 +205,7 @@ class LayerStructure:
             "expert_ids": list(self.expert_ids),
             "widths": list(self.widths),
             "novice": self.novices,
+            **({"novice_rank": self.novice_rank} if self.novice_rank else {}),  # absent: constant
         }
 
 
@@ -364,9 +366,12 @@ def _parse_layer(entry: Any, where: str, version: int) -> LayerStructure:
         novice = entry.get("novice", [])
         if not isinstance(novice, list) or sorted(novice) != [p for p, w in enumerate(widths) if w is None]:
             raise damaged(where, f"{at}: 'novice' {novice!r} disagrees with the null widths")
+        rank = entry.get("novice_rank", 0)
+        if not _int(rank) or rank < 0 or (rank and not novice):
+            raise damaged(where, f"{at}: 'novice_rank' {rank!r} is not a rank of this layer's novices")
     else:
-        widths = _legacy_widths(entry, where, at, len(ids))
-    return LayerStructure(entry["layer"], tuple(ids), tuple(widths))
+        widths, rank = _legacy_widths(entry, where, at, len(ids)), 0
+    return LayerStructure(entry["layer"], tuple(ids), tuple(widths), rank)
 
 
 def _legacy_widths(entry: dict, where: str, at: str, count: int) -> list[int | None]:

@@ -513,9 +513,7 @@ def expert_disk_tensors(family: Family, prefix: str, experts: nn.Module) -> dict
         per_expert = list(experts)
     out: dict[str, torch.Tensor] = {}
     for p, expert in enumerate(per_expert):
-        if isinstance(expert, MoePruneNovice):
-            out[f"{prefix}{p}.{MEAN_OUTPUT}"] = expert.mean_output
-        elif names is None:
+        if isinstance(expert, MoePruneNovice) or names is None:  # a novice: mean_output (low rank: U, V)
             out.update({f"{prefix}{p}.{name}": tensor for name, tensor in expert.named_parameters()})
         else:
             gate_up, down = (

@@ -1,5 +1,8 @@
 """Novice surgery (MoNE): an expert becomes its mean output vector mu_i; routing is unchanged.
 
+With `novice_rank` R > 0 the novice is the low-rank affine map mu + B (h - hbar) instead
+(surgery/lowrank.py fits it after planning; the plan records R in `extra["novice_rank"]`).
+
 The block then adds g_i(t) mu_i whenever the router selects expert i (Llama-4, which weights the
 expert input, adds mu_i itself, mu_i being the mean of E_i(g h)). The expert's weights are
 deleted and only a d-vector stays.
@@ -29,6 +32,7 @@ from moeprune.models.packed import pack_layer
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 from moeprune.plan import ModelShape, Plan
+from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
 StatsInput = ExpertStats | Sequence[ExpertStats]
@@ -121,6 +125,7 @@ def novice_plan(
         ("uniform", "global", "evo"),
         needs=(CALIBRATION,),
         keeps_routing=True,
+        options=NoviceOptions,
         candidate_context=lambda moe, stats: novice_context(moe, stats),
     )
 )
@@ -137,6 +142,9 @@ def plan_novices(request: PlanRequest) -> Plan:
         data_fingerprint=request.data_fingerprint,
     )
     plan.extra["budget"] = sum(removed)
+    rank = request.options.novice_rank if request.options is not None else 0
+    if rank:  # fitted after planning, by a second calibration pass (surgery/lowrank.py)
+        plan.extra[RANK_KEY] = rank
     return plan
 
 

@@ -2,22 +2,29 @@
 
 Works on plain, dropped, novice and packed (per-expert width) models, and on a plan not yet
 applied. An expert of K neurons holds per_neuron * K + per_expert parameters (gpt_oss's down
-bias is the per-expert part); a novice holds its d-vector mu_i. A is the expectation under
+bias is the per-expert part); a novice holds its d-vector mu_i, a rank-R novice d + 2dR
+(its constant and factors U, V). A is the expectation under
 uniform routing: sum over layers of top_k times the mean routed expert's parameters.
 """
 
 from __future__ import annotations
 
 from moeprune.models.adapter import MoELayer, MoEModel
-from moeprune.models.packed import layer_cost, layer_hidden, layer_widths, router_count
+from moeprune.models.packed import layer_cost, layer_hidden, layer_widths, novice_rank, router_count
 from moeprune.plan import Plan
 from moeprune.serve.moeprune_format import width_groups
+from moeprune.surgery.lowrank import plan_rank
+
+
+def novice_params(hidden: int, rank: int) -> int:
+    """A novice's parameters: its constant, and two d x R factors when it has rank R."""
+    return hidden * (1 + 2 * rank)
 
 
 def expert_params(layer: MoELayer) -> list[int]:
     """Parameters of each routed expert, by router position (a novice counts its mu vector)."""
-    cost, hidden = layer_cost(layer), layer_hidden(layer)
-    return [hidden if w is None else cost.params(w) for w in layer_widths(layer)]
+    cost, novice = layer_cost(layer), novice_params(layer_hidden(layer), novice_rank(layer))
+    return [novice if w is None else cost.params(w) for w in layer_widths(layer)]
 
 
 def describe_layers(moe: MoEModel) -> list[dict]:
@@ -61,10 +68,10 @@ def _plan_params(moe: MoEModel, plan: Plan) -> list[tuple[int, list[int]]]:
     per_layer = []
     for lp in plan.layers:
         layer = moe.layer(lp.layer)
-        cost, width, hidden = layer_cost(layer), layer.intermediate_size, layer.hidden_size
-        novice = set(lp.novice)
+        cost, width = layer_cost(layer), layer.intermediate_size
+        novice, params = set(lp.novice), novice_params(layer.hidden_size, plan_rank(plan))
         per_layer.append(
-            (lp.top_k, [hidden if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept])
+            (lp.top_k, [params if e in novice else cost.params(lp.neurons.get(e, width)) for e in lp.kept])
         )
     return per_layer
 
@@ -94,7 +101,7 @@ def served_parameters(moe: MoEModel) -> dict[str, int]:
         widths = layer_widths(m)
         cost = layer_cost(m)
         routed += sum(len(g.positions) * cost.params(g.width) for g in width_groups(widths))
-        routed += sum(w is None for w in widths) * layer_hidden(m)
+        routed += sum(w is None for w in widths) * novice_params(layer_hidden(m), novice_rank(m))
     return {"total": now["total"] - now["routed_experts"] + routed, "routed_experts": routed}
 
 

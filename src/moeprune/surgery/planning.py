@@ -23,7 +23,7 @@ from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.surgery.neurons import check_neuron_prunable
-from moeprune.surgery.plans import apply_plan_physical
+from moeprune.surgery.plans import Fits, apply_plan_physical
 from moeprune.surgery.registry import (
     EXPERTS,
     METHODS,
@@ -119,9 +119,14 @@ def plan_positions(moe: MoEModel, plan: Plan) -> dict[int, list[int]]:
     return out
 
 
-def apply_plan(moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = ()) -> dict:
-    """Physical surgery of any plan (drops, novices, neuron counts); returns what was done."""
-    return apply_plan_physical(moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None))
+def apply_plan(
+    moe: MoEModel, plan: Plan, stats: Sequence[ExpertStats] = (), fits: Fits | None = None
+) -> dict:
+    """Physical surgery of any plan (drops, novices, neuron counts); returns what was done.
+    `fits`: a low-rank novice plan's fitted novices (surgery/lowrank.py `fit_novices`)."""
+    return apply_plan_physical(
+        moe, plan, list(stats) if len(stats) > 1 else (stats[0] if stats else None), fits
+    )
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,9 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     hook answers for itself; the expert methods share the budget's per-layer limits here."""
     method = METHODS.get(config.method)
     check_fixed_layers(moe, config.method)
+    check_model = getattr(method.resolve_options(config.options), "check_model", None)
+    if check_model is not None:  # a method's own settings against the model (the novice rank <= d)
+        check_model(moe)
     if method.feasible is not None:
         layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
         if method.neurons:

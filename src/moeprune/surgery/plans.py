@@ -18,11 +18,13 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.lowrank import LowRankNovice
 from moeprune.models.packed import pack_layer
 from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.plan import Plan
 from moeprune.surgery.drop import zero_novices, zero_vectors
+from moeprune.surgery.lowrank import plan_rank
 from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
@@ -34,6 +36,8 @@ from moeprune.surgery.neurons import (
 )
 from moeprune.surgery.novice import StatsInput, layer_stats, mean_outputs, require_stats
 
+Fits = dict[int, dict[int, LowRankNovice]]  # decoder layer -> original id -> fitted low-rank novice
+
 V = TypeVar("V")
 
 
@@ -42,7 +46,8 @@ class ResolvedPlan:
     """A plan made concrete for one model, keyed by decoder layer and original expert id."""
 
     dropped: dict[int, list[int]] = field(default_factory=dict)
-    novices: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # id -> mu (model dtype)
+    # id -> mu (model dtype), or the fitted low-rank novice of a rank-R plan
+    novices: dict[int, dict[int, torch.Tensor | LowRankNovice]] = field(default_factory=dict)
     keep: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # id -> kept neuron ids
 
 
@@ -59,10 +64,17 @@ def _by_position(layer: MoELayer, by_id: Mapping[int, V]) -> dict[int, V]:
     return dict(zip(positions(layer, list(by_id)), by_id.values()))
 
 
-def resolve_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> ResolvedPlan:
-    """Positions, mu vectors and kept neurons the plan implies for `moe` (not yet modified)."""
+def resolve_plan(
+    moe: MoEModel, plan: Plan, stats: StatsInput | None = None, fits: Fits | None = None
+) -> ResolvedPlan:
+    """Positions, mu vectors and kept neurons the plan implies for `moe` (not yet modified).
+    A plan of low-rank novices takes their fits (surgery/lowrank.py `fit_novices`)."""
     if plan.model_type != moe.model_type:
         raise MoePruneError(f"the plan is for {plan.model_type!r} but the model is {moe.model_type!r}")
+    if plan_rank(plan) and fits is None:
+        raise MoePruneError(
+            f"the plan's novices have rank {plan_rank(plan)}: fit them first (surgery/lowrank.py fit_novices)"
+        )
     zero = zero_novices(plan)  # a `--reroute none` drop: its novices are empty picks, no statistics
     needs_novices = not zero and any(lp.novice for lp in plan.layers)
     needs_neurons = any(lp.neurons for lp in plan.layers)
@@ -86,7 +98,12 @@ def resolve_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> 
                 continue
         s = layer_stats(domains, layer)
         if not zero:
-            out.novices[lp.layer] = dict(zip(lp.novice, mean_outputs(layer, s, novice_pos).values()))
+            novices: dict[int, torch.Tensor | LowRankNovice] = dict(
+                zip(lp.novice, mean_outputs(layer, s, novice_pos).values())
+            )
+            if fits is not None:
+                novices.update({e: fits[lp.layer][e] for e in lp.novice})
+            out.novices[lp.layer] = novices
         counts = _by_position(layer, lp.neurons)
         kept = kept_neurons(layer, s, counts, kind)
         ids = layer.expert_ids
@@ -95,9 +112,11 @@ def resolve_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> 
 
 
 @contextmanager
-def virtual_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> Iterator[ResolvedPlan]:
-    """Evaluate `plan` on the unchanged model: router slicing, constant novices, neuron masks."""
-    resolved = resolve_plan(moe, plan, stats)
+def virtual_plan(
+    moe: MoEModel, plan: Plan, stats: StatsInput | None = None, fits: Fits | None = None
+) -> Iterator[ResolvedPlan]:
+    """Evaluate `plan` on the unchanged model: router slicing, novices, neuron masks."""
+    resolved = resolve_plan(moe, plan, stats, fits)
     with ExitStack() as stack:
         stack.enter_context(mask_experts(moe, _positions_of(moe, resolved.dropped)))
         novices = {i: _by_position(moe.layer(i), v) for i, v in resolved.novices.items() if v}
@@ -111,13 +130,15 @@ def virtual_plan(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> 
         yield resolved
 
 
-def apply_plan_physical(moe: MoEModel, plan: Plan, stats: StatsInput | None = None) -> dict[str, object]:
+def apply_plan_physical(
+    moe: MoEModel, plan: Plan, stats: StatsInput | None = None, fits: Fits | None = None
+) -> dict[str, object]:
     """Physical surgery of any plan; returns what was done (for the report).
 
     Drops first, then novices and neurons: a model where every expert keeps the same neuron
     count and nothing else is irregular stays rectangular (stock), anything else is packed.
     """
-    resolved = resolve_plan(moe, plan, stats)
+    resolved = resolve_plan(moe, plan, stats, fits)
     drop_experts(moe, _positions_of(moe, resolved.dropped))
     keep = {i: _by_position(moe.layer(i), v) for i, v in resolved.keep.items() if v}
     novices = {i: _by_position(moe.layer(i), v) for i, v in resolved.novices.items() if v}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.limits import LayerLimits
@@ -47,6 +47,16 @@ def _check_layers(moe: MoEModel, size: WeightBytes) -> None:
         raise MoePruneError(
             f"the size model has {len(size.layers)} MoE layers, the model {len(moe.layers)}"
         )  # pragma: no cover - both are read off the same checkpoint
+
+
+def _with_novice_rank(size: WeightBytes, config: PruneConfig) -> WeightBytes:
+    """`size` with each novice's bytes those of a rank-R novice (d + 2dR values: its constant and
+    two d x R factors) when the config asks for low-rank novices."""
+    rank = getattr(METHODS.get(config.method).resolve_options(config.options), "novice_rank", 0)
+    if not rank:
+        return size
+    layers = tuple(replace(lay, novice=lay.novice * (1 + 2 * rank)) for lay in size.layers)
+    return replace(size, layers=layers)
 
 
 def _expert_bytes(size: WeightBytes, removed: list[int], novice: bool) -> int:
@@ -86,6 +96,7 @@ def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
     for the uniform allocation and the neuron methods, an upper bound for global and evo."""
     _check_layers(moe, size)
     assert config.sparsity is not None, "planned_bytes needs a sparsity"
+    size = _with_novice_rank(size, config)
     method = METHODS.get(config.method)
     if method.sparsity_unit == EXPERTS:
         limits = method_limits(moe, config.method, config.expert_multiple, config.options)
@@ -166,6 +177,7 @@ def solve_target(
     (before any weight is read) when the unpruned model already fits or no plan is small enough.
     `stock`: only plans a stock config expresses (the same expert count in every layer)."""
     _check_layers(moe, size)
+    size = _with_novice_rank(size, config)
     if target >= size.total:
         raise MoePruneError(
             f"the unpruned model already fits: {_human(size.total)} ({size.total:,} bytes) of "

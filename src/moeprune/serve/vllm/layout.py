@@ -147,6 +147,12 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
         oldest_version=FORMAT_VERSION,
     )
     for layer in structure.layers:
+        if layer.novice_rank:
+            raise FormatError(
+                f"{where}: layer {layer.layer} holds low-rank novices (novice_rank {layer.novice_rank}), "
+                "which moeprune's vLLM plugin does not serve yet; load it with moeprune.load_pretrained(path) "
+                "or transformers (trust_remote_code=True)"
+            )
         if not layer.weighted:
             raise FormatError(
                 f"{where}: layer {layer.layer} has only novices, which vLLM's fused MoE cannot run; "

@@ -1,0 +1,141 @@
+"""Low-rank ("tilted") novices: `--method novice --novice-rank R`.
+
+A removed expert j becomes y ~ mu + B (h - hbar) instead of MoNE's constant mu, with B of rank
+at most R fitted in closed form over the expert's routed calibration tokens (formulas.md):
+
+- least squares: B* = C Sigma^-1, Sigma = cov(h), C = cov(y, h) (population covariances over
+  the routed tokens, fp64, from observe/moments.py's second pass);
+- rank R (reduced-rank regression): the best rank-R B under the token-summed squared error is
+  B_R = U_R U_R^T B*, U_R the top-R left singular vectors of C Sigma^-1/2 (equivalently the
+  top-R eigenvectors of B* Sigma B*^T, the covariance of the fitted outputs);
+- stored as factors U = U_R [d, R], V = B*^T U_R [d, R] and the constant c = mu - U V^T hbar, so
+  the novice outputs c + U (V^T h): d + 2 d R parameters.
+
+Ridge: Sigma + lambda I with lambda = RIDGE x trace(Sigma) / d, so an expert with few tokens (or
+inputs confined to a subspace, Sigma singular) still has a unique fit; it shrinks B by a relative
+1e-6 where Sigma is well conditioned, and sends directions with no input variance to zero.
+Few tokens: n tokens give at most n - 1 independent centred inputs, so an expert fits at rank
+min(R, n - 1) and is zero-padded to R (the zero columns add nothing); with one token it is its
+constant mu, and an expert no token reached has mu = 0 and B = 0, as a rank-0 novice.
+
+The search (evo) scores candidates with constant novices (the d x d statistics of every expert
+would be needed); the final plan's novices are fitted at rank R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from moeprune.config import setting
+from moeprune.data.loading import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.models.lowrank import LowRankNovice
+from moeprune.observe.moments import Moments, observe_moments
+from moeprune.observe.stats import F64
+from moeprune.plan import Plan
+
+RIDGE = 1e-6  # lambda / (trace(Sigma) / d): see the module docstring
+RANK_KEY = "novice_rank"  # plan.extra: the rank the plan's novices are fitted at (absent: 0)
+
+
+@dataclass(frozen=True)
+class NoviceOptions:
+    """The novice method's own setting: the rank of each novice's input-dependent part."""
+
+    novice_rank: int = setting(
+        0,
+        "novice: rank R of the low-rank novice mu + B(h - hbar) fitted by least squares on the routed "
+        "calibration tokens (0: the constant mu of MoNE); costs d + 2dR parameters per novice and a "
+        "second calibration pass holding 16 d^2 bytes per removed expert.",
+        minimum=0,
+        metavar="R",
+    )
+
+    def __post_init__(self) -> None:
+        rank = self.novice_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise MoePruneError(
+                f"novice_rank must be a non-negative integer (0: constant novices), got {rank!r}",
+                options=("novice_rank",),
+            )
+
+    def check_model(self, moe: MoEModel) -> None:
+        """Refuse a rank above the hidden size (B is d x d), from the structure alone (before loading)."""
+        hidden = min((m.hidden_size for m in moe.layers), default=0)
+        if self.novice_rank > hidden:
+            raise MoePruneError(
+                f"--novice-rank {self.novice_rank} is larger than the hidden size {hidden}; give a rank "
+                f"between 0 and {hidden}",
+                options=("novice_rank",),
+            )
+
+
+def fit_lowrank(moments: Moments, rank: int, ridge: float = RIDGE) -> LowRankNovice:
+    """The rank-`rank` least-squares novice of one expert (fp64), zero-padded to `rank` when its
+    tokens support a lower rank only (module docstring)."""
+    d = moments.mean_h.numel()
+    n = moments.count
+    mean_h, mean_y = moments.mean_h.to(F64), moments.mean_y.to(F64)
+    usable = max(0, min(rank, int(n) - 1, d))
+    if usable == 0:
+        zeros = mean_y.new_zeros(d, rank)
+        return LowRankNovice(mean_y.clone(), zeros, zeros.clone())
+    sigma = moments.c_hh.to(F64) / n
+    cov = moments.c_yh.to(F64) / n
+    lam = ridge * float(torch.trace(sigma)) / d
+    evals, q = torch.linalg.eigh(sigma + lam * torch.eye(d, dtype=F64))
+    evals = evals.clamp_min(torch.finfo(F64).tiny)
+    whitened = cov @ q @ torch.diag(evals.rsqrt()) @ q.T  # C Sigma^-1/2
+    left = torch.linalg.svd(whitened, full_matrices=False).U[:, :usable]
+    full = cov @ q @ torch.diag(1 / evals) @ q.T  # B* = C Sigma^-1
+    u, v = left, full.T @ left
+    constant = mean_y - u @ (v.T @ mean_h)
+    return LowRankNovice(constant, u, v).padded(rank)
+
+
+def plan_rank(plan: Plan) -> int:
+    return int(plan.extra.get(RANK_KEY, 0) or 0)
+
+
+def fit_novices(
+    moe: MoEModel,
+    plan: Plan,
+    sets: Sequence[CalibrationData],
+    *,
+    batch_size: int = 8,
+    pad_token_id: int = 0,
+    progress: bool = True,
+) -> dict[int, dict[int, LowRankNovice]]:
+    """The plan's novices fitted at its rank ({decoder layer: {original expert id: novice}}, in
+    the model's dtype) from a second pass over the calibration sets; {} for a rank-0 plan."""
+    rank = plan_rank(plan)
+    if rank == 0:
+        return {}
+    if not sets:
+        raise MoePruneError(
+            "low-rank novices need calibration data (a second pass fits them)", options=("data",)
+        )
+    targets: dict[int, list[int]] = {}
+    for lp in plan.layers:
+        if lp.novice:
+            where = {orig: pos for pos, orig in enumerate(moe.layer(lp.layer).expert_ids)}
+            targets[lp.layer] = [where[e] for e in lp.novice]
+    moments = observe_moments(
+        moe, sets, targets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
+    )
+    out: dict[int, dict[int, LowRankNovice]] = {}
+    for index, positions in targets.items():
+        layer = moe.layer(index)
+        ref = cast(torch.Tensor, layer.experts.down_proj)
+        ids = layer.expert_ids
+        fitted = {}
+        for p in positions:
+            m = moments.get(index, {}).get(p) or Moments.zeros(layer.hidden_size)
+            fitted[ids[p]] = fit_lowrank(m, rank).to(device=ref.device, dtype=ref.dtype)
+        out[index] = fitted
+    return out
