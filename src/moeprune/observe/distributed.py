@@ -21,6 +21,7 @@ from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
 from moeprune.observe.stats import (
+    GATED_FIELDS,
     MAX_FIELDS,
     MOMENT_FIELDS,
     NEURON_FIELDS,
@@ -31,7 +32,9 @@ from moeprune.observe.stats import (
 from moeprune.runtime.distributed import is_distributed, shard_data
 
 _MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
-_OPTIONAL_FIELDS = NEURON_FIELDS + MAX_FIELDS  # gathered when present; merge() sums or maxes them
+_OPTIONAL_FIELDS = (
+    NEURON_FIELDS + MAX_FIELDS + GATED_FIELDS
+)  # gathered when present; merge() sums or maxes them
 
 
 def observe_distributed(
