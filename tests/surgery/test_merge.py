@@ -46,7 +46,9 @@ def logits(model) -> torch.Tensor:
 
 def merge_plan(moe: MoEModel, stats, sparsity: float = 0.5, allocation: str = "uniform"):
     config = PruneConfig("reap", sparsity, method="merge", allocation=allocation)
-    return build_plan(moe, get_criterion("reap"), compute_scores("reap", stats=stats), config=config, stats=[stats])
+    return build_plan(
+        moe, get_criterion("reap"), compute_scores("reap", stats=stats), config=config, stats=[stats]
+    )
 
 
 # ----------------------------------------------------------------------------- hand-computed numbers
