@@ -221,3 +221,13 @@ def test_the_command_line_writes_a_stock_checkpoint_transformers_loads(tiny_chec
     assert plan["method"] == "merge" and plan["extra"]["merge_groups"]
     stock, ours = stock_from_pretrained(out), moeprune.load_pretrained(out)
     assert_logits_close(logits(stock), logits(ours))
+
+
+def test_the_no_load_pipeline_refuses_to_merge():
+    from moeprune.errors import MoePruneError
+    from moeprune.job.pipelines import PIPELINES
+
+    with pytest.raises(
+        MoePruneError, match="the merge method with the uniform allocation needs the in-memory"
+    ):
+        PIPELINES.get("no-load").check(PruneConfig("reap", 0.5, method="merge"))
