@@ -77,6 +77,11 @@ def reduce_stats(local: ExpertStats, data: CalibrationData) -> ExpertStats:
         for mine, theirs in zip(layers, other_layers, strict=True):
             mine.merge(theirs)
         tokens += other_tokens
+    # the merge method's probe tokens are rows, not sums: every rank takes rank 0's
+    probes = [[None if s.probe is None else s.probe.cpu() for s in local.layers]]
+    dist.broadcast_object_list(probes, src=0)
+    for layer, probe in zip(layers, probes[0], strict=True):
+        layer.probe = probe
     return ExpertStats(
         layers=layers,
         tokens=tokens,
