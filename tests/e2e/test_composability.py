@@ -21,7 +21,6 @@ from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
-from moeprune.surgery.novice import novice_context
 from moeprune.surgery.parameters import routed_parameters
 from moeprune.surgery.planning import apply_plan, build_plan
 from moeprune.surgery.plans import virtual_plan
@@ -35,6 +34,7 @@ COMBINATIONS = [
     ("uniform", "drop"), ("global", "drop"), ("evo", "drop"),
     ("uniform", "novice"), ("global", "novice"), ("evo", "novice"),
     ("uniform", "neurons"), ("trapezoid", "tenp"),
+    ("uniform", "merge"), ("global", "merge"), ("evo", "merge"),
 ]  # fmt: skip
 
 
@@ -73,7 +73,8 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
         budget = budget_from_sparsity(
             SPARSITY, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
         )
-        context = novice_context(moe, [stats]) if method == "novice" else None
+        context = METHODS.get(method).candidate_context
+        context = context(moe, [stats]) if context is not None else None
         removed, document = run_evo_search(
             moe, data(4, seed=9), [s.order for s in scores], budget, config=SearchConfig(population=6, elites=2,
             generations=2), fingerprint={}, runtime=SearchRuntime(batch_size=4, progress=False, candidate_context=context),
@@ -99,7 +100,7 @@ def test_every_combination_plans_and_its_virtual_form_equals_surgery(setup, crit
     assert (virtual - full).abs().max() > 1e-4  # the plan changed something
     torch.testing.assert_close(physical, virtual, rtol=1e-4, atol=1e-5)
     after = routed_parameters(pruned_moe)
-    if method in ("drop", "novice"):
+    if method in ("drop", "novice", "merge"):
         assert sum(len(lp.dropped) + len(lp.novice) for lp in plan.layers) == 16  # half of 4 x 8 experts
         assert after["routed_experts"] < 0.55 * before["routed_experts"]
     else:  # fraction of routed-expert parameters
@@ -135,7 +136,8 @@ def test_every_family_scores_searches_and_prunes_exactly(family):
     )  # fmt: skip
     assert document["fitness_value"] >= document["uniform"]["fitness_value"]
     for allocation, method, extra in (("evo", "drop", {"removed": removed}), ("global", "novice", {}),
-                                      ("uniform", "neurons", {}), ("trapezoid", "tenp", {})):  # fmt: skip
+                                      ("uniform", "neurons", {}), ("trapezoid", "tenp", {}),
+                                      ("uniform", "merge", {})):  # fmt: skip
         if moe.fixed_layers and METHODS.get(method).neurons:  # they narrow every layer: refused (tested)
             continue
         method_scores = compute_scores("tenp", stats=stats) if method == "tenp" else scores

@@ -18,7 +18,7 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import save_tiny_model, tiny_model
 from moeprune.observe.distributed import _flatten, _unflatten, observe_distributed
 from moeprune.observe.observer import observe
-from moeprune.observe.stats import MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
+from moeprune.observe.stats import GATED_FIELDS, MOMENT_FIELDS, NEURON_FIELDS, SUM_FIELDS, ExpertStats
 from moeprune.runtime import device
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import shard_data
@@ -32,7 +32,7 @@ def assert_same_stats(a: ExpertStats, b: ExpertStats, rtol: float = 1e-12) -> No
     for x, y in zip(a.layers, b.layers, strict=True):
         assert x.layer == y.layer
         assert torch.equal(x.count, y.count)
-        for name in SUM_FIELDS[1:] + MOMENT_FIELDS + NEURON_FIELDS:
+        for name in SUM_FIELDS[1:] + MOMENT_FIELDS + NEURON_FIELDS + GATED_FIELDS:
             torch.testing.assert_close(getattr(x, name), getattr(y, name), rtol=rtol, atol=1e-14)
 
 
@@ -108,6 +108,8 @@ def test_torchrun_two_gloo_ranks_equal_one_process(tmp_path: Path):
 def check_ranks(reference: ExpertStats, files: list[Path]) -> None:
     ranks = [ExpertStats.load(str(f)) for f in files]
     assert_same_stats(ranks[0], ranks[1], rtol=0)  # every rank holds the same result
+    for x, y in zip(ranks[0].layers, ranks[1].layers, strict=True):  # rank 0's probe tokens (merge)
+        assert x.probe is not None and x.probe.shape[0] > 0 and torch.equal(x.probe, y.probe)
     assert_same_stats(reference, ranks[0])
     assert (ranks[0].samples, ranks[0].data_fingerprint) == (reference.samples, reference.data_fingerprint)
 

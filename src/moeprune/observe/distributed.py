@@ -21,6 +21,7 @@ from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
 from moeprune.observe.stats import (
+    GATED_FIELDS,
     MAX_FIELDS,
     MOMENT_FIELDS,
     NEURON_FIELDS,
@@ -31,7 +32,9 @@ from moeprune.observe.stats import (
 from moeprune.runtime.distributed import is_distributed, shard_data
 
 _MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
-_OPTIONAL_FIELDS = NEURON_FIELDS + MAX_FIELDS  # gathered when present; merge() sums or maxes them
+_OPTIONAL_FIELDS = (
+    NEURON_FIELDS + MAX_FIELDS + GATED_FIELDS
+)  # gathered when present; merge() sums or maxes them
 
 
 def observe_distributed(
@@ -74,6 +77,11 @@ def reduce_stats(local: ExpertStats, data: CalibrationData) -> ExpertStats:
         for mine, theirs in zip(layers, other_layers, strict=True):
             mine.merge(theirs)
         tokens += other_tokens
+    # the merge method's probe tokens are rows, not sums: every rank takes rank 0's
+    probes = [[None if s.probe is None else s.probe.cpu() for s in local.layers]]
+    dist.broadcast_object_list(probes, src=0)
+    for layer, probe in zip(layers, probes[0], strict=True):
+        layer.probe = probe
     return ExpertStats(
         layers=layers,
         tokens=tokens,

@@ -14,7 +14,7 @@ import torch
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
-from moeprune.observe.stats import F64, ExpertStats, LayerStats
+from moeprune.observe.stats import F64, PROBE_TOKENS, ExpertStats, LayerStats
 from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 from moeprune.runtime.progress import progress_bar
@@ -83,6 +83,10 @@ class _Accumulator:
         stats.weight_sum += segment(g64)
         stats.norm_sum += segment(norms64)
         stats.weighted_norm_sum += segment(g64 * norms64)
+        if stats.gated_sum is not None:
+            stats.gated_sum += segment(y64 * g64.unsqueeze(1))
+        if stats.probe is not None and stats.probe.shape[0] < PROBE_TOKENS:
+            _probe(stats, routed.rows[keep] if not bool(keep.all()) else routed.rows, x)
         stats.tenp_sum += segment(g64 * norms64 * (1 - cos.to(F64)))
         # Super-expert statistic: the largest |output element| per expert, a max (no rounding:
         # fp32 values are exact in fp64), so batches, ranks and domains merge exactly.
@@ -116,6 +120,15 @@ class _Accumulator:
             projection = m[sl] * (y[sl] @ down) / (norms[sl].unsqueeze(1) + 1e-8)
             proj_sum[expert] += projection.sum(0, dtype=F64)
             l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
+
+
+def _probe(stats: LayerStats, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Keep the first distinct token rows' block inputs (rows arrive grouped by expert: a token
+    routed to k experts appears k times), in token order, up to PROBE_TOKENS per layer."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    first = torch.full((unique.numel(),), rows.numel(), dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse, torch.arange(rows.numel(), device=rows.device), reduce="amin")
+    stats.add_probe(x[first].float())
 
 
 def _check_finite(layer: int, ids: torch.Tensor, in_norms, weights, out_norms) -> None:

@@ -19,6 +19,8 @@ F64 = torch.float64
 SUM_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum")  # plain fp64 sums, [E]
 MOMENT_FIELDS = ("mean", "m2")  # Welford moments, [E, d]
 NEURON_FIELDS = ("neuron_proj_sum", "neuron_l2_sum")  # optional, [E, I]
+GATED_FIELDS = ("gated_sum",)  # optional plain sums, [E, d]: absent from statistics saved before them
+PROBE_TOKENS = 128  # block inputs kept per layer for the merge method's shared-token features
 MAX_FIELDS = ("output_absmax",)  # running maxima, [E]: merged with max, not summed
 
 
@@ -42,6 +44,12 @@ class LayerStats:
     # [E] max over routed tokens of max_j |E_i(h_t)_j| (before the routing weight): the super-expert
     # statistic (criteria/super_experts.py). None only in statistics saved before it was recorded.
     output_absmax: torch.Tensor | None = None
+    # [E, d] sum g_i(t) E_i(h_t): the mean gated output's direction (the merge method's distance)
+    gated_sum: torch.Tensor | None = None
+    # [P, d] the first P <= PROBE_TOKENS distinct block inputs h_t the layer saw: tokens every expert
+    # can be run on afterwards, so neurons and router columns of different experts are compared on
+    # the same tokens (merge method). Not a sum: a merge keeps these rows and fills up to P.
+    probe: torch.Tensor | None = None
 
     @classmethod
     def zeros(
@@ -67,6 +75,8 @@ class LayerStats:
             neuron_proj_sum=z(e, i) if neurons else None,
             neuron_l2_sum=z(e, i) if neurons else None,
             output_absmax=z(e),
+            gated_sum=z(e, d),
+            probe=z(0, d),
         )
 
     @property
@@ -114,12 +124,30 @@ class LayerStats:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 mine.add_(theirs)
+        for name in GATED_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None:
+                mine.add_(theirs)
+            elif theirs is not None:
+                setattr(self, name, theirs.clone())
+        self.add_probe(other.probe)
         for name in MAX_FIELDS:  # a maximum over both accumulations: exact, order-independent
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 torch.maximum(mine, theirs, out=mine)
             elif theirs is not None:
                 setattr(self, name, theirs.clone())
+
+    def add_probe(self, rows: torch.Tensor | None) -> None:
+        """Append block inputs to the probe until it holds PROBE_TOKENS rows."""
+        if rows is None:
+            return
+        have = 0 if self.probe is None else self.probe.shape[0]
+        take = rows[: max(0, PROBE_TOKENS - have)].to(F64)
+        if take.shape[0]:
+            self.probe = (
+                take.clone() if self.probe is None else torch.cat((self.probe, take.to(self.probe.device)))
+            )
 
     def to_dict(self) -> dict[str, object]:
         """Tensors as plain tensors (for torch.save); keys mirror the field names."""

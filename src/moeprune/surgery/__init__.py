@@ -1,4 +1,4 @@
-"""What happens to the chosen experts: drop, novices (MoNE), neurons (ENP) and TENP, each in a
+"""What happens to the chosen experts: drop, novices (MoNE), neurons (ENP), TENP and merge, each in a
 virtual form (reversible masks, for the search and evaluation) and a physical one (surgery).
 
 - registry.py  the Method spec, METHODS, and what a plan builder is given
@@ -6,6 +6,7 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - novice.py    experts replaced by their mean output
 - neurons.py   experts narrowed to their most important neurons
 - tenp.py      TENP's whole experts plus neuron-pruned ones
+- merge.py     removed experts merged into kept ones (REAM-style); merging.py its arithmetic
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
 - parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
@@ -19,6 +20,7 @@ from moeprune.surgery import drop  # noqa: F401
 from moeprune.surgery import novice  # noqa: F401
 from moeprune.surgery import neurons  # noqa: F401
 from moeprune.surgery import tenp  # noqa: F401
+from moeprune.surgery import merge  # noqa: F401
 
 # isort: on
 from moeprune.surgery.registry import METHODS

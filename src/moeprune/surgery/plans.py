@@ -25,6 +25,8 @@ from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.plan import Plan
 from moeprune.surgery.drop import zero_novices, zero_vectors
 from moeprune.surgery.lowrank import plan_rank
+from moeprune.surgery.merge import resolve_merge, swapped_weights, write_weights
+from moeprune.surgery.merging import Tensors
 from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
@@ -49,6 +51,7 @@ class ResolvedPlan:
     # id -> mu (model dtype), or the fitted low-rank novice of a rank-R plan
     novices: dict[int, dict[int, torch.Tensor | LowRankNovice]] = field(default_factory=dict)
     keep: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # id -> kept neuron ids
+    merged: dict[int, dict[int, Tensors]] = field(default_factory=dict)  # centroid id -> merged tensors
 
 
 def positions(layer: MoELayer, ids: Sequence[int]) -> list[int]:
@@ -85,7 +88,7 @@ def resolve_plan(
     if needs_neurons:
         check_neuron_prunable(moe)
     kind = check_importance(plan.extra.get("neuron_importance", "projection"))
-    out = ResolvedPlan()
+    out = ResolvedPlan(merged=resolve_merge(moe, plan, stats))
     for lp in plan.layers:
         layer = moe.layer(lp.layer)
         out.dropped[lp.layer] = list(lp.dropped)
@@ -115,9 +118,12 @@ def resolve_plan(
 def virtual_plan(
     moe: MoEModel, plan: Plan, stats: StatsInput | None = None, fits: Fits | None = None
 ) -> Iterator[ResolvedPlan]:
-    """Evaluate `plan` on the unchanged model: router slicing, novices, neuron masks."""
+    """Evaluate `plan` on the unchanged model: router slicing, novices, neuron masks, merged
+    centroid rows swapped in (and back)."""
     resolved = resolve_plan(moe, plan, stats, fits)
     with ExitStack() as stack:
+        merged = {i: _by_position(moe.layer(i), v) for i, v in resolved.merged.items() if v}
+        stack.enter_context(swapped_weights(moe, merged))
         stack.enter_context(mask_experts(moe, _positions_of(moe, resolved.dropped)))
         novices = {i: _by_position(moe.layer(i), v) for i, v in resolved.novices.items() if v}
         masks = {
@@ -135,10 +141,12 @@ def apply_plan_physical(
 ) -> dict[str, object]:
     """Physical surgery of any plan; returns what was done (for the report).
 
-    Drops first, then novices and neurons: a model where every expert keeps the same neuron
+    Merged centroid rows are written first (from the unchanged members), then drops, then novices
+    and neurons: a model where every expert keeps the same neuron
     count and nothing else is irregular stays rectangular (stock), anything else is packed.
     """
     resolved = resolve_plan(moe, plan, stats, fits)
+    write_weights(moe, {i: _by_position(moe.layer(i), v) for i, v in resolved.merged.items() if v})
     drop_experts(moe, _positions_of(moe, resolved.dropped))
     keep = {i: _by_position(moe.layer(i), v) for i, v in resolved.keep.items() if v}
     novices = {i: _by_position(moe.layer(i), v) for i, v in resolved.novices.items() if v}

@@ -31,6 +31,7 @@ class Method:
     needs: tuple[str, ...] = ()
     neurons: bool = False  # observation must record each neuron's share of the expert output
     keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
+    merges: bool = False  # kept experts' weights change (merge): not a rewrite of the input's bytes
     # its own settings: a dataclass of `setting` fields that validates itself (PruneConfig.options
     # holds one); the command line makes a flag of each field
     options: type | None = None
@@ -98,8 +99,9 @@ class Method:
     @property
     def whole_experts(self) -> bool:
         """Its result holds whole experts only, some removed with their router rows: what a rewrite
-        of the input's bytes expresses (a kept quantization, the no-load pipeline's drop)."""
-        return self.sparsity_unit == EXPERTS and not self.keeps_routing and not self.neurons
+        of the input's bytes expresses (a kept quantization, the no-load pipeline's drop). A merge
+        removes whole experts too but rewrites the kept ones' weights: it is not one."""
+        return self.sparsity_unit == EXPERTS and not (self.keeps_routing or self.neurons or self.merges)
 
 
 METHODS: Registry[Method] = Registry("method", "method")
