@@ -56,8 +56,14 @@ def router_probabilities(layer: MoELayer, probe: torch.Tensor) -> torch.Tensor:
     weighted experts' columns: extra experts' logits take part in the softmax)."""
     count, extra = layer.num_experts, layer.spec.extra_experts
     weight = next(layer.router.parameters())
+    rows = probe.to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
-        out = layer.router(probe.to(device=weight.device, dtype=weight.dtype))
+        try:
+            out = layer.router(rows)
+        except TypeError:  # a router that takes more than the hidden states (a bias the block passes):
+            path, axis = layer.spec.router_tensors[0]  # its logits are the linear map of its weight
+            matrix = layer.router.get_parameter(path)
+            out = rows @ (matrix if axis == 1 else matrix.T)
     found = [
         t
         for t in (out if isinstance(out, tuple) else (out,))
