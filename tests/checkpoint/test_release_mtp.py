@@ -214,10 +214,13 @@ def test_tensors_the_model_class_skips_are_carried_and_named(releases, tmp_path)
     _assert_masked_original(source, tmp_path / "out", plan)
 
 
-@pytest.mark.parametrize("no_load", [False, True], ids=["in-memory", "no-load"])
-def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, data, no_load):
+@pytest.mark.parametrize(
+    "pipeline", [[], ["--no-load"], ["--no-load", "--sequential"]], ids=["in-memory", "no-load", "sequential"]
+)
+def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, data, pipeline):
     """Calibrating the MTP layer would take the MTP forward transformers does not have: with a data
-    criterion (REAP observed on the calibration text), the MTP layer's plan is AIMER's, and says so."""
+    criterion (REAP observed on the calibration text, also layer by layer), the MTP layer's plan is
+    AIMER's, and says so."""
     from moeprune.data.tokenizer import byte_tokenizer
 
     tokenizer = byte_tokenizer()
@@ -231,7 +234,7 @@ def test_a_data_criterion_prunes_the_stack_and_aimer_the_mtp_layer(tmp_path, dat
         str(tmp_path / "out"),
         "--quiet",
         *args,
-        *(["--no-load"] if no_load else []),
+        *pipeline,
     )
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     mtp = plan["extra"]["mtp"]
