@@ -54,6 +54,15 @@ def made(tmp_path_factory) -> dict[str, Path]:
     (expert counts, TENP widths), the calibration and a prompt file. Novices and neuron widths are
     served by test_serve_vllm.py against the same loader; serve-check's own path is the same for them."""
     root = tmp_path_factory.mktemp("serve_check")
+    out = base_model(root)
+    for kind in ("drop", "global", "tenp"):
+        out[kind] = root / kind
+        prune_with(out, out[kind], PruneConfig(**KINDS[kind][0]))
+    return out
+
+
+def base_model(root: Path) -> dict[str, Path]:
+    """A tiny OLMoE with a byte tokenizer (`base`), its calibration text (`data`) and three prompts."""
     tokenizer = byte_tokenizer()
     data = root / "calib.jsonl"
     rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
@@ -65,13 +74,14 @@ def made(tmp_path_factory) -> dict[str, Path]:
     base = root / "base"
     _reference(FAMILY, base, len(tokenizer))
     tokenizer.save_pretrained(base)
-    out = {"base": base, "data": data, "prompts": prompts}
-    for kind in ("drop", "global", "tenp"):
-        out[kind] = root / kind
-        prune_checkpoint(PruneRequest(base, out[kind], PruneConfig(**KINDS[kind][0]),
-                         data=DataOptions(sources=[str(data)], samples=16, max_length=64),
-                         run=RunOptions(progress=False)))  # fmt: skip
-    return out
+    return {"base": base, "data": data, "prompts": prompts}
+
+
+def prune_with(made: dict[str, Path], out: Path, config: PruneConfig) -> None:
+    """`made["base"]` pruned to `out` by `config`, calibrated on `made["data"]`."""
+    prune_checkpoint(PruneRequest(made["base"], out, config,
+                     data=DataOptions(sources=[str(made["data"])], samples=16, max_length=64),
+                     run=RunOptions(progress=False)))  # fmt: skip
 
 
 def serve_check(*args) -> subprocess.CompletedProcess:

@@ -11,13 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_serve_check import FAMILY, SMALL_KV_CACHE, VLLM_PYTHON, _check
-from test_serve_vllm import _reference
+from test_serve_check import SMALL_KV_CACHE, VLLM_PYTHON, _check, base_model, prune_with
 
-from moeprune.config import DataOptions, PruneConfig, RunOptions
-from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.config import PruneConfig
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
-from moeprune.job import PruneRequest, prune_checkpoint
 
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
 
@@ -25,24 +22,10 @@ pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("serve_merge")
-    tokenizer = byte_tokenizer()
-    data = root / "calib.jsonl"
-    rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
-    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text(
-        "\n".join(json.dumps({"text": t}) for t in ("The cat", "x = [i * i for i in", "1 + 2 ="))
-    )
-    base = root / "base"
-    _reference(FAMILY, base, len(tokenizer))
-    tokenizer.save_pretrained(base)
-    out = {"prompts": prompts}
+    out = base_model(root)
     for allocation in ("uniform", "global"):
         out[allocation] = root / allocation
-        config = PruneConfig("reap", 0.25, allocation=allocation, method="merge")
-        prune_checkpoint(PruneRequest(base, out[allocation], config,
-                         data=DataOptions(sources=[str(data)], samples=16, max_length=64),
-                         run=RunOptions(progress=False)))  # fmt: skip
+        prune_with(out, out[allocation], PruneConfig("reap", 0.25, allocation=allocation, method="merge"))
     return out
 
 
