@@ -112,6 +112,16 @@ def _plan(moe, stats, rank):
     return plan
 
 
+def _fitted(family, rank):
+    """A tiny `family` model, its statistics, a rank-`rank` novice plan at 25 % and its fits."""
+    model = tiny_model(family)
+    moe = MoEModel(model)
+    data = calibration((20, 17, 15, 12))
+    stats = observe(moe, data, batch_size=2, progress=False)
+    plan = _plan(moe, stats, rank)
+    return model, moe, stats, plan, fit_novices(moe, plan, [data], batch_size=2, progress=False)
+
+
 TOKENS = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
@@ -122,12 +132,7 @@ def _logits(model):
 
 @pytest.mark.parametrize("family", supported_families())
 def test_virtual_equals_physical(family):
-    model = tiny_model(family)
-    moe = MoEModel(model)
-    data = calibration((20, 17, 15, 12))
-    stats = observe(moe, data, batch_size=2, progress=False)
-    plan = _plan(moe, stats, 2)
-    fits = fit_novices(moe, plan, [data], batch_size=2, progress=False)
+    model, moe, stats, plan, fits = _fitted(family, 2)
     constant_plan = copy.deepcopy(plan)
     constant_plan.extra.pop(RANK_KEY)
     with virtual_plan(moe, constant_plan, stats):  # rank 0: the constant novices
@@ -177,12 +182,7 @@ def test_saved_low_rank_novices_reload_exactly_and_with_stock_transformers(famil
 
     import moeprune
 
-    model = tiny_model(family)
-    moe = MoEModel(model)
-    data = calibration((20, 17, 15, 12))
-    stats = observe(moe, data, batch_size=2, progress=False)
-    plan = _plan(moe, stats, 3)
-    fits = fit_novices(moe, plan, [data], batch_size=2, progress=False)
+    model, moe, stats, plan, fits = _fitted(family, 3)
     with virtual_plan(moe, plan, stats, fits):
         virtual = _logits(model)
     apply_plan_physical(moe, plan, stats, fits)
