@@ -32,7 +32,13 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     assert full["criterion"] == "full model" and full["esap"] == pytest.approx(1.0, abs=1e-6)
     methods = {(r["allocation"], r["method"]) for r in rows[1:]}
     assert {("uniform", "drop"), ("global", "drop"), ("uniform", "novice"), ("uniform", "neurons"),
-            ("trapezoid", "tenp"), ("evo", "drop")} <= methods  # fmt: skip
+            ("trapezoid", "tenp"), ("evo", "drop"), ("uniform", "novice, rank 16"),
+            ("uniform", "drop, reroute none")} <= methods  # fmt: skip
+    for sparsity in (0.25, 0.5):  # a rank-16 novice holds d + 2 d 16 values where a constant holds d
+        peers = {r["method"]: r for r in rows if r["sparsity"] == sparsity and r["criterion"] == "mone"}
+        extra = peers["novice, rank 16"]["parameters"]["total"] - peers["novice"]["parameters"]["total"]
+        novices = sum(len(ids) for ids in peers["novice"]["removed"].values())
+        assert extra == novices * 2 * 16 * 64  # hidden size 64 (the fixture)
     assert {r["criterion"] for r in rows[1:]} >= set(demo_run.DEMO_CRITERIA)
     for row in rows[1:]:
         assert 0 < row["esap"] < 1

@@ -37,6 +37,7 @@ from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
+from moeprune.surgery.lowrank import fit_novices, plan_rank
 from moeprune.surgery.parameters import plan_kept_rows, plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import virtual_plan
@@ -98,21 +99,35 @@ class DomainEval:
         return {"esap": esap.result(), "nll": nll.result()}
 
 
-# Beyond criteria x allocations with drop: the other surgery methods and the searched allocation.
-EXTRA = (("mone", "uniform", "novice"), ("reap", "uniform", "neurons"), ("tenp", "trapezoid", "tenp"))
+# Beyond criteria x allocations with drop: the other surgery methods (with the method's options
+# where a row needs them: the ones that beat their baseline in docs/surgery.md's measurements) and
+# the searched allocation.
+EXTRA: tuple[tuple[str, str, str, dict | None], ...] = (
+    ("mone", "uniform", "novice", None),
+    ("mone", "uniform", "novice", {"novice_rank": 16}),  # low-rank novices beat constant ones
+    ("reap", "uniform", "drop", {"reroute": "none"}),  # empty picks beat re-routing on sigmoid routers
+    ("reap", "uniform", "neurons", None),
+    ("tenp", "trapezoid", "tenp", None),
+)
 SEARCHED = (("frequency", "drop"), ("reap", "drop"))
 
 
-def configurations(quick: bool) -> Iterator[tuple[str, str, str, float]]:
-    """(criterion, allocation, method, sparsity) rows of the comparison, cheapest first."""
+def configurations(quick: bool) -> Iterator[tuple[str, str, str, float, dict | None]]:
+    """(criterion, allocation, method, sparsity, method options) rows of the comparison, cheapest first."""
     for sparsity in SPARSITIES:
         for criterion in QUICK_CRITERIA if quick else DEMO_CRITERIA:
             for allocation in ALLOCATIONS:
-                yield criterion, allocation, "drop", sparsity
-        for criterion, allocation, method in EXTRA:
-            yield criterion, allocation, method, sparsity
+                yield criterion, allocation, "drop", sparsity, None
+        for criterion, allocation, method, options in EXTRA:
+            yield criterion, allocation, method, sparsity, options
         for criterion, method in SEARCHED[:1] if quick else SEARCHED:
-            yield criterion, "evo", method, sparsity
+            yield criterion, "evo", method, sparsity, None
+
+
+def method_label(method: str, options: dict | None) -> str:
+    """The table's method cell: the method, then the options that make the row (`novice, rank 16`)."""
+    named = {"novice_rank": "rank", "reroute": "reroute"}
+    return ", ".join([method, *(f"{named.get(k, k)} {v}" for k, v in (options or {}).items())])
 
 
 def _sizes(moe: MoEModel, plan: Plan, before: dict[str, int]) -> dict[str, int]:
@@ -213,7 +228,7 @@ def _run_demo(
     configs = list(configurations(quick))
     found: dict[int, list[int]] | None = None
     search_docs: list[dict] = []
-    for criterion, allocation, method, sparsity in progress_bar(
+    for criterion, allocation, method, sparsity, options in progress_bar(
         configs, desc="demo", unit="config", enabled=progress
     ):
         crit = get_criterion(criterion)
@@ -225,7 +240,7 @@ def _run_demo(
             num_experts=[m.num_experts for m in moe.layers],
             layers=[m.index for m in moe.layers],
         )
-        config = PruneConfig(criterion, sparsity, allocation=allocation, method=method)
+        config = PruneConfig(criterion, sparsity, allocation=allocation, method=method, options=options)
         found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
         removed = None
         if searches(allocation):
@@ -239,12 +254,21 @@ def _run_demo(
             stats=[stats],
             removed=removed,
         )
-        metrics = {d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()}
+        fits = (  # low-rank novices: fitted by a second pass over the calibration data
+            fit_novices(
+                moe, plan, [calibration], batch_size=settings.batch_size, pad_token_id=pad, progress=False
+            )
+            if plan_rank(plan)
+            else None
+        )
+        metrics = {
+            d: e.score(functools.partial(virtual_plan, moe, plan, stats, fits)) for d, e in evals.items()
+        }
         rows.append(
             _row(
                 criterion,
                 allocation,
-                method,
+                method_label(method, options),
                 sparsity,
                 metrics,
                 _sizes(moe, plan, before),
@@ -358,9 +382,13 @@ def notice(row: dict, rows: list[dict]) -> str:
         gain = row["esap"] - base["esap"]
         how = "the search" if row["allocation"] == "evo" else "ranking experts across layers"
         return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."
-    if row["method"] == "novice" and base is not None:
+    if row["method"].startswith(("novice", "drop, reroute none")) and base is not None:
         gain = row["esap"] - base["esap"]
-        return f"{standing} at {row['sparsity']:.0%}; keeping mean outputs {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over dropping the same experts."
+        what = {
+            "novice": "keeping mean outputs",
+            "drop, reroute none": "leaving their picks empty",
+        }.get(row["method"], "a low-rank map of each one's input")
+        return f"{standing} at {row['sparsity']:.0%}; {what} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over dropping the same experts."
     if row["method"] in ("neurons", "tenp"):
         return f"{standing} at {row['sparsity']:.0%}; removes {row['sparsity']:.0%} of routed parameters by narrowing experts, not dropping them."
     return (
