@@ -442,6 +442,7 @@ def test_serving_imports_nothing_heavy_from_moeprune(served):
     """vLLM's processes import moeprune's plugin and serving code only (no pipeline, data, ...)."""
     allowed = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
                "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading", "moeprune.serve.moeprune_quantized",
+               "moeprune.serve.moeprune_novices",
                "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
                "moeprune.serve.vllm.version",
                "moeprune.serve.vllm.models"}  # fmt: skip

@@ -329,6 +329,12 @@ def rewrite_neuron_checkpoint(
     """
     refuse_quantized(src, read_config_dict(Path(src)), "cutting neurons", NEURON_ROUTE, options=("method",))
     layout = CheckpointLayout(src)
+    if any(p.extra_rows for lay in layout.layers for p in lay.experts.values()):
+        raise MoePruneError(
+            f"this {layout.moe.model_type} checkpoint stores rows for its zero experts beside the weighted "
+            "ones (transformers' own save), which the neuron rewrite does not cut: prune the loaded model "
+            "instead (without --no-load), or give the release's layout"
+        )
     if Path(dst).resolve() == layout.path.resolve():
         raise MoePruneError(
             "the output folder is the input checkpoint; write the pruned checkpoint elsewhere"
