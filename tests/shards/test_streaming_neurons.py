@@ -62,11 +62,6 @@ def test_rewrite_equals_in_memory_uniform_shrink(family, tmp_path):
         pytest.skip(f"{family}: a kept-whole (hash-routed) layer")
     stats = random_stats(moe)
     plan = neuron_plan(moe, stats, SPARSITY)
-    if moe.spec.extra_experts:  # zero experts stored by transformers' save: refused in one line
-        with pytest.raises(MoePruneError, match="zero experts") as refused:
-            rewrite_neuron_checkpoint(src, tmp_path / "streamed", plan, resolve_plan(moe, plan, stats).keep)
-        assert "\n" not in str(refused.value) and not (tmp_path / "streamed").exists()
-        return
     assert {c for lp in plan.layers for c in lp.neurons.values()} == {KEPT}
     keep = resolve_plan(moe, plan, stats).keep
     out = tmp_path / "streamed"
@@ -74,6 +69,11 @@ def test_rewrite_equals_in_memory_uniform_shrink(family, tmp_path):
         with pytest.raises(MoePruneError, match=f"{family}.*packed format"):
             rewrite_neuron_checkpoint(src, out, plan, keep)
         assert not out.exists()
+        return
+    if family == "longcat_flash":  # its zero experts' rows stored by transformers' save: refused in one line
+        with pytest.raises(MoePruneError, match="zero experts") as refused:
+            rewrite_neuron_checkpoint(src, out, plan, keep)
+        assert "\n" not in str(refused.value) and not out.exists()
         return
     rewrite_neuron_checkpoint(src, out, plan, keep)
     assert len({tuple(ids.tolist()) for by_expert in keep.values() for ids in by_expert.values()}) > 1
