@@ -20,12 +20,16 @@ status=0
 wait "$setup_vllm" || status=$?
 cat "$setup_log" && rm -f "$setup_log"
 [ "$status" = 0 ] || { echo "scripts/setup_vllm.sh failed (exit $status)" >&2; exit "$status"; }
-.venv/bin/python -m pytest "$@"
+# Every core runs tests (pytest-xdist): a module stays on one worker and the modules that start vLLM
+# queue on one worker (tests/conftest.py), which halves the suite's time on CI's two cores.
+# MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
+workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadgroup)
+.venv/bin/python -m pytest "${workers[@]}" "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 # Only the folders whose behaviour depends on transformers' model classes run again: families,
 # loading and saving, shards, quantized formats, surgery, observation, serving without vLLM and the
 # end-to-end commands. Formulas, allocation, search, reports, the demo and torchrun code read no
 # model class of transformers, so a second run of them tests nothing new (it cost CI 8 minutes).
 # (the modules that drive .venv-vllm's vLLM in a subprocess, marked vllm, ran in the first pass)
-.venv-vllm/bin/python -m pytest tests/models tests/checkpoint tests/shards tests/quant tests/surgery \
+.venv-vllm/bin/python -m pytest "${workers[@]}" tests/models tests/checkpoint tests/shards tests/quant tests/surgery \
   tests/observe tests/serve tests/e2e tests/test_pipelines.py -m "not vllm" "$@"
