@@ -438,15 +438,18 @@ def test_plugin_refuses_a_damaged_checkpoint(served, damaged):
     assert "the checkpoint is damaged" in message and "layer 0" in message, message
 
 
+# moeprune's modules vLLM's processes may import: its plugin and serving code (no pipeline, data, ...)
+SERVING_MODULES = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
+                   "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading",
+                   "moeprune.serve.moeprune_quantized", "moeprune.serve.moeprune_novices",
+                   "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout",
+                   "moeprune.serve.vllm.moe", "moeprune.serve.vllm.novices", "moeprune.serve.vllm.version",
+                   "moeprune.serve.vllm.models"}  # fmt: skip
+
+
 def test_serving_imports_nothing_heavy_from_moeprune(served):
     """vLLM's processes import moeprune's plugin and serving code only (no pipeline, data, ...)."""
-    allowed = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
-               "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading", "moeprune.serve.moeprune_quantized",
-               "moeprune.serve.moeprune_novices",
-               "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout", "moeprune.serve.vllm.moe",
-               "moeprune.serve.vllm.version",
-               "moeprune.serve.vllm.models"}  # fmt: skip
-    assert set(served["moeprune_modules"]) <= allowed, sorted(set(served["moeprune_modules"]) - allowed)
+    assert set(served["moeprune_modules"]) <= SERVING_MODULES, sorted(set(served["moeprune_modules"]) - SERVING_MODULES)
 
 
 def test_plugin_import_is_light():

@@ -2,7 +2,8 @@
 
 - layout.py   the per-layer structure read from config.json, and the parameters vLLM holds;
               imports neither vLLM nor torch, so moeprune's model card can use it anywhere
-- moe.py      the fused-MoE pieces: per-layer expert counts, width groups, the MoNE novice term
+- moe.py      the fused-MoE pieces: per-layer expert counts, width groups, the novice term
+- novices.py  a layer's novices (constant or low-rank) as one table outside the fused kernel
 - models.py   the `MoePrune*ForCausalLM` classes vLLM builds (subclasses of vLLM's own)
 
 moeprune.serve.vllm_plugin registers the classes with vLLM; nothing here is imported until vLLM

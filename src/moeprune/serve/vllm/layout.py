@@ -10,7 +10,8 @@ one [experts, 2 * width, hidden] block of one width, so each layer is built with
 - in each block, the group's experts, the narrower ones padded with zero neurons to its width.
   For the gated MLPs of every served family this is exact: silu(0) * 0 = 0 and a zero
   down-projection column adds nothing;
-- novices hold no expert weights: a d-vector each, added outside the fused kernel.
+- novices hold no expert weights: what they store (a d-vector each; a low-rank novice of rank R
+  also its two [d, R] factors), added outside the fused kernel.
 
 This module imports neither torch nor vLLM: moeprune's model card uses `served_parameter_count`
 to print what serving costs next to the packed size on disk.
@@ -147,12 +148,6 @@ def read_layout(config: dict[str, Any], where: str = "config.json") -> dict[int,
         oldest_version=FORMAT_VERSION,
     )
     for layer in structure.layers:
-        if layer.novice_rank:
-            raise FormatError(
-                f"{where}: layer {layer.layer} holds low-rank novices (novice_rank {layer.novice_rank}), "
-                "which moeprune's vLLM plugin does not serve yet; load it with moeprune.load_pretrained(path) "
-                "or transformers (trust_remote_code=True)"
-            )
         if not layer.weighted:
             raise FormatError(
                 f"{where}: layer {layer.layer} has only novices, which vLLM's fused MoE cannot run; "

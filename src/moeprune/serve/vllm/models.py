@@ -8,8 +8,9 @@ Each is vLLM's own class for the base family with two additions, shared by every
 - loading pads each expert with zero neurons to its width group's width; the first group's
   experts go to the family's own loader renamed to their index in the layer's fused block, the
   other groups' into their blocks through vLLM's fused-MoE weight loader (which shards them for
-  tensor parallelism), and novices' mean_output vectors into their layer's table; every novice
-  and every expert of the other groups must be found, like every other weight.
+  tensor parallelism), and novices' tensors (mean_output, and a low-rank novice's novice_u and
+  novice_v factors) into their layer's table (novices.py); every tensor of every novice and
+  every expert of the other groups must be found, like every other weight.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from moeprune.serve.vllm.layout import (
     served_family,
 )
 from moeprune.serve.vllm.moe import BuiltLayer, per_layer_moe
+from moeprune.serve.vllm.novices import MEAN_OUTPUT, NOVICE_U, NOVICE_V
 
 _EXPERT = re.compile(r"\.layers\.(\d+)\.[A-Za-z_]+\.experts\.(\d+)\.(.+)$")
-MEAN_OUTPUT = "mean_output"
+NOVICE_TENSORS = (MEAN_OUTPUT, NOVICE_U, NOVICE_V)
 
 
 if TYPE_CHECKING:
@@ -81,7 +83,7 @@ class _MoePruneForCausalLM(_VllmCausalLM):
         for record in self._moeprune_built.values():
             if record.novices is not None:
                 record.novices.check_loaded()
-                loaded.add(names[id(record.novices.mean_output)])
+                loaded.update(names[id(p)] for p in record.novices.parameters())
             _check_blocks_loaded(record)
             loaded.update(names[id(p)] for block in record.blocks for p in block.parameters())
         return loaded
@@ -104,8 +106,8 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                     f"{name}: layer {layer.layer} has {layer.num_experts} experts; the checkpoint is damaged"
                 )
             record = self._moeprune_built.get(layer.layer)  # None: the layer lives on another pipeline stage
-            if rest == MEAN_OUTPUT:
-                _load_novice(record, layer, position, name, tensor)
+            if rest in NOVICE_TENSORS:
+                _load_novice(record, layer, position, rest, name, tensor)
                 continue
             if layer.widths[position] is None:
                 raise FormatError(
@@ -120,13 +122,15 @@ class _MoePruneForCausalLM(_VllmCausalLM):
                 _load_into_block(record, group, index, position, rest, name, padded)
 
 
-def _load_novice(record: BuiltLayer | None, layer: LayerStructure, position: int, name: str, tensor) -> None:
+def _load_novice(
+    record: BuiltLayer | None, layer: LayerStructure, position: int, part: str, name: str, tensor
+) -> None:
     if position not in layer.novices:
         raise FormatError(
             f"{name}: position {position} of layer {layer.layer} is not a novice; the checkpoint is damaged"
         )
     if record is not None and record.novices is not None:
-        record.novices.load(position, tensor)
+        record.novices.load(position, part, tensor)
 
 
 def _group_of(layer: LayerStructure, position: int) -> tuple[int, int]:

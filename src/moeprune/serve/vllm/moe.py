@@ -22,14 +22,14 @@ family's vLLM module while moeprune's model class is being constructed, so each 
   `cpu_fused_moe` indexes its per-expert counts with the ids unchecked (-1 crashes it, an id past
   the block gives wrong output). GPU kernels can (Triton's `moe_align_block_size` drops ids that
   `expert_map` maps to -1), but nothing here can run them, so the plugin does not use it;
-- for layers with MoNE novices, a `NoviceTable`: sum over picked novices of g_p(t) *
-  mean_output_p, g being exactly the weight the model applies (softmax, top-k,
-  renormalisation, DeepSeek's sigmoid, selection bias, group-limited top-k and
-  routed_scaling_factor included), added to the fused output from the same routing on one
-  rank, after the reduction otherwise (`PrunedMoERunner`).
+- for layers with novices, a `NoviceTable` (novices.py): sum over picked novices of g_p(t) *
+  (c_p + U_p V_p^T h_t) (constant MoNE novices: c_p = mean_output_p alone), g being exactly
+  the weight the model applies (softmax, top-k, renormalisation, DeepSeek's sigmoid, selection
+  bias, group-limited top-k and routed_scaling_factor included), added to the fused output
+  from the same routing on one rank, after the reduction otherwise (`PrunedMoERunner`).
 
-Novices therefore cost one d-vector each and no expert memory, and width groups hold the
-packed size up to the 5% padding. Splitting the routing among groups and novices is gathers and
+Novices therefore cost what they store (d, or d + 2 d R at rank R) and no expert memory, and
+width groups hold the packed size up to the 5% padding. Splitting the routing among groups and novices is gathers and
 products on fixed shapes, free of hidden state, data-dependent Python control flow and host
 synchronisation, so it stays correct under torch.compile and CUDA graphs; each block's weights
 are sharded by vLLM's own loader, so tensor parallelism splits every group (its width rounded up
@@ -61,53 +61,9 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
 from moeprune.serve.moeprune_format import FormatError, LayerStructure, WidthGroup
+from moeprune.serve.vllm.novices import NoviceTable
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class NoviceTable(nn.Module):
-    """A layer's novice vectors and the map from router position to novice row."""
-
-    gate: torch.Tensor  # buffer registered in __init__, declared for the type checker
-
-    def __init__(self, layer: LayerStructure, hidden_size: int, dtype: torch.dtype):
-        super().__init__()
-        self.layer = layer.layer
-        self.positions = layer.novices
-        # gate[position, row] = 1 where router position `position` is novice `row`: one gather
-        # turns the top-k picks into per-novice gates (no int64 copies, no per-pick masks)
-        gate = torch.zeros(layer.num_experts, len(layer.novices))
-        for row, position in enumerate(layer.novices):
-            gate[position, row] = 1.0
-        self.register_buffer("gate", gate, persistent=False)
-        self.mean_output = nn.Parameter(
-            torch.empty(len(layer.novices), hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.loaded: set[int] = set()
-
-    def load(self, position: int, value: torch.Tensor) -> None:
-        if tuple(value.shape) != (self.mean_output.shape[1],):
-            raise FormatError(
-                f"layer {self.layer}: novice {position}'s mean_output has shape {tuple(value.shape)}, expected "
-                f"({self.mean_output.shape[1]},); the checkpoint is damaged, re-create it with moeprune"
-            )
-        self.mean_output.data[self.positions.index(position)].copy_(value)
-        self.loaded.add(position)
-
-    def check_loaded(self) -> None:
-        missing = sorted(set(self.positions) - self.loaded)
-        if missing:
-            raise FormatError(
-                f"layer {self.layer}: the checkpoint has no mean_output for novices {missing}; "
-                "it is incomplete, re-create it with moeprune"
-            )
-
-    def forward(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * mean_output[ids[t, k]] over the picked novices, per token t.
-
-        Top-k picks are distinct, so each novice's gate sums one product and zeros: exact."""
-        gates = (weights.unsqueeze(-1) * self.gate[ids].to(weights.dtype)).sum(dim=1)
-        return gates.to(self.mean_output.dtype) @ self.mean_output
 
 
 class GroupTable(nn.Module):
@@ -214,6 +170,12 @@ class PrunedMoERunner(MoERunner):
             novices is not None and self.moe_config.skip_final_all_reduce
         ):  # pragma: no cover - none of the served families asks for it
             raise FormatError(f"{self.layer_name}: MoNE novices need the MoE output reduced inside the layer")
+        if (
+            novices is not None and novices.rank and self.routed_input_transform is not None
+        ):  # pragma: no cover - none of the served families has one
+            raise FormatError(
+                f"{self.layer_name}: low-rank novices read the experts' input, which this vLLM block transforms"
+            )
 
     def _apply_quant_method(
         self,
@@ -270,7 +232,7 @@ class PrunedMoERunner(MoERunner):
                 raise FormatError(
                     f"{self.layer_name}: this vLLM kernel defers the MoE output, which moeprune's novices cannot add to"
                 )
-            fused = fused + self.novices(weights, positions).to(fused.dtype)
+            fused = fused + self.novices(weights, positions, hidden_states).to(fused.dtype)
         if shared_experts_overlapping:
             assert self._shared_experts is not None
             self._shared_experts.wait()
@@ -287,7 +249,7 @@ class PrunedMoERunner(MoERunner):
             router_logits = router_logits[0] if isinstance(router_logits, tuple) else router_logits
         assert isinstance(self.router, GroupRouter)
         weights, ids = self.router.route(hidden_states, router_logits, None, input_ids)
-        extra = self.novices(weights, ids)
+        extra = self.novices(weights, ids, hidden_states)
         # The same scaling MoERunner applies to the routed output (routed_scaling_factor on the
         # output; in fp16 with shared experts it scales those down instead and the decoder
         # layer compensates, so the routed part, novices included, stays unscaled).
