@@ -7,6 +7,8 @@ a fourth slash (`key=value,...`: the method's own options, or `allow_super_exper
 
     python benchmarks/quality.py --quick man/uniform/drop msan/uniform/drop reap/uniform/drop
     python benchmarks/quality.py --quick --family deepseek_v3 mone/uniform/novice
+    python benchmarks/quality.py --quick --family deepseek_v3 --spec seed=1,experts=16,top_k=4 \\
+        reap/uniform/drop reap/uniform/drop/reroute=none
     python benchmarks/quality.py --quick --plant 30 frequency/uniform/drop \\
         frequency/uniform/drop/allow_super_experts=true
 
@@ -18,6 +20,7 @@ The table's last column says whether each row kept it. Sparsities: `--sparsity 0
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import time
@@ -80,11 +83,21 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--plant", type=float, default=None, metavar="SCALE", help="plant a super expert")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--spec",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="another demo model: fields of the demo spec changed (e.g. seed=1,experts=16,top_k=4)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     settings = DemoSettings.for_mode(args.quick)
-    model_dir = get_demo_model(demo_spec(args.family, args.quick), progress=False, threads=args.threads)
+    spec = demo_spec(args.family, args.quick)
+    if args.spec:  # another trained model of the same architecture (a second seed, more experts)
+        changes = dict(item.split("=", 1) for item in args.spec.split(","))
+        spec = dataclasses.replace(spec, **{k: type(getattr(spec, k))(v) for k, v in changes.items()})
+    model_dir = get_demo_model(spec, progress=False, threads=args.threads)
     model, tokenizer = load_model(model_dir)
     moe = MoEModel(model)
     pad = tokenizer.pad_token_id or 0
