@@ -164,43 +164,42 @@ def test_stock_transformers_reads_it_through_the_modeling_files(pruned, tmp_path
 
 def test_the_modeling_files_hold_the_compressed_tensors_stacks_numbers(pruned):
     """A compressed-tensors input read by the library's own stack (transformers with the
-    `compressed-tensors` package, decompressed on load, in float32): every weight of the pruned
-    result, as the modeling files decode it, equals the stack's weight of the input it was kept
-    from (a fused expert tensor: the kept rows, in order), to the last bit. The library decodes in
-    the scale's dtype (bf16); float32 products differ by up to half a bf16 ulp and flip routing.
+    `compressed-tensors` package, decompressed on load) in the checkpoint's dtype, bf16: every
+    weight of the pruned result, as the modeling files decode it in float32, is the stack's weight
+    of the input it was kept from (a fused expert tensor: the kept rows, in order) rounded to bf16,
+    and every quantized one is that bf16 value exactly: the library decodes in the scale's dtype
+    (bf16). Float32 products are up to half a bf16 ulp away and flip routing.
 
-    One exception is transformers', not the library's: since 5.2x it folds FP8 *experts* itself,
-    `(fp8.float() * scale.float()).to(model dtype)`, so in a float32 model those hold float32
-    products (dense FP8 modules and packed experts still go through the library). Rounded to the
-    scale's dtype they are the library's values (one rounding of an exact product), which is what
-    is compared there."""
+    The stack in a float32 model is no reference: transformers 5.23 folds FP8 experts itself as
+    float32 products, 5.16 upcasts the scales with the model (float32 products for dense modules)."""
     q, out, _ = pruned
-    quant = json.loads((q / "config.json").read_text())["quantization_config"]
-    if quant["quant_method"] != "compressed-tensors":
+    if (
+        json.loads((q / "config.json").read_text())["quantization_config"]["quant_method"]
+        != "compressed-tensors"
+    ):
         pytest.skip("the compressed-tensors stack reads compressed-tensors inputs only")
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     config = CompressedTensorsConfig(dequantize=True) if "dequantize" in CompressedTensorsConfig.__init__.__code__.co_varnames \
         else CompressedTensorsConfig(run_compressed=False)  # fmt: skip
-    library = stock_from_pretrained(q, dtype=torch.float32, quantization_config=config).state_dict()
+    library = stock_from_pretrained(q, dtype=torch.bfloat16, quantization_config=config).state_dict()
     result = AutoModelForCausalLM.from_pretrained(
         out, trust_remote_code=True, dtype=torch.float32
     ).state_dict()
     plan = {lp["layer"]: lp for lp in json.loads((out / "plan.json").read_text())["layers"]}
-    folded_by_transformers = quant["format"] == "float-quantized"  # FP8 experts, see above
-    fused = 0
+    quantized = {k.removesuffix(".weight_scale") for k in stored_tensors(q) if k.endswith(".weight_scale")}
+    compared = 0
     for name, tensor in result.items():
         source = library[name]
         if tensor.shape != source.shape:  # fused experts, router rows: [kept, ...] of [num_experts, ...]
             lp = plan[int(re.match(r"model\.layers\.(\d+)\.", name).group(1))]
             source = source[[e for e in range(lp["num_experts"]) if e not in lp["dropped"]]]
-        if ".experts." in name and tensor.dim() == 3:
-            fused += 1
-            if folded_by_transformers:
-                source = source.to(torch.bfloat16).float()  # the fixtures' scales are bf16
-        assert torch.equal(tensor, source), name
-    assert fused > 0
+        assert torch.equal(tensor.to(source.dtype), source), name  # bf16, but what the stack keeps in fp32
+        if name.removesuffix(".weight") in quantized or (".experts." in name and tensor.dim() == 3):
+            assert torch.equal(tensor, source.float()), name  # the library's bf16 values, exactly
+            compared += 1
+    assert compared > 0
 
 
 def test_a_missing_scale_is_named_not_loaded_as_numbers(pruned, tmp_path):
