@@ -12,9 +12,11 @@ result) and is the same plan for both (asserted). Then:
   by expert, a byte copy of the input's;
 - moeprune.load_pretrained of the result equals that of the pruned reference, bit for bit (the
   same float32 numbers through the same code);
-- the modeling files load it as an unquantized model whose logits equal moeprune's within the
-  suite's fp32 reordering tolerance (tests/helpers.py: other module code, same numbers), and
-  `save_pretrained` of that model writes a full-precision folder both loaders read.
+- the modeling files load it as an unquantized model with moeprune's weights and logits, bit for
+  bit (the same decoding functions), and `save_pretrained` of that model writes a full-precision
+  folder both loaders read;
+- a compressed-tensors input: the modeling files' weights are the library's own stack's readings
+  of the kept bytes, bit for bit (the library decodes in the scale's dtype).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import assert_logits_close, fixed_logits, raw_bytes, run_cli, stored_tensors
+from helpers import (
+    assert_logits_close,
+    fixed_logits,
+    raw_bytes,
+    run_cli,
+    stock_from_pretrained,
+    stored_tensors,
+)
 from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
@@ -140,7 +149,10 @@ def test_stock_transformers_reads_it_through_the_modeling_files(pruned, tmp_path
     assert type(stock).__module__.endswith(".modeling_moeprune")
     assert getattr(stock.config, "quantization_config", None) is None  # decoded: not quantized in memory
     assert {p.dtype for p in stock.parameters()} == {torch.float32}
-    assert_logits_close(fixed_logits(stock), ours)
+    # decoded by the same functions: the same weights, the same logits, to the last bit
+    mine, theirs = load_pretrained(out).state_dict(), stock.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(fixed_logits(stock), ours)
     stock.save_pretrained(tmp_path / "resaved")
     resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())
     assert "quantization_config" not in resaved
@@ -148,6 +160,46 @@ def test_stock_transformers_reads_it_through_the_modeling_files(pruned, tmp_path
         t.is_floating_point() and t.element_size() >= 2 for t in stored_tensors(tmp_path / "resaved").values()
     )
     assert_logits_close(fixed_logits(load_pretrained(tmp_path / "resaved")), ours)
+
+
+def test_the_modeling_files_hold_the_compressed_tensors_stacks_numbers(pruned):
+    """A compressed-tensors input read by the library's own stack (transformers with the
+    `compressed-tensors` package, decompressed on load) in the checkpoint's dtype, bf16: every
+    weight of the pruned result, as the modeling files decode it in float32, is the stack's weight
+    of the input it was kept from (a fused expert tensor: the kept rows, in order) rounded to bf16,
+    and every quantized one is that bf16 value exactly: the library decodes in the scale's dtype
+    (bf16). Float32 products are up to half a bf16 ulp away and flip routing.
+
+    The stack in a float32 model is no reference: transformers 5.23 folds FP8 experts itself as
+    float32 products, 5.16 upcasts the scales with the model (float32 products for dense modules)."""
+    q, out, _ = pruned
+    if (
+        json.loads((q / "config.json").read_text())["quantization_config"]["quant_method"]
+        != "compressed-tensors"
+    ):
+        pytest.skip("the compressed-tensors stack reads compressed-tensors inputs only")
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    config = CompressedTensorsConfig(dequantize=True) if "dequantize" in CompressedTensorsConfig.__init__.__code__.co_varnames \
+        else CompressedTensorsConfig(run_compressed=False)  # fmt: skip
+    library = stock_from_pretrained(q, dtype=torch.bfloat16, quantization_config=config).state_dict()
+    result = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, dtype=torch.float32
+    ).state_dict()
+    plan = {lp["layer"]: lp for lp in json.loads((out / "plan.json").read_text())["layers"]}
+    quantized = {k.removesuffix(".weight_scale") for k in stored_tensors(q) if k.endswith(".weight_scale")}
+    compared = 0
+    for name, tensor in result.items():
+        source = library[name]
+        if tensor.shape != source.shape:  # fused experts, router rows: [kept, ...] of [num_experts, ...]
+            lp = plan[int(re.match(r"model\.layers\.(\d+)\.", name).group(1))]
+            source = source[[e for e in range(lp["num_experts"]) if e not in lp["dropped"]]]
+        assert torch.equal(tensor.to(source.dtype), source), name  # bf16, but what the stack keeps in fp32
+        if name.removesuffix(".weight") in quantized or (".experts." in name and tensor.dim() == 3):
+            assert torch.equal(tensor, source.float()), name  # the library's bf16 values, exactly
+            compared += 1
+    assert compared > 0
 
 
 def test_a_missing_scale_is_named_not_loaded_as_numbers(pruned, tmp_path):
@@ -192,7 +244,9 @@ def test_names_of_unquantized_experts_follow_the_renumbering(tmp_path, pipeline)
     kept experts' names renumbered as their tensors were, the dropped ones' names gone."""
     model = tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer()))
     plain = [f"model.layers.2.mlp.experts.{e}.down_proj" for e in range(8)]  # MoE layers: 0 and 2
-    fp8 = save_fp8_checkpoint(model, tmp_path / "fp8", block=(16, 16), skip=("lm_head", "embed_tokens", "gate", *plain))
+    fp8 = save_fp8_checkpoint(
+        model, tmp_path / "fp8", block=(16, 16), skip=("lm_head", "embed_tokens", "gate", *plain)
+    )
     out = tmp_path / "out"
     run_cli("prune", fp8, "--criterion", "aimer", "--sparsity", "0.25", "--quiet", *pipeline, "--output", out)
     names = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]

@@ -11,7 +11,9 @@ from the oldest transformers moeprune supports. So moeprune pairs each fp8 weigh
 itself, by the stored dtypes and names (no table of module names: whatever is quantized on disk
 is dequantized, whatever is not is read as it is), and hands transformers' conversion mapping
 lazy sources that dequantize when the loader reads them: the model is built exactly as
-`from_pretrained` builds it from the dequantized float32 checkpoint.
+`from_pretrained` builds it from the dequantized checkpoint, each weight holding the values its
+format's library decodes (fp8 blocks and mxfp4: transformers' float32 products; compressed-tensors:
+the library's, in the scale's dtype), cast to the requested dtype.
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ def logical_shape(fmt: QuantFormat | None, codes: str, stored: StoredTensor) -> 
 
 def decoder(fmt: QuantFormat | None, key: str) -> Callable[..., torch.Tensor]:
     """The function that turns the stored tensors of quantized weight `key` (in `pairs` order:
-    the codes first) into its float32 values."""
+    the codes first) into its values as the format's library decodes them: float32 for fp8 blocks
+    and mxfp4 (transformers' products), the scale's dtype for compressed-tensors (its library's)."""
     if isinstance(fmt, Fp8Format):
         return partial(dequantize_blocks, block=fmt.block)
     if isinstance(fmt, CompressedFormat):
@@ -206,7 +209,7 @@ def decoder(fmt: QuantFormat | None, key: str) -> Callable[..., torch.Tensor]:
 
 
 class _Dequantized:
-    """A quantized weight (its stored tensors), dequantized to float32 when the loader reads it
+    """A quantized weight (its stored tensors), dequantized (`decoder`) when the loader reads it
     (`x[...]`, what transformers' loader does with a safetensors slice): one tensor at a time."""
 
     def __init__(self, parts: tuple[Any, ...], decode: Callable[..., torch.Tensor]):

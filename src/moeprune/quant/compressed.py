@@ -14,8 +14,12 @@ Which modules are quantized and how is `quantization_config.config_groups` (each
 module class names such as "Linear", or "re:" regular expressions on module names) minus
 `ignore`. On disk the class is unknown, but every quantized tensor carries its suffix, so a module
 is read as the group whose targets name it, or, with one group (the common case), as that group.
-The products are computed in float32: exact for 4- and 8-bit integers times a bf16 or fp32 scale.
-compressed-tensors itself is not needed to read (it is the oracle of tests/quant); formats
+Weights are decoded as compressed-tensors' own `dequantize` decodes them: in the scale's dtype
+(the codes cast to it, the zero point subtracted and the scale multiplied in it), so a bf16 scale
+gives bf16 weights, each product rounded once; float32 products would differ by up to half a bf16
+ulp, which moves logits and flips routing against every stack that reads the checkpoint with the
+library (transformers, vLLM). compressed-tensors itself is not needed to read (it is the oracle of
+tests/quant); formats
 moeprune does not decode (nvfp4, mxfp4-pack, sparse ones) are refused by name.
 """
 
@@ -118,7 +122,8 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tenso
 
 
 def dequantize_packed(tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
-    """The float32 weight [out, in] of one pack-quantized module from its stored tensors."""
+    """The weight [out, in] of one pack-quantized module from its stored tensors, in the scale's
+    dtype (see the module docstring)."""
     if tensors[PACKED].dtype != torch.int32:
         raise MoePruneError(f"compressed-tensors packs into int32, got {tensors[PACKED].dtype}")
     zero = tensors.get(ZERO) if not scheme.symmetric else None
@@ -126,8 +131,8 @@ def dequantize_packed(tensors: dict[str, torch.Tensor], scheme: WeightScheme) ->
 
 
 def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
-    """The float32 weight of one float-quantized (fp8) module: `fp8 * scale`, the scale per
-    tensor, per output channel, per group or per block."""
+    """The weight of one float-quantized (fp8) module in the scale's dtype: `fp8 * scale`, the
+    scale per tensor, per output channel, per group or per block."""
     block = scheme.block_structure if scheme.strategy == "block" else None
     return decode_float(weight, scale, block)
 

@@ -197,7 +197,8 @@ def mtp_roots(config) -> tuple[str, ...]:
 def load_weights(model: DiskTensors, folder: str, beside: tuple[str, ...] = ()) -> None:
     """Copy every stored tensor into the model by its on-disk name; strict both ways, but for the
     keys under `beside` (the MTP layers the config records: `mtp_roots`), which stay on disk.
-    Quantized weights (codes beside scales) are decoded to float32 first, then cast to the model's dtype."""
+    Quantized weights (codes beside scales) are decoded as their format's library decodes them,
+    then cast to the model's dtype."""
     targets, aliases = model.moeprune_disk_tensors()
     shards = shard_files(folder)
     stored: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Quantized weights a moeprune result kept from its input, decoded to float32 with torch alone
+"""Quantized weights a moeprune result kept from its input, decoded with torch alone
 (part of modeling_moeprune.py; moeprune copies it into every moeprune-format folder, and its own
 reader calls the same functions, so both compute the same numbers).
 
@@ -15,8 +15,15 @@ names the three formats use:
   `<m>.weight_scale`, `<m>.weight_shape` and, asymmetric, `<m>.weight_zero_point` stand for
   `<m>.weight`; float-quantized `<m>.weight` (fp8) beside `<m>.weight_scale`.
 
-Every product below is exact in float32 (a short integer or a float8 value times a float scale or a
-power of two), so the decoded weights are the numbers the format defines.
+Each format is decoded as its own library decodes it, so these files, moeprune's reader and the
+stock stack hold the same numbers:
+
+- fp8 blocks and MXFP4 as transformers does: every product in float32 (exact for MXFP4, a 2-bit
+  mantissa times a power of two; one float32 rounding for fp8 times a float32 scale), then cast to
+  the model's dtype by the loader;
+- compressed-tensors as its `dequantize` does: the codes cast to the scale's dtype, the zero point
+  subtracted and the scale multiplied in that dtype, so a bf16 scale gives bf16 weights (each
+  product rounded once to bf16), not the float32 products.
 """
 
 from __future__ import annotations
@@ -85,26 +92,28 @@ def dequantize_packed(
     num_bits: int,
     zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The float32 weight [out, in] of one pack-quantized module: `(q - zero) * scale` per group
-    of inputs (a [out, 1] or [out] scale: per channel); `zero` packed along the output dimension."""
+    """The weight [out, in] of one pack-quantized module in the scale's dtype, as compressed-tensors
+    computes it: `(q - zero) * scale` per group of inputs (a [out, 1] or [out] scale: per channel),
+    the integers cast to the scale's dtype (exact: 8 bits fit bf16's mantissa) and every step in
+    that dtype; `zero` packed along the output dimension."""
     out, cols = (int(s) for s in shape.tolist())
-    q = unpack_int32(packed, num_bits, cols).to(torch.float32)
-    scale = scale.to(torch.float32)
+    dtype = scale.dtype
+    q = unpack_int32(packed, num_bits, cols).to(dtype)
     if scale.dim() == 1:
         scale = scale[:, None]
     if zero is not None:
         zero = unpack_int32(zero.transpose(0, 1).contiguous(), num_bits, out).transpose(0, 1)
-        q = q - zero.to(torch.float32).repeat_interleave(cols // zero.shape[-1], dim=-1)[..., :cols]
+        q = q - zero.to(dtype).repeat_interleave(-(-cols // zero.shape[-1]), dim=-1)[..., :cols]
     return q * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
 
 
 def dequantize_float(
     weight: torch.Tensor, scale: torch.Tensor, block_structure: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """The float32 weight of one float-quantized (fp8) module: `fp8 * scale`, the scale per
-    tensor, per output channel, per group of inputs, or per `block_structure` block."""
-    w = weight.to(torch.float32)
-    scale = scale.to(torch.float32)
+    """The weight of one float-quantized (fp8) module in the scale's dtype, as compressed-tensors
+    computes it: the fp8 values cast to the scale's dtype (exact) times the scale in that dtype,
+    the scale per tensor, per output channel, per group of inputs, or per `block_structure` block."""
+    w = weight.to(scale.dtype)
     rows, cols = w.shape
     if scale.numel() == 1:
         return w * scale.reshape(())
@@ -180,7 +189,8 @@ class StoredQuantization:
         return found
 
     def decode(self, weight: str, values: list[torch.Tensor]) -> torch.Tensor:
-        """The float32 weight from its stored tensors, in `parts` order."""
+        """The weight from its stored tensors, in `parts` order, as the format's library decodes
+        it (see the module docstring); the loader casts it to the model's dtype."""
         if self.method == "fp8":
             return dequantize_fp8_blocks(values[0], values[1], self.block)
         if self.method == "mxfp4":

@@ -115,7 +115,8 @@ class SafetensorsExperts:
 
     def decoded(self, name: str, key: str, expert: int) -> torch.Tensor:
         """Stored piece `key` of `experts.<name>[expert]` kept as codes with companions (mxfp4,
-        compressed-tensors), decoded to float32: the expert's row of fused codes and of their
+        compressed-tensors), decoded as the format's library decodes it (mxfp4: float32;
+        compressed-tensors: the scale's dtype): the expert's row of fused codes and of their
         companions, or its own tensors; only that expert's bytes are read."""
         companions, decode = self.layout.coded[key]
         if key == self.layout.experts[name].fused:
