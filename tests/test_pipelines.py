@@ -37,7 +37,7 @@ def test_in_memory_runs_every_method_and_no_load_what_a_stock_checkpoint_express
 
 def test_unread_settings_name_what_each_run_would_ignore():
     plain = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5)))
-    assert plain[("search_data", SearchConfig)] == "without --allocation evo or --criterion auto"
+    assert plain[("search_data", SearchConfig)] == "without --allocation evo or gradient or --criterion auto"
     assert plain[("important_fraction", "slope")] == "without --method tenp"
     assert plain[("neuron_importance",)] == "without --method neurons or tenp"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
