@@ -251,13 +251,13 @@ class SearchConfig:
     # the gradient allocation's own settings (search/gradient.py); the seed, fitness and search
     # samples above are shared with evo
     steps: int = setting(
-        100,
+        120,
         "gradient: training steps (one search batch and one Gumbel draw each); time grows linearly.",
         flag="--gradient-steps",
         minimum=1,
     )
     learning_rate: float = setting(
-        0.1,
+        0.2,
         "gradient: Adam's learning rate on the per-expert keep logits.",
         flag="--gradient-lr",
         minimum=0,
@@ -278,7 +278,7 @@ class SearchConfig:
         open_bounds=True,
     )
     kl_top_k: int = setting(
-        64,
+        0,
         "gradient: the training loss is the KL from the full model on its k most likely tokens, "
         "renormalised (0 = the whole vocabulary).",
         flag="--gradient-kl-top-k",
