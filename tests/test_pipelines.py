@@ -11,7 +11,14 @@ from click.testing import CliRunner
 from moeprune.cli.main import main
 from moeprune.config import DataOptions, PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.job.pipelines import PIPELINES, score_pipeline, score_unread_settings, unread_settings
+from moeprune.job.pipelines import (
+    EVO_SETTINGS,
+    GRADIENT_SETTINGS,
+    PIPELINES,
+    score_pipeline,
+    score_unread_settings,
+    unread_settings,
+)
 from moeprune.surgery import METHODS
 
 pytestmark = pytest.mark.integration  # the last test prunes a tiny checkpoint twice
@@ -42,6 +49,10 @@ def test_unread_settings_name_what_each_run_would_ignore():
     assert plain[("neuron_importance",)] == "without --method neurons or tenp"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
     assert not any(SearchConfig in settings for settings, _ in searched)
+    assert dict(searched)[GRADIENT_SETTINGS] == "without --allocation gradient"  # --gradient-steps with evo
+    trained = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="gradient")))
+    assert trained[EVO_SETTINGS] == "without --allocation evo" and "resume" in EVO_SETTINGS
+    assert GRADIENT_SETTINGS not in trained
     no_load = [s for settings, _ in unread_settings(PIPELINES.get("no-load"), PruneConfig("reap", 0.5)) for s in settings]
     assert {"resume", "save_dtype", "max_shard_size"} <= set(no_load)
     assert "dry_run" not in no_load  # the no-load pipeline plans its work too
