@@ -11,7 +11,14 @@ from click.testing import CliRunner
 from moeprune.cli.main import main
 from moeprune.config import DataOptions, PruneConfig, SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.job.pipelines import PIPELINES, score_pipeline, score_unread_settings, unread_settings
+from moeprune.job.pipelines import (
+    EVO_SETTINGS,
+    GRADIENT_SETTINGS,
+    PIPELINES,
+    score_pipeline,
+    score_unread_settings,
+    unread_settings,
+)
 from moeprune.surgery import METHODS
 
 pytestmark = pytest.mark.integration  # the last test prunes a tiny checkpoint twice
@@ -37,11 +44,15 @@ def test_in_memory_runs_every_method_and_no_load_what_a_stock_checkpoint_express
 
 def test_unread_settings_name_what_each_run_would_ignore():
     plain = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5)))
-    assert plain[("search_data", SearchConfig)] == "without --allocation evo or --criterion auto"
+    assert plain[("search_data", SearchConfig)] == "without --allocation evo or gradient or --criterion auto"
     assert plain[("important_fraction", "slope")] == "without --method tenp"
     assert plain[("neuron_importance",)] == "without --method neurons or tenp"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
     assert not any(SearchConfig in settings for settings, _ in searched)
+    assert dict(searched)[GRADIENT_SETTINGS] == "without --allocation gradient"  # --gradient-steps with evo
+    trained = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="gradient")))
+    assert trained[EVO_SETTINGS] == "without --allocation evo" and "resume" in EVO_SETTINGS
+    assert GRADIENT_SETTINGS not in trained
     no_load = [s for settings, _ in unread_settings(PIPELINES.get("no-load"), PruneConfig("reap", 0.5)) for s in settings]
     assert {"resume", "save_dtype", "max_shard_size"} <= set(no_load)
     assert "dry_run" not in no_load  # the no-load pipeline plans its work too

@@ -48,6 +48,7 @@ from moeprune.report.parts import (
     Surgery,
 )
 from moeprune.search.auto import choose_criterion
+from moeprune.search.gradient import gradient_allocation
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
@@ -191,27 +192,27 @@ def prune(
             layers=[m.index for m in moe.layers],
         )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
-    removed, search_doc = None, None
+    removed, search_doc, plan_scores = None, None, scores
     if searches(config.allocation):
         assert search_set is not None  # needs.check refused a search without search data
-        removed, search_doc = search_allocation(
-            moe,
-            crit,
-            scores,
-            stats,
-            search_set,
-            config=config,
-            runtime=SearchRuntime(
-                batch_size=batch_size,
-                pad_token_id=getattr(tokenizer, "pad_token_id", None),
-                progress=progress,
-                state_path=search_state,
-                resume=run.resume,
-                candidate_context=method.search_context(moe, stats, config.options),
-            ),
+        runtime = SearchRuntime(
+            batch_size=batch_size,
+            pad_token_id=getattr(tokenizer, "pad_token_id", None),
+            progress=progress,
+            state_path=search_state,
+            resume=run.resume,
+            candidate_context=method.search_context(moe, stats, config.options),
         )
+        if config.allocation == "gradient":  # chooses the experts too: its order goes to the plan
+            removed, plan_scores, search_doc = gradient_allocation(
+                moe, crit, scores, search_set, config=config, runtime=runtime
+            )
+        else:
+            removed, search_doc = search_allocation(
+                moe, crit, scores, stats, search_set, config=config, runtime=runtime
+            )
     plan = build_plan(
-        moe, crit, scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
+        moe, crit, plan_scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
     )
     fits = fit_novices(moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress)
     surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)

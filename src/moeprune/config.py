@@ -210,7 +210,7 @@ class SearchConfig:
     )
     samples: int = setting(
         64,
-        "evo: search samples (0 = all); time grows linearly with them.",
+        "evo/gradient: search samples (0 = all); time grows linearly with them.",
         flag="--search-samples",
         minimum=0,
     )
@@ -244,8 +244,45 @@ class SearchConfig:
     )
     seed: int = setting(
         42,
-        "evo: seed of the search (same seed and data: same result); no effect on time.",
+        "evo/gradient: seed of the search (same seed and data: same result); no effect on time.",
         flag="--search-seed",
+    )
+
+    # the gradient allocation's own settings (search/gradient.py); the seed, fitness and search
+    # samples above are shared with evo
+    steps: int = setting(
+        120,
+        "gradient: training steps (one search batch and one Gumbel draw each); time grows linearly.",
+        flag="--gradient-steps",
+        minimum=1,
+    )
+    learning_rate: float = setting(
+        0.2,
+        "gradient: Adam's learning rate on the per-expert keep logits.",
+        flag="--gradient-lr",
+        minimum=0,
+        open_bounds=True,
+    )
+    temperature: float = setting(
+        1.0,
+        "gradient: Gumbel temperature at the first step; it falls geometrically to the end temperature.",
+        flag="--gradient-temperature",
+        minimum=0,
+        open_bounds=True,
+    )
+    temperature_end: float = setting(
+        0.1,
+        "gradient: Gumbel temperature at the last step.",
+        flag="--gradient-temperature-end",
+        minimum=0,
+        open_bounds=True,
+    )
+    kl_top_k: int = setting(
+        0,
+        "gradient: the training loss is the KL from the full model on its k most likely tokens, "
+        "renormalised (0 = the whole vocabulary).",
+        flag="--gradient-kl-top-k",
+        minimum=0,
     )
 
     def __post_init__(self) -> None:
@@ -253,6 +290,15 @@ class SearchConfig:
 
     def validate(self) -> None:
         """Impossible settings are one line naming the parameter, before any model runs."""
+        for name in ("learning_rate", "temperature", "temperature_end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise MoePruneError(f"gradient {name} must be a number > 0, got {value!r}", options=(name,))
+        if self.steps < 1 or self.kl_top_k < 0:
+            raise MoePruneError(
+                f"gradient steps must be >= 1 and kl_top_k >= 0, got {self.steps} and {self.kl_top_k}",
+                options=("steps", "kl_top_k"),
+            )
         for name in ("population", "elites", "generations", "delta_max", "tau_max"):
             if getattr(self, name) < 1:
                 raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}", options=(name,))

@@ -1,4 +1,5 @@
-"""The searched allocation, declared: `evo` finds the per-layer counts by EvoESAP on search data.
+"""The searched allocations, declared: `evo` finds the per-layer counts by EvoESAP on search data,
+`gradient` the experts themselves by training per-expert keep logits (search/gradient.py).
 
 Only the declaration lives here, so the allocation table, validation and `requirements()` know it
 without importing the search; the search itself (moeprune.search) evaluates candidate plans
@@ -15,6 +16,16 @@ ALLOCATIONS.add(
         "evo",
         "EvoESAP: search the per-layer counts under the same budget, candidates scored on "
         "teacher-forced search data",
+        needs=(SEARCH_DATA,),
+    )
+)
+
+ALLOCATIONS.add(
+    Allocator(
+        "gradient",
+        "per-expert keep logits trained with straight-through Gumbel samples against the full "
+        "model's top-k KL on teacher-forced search data; the exact budget and every per-layer "
+        "limit at every step (drop only)",
         needs=(SEARCH_DATA,),
     )
 )

@@ -98,7 +98,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "--search-data",
     multiple=True,
     metavar="FILE[:WEIGHT]",
-    help="evo/auto: search data (prompt/answer JSONL...).",
+    help="evo/gradient/auto: search data (prompt/answer JSONL...).",
 )
 @config_options(SearchConfig, registries={"fitness": FITNESSES})
 @click.option(
@@ -249,7 +249,8 @@ def format_plan_of_work(plan: dict) -> str:
         if key in plan:
             lines.append(f"{label}: {plan[key]}")
     if searches(plan["allocation"]):
-        lines.append("per layer searched (EvoESAP)")
+        how = "gradient-trained keep logits" if plan["allocation"] == "gradient" else "EvoESAP"
+        lines.append(f"per layer searched ({how})")
     for data in plan["calibration"]:
         lines.append(
             f"data      {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"

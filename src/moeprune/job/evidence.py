@@ -64,6 +64,7 @@ def write_evidence(folder: Path, evidence: Evidence, after: MoEModel) -> None:
     write_json(folder / RECIPE_FILE, evidence.recipe.to_json())
     if evidence.search is not None:
         write_json(folder / "search.json", evidence.search)
+    if evidence.search is not None and "generations" in evidence.search:  # evo's (gradient: steps)
         plot_search_curve(
             folder / "search_curve.png", evidence.search["generations"], evidence.search["fitness"]
         )

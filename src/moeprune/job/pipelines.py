@@ -36,6 +36,15 @@ from moeprune.surgery.planning import check_config, requirements
 from moeprune.surgery.registry import METHODS, Method, default_allocation
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
+# the SearchConfig settings only one searched allocation reads (the fitness, samples and seed: both)
+EVO_SETTINGS = ("population", "elites", "generations", "patience", "delta_max", "tau_max", "resume")
+GRADIENT_SETTINGS = (
+    "gradient_steps",
+    "gradient_lr",
+    "gradient_temperature",
+    "gradient_temperature_end",
+    "gradient_kl_top_k",
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,15 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
     unread = list(pipeline.unread)
     needs = requirements(config)
     if not needs.search:
-        unread.append((("search_data", SearchConfig), "without --allocation evo or --criterion auto"))
+        unread.append(
+            (("search_data", SearchConfig), "without --allocation evo or gradient or --criterion auto")
+        )
+    else:
+        allocation = config.allocation or default_allocation(config.method)
+        if allocation != "gradient":
+            unread.append((GRADIENT_SETTINGS, "without --allocation gradient"))
+        if allocation != "evo":
+            unread.append((EVO_SETTINGS, "without --allocation evo"))
     unread += [(tuple(knobs), f"without --method {other}") for other, knobs in needs.other_knobs.items()]
     return unread
 

@@ -205,6 +205,7 @@ class SearchSummary(Part):
     fitness_value: float | None = None
     uniform: SearchUniform | None = None
     evaluations: int | None = None
+    steps: int | None = None  # the gradient allocation's training steps (evo: None)
     stopped: SearchStop | None = None
     teacher_cache: dict[str, Any] | None = None
     notes: list[str] | None = None

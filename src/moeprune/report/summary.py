@@ -65,6 +65,7 @@ def _search(report: PruneReport) -> dict | None:
         "generations": stopped.generations_run,
         "stopped": stopped.reason,
         "evaluations": search.evaluations,
+        "steps": search.steps,
     }
 
 
@@ -172,10 +173,15 @@ def format_lines(facts: dict) -> list[str]:
     search = facts["search"]
     if search:
         gain = search["searched"] - search["uniform"]
+        how = (
+            f"{search['steps']} gradient steps"
+            if search.get("steps")
+            else f"{search['generations']} generations, {search['evaluations']} evaluations, "
+            f"stopped by {search['stopped']}"
+        )
         lines.append(
             f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
-            f"uniform ({gain:+.4g}); {search['generations']} generations, {search['evaluations']} evaluations, "
-            f"stopped by {search['stopped']}"
+            f"uniform ({gain:+.4g}); {how}"
         )
     if facts["unseen_experts"]:
         where = "; ".join(

@@ -88,7 +88,7 @@ def zero_context(moe: MoEModel):
         "drop",
         "expert weights removed; its picks go to the next survivor (--reroute next) or stay empty (none)",
         EXPERTS,
-        ("uniform", "global", "evo"),
+        ("uniform", "global", "evo", "gradient"),
         options=DropOptions,
     )
 )

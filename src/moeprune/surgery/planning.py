@@ -171,7 +171,9 @@ def requirements(config: PruneConfig) -> Requirements:
     else:
         calibration = f"criterion {criterion.name!r}" if criterion.needs_data else None
     if searches(config.allocation):
-        search: str | None = "an EvoESAP search"
+        search: str | None = (
+            "the gradient allocation" if config.allocation == "gradient" else "an EvoESAP search"
+        )
     else:
         search = "choosing the criterion automatically" if auto else None
     readers: dict[str, list[str]] = {}  # each setting this method does not read -> the methods that do
