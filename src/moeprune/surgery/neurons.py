@@ -104,7 +104,7 @@ class NeuronOptions:
 
     neuron_importance: str = setting(
         "projection",
-        "neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
+        "neurons/tenp/mixed: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
         choices=tuple(IMPORTANCE),
     )
 
