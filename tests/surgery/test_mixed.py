@@ -142,3 +142,27 @@ def test_unreachable_shares_are_refused_in_one_line_from_the_structure():
         feasible(0.72, mixed_whole=0.25)  # 0.28 x 12288 - 2 x 1536 = 368.6 for 6 experts
     known = feasible(0.5, mixed_whole=0.25, mixed_width=0.5)
     assert known["mixed_genes"][0] == {"whole": 2, "narrowed": 4, "novice": 0, "dropped": 2, "width": 8}
+
+
+def test_tenp_is_the_genes_of_its_trapezoid():
+    """TENP at 50 % as genes (same criterion, so the same order): its whole counts per layer, the rest narrowed at floor(q I) neurons,
+    nothing novice or dropped. Same whole experts, every width within one neuron of TENP's, and
+    both plans within half a neuron row of the budget."""
+    from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
+    from moeprune.models.packed import layer_cost
+    from moeprune.surgery.mixed import mixed_plan
+    from moeprune.surgery.registry import PlanRequest
+
+    _, moe, stats = setup("qwen3_moe")
+    tenp = plan_of(moe, stats, 0.5, method="tenp")
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    alloc = trapezoid_allocation(layers, 0.5)
+    genes = [LayerGene(c, 8 - c, 0, 0, min(ws)) for c, ws in zip(alloc.important, alloc.widths)]
+    scores = compute_scores("reap", stats=stats)
+    request = PlanRequest(moe, get_criterion("reap"), scores, 0.5, "uniform", "mixed", stats=[stats])
+    mixed = mixed_plan(request, genes)
+    for t, m in zip(tenp.layers, mixed.layers):
+        assert set(t.neurons) == set(m.neurons) and t.kept == m.kept, (t, m)
+        assert all(abs(t.neurons[e] - m.neurons[e]) <= 1 for e in t.neurons)
+    for plan in (tenp, mixed):
+        assert abs(plan_routed_parameters(moe, plan)["routed_experts"] - 0.5 * TOTAL) <= ROW / 2

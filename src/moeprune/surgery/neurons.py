@@ -411,6 +411,7 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
         ("uniform",),
         needs=(NEURON_STATS,),
         neurons=True,
+        one_width=True,
         options=NeuronOptions,
         feasible=_neuron_feasible,
         planned_bytes=_neuron_planned_bytes,
