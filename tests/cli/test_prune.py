@@ -69,12 +69,13 @@ def predicted_at(model: Path, tmp_path: Path, sparsity: float, *flags) -> int:
         ("--criterion", "reap", "--method", "neurons"),
         ("--criterion", "tenp", "--method", "tenp"),
         ("--criterion", "reap", "--allocation", "global"),
+        ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125),
     ],
-    ids=["drop", "novice", "neurons", "tenp", "global"],
+    ids=["drop", "novice", "neurons", "tenp", "global", "mixed"],
 )
 def test_the_written_weights_fit_and_one_step_less_would_not(tiny_checkpoint, data, tmp_path, flags):
     # in bfloat16 the tiny model is 158,784 bytes of tensors: aim at about 75 % of its files
-    target = 150_000 if "neurons" not in flags else 130_000
+    target = 130_000 if {"neurons", "mixed"} & set(flags) else 150_000
     common = ("--save-dtype", "bf16", "--data", data, "--samples", 12, *flags)
     run("prune", tiny_checkpoint, "--output", tmp_path / "out", "--target-size", target, "--quiet", *common)
     got = check_fits(tiny_checkpoint, tmp_path / "out", target)

@@ -69,6 +69,10 @@ class World:
 
 
 PRUNE = ["--criterion", "reap", "--sparsity", "0.25", "--data", "{data}"]
+MIXED_OVER = ["--mixed-whole", "0.75", "--mixed-novice", "0.5"]
+# whole experts only: 70 % of 8 experts is 5.6 kept, not a count, and nothing narrowed absorbs the rest
+MIXED_COUNTS = ["--criterion", "reap", "--sparsity", "0.3", "--data", "{data}", "--method", "mixed",
+                "--mixed-whole", "0", "--mixed-width", "1"]  # fmt: skip
 
 
 @dataclass
@@ -446,6 +450,22 @@ CASES = [
         "search option without a search",
         ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--population", "8"],
         "--population has no effect",
+    ),
+    # mixed shares the budget or the structure cannot reach (the tiny model: 8 experts per layer)
+    Case(
+        "mixed shares above every expert",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--method", "mixed", *MIXED_OVER],
+        "add up to more than every expert",
+    ),
+    Case(
+        "mixed whole experts above the budget",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--method", "mixed", "--mixed-whole", "0.875"],
+        "keep more than 0.75 of its parameters",
+    ),
+    Case(
+        "mixed counts that cannot meet the budget",
+        ["prune", "{model}", "--output", "{root}/out", *MIXED_COUNTS],
+        "no expert is narrowed to absorb them",
     ),
     Case(
         "tenp option without tenp",

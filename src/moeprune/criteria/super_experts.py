@@ -109,6 +109,7 @@ NARROWED = {  # what a neuron method does with the super experts (it keeps every
     "neurons": "are narrowed like every expert by the neurons method (the guard does not cover it yet)",
     "tenp": "rank first among each layer's whole experts (kept whole where the trapezoid keeps that many "
     "whole experts in their layer; narrowed otherwise)",
+    "mixed": "stay whole (every layer keeps at least its super experts whole)",
 }
 
 

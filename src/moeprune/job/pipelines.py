@@ -151,7 +151,7 @@ def _in_memory(request: PruneRequest) -> dict:
         # counts are written in moeprune's format); neuron widths must be one for all (a stock result)
         supports=lambda method, allocation: (
             (method.whole_experts and allocation.counts is not None and not allocation.searches)
-            or (method.neurons and allocation.fixed)
+            or (method.one_width and allocation.fixed)
         ),
         auto_criterion=False,
         why_limited="it never runs the loaded model: no search, no per-layer neuron widths",

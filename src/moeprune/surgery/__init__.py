@@ -7,6 +7,7 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - neurons.py   experts narrowed to their most important neurons
 - tenp.py      TENP's whole experts plus neuron-pruned ones
 - merge.py     removed experts merged into kept ones (REAM-style); merging.py its arithmetic
+- mixed.py     whole, narrowed, novice and dropped experts in one layer, under one budget
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
 - parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
@@ -21,6 +22,7 @@ from moeprune.surgery import novice  # noqa: F401
 from moeprune.surgery import neurons  # noqa: F401
 from moeprune.surgery import tenp  # noqa: F401
 from moeprune.surgery import merge  # noqa: F401
+from moeprune.surgery import mixed  # noqa: F401
 
 # isort: on
 from moeprune.surgery.registry import METHODS

@@ -104,7 +104,7 @@ class NeuronOptions:
 
     neuron_importance: str = setting(
         "projection",
-        "neurons/tenp: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
+        "neurons/tenp/mixed: rank intermediate neurons by projection onto the expert output, or by L2 norm.",
         choices=tuple(IMPORTANCE),
     )
 
@@ -411,6 +411,7 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
         ("uniform",),
         needs=(NEURON_STATS,),
         neurons=True,
+        one_width=True,
         options=NeuronOptions,
         feasible=_neuron_feasible,
         planned_bytes=_neuron_planned_bytes,

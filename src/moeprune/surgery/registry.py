@@ -30,6 +30,9 @@ class Method:
     allocations: tuple[str, ...]  # the allocations that can decide for it; the first is its default
     needs: tuple[str, ...] = ()
     neurons: bool = False  # observation must record each neuron's share of the expert output
+    one_width: bool = (
+        False  # every expert narrowed to one width: a rewrite of the shards (no-load) can write it
+    )
     keeps_routing: bool = False  # the router still sees every expert (novices): no group balance needed
     merges: bool = False  # kept experts' weights change (merge): not a rewrite of the input's bytes
     # its own settings: a dataclass of `setting` fields that validates itself (PruneConfig.options

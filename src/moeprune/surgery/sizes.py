@@ -6,6 +6,7 @@ Made from a checkpoint's headers by moeprune.shards.weight_bytes; read by each m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -34,3 +35,37 @@ class WeightBytes:
     total: int  # bytes of every tensor the result is saved with, before pruning
     layers: tuple[LayerBytes, ...]
     linear_neurons: bool = True  # False: an expert's bytes are not linear in its width (fp8 blocks)
+
+
+GRID_STEP = 1e-4  # the grid a continuous sparsity (TENP, mixed) is solved on
+
+
+def grid_steps(at: Callable[[float], int | None], total: int, target: int) -> list[tuple[float, int]]:
+    """(sparsity, planned bytes) of the smallest grid sparsity whose plan fits `target`, and the grid
+    point below it, by bisection (the planned size falls with the sparsity); [] when not even the
+    highest plannable one fits. `at(sparsity)`: the planned bytes, None where no plan exists."""
+    grid = round(1 / GRID_STEP)
+
+    def bytes_at(i: int) -> int | None:
+        return at(i / grid)
+
+    top = grid - 1
+    if bytes_at(top) is None:  # plans stop being possible above some sparsity: find the last one
+        feasible, infeasible = 0, top
+        while infeasible - feasible > 1:
+            mid = (feasible + infeasible) // 2
+            feasible, infeasible = (mid, infeasible) if bytes_at(mid) is not None else (feasible, mid)
+        top = feasible
+    high = bytes_at(top) if top else None
+    if high is None or high > target:
+        return [(top / grid, high)] if high is not None else []
+    low_i, high_i = 0, top  # bytes_at(low_i) does not fit (0: the unpruned model), bytes_at(high_i) does
+    while high_i - low_i > 1:
+        mid = (low_i + high_i) // 2
+        value = bytes_at(mid)
+        if value is not None and value <= target:
+            high_i = mid
+        else:
+            low_i = mid
+    below = [(low_i / grid, bytes_at(low_i) or total)] if low_i else []
+    return [*below, (high_i / grid, bytes_at(high_i) or 0)]

@@ -26,7 +26,7 @@ from moeprune.surgery.neurons import (
 )
 from moeprune.surgery.novice import StatsInput
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
-from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.sizes import GRID_STEP, WeightBytes, grid_steps
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def tenp_plan(
     return plan
 
 
-TENP_STEP = 1e-4  # the grid TENP's continuous sparsity is solved on
+TENP_STEP = GRID_STEP  # the grid TENP's continuous sparsity is solved on
 
 
 def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
@@ -154,34 +154,13 @@ def _tenp_solve(
     and the grid point below it; [] when not even the highest one fits."""
     check_neuron_prunable(moe)
 
-    grid = round(1 / TENP_STEP)
-
-    def at(i: int) -> int | None:
+    def at(sparsity: float) -> int | None:
         try:
-            return _tenp_plan_bytes(moe, config, size, i / grid)
+            return _tenp_plan_bytes(moe, config, size, sparsity)
         except MoePruneError:  # the others would keep less than one neuron
             return None
 
-    top = grid - 1
-    if at(top) is None:  # plans stop being possible above some sparsity: find the last one
-        feasible, infeasible = 0, top
-        while infeasible - feasible > 1:
-            mid = (feasible + infeasible) // 2
-            feasible, infeasible = (mid, infeasible) if at(mid) is not None else (feasible, mid)
-        top = feasible
-    high = at(top) if top else None
-    if high is None or high > target:
-        return [(top / grid, high)] if high is not None else []
-    low_i, high_i = 0, top  # at(low_i) does not fit (0: the unpruned model), at(high_i) does
-    while high_i - low_i > 1:
-        mid = (low_i + high_i) // 2
-        value = at(mid)
-        if value is not None and value <= target:
-            high_i = mid
-        else:
-            low_i = mid
-    below = [(low_i / grid, at(low_i) or size.total)] if low_i else []
-    return [*below, (high_i / grid, at(high_i) or 0)]
+    return grid_steps(at, size.total, target)
 
 
 def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:

@@ -1,0 +1,391 @@
+"""The mixed method: in each MoE layer some experts stay whole, some are narrowed to their top
+neurons (ENP's ranking), some become novices (their mean output, routing unchanged) and the rest
+are dropped, under one routed-parameter budget met exactly.
+
+Why one method instead of four: which surgery is best changes with the budget and the layer (the
+demo's table), and a search can only trade one form for another when they live in one plan.
+
+The gene. Each MoE layer's plan is a `LayerGene` (whole, narrowed, novice, dropped counts and the
+neurons W each narrowed expert keeps): what a search (`--allocation evo`, later) mutates. The
+criterion's order decides who gets which form: the dropped experts are the first of the pruning
+order (group-balanced where routing is group-limited, as drop does), and of the others the most
+important are whole, the next narrowed, the next novices. Super experts rank first, and every
+gene keeps at least that many whole, so they stay whole.
+
+The budget. The plan keeps (1 - sparsity) x T routed-expert parameters, T the model's: whole
+experts hold P = per_neuron x I + per_expert, a narrowed one per_neuron x W + per_expert, a novice
+its d-vector, a dropped one nothing. Whole experts and novices come in whole units, so what the
+genes miss (at most half an expert per layer) is handed to the narrowed experts one neuron each
+(`fill_widths`): the kept parameters then differ from the budget by at most half a neuron row,
+the finest step any plan has. A gene set without narrowed experts (drop, novices) must meet it by
+its counts alone, or is refused in one line.
+
+Points of this space (docs/surgery.md): uniform drop is `--mixed-whole 0 --mixed-width 1` (every
+kept expert at full width), uniform novices add `--mixed-novice S` at the parameter sparsity
+S (1 - d / P), ENP is `--mixed-whole 0` (everything narrowed), and TENP is the per-layer genes whose
+whole counts follow its trapezoid with everything else narrowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+from moeprune.allocate.basic import plan_removals
+from moeprune.allocate.limits import LayerLimits, layer_limits
+from moeprune.config import NEURON_STATS, PruneConfig, setting
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.models.packed import layer_cost
+from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.neurons import (
+    NeuronOptions,
+    check_importance,
+    check_neuron_prunable,
+    check_neuron_stats,
+    stock_width_expressible,
+)
+from moeprune.surgery.novice import require_stats
+from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.sizes import WeightBytes, grid_steps
+
+GENES_KEY = "mixed_genes"  # plan.extra: the genes the plan was made from (a search's seed)
+
+
+def _share(value: object, name: str, low_open: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value <= 1
+    if not ok or (low_open and value == 0):
+        bound = "(0, 1]" if low_open else "[0, 1]"
+        raise MoePruneError(f"{name} must be a number in {bound}, got {value!r}", options=(name,))
+
+
+@dataclass(frozen=True)
+class MixedOptions(NeuronOptions):
+    """The uniform gene: the same shares in every MoE layer (module docstring)."""
+
+    mixed_whole: float | None = setting(
+        None,
+        "mixed: share of each layer's experts kept whole (the most important; super experts always are) "
+        "[default: half the kept budget, as TENP].",
+        minimum=0,
+        maximum=1,
+    )
+    mixed_novice: float = setting(
+        0.0,
+        "mixed: share of each layer's experts replaced by novices (their mean output; ranked after the "
+        "narrowed ones).",
+        minimum=0,
+        maximum=1,
+    )
+    mixed_width: float | None = setting(
+        None,
+        "mixed: share of neurons a narrowed expert keeps; the budget then decides how many are narrowed "
+        "and the rest are dropped (1: kept experts whole, i.e. drop) [default: solved, nothing dropped].",
+        minimum=0,
+        maximum=1,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mixed_whole is not None:
+            _share(self.mixed_whole, "mixed_whole")
+        _share(self.mixed_novice, "mixed_novice")
+        if self.mixed_width is not None:
+            _share(self.mixed_width, "mixed_width", low_open=True)
+        if (self.mixed_whole or 0) + self.mixed_novice > 1:
+            raise MoePruneError(
+                f"--mixed-whole {self.mixed_whole} and --mixed-novice {self.mixed_novice} add up to more "
+                "than every expert; give shares whose sum is at most 1",
+                options=("mixed_whole", "mixed_novice"),
+            )
+
+
+@dataclass(frozen=True)
+class LayerGene:
+    """One MoE layer of a mixed plan: experts per form and the narrowed experts' neurons."""
+
+    whole: int
+    narrowed: int
+    novice: int
+    dropped: int
+    width: int  # neurons each narrowed expert keeps before the budget's fill (fill_widths)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What one MoE layer's parts hold, in parameters (or any linear unit)."""
+
+    experts: int
+    width: int  # neurons of a whole expert
+    per_neuron: int
+    per_expert: int
+    novice: int  # a novice's vector
+    top_k: int
+    protected: int  # super experts: the gene keeps at least this many whole
+    cap: int  # most experts the layer may drop (routing groups, super experts)
+    multiple: int  # drops per layer are a multiple of this (routing groups, --expert-multiple)
+
+    def expert(self, width: int | None = None) -> int:
+        return self.per_neuron * (self.width if width is None else width) + self.per_expert
+
+    def kept(self, gene: LayerGene) -> int:
+        return (
+            gene.whole * self.expert() + gene.narrowed * self.expert(gene.width) + gene.novice * self.novice
+        )
+
+
+def layer_costs(moe: MoEModel, limits: LayerLimits | None = None) -> list[LayerCosts]:
+    """The parameter costs of `moe`'s MoE layers (a meta-device model does)."""
+    limits = limits or layer_limits(moe)
+    out = []
+    for pos, m in enumerate(moe.layers):
+        cost = layer_cost(m)
+        out.append(
+            LayerCosts(
+                m.num_experts, m.intermediate_size, cost.per_neuron, cost.per_expert, m.hidden_size,
+                m.top_k, len(moe.protected.get(m.index, ())), limits.caps[pos], limits.multiples[pos],
+            )
+        )  # fmt: skip
+    return out
+
+
+def check_genes(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], layers: Sequence[int]) -> None:
+    """One line naming the layer when a gene breaks a form's rule (what a search must respect)."""
+    if len(genes) != len(costs):
+        raise MoePruneError(f"{len(genes)} mixed genes for {len(costs)} MoE layers")
+    for index, c, g in zip(layers, costs, genes):
+        where = f"mixed gene of layer {index}"
+        counts = (g.whole, g.narrowed, g.novice, g.dropped)
+        if min(counts) < 0 or sum(counts) != c.experts:
+            raise MoePruneError(f"{where}: counts {counts} must be non-negative and add up to {c.experts}")
+        if g.narrowed and not 1 <= g.width <= c.width:
+            raise MoePruneError(f"{where}: narrowed experts keep {g.width} neurons, not in [1, {c.width}]")
+        if g.whole < c.protected:
+            raise MoePruneError(
+                f"{where}: keeps {g.whole} experts whole but the layer has {c.protected} super experts"
+            )
+        if g.whole + g.narrowed < c.top_k:
+            raise MoePruneError(
+                f"{where}: {g.whole + g.narrowed} experts keep weights, fewer than top_k {c.top_k}"
+            )
+        if g.dropped > c.cap or g.dropped % c.multiple:
+            raise MoePruneError(
+                f"{where}: drops {g.dropped} experts; at most {c.cap}, in multiples of {c.multiple}"
+            )
+
+
+def uniform_genes(costs: Sequence[LayerCosts], sparsity: float, options: MixedOptions) -> list[LayerGene]:
+    """Every layer keeps (1 - sparsity) of its own parameters with the options' shares; refuses in
+    one line what the shares cannot reach (from the structure alone)."""
+    keep = 1 - sparsity
+    whole_share = keep / 2 if options.mixed_whole is None else options.mixed_whole
+    genes = []
+    for pos, c in enumerate(costs):
+        whole, novice = (
+            max(round(whole_share * c.experts), c.protected),
+            round(options.mixed_novice * c.experts),
+        )
+        rest = c.experts - whole - novice
+        left = keep * c.experts * c.expert() - whole * c.expert() - novice * c.novice
+        if rest < 0 or left < -c.per_neuron / 2:
+            raise MoePruneError(
+                f"MoE layer {pos}: {whole} whole experts and {novice} novices keep more than {keep:.4g} of its "
+                "parameters (1 - sparsity); lower --mixed-whole or --mixed-novice, or the sparsity",
+                options=("mixed_whole", "mixed_novice", "sparsity"),
+            )
+        if options.mixed_width is None:  # nothing dropped: the narrowed experts share what is left
+            width = math.floor((left - rest * c.per_expert) / (rest * c.per_neuron)) if rest else c.width
+            if rest and not 1 <= width <= c.width:
+                raise MoePruneError(
+                    f"MoE layer {pos}: its {rest} narrowed experts would keep {width} of {c.width} neurons; "
+                    + ("raise" if width < 1 else "lower")
+                    + " --mixed-whole or --mixed-novice, give a --mixed-width, or change the sparsity",
+                    options=("mixed_whole", "mixed_novice", "mixed_width", "sparsity"),
+                )
+            genes.append(LayerGene(whole, rest, novice, 0, width))
+            continue
+        width = min(c.width, max(1, round(options.mixed_width * c.width)))
+        narrowed = min(rest, max(0, round(left / c.expert(width))))
+        dropped = rest - narrowed
+        dropped -= dropped % c.multiple  # group-limited routing drops whole rounds
+        narrowed = rest - dropped
+        if width == c.width:  # a narrowed expert at full width is a whole one
+            whole, narrowed = whole + narrowed, 0
+        genes.append(LayerGene(whole, narrowed, novice, dropped, width))
+    return genes
+
+
+def fill_widths(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], target: float) -> list[list[int]]:
+    """Per layer, the neurons of each narrowed expert (most important first) so that the kept
+    parameters are within half a neuron row of `target`: the neurons the genes miss go one each to
+    the narrowed experts, the most important of every layer first."""
+    rows = {c.per_neuron for c in costs}
+    if len(rows) != 1:
+        raise MoePruneError(f"MoE layers disagree on parameters per neuron ({sorted(rows)})")
+    row = rows.pop()
+    widths = [[g.width] * g.narrowed for g in genes]
+    extra = round((target - sum(c.kept(g) for c, g in zip(costs, genes))) / row)
+    slots = sorted(((j, pos) for pos, g in enumerate(genes) for j in range(g.narrowed)))
+    if extra and not slots:
+        raise MoePruneError(
+            f"the mixed plan's whole experts and novices miss the budget by {abs(extra)} neurons and no "
+            "expert is narrowed to absorb them; give a --mixed-width below 1, or a sparsity its counts meet",
+            options=("mixed_width", "sparsity"),
+        )
+    if slots:
+        base, more = divmod(extra, len(slots))
+        for n, (j, pos) in enumerate(slots):
+            widths[pos][j] += base + (n < more)
+    for pos, (c, ws) in enumerate(zip(costs, widths)):
+        if ws and not (min(ws) >= 1 and max(ws) <= c.width):
+            raise MoePruneError(
+                f"MoE layer {pos}: to meet the budget its narrowed experts would keep {min(ws)} to {max(ws)} "
+                f"of {c.width} neurons; narrow more experts (--mixed-width) or change the shares",
+                options=("mixed_width", "mixed_whole", "sparsity"),
+            )
+    return widths
+
+
+def _target(costs: Sequence[LayerCosts], sparsity: float) -> float:
+    return (1 - sparsity) * sum(c.experts * c.expert() for c in costs)
+
+
+def _options(config: PruneConfig) -> MixedOptions:
+    return METHODS.get(config.method).resolve_options(config.options)
+
+
+def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
+    """The uniform genes of `config` and the narrowed widths that meet its budget."""
+    costs = layer_costs(moe, layer_limits(moe, config.expert_multiple))
+    sparsity = config.sparsity_value()
+    genes = uniform_genes(costs, sparsity, _options(config))
+    check_genes(costs, genes, [m.index for m in moe.layers])
+    return genes, fill_widths(costs, genes, _target(costs, sparsity))
+
+
+def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
+    """The plan of `genes` at the request's sparsity (its scores in pruning order, super experts
+    last: `protected_order`, as build_plan gives them). A search calls it with its own genes."""
+    moe, stats, sparsity = request.moe, request.domains, request.sparsity
+    options: MixedOptions = request.options or MixedOptions()
+    importance = options.neuron_importance
+    limits = layer_limits(moe, request.expert_multiple)
+    costs = layer_costs(moe, limits)
+    check_genes(costs, genes, limits.layers)
+    require_stats(stats, "the mixed method (novices' mean outputs, neuron importance)")
+    if any(g.narrowed for g in genes):
+        check_neuron_prunable(moe)
+        check_neuron_stats(moe, stats, check_importance(importance))
+    target = _target(costs, sparsity)
+    widths = fill_widths(costs, genes, target)
+    orders = [list(s.order) for s in request.scores]
+    drops = plan_removals(orders, [g.dropped for g in genes], limits.groups)
+    layers = []
+    for m, g, order, gone, ws in zip(moe.layers, genes, orders, drops, widths):
+        ids, gone_set = m.expert_ids, set(gone)
+        ranked = [ids[p] for p in reversed(order) if p not in gone_set]  # most important first
+        narrowed = ranked[g.whole : g.whole + g.narrowed]
+        novice = ranked[g.whole + g.narrowed :]
+        layers.append(
+            LayerPlan(
+                layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ranked),
+                dropped=sorted(ids[p] for p in gone), novice=sorted(novice),
+                neurons=dict(sorted((e, w) for e, w in zip(narrowed, ws) if w < m.intermediate_size)),
+            )
+        )  # fmt: skip
+    kept = sum(g.whole * c.expert() + g.novice * c.novice for c, g in zip(costs, genes))
+    kept += sum(c.expert(w) for c, ws in zip(costs, widths) for w in ws)
+    plan = Plan.create(
+        model_type=moe.model_type,
+        layers=layers,
+        criterion=request.criterion.name,
+        allocation=request.allocation,
+        method="mixed",
+        sparsity=sparsity,
+        data_fingerprint=request.data_fingerprint,
+        extra={
+            "neuron_importance": importance,
+            GENES_KEY: [asdict(g) for g in genes],
+            "routed_parameters_target": target,
+            "routed_parameters_kept": int(kept),
+            "routed_parameters_total": sum(c.experts * c.expert() for c in costs),
+        },
+    )
+    plan.validate({m.index: m.intermediate_size for m in moe.layers})
+    return plan
+
+
+# ----------------------------------------------------------------------------- size planning
+def mixed_plan_bytes(
+    moe: MoEModel, size: WeightBytes, genes: Sequence[LayerGene], widths: list[list[int]]
+) -> int:
+    """Bytes the plan of `genes` (narrowed `widths`) leaves in `size`'s format. Like apply_plan_physical:
+    a plan whose every kept expert has one width below the full one and no novice is saved
+    rectangular, its derived shared expert zero-padded (surgery/neurons.py)."""
+    out = size.total
+    for lay, g, ws in zip(size.layers, genes, widths):
+        out -= g.dropped * (lay.expert() + lay.router_row) + g.novice * (lay.expert() - lay.novice)
+        out -= sum(lay.expert() - lay.expert(w) for w in ws)
+    uniform = {w for ws in widths for w in ws}
+    if (
+        len(uniform) == 1
+        and not any(g.whole or g.novice for g in genes)
+        and stock_width_expressible(moe, k := uniform.pop())
+        and k < size.layers[0].width
+    ):
+        for lay in size.layers:
+            if lay.shared_width:
+                out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
+    return out
+
+
+def _mixed_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
+    check_neuron_prunable(moe)
+    return mixed_plan_bytes(moe, size, *planned_genes(moe, config))
+
+
+def _mixed_steps(
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
+) -> list[tuple[float, int]]:
+    """The smallest sparsity on a 1e-4 grid whose plan fits (surgery/sizes.py `grid_steps`)."""
+
+    def at(sparsity: float) -> int | None:
+        try:
+            return _mixed_bytes(moe, replace(config, sparsity=sparsity, target_size=None), size)
+        except MoePruneError:  # the shares cannot reach this sparsity
+            return None
+
+    check_neuron_prunable(moe)
+    return grid_steps(at, size.total, target)
+
+
+def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+    genes, widths = planned_genes(moe, config)
+    return {
+        "mixed_genes": {m.index: asdict(g) for m, g in zip(moe.layers, genes)},
+        "narrowed_neurons": {m.index: sorted(set(ws)) for m, ws in zip(moe.layers, widths)},
+    }
+
+
+@METHODS.register(
+    Method(
+        "mixed",
+        "per layer the most important experts stay whole, the next are narrowed to their top neurons, "
+        "the next become novices and the rest are dropped; one routed-parameter budget met exactly",
+        PARAMETERS,
+        ("uniform",),
+        needs=(NEURON_STATS,),
+        neurons=True,
+        options=MixedOptions,
+        feasible=_mixed_feasible,
+        planned_bytes=_mixed_bytes,
+        target_steps=_mixed_steps,
+    )
+)
+def plan_mixed(request: PlanRequest) -> Plan:
+    options: MixedOptions = request.options or MixedOptions()
+    costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple))
+    plan = mixed_plan(request, uniform_genes(costs, request.sparsity, options))
+    plan.extra["mixed_options"] = {k: v for k, v in asdict(options).items() if k.startswith("mixed_")}
+    return plan
