@@ -46,7 +46,7 @@ def test_unread_settings_name_what_each_run_would_ignore():
     plain = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5)))
     assert plain[("search_data", SearchConfig)] == "without --allocation evo or gradient or --criterion auto"
     assert plain[("important_fraction", "slope")] == "without --method tenp"
-    assert plain[("neuron_importance",)] == "without --method neurons or tenp"
+    assert plain[("neuron_importance",)] == "without --method neurons or tenp or mixed"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
     assert not any(SearchConfig in settings for settings, _ in searched)
     assert dict(searched)[GRADIENT_SETTINGS] == "without --allocation gradient"  # --gradient-steps with evo
