@@ -279,6 +279,18 @@ class CandidateEvaluator:
             for handle in handles:
                 handle.remove()
 
+    @property
+    def batch_count(self) -> int:
+        """Search batches held (the gradient allocation cycles through them)."""
+        return len(self._batches)
+
+    def answer_logits(self, index: int) -> tuple[torch.Tensor, Sequence[Any]]:
+        """The model's logits as it computes now (whatever masks the caller applied, gradients
+        kept) at search batch `index`'s answer positions [n, V], and the batch's rows: each has
+        `sample_id` and the `start`/`stop` of its positions in those logits."""
+        b = self._batches[index]
+        return self._plain_logits(b.batch).flatten(0, 1)[b.flat_index], b.rows
+
     def _plain_logits(self, batch: Batch) -> torch.Tensor:
         return self.moe.model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False

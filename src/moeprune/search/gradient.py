@@ -181,10 +181,9 @@ def _top_k_kl(teacher: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tens
 
 def _batch_loss(evaluator: CandidateEvaluator, index: int, k: int) -> torch.Tensor:
     """Mean over the batch's samples of each sample's mean top-k KL (every sample weighs the same)."""
-    b = evaluator._batches[index]
-    logits = evaluator._plain_logits(b.batch).flatten(0, 1)[b.flat_index]
+    logits, rows_of_samples = evaluator.answer_logits(index)
     losses = []
-    for row in b.rows:
+    for row in rows_of_samples:
         if row.stop == row.start:
             continue
         sample = evaluator.teacher.get(row.sample_id)
@@ -275,7 +274,7 @@ def run_gradient_search(
                 for layer, part in zip(limits.layers, layout.split(mask)):
                     masks[layer] = part
                 optimizer.zero_grad()
-                loss = _batch_loss(evaluator, step % len(evaluator._batches), config.kl_top_k)
+                loss = _batch_loss(evaluator, step % evaluator.batch_count, config.kl_top_k)
                 loss.backward()
                 _project_step(theta, layout.free)
                 optimizer.step()
