@@ -1,0 +1,43 @@
+"""What a pruning is asked to do (PruneConfig), and the registries that name what it can ask for.
+
+Every named choice (criterion, allocation, surgery method, fitness, evaluation metric) is one
+entry of one `Registry`, declared once beside its implementation with its help text and what it
+needs; the command line's choices and help, the validation of a config and the README's tables
+are all read from the registries, so adding a criterion is one module and one decorator.
+
+`PruneConfig` is a plain dataclass that round-trips through JSON (`to_dict` / `from_dict`): the
+`recipe.json` beside every output is one, and `moeprune prune MODEL --config recipe.json` reads
+it back. This module imports nothing of moeprune but its errors, so every stage can register here.
+"""
+
+from moeprune.config.options import (
+    DataOptions,
+    PruneConfig,
+    RunOptions,
+    SaveOptions,
+    SearchConfig,
+    setting,
+)
+from moeprune.config.recipe import RECIPE_FILE, RECIPE_FORMAT, RECIPE_VERSION, Recipe
+from moeprune.config.registry import CALIBRATION, NEURON_STATS, SEARCH_DATA, WEIGHTS, Registry
+from moeprune.config.sizes import parse_bytes, parse_target_size
+
+__all__ = [
+    "CALIBRATION",
+    "NEURON_STATS",
+    "RECIPE_FILE",
+    "RECIPE_FORMAT",
+    "RECIPE_VERSION",
+    "SEARCH_DATA",
+    "WEIGHTS",
+    "DataOptions",
+    "PruneConfig",
+    "Recipe",
+    "Registry",
+    "RunOptions",
+    "SaveOptions",
+    "SearchConfig",
+    "parse_bytes",
+    "parse_target_size",
+    "setting",
+]
