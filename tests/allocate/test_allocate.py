@@ -296,8 +296,8 @@ def test_allocations_dispatch_through_their_registry(monkeypatch):
     from moeprune.models import MoEModel
     from moeprune.models.factory import tiny_model
 
-    assert [a.name for a in ALLOCATIONS if a.searches] == ["evo"]
-    assert searches("evo") and not searches("uniform") and not searches(None)
+    assert [a.name for a in ALLOCATIONS if a.searches] == ["evo", "gradient"]
+    assert searches("evo") and searches("gradient") and not searches("uniform") and not searches(None)
     moe = MoEModel(tiny_model("qwen3_moe"))
     criterion = get_criterion("random")
     scores = compute_scores("random", num_experts=[m.num_experts for m in moe.layers], layers=[m.index for m in moe.layers])

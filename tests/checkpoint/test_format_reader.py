@@ -88,7 +88,7 @@ def test_every_reader_refuses_the_same_damage_in_the_same_words(damage, tmp_path
     with pytest.raises(MoePruneError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
         structure.read(tmp_path)
     # the modeling files copied into a result (stock transformers, no moeprune)
-    from moeprune.serve.moeprune_layers import read_structure
+    from moeprune.serve.moeprune_families import read_structure
 
     with pytest.raises(FormatError) as caught:
         read_structure(_config_object(section))

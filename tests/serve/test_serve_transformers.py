@@ -422,7 +422,7 @@ def test_legacy_family_table_agrees_with_discovery():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     _modeling_module()
-    table = importlib.import_module("modeling_under_test.moeprune_layers").FAMILIES
+    table = importlib.import_module("modeling_under_test.moeprune_families").FAMILIES
     for base, row in table.items():
         model = tiny_model(base)
         record = family_record(MoEModel(model))

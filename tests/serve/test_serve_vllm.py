@@ -440,7 +440,7 @@ def test_plugin_refuses_a_damaged_checkpoint(served, damaged):
 
 # moeprune's modules vLLM's processes may import: its plugin and serving code (no pipeline, data, ...)
 SERVING_MODULES = {"moeprune", "moeprune.serve", "moeprune.serve.vllm_plugin", "moeprune.serve.modeling_moeprune",
-                   "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_loading",
+                   "moeprune.serve.moeprune_layers", "moeprune.serve.moeprune_families", "moeprune.serve.moeprune_loading",
                    "moeprune.serve.moeprune_quantized", "moeprune.serve.moeprune_novices",
                    "moeprune.serve.moeprune_format", "moeprune.serve.vllm", "moeprune.serve.vllm.layout",
                    "moeprune.serve.vllm.moe", "moeprune.serve.vllm.novices", "moeprune.serve.vllm.version",

@@ -3,8 +3,8 @@ modeling files that stock transformers loads with trust_remote_code.
 
 - moeprune_format.py: the one reader of the on-disk format (standard library only), shared by
   moeprune, the modeling files and the vLLM plugin
-- modeling_moeprune.py, moeprune_layers.py, moeprune_loading.py (and moeprune_format.py,
-  moeprune_quantized.py): copied into every moeprune-format folder; they import torch, transformers
+- modeling_moeprune.py, moeprune_families.py, moeprune_layers.py, moeprune_loading.py,
+  moeprune_novices.py (and moeprune_format.py, moeprune_quantized.py): copied into every moeprune-format folder; they import torch, transformers
   and safetensors only, never moeprune
 - moeprune_quantized.py: decodes the quantized weights a result kept (fp8 blocks, MXFP4,
   compressed-tensors), for the modeling files and for moeprune's own reader (moeprune.quant)

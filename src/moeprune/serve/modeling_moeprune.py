@@ -1,12 +1,12 @@
 """Load a moeprune result with stock transformers: `AutoModelForCausalLM.from_pretrained(folder,
 trust_remote_code=True)`. moeprune need not be installed.
 
-moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the four
-it imports (moeprune_layers.py: the family table and the expert modules; moeprune_loading.py:
-reading the weights; moeprune_format.py: the structure, read and checked; moeprune_quantized.py:
-decoding quantized weights) into the folder because the result is something the family's stock
-config cannot describe: MoE layers
-with different numbers of experts, experts of different widths (intermediate neurons), or
+moeprune (a toolkit that prunes Mixture-of-Experts language models) copied this file and the ones
+it imports (moeprune_families.py: the family table; moeprune_layers.py: the expert modules;
+moeprune_novices.py: low-rank novices; moeprune_loading.py: reading the weights; moeprune_format.py:
+the structure, read and checked; moeprune_quantized.py: decoding quantized weights) into the folder
+because the result is something the family's stock config cannot describe: MoE layers with
+different numbers of experts, experts of different widths (intermediate neurons), or
 "novices" (experts replaced by their mean output). config.json says so in its `moeprune`
 section, one entry per MoE layer:
 
@@ -59,18 +59,14 @@ from typing import TYPE_CHECKING, cast
 import torch
 import transformers
 
+from .moeprune_families import LayerStructure, block_of, fail, family_of, read_structure
 from .moeprune_format import ARCHITECTURE_PREFIX, auto_model_class, split_auto_model_class
 from .moeprune_layers import (
-    LayerStructure,
     MoePruneExperts,
     MoePruneInputWeightedMoe,
-    block_of,
     expert_disk_tensors,
-    fail,
-    family_of,
     first_rows,
     get_tensor,
-    read_structure,
     replace_tensor,
     set_counts,
     slice_expert,
@@ -91,6 +87,7 @@ from .moeprune_novices import novice_module
 MODELING_FILES = (
     "modeling_moeprune.py",
     "moeprune_layers.py",
+    "moeprune_families.py",
     "moeprune_loading.py",
     "moeprune_format.py",
     "moeprune_quantized.py",

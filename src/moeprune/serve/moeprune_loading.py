@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from .moeprune_families import INDEX_FILE, SINGLE_FILE, fail
 from .moeprune_format import FormatError, parse_mtp
-from .moeprune_layers import INDEX_FILE, SINGLE_FILE, fail
 from .moeprune_quantized import StoredQuantization
 
 
