@@ -12,6 +12,9 @@ cd "$(dirname "$0")/.."
 setup_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-vllm.XXXXXX")
 ./scripts/setup_vllm.sh > "$setup_log" 2>&1 &
 setup_vllm=$!
+quant_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-quant.XXXXXX")  # .venv-quant (llm-compressor), beside it
+./scripts/setup_quant.sh > "$quant_log" 2>&1 &
+setup_quant=$!
 ./setup.sh
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
 .venv/bin/ruff format --check src
@@ -20,6 +23,9 @@ status=0
 wait "$setup_vllm" || status=$?
 cat "$setup_log" && rm -f "$setup_log"
 [ "$status" = 0 ] || { echo "scripts/setup_vllm.sh failed (exit $status)" >&2; exit "$status"; }
+wait "$setup_quant" || status=$?
+cat "$quant_log" && rm -f "$quant_log"
+[ "$status" = 0 ] || { echo "scripts/setup_quant.sh failed (exit $status)" >&2; exit "$status"; }
 .venv/bin/python -m pytest "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 # Only the folders whose behaviour depends on transformers' model classes run again: families,
