@@ -358,9 +358,9 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
     if asked and not isinstance(fmt, Fp8Format):
         raise MoePruneError(
             f"saving as fp8 keeps an fp8 input's blocks, and {model_path} is "
-            f"{'not quantized' if fmt is None else fmt.saved_as} (moeprune does not quantize): save as fp32, "
+            f"{'not quantized' if fmt is None else fmt.saved_as} (to quantize, use the quantize option): save as fp32, "
             "bf16 or fp16",
-            options=("save_dtype",),
+            options=("save_dtype", "quantize"),
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
