@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # The whole test suite, exactly as CI runs it (.ci/run calls this script).
 #
-# Sets up .venv (the newest transformers) and .venv-vllm (vLLM's CPU build, with transformers at
-# the lowest version moeprune supports), then runs the suite in both: the serving tests drive
-# vLLM through .venv-vllm from the first run, so the second run leaves them out. Extra arguments
-# go to both pytest runs (e.g. -x, -k).
+# Sets up .venv (the newest transformers), .venv-vllm (vLLM's CPU build, with transformers at
+# the lowest version moeprune supports) and .venv-quant (llm-compressor, for --quantize), then runs
+# the suite in the first two: the serving and quantizing tests drive .venv-vllm and .venv-quant
+# from the first run, so the second run leaves them out. Extra arguments go to both pytest runs
+# (e.g. -x, -k).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The two environments install side by side (mostly waiting on downloads and unpacking), and lint
-# and types run while .venv-vllm is still installing: on 2 cores that saves minutes of CI.
+# The environments install side by side (mostly waiting on downloads and unpacking), and lint
+# and types run while .venv-vllm and .venv-quant are still installing: on 2 cores that saves minutes of CI.
 setup_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-vllm.XXXXXX")
 ./scripts/setup_vllm.sh > "$setup_log" 2>&1 &
 setup_vllm=$!
+quant_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-quant.XXXXXX")  # .venv-quant (llm-compressor), beside it
+./scripts/setup_quant.sh > "$quant_log" 2>&1 &
+setup_quant=$!
 ./setup.sh
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
 .venv/bin/ruff format --check src
@@ -20,6 +24,9 @@ status=0
 wait "$setup_vllm" || status=$?
 cat "$setup_log" && rm -f "$setup_log"
 [ "$status" = 0 ] || { echo "scripts/setup_vllm.sh failed (exit $status)" >&2; exit "$status"; }
+wait "$setup_quant" || status=$?
+cat "$quant_log" && rm -f "$quant_log"
+[ "$status" = 0 ] || { echo "scripts/setup_quant.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist): a module stays on one worker and the modules that start vLLM
 # queue on one worker (tests/conftest.py), which halves the suite's time on CI's two cores.
 # MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.

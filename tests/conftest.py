@@ -65,7 +65,7 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-TIERS = ("unit", "integration", "vllm", "distributed")
+TIERS = ("unit", "integration", "vllm", "quant_env", "distributed")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -71,7 +71,7 @@ def test_fp8_is_not_made_from_full_precision(fp8_checkpoint, tmp_path):
     refused(
         ["prune", plain, "--criterion", "frequency", "--sparsity", "0.25", "--data", data, "--save-dtype", "fp8"],
         tmp_path / "out",
-        "is not quantized (moeprune does not quantize)",
+        "is not quantized (to quantize, use the quantize option)",
     )
 
 

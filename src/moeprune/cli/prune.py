@@ -26,8 +26,11 @@ from moeprune.cli.options import (
 )
 from moeprune.config import PruneConfig, Recipe, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
+from moeprune.errors import MoePruneError
 from moeprune.job.pipelines import PIPELINES, PruneRequest, prune_checkpoint, unread_settings
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE
+from moeprune.quant.schemes import DEFAULT_GROUP, DEFAULT_PYTHON, SCHEMES, SETUP, QuantizeOptions
+from moeprune.quant.schemes import METHODS as QUANT_METHODS
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS
@@ -135,6 +138,32 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     "bytes in and predicted out, a size target's solved sparsity) and stop: no weight is loaded, nothing is "
     "written.",
 )
+@click.option(
+    "--quantize",
+    metavar="SCHEME",
+    default=None,
+    help=f"Quantize the pruned model with llm-compressor, in its own environment (--quant-python): "
+    f"{'; '.join(f'{n}: {s.help}' for n, s in SCHEMES.items())}. Routers and lm_head stay unquantized; the "
+    "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes.",
+)
+@click.option(
+    "--quant-method",
+    type=click.Choice(list(QUANT_METHODS)),
+    default="gptq",
+    show_default=True,
+    help="--quantize: gptq (calibrated on the prune's data, every kept expert reached) or rtn (round to nearest).",
+)
+@click.option(
+    "--quant-group-size",
+    type=int,
+    default=None,
+    help=f"--quantize w4a16/w8a16: weights sharing one scale [default: {DEFAULT_GROUP}].",
+)
+@click.option(
+    "--quant-python",
+    default=None,
+    help=f"--quantize: the Python of an environment with llmcompressor [default: {DEFAULT_PYTHON}, made by {SETUP}].",
+)
 @registry_option("--pipeline", PIPELINES, "How the job runs:", default="in-memory", show_default=True)
 @click.option(
     "--no-load",
@@ -168,6 +197,7 @@ def prune(model: str, output: str, **options) -> None:
     rank, _ = init_distributed()  # torchrun: data-parallel observation and search; rank 0 writes
     pipeline.check(config)
     refuse_unread(ctx, unread_settings(pipeline, config))  # typed but never read: refused
+    quantize = _quantize_options(ctx, options)
     request = PruneRequest(
         model,
         output,
@@ -188,6 +218,7 @@ def prune(model: str, output: str, **options) -> None:
             trust_remote_code=options["trust_remote_code"],
             command_line=command_line(),
         ),
+        quantize=quantize,
     )
     report = prune_checkpoint(request, pipeline.name)
     if rank != 0:
@@ -196,6 +227,22 @@ def prune(model: str, output: str, **options) -> None:
         click.echo(format_plan_of_work(report))
         return
     click.echo("\n".join(format_lines(prune_facts(report, output))))
+
+
+def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | None:
+    """--quantize and its settings; a setting typed without --quantize is refused (never read)."""
+    names = ("quant_method", "quant_group_size", "quant_python")
+    if options["quantize"] is None:
+        typed = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+        if typed:
+            raise MoePruneError(
+                f"{', '.join(typed)} set without quantize: give a quantization scheme, or leave them out",
+                options=("quantize", *typed),
+            )
+        return None
+    return QuantizeOptions(
+        options["quantize"], options["quant_method"], options["quant_group_size"], options["quant_python"]
+    )
 
 
 def _from_recipe(ctx: click.Context, name: str) -> bool:

@@ -123,6 +123,12 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
     pipeline_spec = PIPELINES.get(name)
     config = check_config(request.config)  # names, numbers and combinations; the allocation resolved
     pipeline_spec.check(config)
+    if request.quantize is not None and name != "in-memory":
+        raise MoePruneError(
+            f"quantizing runs on the in-memory pipeline (llm-compressor loads the pruned model); the {name} "
+            "pipeline copies the input's shards: prune in memory, or without quantizing",
+            options=("quantize", "pipeline"),
+        )
     assert pipeline_spec.fn is not None, f"pipeline {name} registered without a function"
     return pipeline_spec.fn(replace(request, config=config))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moeprune.allocate.registry import searches
+from moeprune.allocate.registry import ALLOCATIONS, searches
 from moeprune.checkpoint import build_skeleton, check_model_path, load_config, require_tokenizer
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
@@ -21,6 +21,7 @@ from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
+from moeprune.quant.schemes import QuantizeOptions, check_group, check_quantize
 from moeprune.quant.support import quantization_of
 from moeprune.report.parts import (
     TargetSize,
@@ -30,6 +31,7 @@ from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
+from moeprune.shards.quantized_bytes import quantized_dims, quantized_weight_bytes
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
@@ -38,6 +40,7 @@ from moeprune.surgery.registry import default_allocation
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
+STOCK_METHODS = ("drop", "neurons")  # what a stock config expresses with a uniform allocation
 
 
 @dataclass
@@ -53,6 +56,7 @@ class PruneRequest:
     tokenizer_path: str | Path | None = None
     save: SaveOptions = field(default_factory=SaveOptions)
     run: RunOptions = field(default_factory=RunOptions)
+    quantize: QuantizeOptions | None = None  # quantize the result with llm-compressor (job/quantize.py)
 
 
 @dataclass(frozen=True)
@@ -100,18 +104,29 @@ class PlannedSizes:
 
 
 def plan_sizes(
-    model_path: Path, meta: MoEModel, config: PruneConfig, save_dtype: torch.dtype | None
+    model_path: Path,
+    meta: MoEModel,
+    config: PruneConfig,
+    save_dtype: torch.dtype | None,
+    quantize: QuantizeOptions | None = None,
 ) -> tuple[PruneConfig, PlannedSizes]:
     """The sizes of a job saved in `save_dtype` (None: as stored, a kept quantization's bytes and
-    scales); a `target_size` is solved here into the config's sparsity (refused in one line when
-    nothing fits, or when the unpruned model already does)."""
+    scales), quantized as `quantize` says when given; a `target_size` is solved here into the
+    config's sparsity (refused in one line when nothing fits, or when the unpruned model already does)."""
     if save_dtype is None:
         size = stored_weight_bytes(CheckpointLayout(model_path))
     else:
         size = cast_weight_bytes(model_path, meta, save_dtype)
+        if quantize is not None:
+            size = quantized_weight_bytes(
+                size, meta, quantize, torch.empty((), dtype=save_dtype).element_size()
+            )
     solution = None
     if config.target_size is not None:
-        solution = solve_target(meta, config, size, parse_target_size(config.target_size))
+        # a quantized result must be stock (llm-compressor loads it): the same count in every layer
+        solution = solve_target(
+            meta, config, size, parse_target_size(config.target_size), stock=quantize is not None
+        )
         config = replace(config, sparsity=solution.sparsity, target_size=None)
     sizes = PlannedSizes(
         stored_format(model_path),
@@ -152,11 +167,15 @@ class PruneJob:
         """The saved weights' format, as the report names it."""
         if self.kept_quantization is not None:
             return self.kept_quantization.saved_as
+        if self.quantize is not None:
+            return f"compressed-tensors {self.quantize.describe()}"
         return str(self.save_dtype).removeprefix("torch.")
 
     sizes: PlannedSizes | None = None  # the input's weights and the result's, planned
     tokenizer_path: Path | None = None  # a tokenizer given apart from the input (carried into the result)
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
+    quantize: QuantizeOptions | None = None  # quantized after saving, by llm-compressor
+    quant_python: str | None = None  # the quantization environment's Python
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -245,6 +264,13 @@ def prepare(request: PruneRequest) -> PruneJob:
     model_config = load_config(
         checked, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
+    quant_python = None
+    if request.quantize is not None:  # before the input's own format is looked at: it must be full precision
+        fmt = check_quantized(checked)
+        quant_python = check_quantize(
+            request.quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
+        )
+        _check_stock_plan(config)
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
@@ -258,6 +284,8 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
+    if request.quantize is not None:
+        check_group(request.quantize, quantized_dims(meta), [m.intermediate_size for m in meta.layers])
     stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
@@ -266,11 +294,17 @@ def prepare(request: PruneRequest) -> PruneJob:
     )
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
-    config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype)
+    config, sizes = plan_sizes(
+        checked, meta, config, None if kept_quantization else save_dtype, request.quantize
+    )
     layer_budget = check_feasible(meta, config)
+    if (
+        request.quantize is not None and "neurons_per_expert" in layer_budget
+    ):  # the widths a neuron method keeps
+        check_group(request.quantize, [], sorted(set(layer_budget["neurons_per_expert"].values())))
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
-    reads_calibration = needs.reads_calibration(bool(data.sources))
+    reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
     if reads_calibration or needs.search:
         tokenizer = require_tokenizer(checked, tokenizer_path, trust_remote_code)
         if reads_calibration:
@@ -305,6 +339,8 @@ def prepare(request: PruneRequest) -> PruneJob:
         sizes,
         Path(tokenizer_path) if tokenizer_path is not None else None,
         save.drop_mtp,
+        request.quantize,
+        quant_python,
     )
 
 
@@ -322,9 +358,9 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
     if asked and not isinstance(fmt, Fp8Format):
         raise MoePruneError(
             f"saving as fp8 keeps an fp8 input's blocks, and {model_path} is "
-            f"{'not quantized' if fmt is None else fmt.saved_as} (moeprune does not quantize): save as fp32, "
+            f"{'not quantized' if fmt is None else fmt.saved_as} (to quantize, use the quantize option): save as fp32, "
             "bf16 or fp16",
-            options=("save_dtype",),
+            options=("save_dtype", "quantize"),
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
@@ -339,3 +375,23 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
             options=("method", "save_dtype"),
         )
     return fmt
+
+
+def _check_stock_plan(config: PruneConfig) -> None:
+    """llm-compressor loads the pruned model with stock transformers: a plan a stock config
+    expresses (the same expert count, or width, in every layer) is quantized; the others are
+    refused before loading, naming what works."""
+    method = METHODS.get(config.method)
+    allocation = ALLOCATIONS.get(config.allocation or default_allocation(config.method))
+    if (
+        not allocation.fixed
+        or method.configured(config.options).keeps_routing
+        or config.method not in STOCK_METHODS
+    ):
+        raise MoePruneError(
+            f"quantizing is done for results a stock config expresses (the same expert count or width in "
+            f"every layer: {' or '.join(STOCK_METHODS)} with the uniform allocation); "
+            f"{method.described(config.options)} with the {allocation.name} allocation is saved in moeprune's "
+            "format, which is not quantized yet: prune without quantizing, or choose a uniform plan",
+            options=("quantize", "method", "allocation"),
+        )

@@ -12,8 +12,10 @@ from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
 from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
+from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
+from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import (
@@ -57,6 +59,27 @@ def run_job(job: PruneJob) -> dict:
     """The expensive part of `prune_in_memory`, on a checked job."""
     with RunLog.join(job.run.command_line) as log:
         return _run(job, log, job.run.progress)
+
+
+def _quantize(job: PruneJob, tmp: Path, report, log: RunLog, progress: bool) -> None:
+    """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
+    on the prune's calibration data with every kept expert reached; report.json records how."""
+    assert job.quantize is not None and job.quant_python is not None
+    if report.format != "stock":
+        raise MoePruneError(  # prepare refuses such plans; a result saved otherwise is never quantized
+            "this result is saved in moeprune's format, which llm-compressor does not load: not quantized"
+        )
+    samples = [list(map(int, s.input_ids)) for d in job.calibration for s in d.samples]
+    with stage(f"quantizing {job.quantize.describe()} with llm-compressor ({job.quant_python})", progress):
+        report.quantization = quantize_folder(
+            job.quant_python, tmp, job.quantize, samples, job.max_shard_size
+        )
+    q = report.quantization
+    log.note(
+        f"quantized {q['scheme']} ({q['method']}) by llm-compressor {q['versions']['llmcompressor']}: every "
+        f"kept expert computed on at least {q['least_tokens_per_expert']} calibration tokens "
+        f"({q['calibration_tokens']} tokens, all experts calibrated); routers and lm_head left unquantized"
+    )
 
 
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
@@ -142,6 +165,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             if (mtp is not None and not mtp.left_out) or (ignored and carry):
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
             record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
+        if job.quantize is not None:
+            _quantize(job, tmp, report, log, progress)
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

@@ -154,6 +154,8 @@ class PruneReport:
     disk_bytes: DiskBytes | None = None
     timing_s: dict[str, float] | None = None
     target: TargetSize | None = None  # with a size target: it, the solved sparsity, the bytes written
+    # with --quantize: the scheme, llm-compressor's versions, the calibration tokens per kept expert
+    quantization: dict[str, Any] | None = None
     # checked afterwards: `moeprune serve-check` (written after the keys above)
     serve_check: ServeCheck | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know

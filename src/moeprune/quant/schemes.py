@@ -1,0 +1,177 @@
+"""`prune --quantize`: the schemes llm-compressor applies to a pruned result, what each weighs on
+disk, and the checks that need no weights (a scheme, a group size, the quantization environment).
+
+Why a byte model here: `--target-size 40GiB --quantize w4a16` names the memory a user has, so the
+sparsity is solved in the bytes the quantized result will have (packed codes, scales, zero points,
+and what stays unquantized: embeddings, norms, routers, lm_head) before anything is loaded. The
+formulas are compressed-tensors' layouts for one Linear weight [out, in]:
+
+- w4a16 (pack-quantized, int4 symmetric, groups of G along `in`): int32 codes [out, in/8] (in/2
+  bytes a row), scales [out, in/G] in the model's dtype, and the int64 `weight_shape` [2];
+- w8a16 (pack-quantized, int8 symmetric, groups of G): codes [out, in/4] int32 (in bytes a row),
+  scales [out, in/G], `weight_shape`;
+- fp8-dynamic (float-quantized, e4m3 per output channel, activations per token at run time):
+  fp8 weight [out, in], one scale per row [out, 1];
+- nvfp4a16 (nvfp4-pack-quantized, fp4 e2m1 in groups of 16): uint8 codes [out, in/2], fp8 scales
+  [out, in/16] and one float32 global scale.
+
+Symmetric schemes store no zero point. The router (gate) and lm_head stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeprune.errors import MoePruneError
+
+SETUP = "scripts/setup_quant.sh"
+DEFAULT_PYTHON = ".venv-quant/bin/python"
+DEFAULT_GROUP = 128
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One `--quantize` choice: how llm-compressor quantizes each Linear, and its bytes on disk."""
+
+    name: str
+    help: str
+    bits: int  # of one code
+    grouped: bool  # scales per group of `group_size` inputs (else per output channel)
+    fixed_group: int | None = None  # a format whose group size is part of it (nvfp4: 16)
+    scale_bytes: int | None = None  # None: the model's dtype
+    global_scale_bytes: int = 0  # per Linear (nvfp4's float32 global scale)
+    shape_bytes: int = 0  # per Linear (pack-quantized's int64 weight_shape [2])
+
+    def linear_bytes(self, out: int, inputs: int, group: int, dtype_bytes: int) -> int:
+        """Bytes of one quantized Linear weight [out, inputs] with everything stored beside it."""
+        groups = inputs // self.group(group) if self.grouped else 1
+        scale = self.scale_bytes if self.scale_bytes is not None else dtype_bytes
+        return (
+            out * inputs * self.bits // 8 + out * groups * scale + self.global_scale_bytes + self.shape_bytes
+        )
+
+    def group(self, asked: int) -> int:
+        return self.fixed_group or asked
+
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("w4a16", "int4 weights in groups, 16-bit activations (GPTQ or RTN)", 4, True, shape_bytes=16),
+        Scheme("w8a16", "int8 weights in groups, 16-bit activations (GPTQ or RTN)", 8, True, shape_bytes=16),
+        Scheme("fp8-dynamic", "fp8 e4m3 weights per channel, activations per token at run time", 8, False),
+        Scheme(
+            "nvfp4a16",
+            "fp4 e2m1 weights in groups of 16 with fp8 scales, 16-bit activations",
+            4,
+            True,
+            fixed_group=16,
+            scale_bytes=1,
+            global_scale_bytes=4,
+        ),
+    )
+}
+METHODS = ("gptq", "rtn")
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `prune --quantize` asks for; checked once by `check_quantize` before anything loads."""
+
+    scheme: str
+    method: str = "gptq"
+    group_size: int | None = None  # None: DEFAULT_GROUP for grouped schemes
+    python: str | None = None  # None: DEFAULT_PYTHON under the current folder
+
+    @property
+    def spec(self) -> Scheme:
+        return SCHEMES[self.scheme]
+
+    @property
+    def group(self) -> int:
+        return self.spec.group(self.group_size or DEFAULT_GROUP)
+
+    def describe(self) -> str:
+        group = f", groups of {self.group}" if self.spec.grouped else ""
+        return f"{self.scheme} ({self.method}{group})"
+
+
+OPTIONS = ("quantize",)
+
+
+def check_quantize(options: QuantizeOptions, has_data: bool, quantized_input: str | None) -> str:
+    """The refusals of a quantize request that need nothing but the request and the input's
+    format, in one line each; returns the quantization environment's Python. `quantized_input`:
+    how the input is quantized (None: full precision)."""
+    if options.scheme not in SCHEMES:
+        raise MoePruneError(
+            f"unknown quantization scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}",
+            options=OPTIONS,
+        )
+    if options.method not in METHODS:
+        raise MoePruneError(
+            f"unknown quantization method {options.method!r}; choose gptq or rtn", options=("quant_method",)
+        )
+    spec = options.spec
+    if options.group_size is not None and not spec.grouped:
+        raise MoePruneError(
+            f"{options.scheme} scales each output channel; a group size applies to w4a16 and w8a16",
+            options=("quant_group_size",),
+        )
+    if options.group_size is not None and spec.fixed_group and options.group_size != spec.fixed_group:
+        raise MoePruneError(
+            f"{options.scheme} groups {spec.fixed_group} weights by its format; leave the group size out",
+            options=("quant_group_size",),
+        )
+    if options.group_size is not None and options.group_size <= 0:
+        raise MoePruneError(
+            f"the group size must be positive, got {options.group_size}", options=("quant_group_size",)
+        )
+    if quantized_input is not None:
+        raise MoePruneError(
+            f"the input is already quantized ({quantized_input}); moeprune quantizes full-precision "
+            "checkpoints only (prune it keeping its format, or start from the full-precision release)",
+            options=OPTIONS,
+        )
+    if options.method == "gptq" and not has_data:
+        raise MoePruneError(
+            "GPTQ calibrates on the prune's calibration data: give data files, or quantize by "
+            "round-to-nearest (method rtn)",
+            options=("data", "quant_method"),
+        )
+    return _quant_python(options.python)
+
+
+def check_group(options: QuantizeOptions, dims: list[int], widths: list[int]) -> None:
+    """Refuse, before loading, a group size that does not divide every grouped input: `dims` the
+    other quantized Linears' inputs and the experts' hidden size, `widths` the kept expert widths
+    (the down projections' inputs). The line names the largest group size that would."""
+    if not options.spec.grouped:
+        return
+    group = options.group
+    every = [*dims, *widths]
+    bad = sorted({d for d in every if d % group})
+    if not bad:
+        return
+    largest = max(g for g in range(group, 0, -1) if all(d % g == 0 for d in every))
+    what = "kept expert width" if set(bad) <= set(widths) else "quantized input width"
+    raise MoePruneError(
+        f"a group of {group} weights does not divide the {what}{'s' if len(bad) > 1 else ''} "
+        f"{', '.join(map(str, bad))}: the largest group size that divides every width is {largest}",
+        options=("quant_group_size",),
+    )
+
+
+def _quant_python(given: str | None) -> str:
+    path = Path(given) if given else Path(DEFAULT_PYTHON)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        if given:
+            raise MoePruneError(f"{given!r} is not an executable Python", options=("quant_python",))
+        raise MoePruneError(
+            f"no quantization environment ({DEFAULT_PYTHON} not found): run {SETUP} to make it, "
+            "or give the Python of an environment with llmcompressor",
+            options=("quant_python",),
+        )
+    return str(path.absolute())

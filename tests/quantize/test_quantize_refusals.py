@@ -1,0 +1,97 @@
+"""`prune --quantize` refused in one line (exit 2) before any weight is loaded: these need no
+quantization environment (where one must exist to get that far, any executable Python stands in).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.job import run as run_module
+from moeprune.models.factory import tiny_model
+from moeprune.quant.testing import save_compressed_checkpoint
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """`model/` (tiny qwen3_moe, 16-wide experts, full precision), `ct/` (the same, W4A16), `calib.jsonl`."""
+    root = tmp_path_factory.mktemp("quantize-refusals")
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=2, mlp_only_layers=[])
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    save_compressed_checkpoint(model, root / "ct", scheme="w4a16", group_size=16, tokenizer=tokenizer)
+    (root / "calib.jsonl").write_text("".join(json.dumps({"text": f"{i} plus {i}"}) + "\n" for i in range(4)))
+    return root
+
+
+@pytest.fixture(autouse=True)
+def never_load(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(run_module, "load_placed", refuse)
+
+
+PY = ["--quant-python", sys.executable]
+CASES = {
+    "unknown scheme": (["--quantize", "w5a16", *PY], "unknown quantization scheme 'w5a16'; choose one of w4a16, w8a16"),
+    "quantized input": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", *PY],
+        "the input is already quantized (compressed-tensors",
+    ),
+    "group divides no width": (
+        ["--quantize", "w4a16", *PY],
+        "a group of 128 weights does not divide the quantized input widths 16, 32: the largest group size "
+        "that divides every width is 16 (--quant-group-size)",
+    ),
+    "kept width": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", *PY],
+        "does not divide the kept expert width 8: the largest group size that divides every width is 8",
+    ),
+    "group size of a channel scheme": (
+        ["--quantize", "fp8-dynamic", "--quant-group-size", "16", *PY],
+        "fp8-dynamic scales each output channel",
+    ),
+    "gptq without data": (["--quantize", "w4a16", "--criterion", "magnitude", "--no-data", *PY], "GPTQ calibrates"),
+    "no-load pipeline": (["--quantize", "w4a16", "--no-load", *PY], "quantizing runs on the in-memory pipeline"),
+    "per-layer counts": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--allocation", "global", *PY],
+        "moeprune's format, which is not quantized yet",
+    ),
+    "setting without --quantize": (["--quant-method", "rtn"], "quant_method set without quantize"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_in_one_line_before_loading(world, tmp_path, case):
+    flags, message = CASES[case]
+    model = world / ("ct" if case == "quantized input" else "model")
+    sparsity = ["--sparsity", "0.5"] if case == "kept width" else ["--sparsity", "0.25"]
+    data = [] if "--no-data" in flags else ["--data", world / "calib.jsonl"]
+    flags = [f for f in flags if f != "--no-data"]
+    if "--criterion" not in flags:
+        flags = ["--criterion", "frequency", *flags]
+    result = run_cli("prune", model, "--output", tmp_path / "out", *sparsity, *data, *flags, ok=False)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_quantization_environment_names_the_setup_script(world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no .venv-quant here
+    result = run_cli(
+        "prune", world / "model", "--output", tmp_path / "out", "--sparsity", "0.25", "--data", world / "calib.jsonl",
+        "--criterion", "frequency", "--quantize", "w4a16", ok=False,
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "no quantization environment (.venv-quant/bin/python not found): run scripts/setup_quant.sh" in result.output
+    assert len(result.output.strip().splitlines()) == 1
