@@ -114,3 +114,22 @@ def test_cli_on_cuda_keeps_the_cpu_plan_and_auto_runs_bf16(tmp_path: Path, tiny_
     assert plans["cuda"] == plans["cpu"], "the same fp32 statistics on a GPU chose other experts"
     assert reports["cuda"]["save_dtype"] == "float32"
     assert reports["auto"]["save_dtype"] == "float32"  # computed in bf16 (the GPU default), saved as stored
+
+
+def test_gradient_allocation_on_cuda_trains_like_the_cpu(tmp_path: Path, tiny_checkpoint: Path, data: Path):
+    """`--allocation gradient` trains its logits on the GPU that holds the model (the noise comes
+    from a CPU generator, so both devices draw the same samples): the budget is met exactly there
+    too, and the fp32 run follows the CPU's losses to STATS_RTOL (a lost gradient or a mask that
+    stayed on the CPU would change them by far more)."""
+    common = ("--criterion", "frequency", "--sparsity", "0.25", "--allocation", "gradient", "--data", str(data),
+              "--search-data", str(data), "--search-samples", "6", "--samples", "8", "--gradient-steps", "4",
+              "--dtype", "fp32", "--quiet")  # fmt: skip
+    searches = {}
+    for device in ("cpu", "cuda"):
+        run_cli("prune", str(tiny_checkpoint), "--output", str(tmp_path / device), "--device", device, *common)
+        searches[device] = json.loads((tmp_path / device / "search.json").read_text())
+    for search in searches.values():
+        assert sum(search["allocation"]) == search["budget"] == 8  # 25 % of 4 layers x 8 experts
+    cpu_loss = torch.tensor([step["loss"] for step in searches["cpu"]["training"]])
+    cuda_loss = torch.tensor([step["loss"] for step in searches["cuda"]["training"]])
+    assert torch.allclose(cuda_loss, cpu_loss, rtol=STATS_RTOL), (cuda_loss, cpu_loss)
