@@ -106,7 +106,8 @@ def as_report(protected: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
 
 
 NARROWED = {  # what a neuron method does with the super experts (it keeps every expert, routed)
-    "neurons": "are narrowed like every expert by the neurons method (the guard does not cover it yet)",
+    "neurons": "are narrowed like every expert by the neurons method, whose one width per layer makes a "
+    "stock checkpoint (--method mixed --mixed-whole 0 is the same ENP with them kept whole)",
     "tenp": "rank first among each layer's whole experts (kept whole where the trapezoid keeps that many "
     "whole experts in their layer; narrowed otherwise)",
     "mixed": "stay whole (every layer keeps at least its super experts whole)",
