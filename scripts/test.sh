@@ -27,10 +27,11 @@ cat "$setup_log" && rm -f "$setup_log"
 wait "$setup_quant" || status=$?
 cat "$quant_log" && rm -f "$quant_log"
 [ "$status" = 0 ] || { echo "scripts/setup_quant.sh failed (exit $status)" >&2; exit "$status"; }
-# Every core runs tests (pytest-xdist): a module stays on one worker and the modules that start vLLM
-# queue on one worker (tests/conftest.py), which halves the suite's time on CI's two cores.
-# MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
-workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadgroup)
+# Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
+# fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
+# on CI's two cores. (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose
+# node ids it no longer rewrites.) MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
+workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile)
 .venv/bin/python -m pytest "${workers[@]}" "$@"
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
 # Only the folders whose behaviour depends on transformers' model classes run again: families,

@@ -75,15 +75,3 @@ def pytest_collection_modifyitems(config, items) -> None:
                        if sum(1 for tier in TIERS if item.get_closest_marker(tier)) != 1})  # fmt: skip
     if untiered:
         raise pytest.UsageError(f"give these test files one tier marker ({', '.join(TIERS)}): {', '.join(untiered)}")
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-
-
-def _worker_group(item) -> str:
-    """Which pytest-xdist worker queue a test joins under `--dist loadgroup` (scripts/test.sh).
-
-    A test module stays on one worker, so its module-scoped fixtures (a trained or pruned model,
-    a served set of results) are built once; every module that starts vLLM shares one group, so
-    two vLLM engines never compete for the same cores and memory while the other workers run the
-    rest of the suite."""
-    return "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::")[0]
