@@ -279,6 +279,18 @@ class CandidateEvaluator:
             for handle in handles:
                 handle.remove()
 
+    def data_summary(self) -> dict[str, Any]:
+        """search.json's account of the search data and the teacher cache (evo and gradient alike)."""
+        return {
+            "search_samples": self.num_samples,
+            "teacher_cache": {
+                "bytes": self.cache_nbytes,
+                "answer_positions": self.teacher.num_positions,
+                "vocab_size": self.teacher.vocab_size,
+            },
+            "notes": self.notes,
+        }
+
     @property
     def batch_count(self) -> int:
         """Search batches held (the gradient allocation cycles through them)."""

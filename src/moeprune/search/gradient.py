@@ -325,13 +325,7 @@ def run_gradient_search(
             str(layer): [round(float(v), 6) for v in part]
             for layer, part in zip(limits.layers, layout.split(final))
         },
-        "search_samples": evaluator.num_samples,
-        "teacher_cache": {
-            "bytes": evaluator.cache_nbytes,
-            "answer_positions": evaluator.teacher.num_positions,
-            "vocab_size": evaluator.teacher.vocab_size,
-        },
-        "notes": evaluator.notes,
+        **evaluator.data_summary(),
         "timings_s": {
             "teacher_pass": round(evaluator.teacher_seconds, 3),
             "training": round(train_seconds, 3),

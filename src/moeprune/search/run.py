@@ -282,13 +282,7 @@ def _search_document(
         "evaluations": result.evaluations,
         "stopped": result.stopped,
         "generations": generations,
-        "search_samples": evaluator.num_samples,
-        "teacher_cache": {
-            "bytes": evaluator.cache_nbytes,
-            "answer_positions": evaluator.teacher.num_positions,
-            "vocab_size": evaluator.teacher.vocab_size,
-        },
-        "notes": evaluator.notes,
+        **evaluator.data_summary(),
         "timings_s": {
             "teacher_pass": round(evaluator.teacher_seconds, 3),
             "total": round(seconds, 3),
