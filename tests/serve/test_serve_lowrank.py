@@ -36,12 +36,13 @@ from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
     _greedy_and_logprobs,
     _reference,
     _stored,
+    code_calibration,
     drive_vllm,
     vllm_python,
 )
 
 import moeprune
-from moeprune.config import DataOptions, PruneConfig, RunOptions
+from moeprune.config import PruneConfig, RunOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import PruneRequest, prune_checkpoint
 from moeprune.models.lowrank import LowRankNovice
@@ -60,10 +61,7 @@ def results(tmp_path_factory) -> dict[str, Path]:
     """Every case pruned with rank-2 novices at 25 % (moeprune.job.prune_checkpoint)."""
     root = tmp_path_factory.mktemp("serve_lowrank")
     tokenizer = byte_tokenizer()
-    data = root / "calib.jsonl"
-    rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
-    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    options = DataOptions(sources=[str(data)], samples=16, max_length=64)
+    options = code_calibration(root)
     made = {}
     for family in {family for family, _ in CASES.values()}:
         _reference(family, root / family, len(tokenizer))

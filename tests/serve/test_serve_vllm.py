@@ -218,15 +218,20 @@ def _reference(family: str, path: Path, vocab: int) -> None:
     model.save_pretrained(path)
 
 
+def code_calibration(root: Path) -> DataOptions:
+    """16 small code samples written under `root`, as the calibration data of every served result."""
+    data = root / "calib.jsonl"
+    rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return DataOptions(sources=[str(data)], samples=16, max_length=64)
+
+
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """Every (family, kind) output, made by moeprune.job.prune_checkpoint."""
     root = tmp_path_factory.mktemp("serve")
     tokenizer = byte_tokenizer()
-    data = root / "calib.jsonl"
-    rows = [{"text": f"def f{i}(a, b):\n    return a * {i} + b  # {'xyz' * i}\n"} for i in range(16)]
-    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    options = DataOptions(sources=[str(data)], samples=16, max_length=64)
+    options = code_calibration(root)
     made = {}
     for family in FAMILIES:
         reference = root / family / "reference"
@@ -237,7 +242,7 @@ def outputs(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 continue
             config = PruneConfig(**KINDS[kind][0], search=_EVO)
             made[family, kind] = root / family / kind
-            search = [str(data)] if config.allocation == "evo" else []
+            search = list(options.sources) if config.allocation == "evo" else []
             prune_checkpoint(PruneRequest(
                 reference, made[family, kind], config, data=options, search_data=search, run=RunOptions(progress=False)
             ))
