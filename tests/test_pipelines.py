@@ -45,6 +45,10 @@ def test_in_memory_runs_every_method_and_no_load_what_a_stock_checkpoint_express
 def test_unread_settings_name_what_each_run_would_ignore():
     plain = dict(unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5)))
     assert plain[("search_data", SearchConfig)] == "without --allocation evo or gradient or --criterion auto"
+    # a stray search flag names the one allocation that reads it (refused before the shared settings)
+    order = [settings for settings, _ in unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5))]
+    assert plain[GRADIENT_SETTINGS] == "without --allocation gradient" and plain[EVO_SETTINGS] == "without --allocation evo"
+    assert order.index(GRADIENT_SETTINGS) < order.index(("search_data", SearchConfig))
     assert plain[("important_fraction", "slope")] == "without --method tenp"
     assert plain[("neuron_importance",)] == "without --method neurons or tenp or mixed"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))

@@ -100,16 +100,16 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
     only a search, another method or neuron pruning read."""
     unread = list(pipeline.unread)
     needs = requirements(config)
+    allocation = config.allocation or default_allocation(config.method)
+    # one searched allocation's own settings first, so the refusal names the allocation that reads them
+    if allocation != "gradient":
+        unread.append((GRADIENT_SETTINGS, "without --allocation gradient"))
+    if allocation != "evo":
+        unread.append((EVO_SETTINGS, "without --allocation evo"))
     if not needs.search:
         unread.append(
             (("search_data", SearchConfig), "without --allocation evo or gradient or --criterion auto")
         )
-    else:
-        allocation = config.allocation or default_allocation(config.method)
-        if allocation != "gradient":
-            unread.append((GRADIENT_SETTINGS, "without --allocation gradient"))
-        if allocation != "evo":
-            unread.append((EVO_SETTINGS, "without --allocation evo"))
     unread += [(tuple(knobs), f"without --method {other}") for other, knobs in needs.other_knobs.items()]
     return unread
 
