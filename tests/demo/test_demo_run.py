@@ -78,3 +78,32 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
                 assert data["params"] == pytest.approx(
                     [r["experts_after"] / r["experts_before"] for r in row["kept_rows"]]
                 )
+
+
+def test_demo_gradient_row_removes_what_the_search_chose(trained_moe):
+    """The full demo's gradient row: `_search` dispatches to the gradient allocation, whose counts
+    meet the demo's budget and whose re-ordered scores make the plan drop exactly its choice."""
+    from moeprune.checkpoint import load_model
+    from moeprune.config import PruneConfig, SearchConfig
+    from moeprune.criteria import compute_scores
+    from moeprune.data.loading import load_data
+    from moeprune.demo.corpus import DOMAINS
+    from moeprune.models import MoEModel
+    from moeprune.surgery.planning import build_plan
+
+    model_dir, corpus = trained_moe
+    model, tokenizer = load_model(model_dir)
+    moe = MoEModel(model)
+    settings = demo_run.DemoSettings.for_mode(quick=True)
+    files = [str(corpus / f"{d}_search.jsonl") for d in DOMAINS]
+    search = load_data(files, tokenizer, num_samples=8, max_length=64, seed=0)
+    layers = [m.index for m in moe.layers]
+    scores = compute_scores("magnitude", weights=moe.layers, num_experts=[m.num_experts for m in moe.layers], layers=layers)
+    config = PruneConfig("magnitude", 0.5, allocation="gradient", search=SearchConfig(steps=4, seed=3))
+    removed, ordered, document = demo_run._search(moe, scores, search, config, settings, tokenizer.pad_token_id or 0)
+    assert document["allocation_method"] == "gradient" and document["steps"] == 4
+    assert sum(removed) == document["budget"] == sum(m.num_experts for m in moe.layers) // 2
+    plan = build_plan(moe, demo_run.get_criterion("magnitude"), ordered, config=config, removed=removed)
+    assert {str(lp.layer): sorted(lp.dropped) for lp in plan.layers} == {
+        k: sorted(v) for k, v in document["dropped"].items()
+    }

@@ -35,6 +35,7 @@ from moeprune.report.plots import plot_search_curve
 from moeprune.runtime.atomic import atomic_write_dir, check_output_dir, write_json
 from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
+from moeprune.search.gradient import gradient_allocation
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
 from moeprune.surgery.lowrank import fit_novices, plan_rank
@@ -109,7 +110,8 @@ EXTRA: tuple[tuple[str, str, str, dict | None], ...] = (
     ("reap", "uniform", "neurons", None),
     ("tenp", "trapezoid", "tenp", None),
 )
-SEARCHED = (("frequency", "drop"), ("reap", "drop"))
+# the searched rows: (criterion, allocation, method); the quick demo runs the first only
+SEARCHED = (("frequency", "evo", "drop"), ("reap", "evo", "drop"), ("frequency", "gradient", "drop"))
 
 
 def configurations(quick: bool) -> Iterator[tuple[str, str, str, float, dict | None]]:
@@ -120,8 +122,8 @@ def configurations(quick: bool) -> Iterator[tuple[str, str, str, float, dict | N
                 yield criterion, allocation, "drop", sparsity, None
         for criterion, allocation, method, options in EXTRA:
             yield criterion, allocation, method, sparsity, options
-        for criterion, method in SEARCHED[:1] if quick else SEARCHED:
-            yield criterion, "evo", method, sparsity, None
+        for criterion, allocation, method in SEARCHED[:1] if quick else SEARCHED:
+            yield criterion, allocation, method, sparsity, None
 
 
 def method_label(method: str, options: dict | None) -> str:
@@ -148,22 +150,37 @@ def _sizes(moe: MoEModel, plan: Plan, before: dict[str, int]) -> dict[str, int]:
 
 
 def _search(
-    moe: MoEModel, scores, search: CalibrationData, sparsity: float, settings: DemoSettings, pad: int
-):
-    """A short EvoESAP search (the demo's budget: small population, few generations)."""
+    moe: MoEModel,
+    scores,
+    search: CalibrationData,
+    config: PruneConfig,
+    settings: DemoSettings,
+    pad: int,
+) -> tuple[list[int], list, dict]:
+    """The searched allocation of `config` on the search data: experts removed per layer, the
+    scores whose order the plan follows, and search.json. Evo: a short EvoESAP search (the demo's
+    budget: small population, few generations); gradient: `moeprune prune`'s defaults."""
+    runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
+    if config.allocation == "gradient":
+        return gradient_allocation(
+            moe, get_criterion(config.criterion), scores, search, config=config, runtime=runtime
+        )
     budget = budget_from_sparsity(
-        sparsity, [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
+        config.sparsity_value(), [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
     )
-    config = SearchConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
-    return run_evo_search(
+    search_config = SearchConfig(
+        population=settings.population, elites=4, generations=settings.generations, seed=42
+    )
+    removed, document = run_evo_search(
         moe,
         search,
         [s.order for s in protected_order(scores, moe.protected)],  # super experts last
         budget,
-        config=config,
+        config=search_config,
         fingerprint={"demo": True},
-        runtime=SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad),
+        runtime=runtime,
     )
+    return removed, scores, document
 
 
 def run_demo(
@@ -244,7 +261,7 @@ def _run_demo(
         found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
         removed = None
         if searches(allocation):
-            removed, document = _search(moe, scores, search, sparsity, settings, pad)
+            removed, scores, document = _search(moe, scores, search, config, settings, pad)
             search_docs.append({"criterion": criterion, "sparsity": sparsity, **document})
         plan = build_plan(
             moe,
@@ -285,7 +302,10 @@ def _run_demo(
         "super_experts": as_report(found or {}),  # kept in every row
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
-        "searches": [{k: v for k, v in s.items() if k != "generations"} for s in search_docs],
+        "searches": [  # without the per-generation and per-step histories (search.json's)
+            {k: v for k, v in s.items() if k not in ("generations", "training", "keep_logits")}
+            for s in search_docs
+        ],
         "timing_s": {"model": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
     }
     table = format_table(results)
@@ -294,7 +314,7 @@ def _run_demo(
         write_json(tmp / "results.json", results)
         (tmp / "results.md").write_text(table + "\n")
         _plots(tmp, rows)
-        for doc in search_docs:
+        for doc in (d for d in search_docs if "generations" in d):  # evo's curves (gradient: no generations)
             name = f"search_{doc['criterion']}_{int(doc['sparsity'] * 100)}.png"
             plot_search_curve(tmp / name, doc["generations"], doc["fitness"])
         log.write(tmp)
@@ -378,9 +398,11 @@ def notice(row: dict, rows: list[dict]) -> str:
         ),
         None,
     )
-    if row["allocation"] in ("global", "evo") and base is not None:
+    if row["allocation"] in ("global", "evo", "gradient") and base is not None:
         gain = row["esap"] - base["esap"]
-        how = "the search" if row["allocation"] == "evo" else "ranking experts across layers"
+        how = {"evo": "the search", "gradient": "the trained keep logits"}.get(
+            row["allocation"], "ranking experts across layers"
+        )
         return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."
     if row["method"].startswith(("novice", "drop, reroute none")) and base is not None:
         gain = row["esap"] - base["esap"]

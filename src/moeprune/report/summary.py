@@ -325,7 +325,8 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
         )
     for search in results.get("searches", []):
         lines.append(
-            f"  search    {search['criterion']} at {search['sparsity']:.0%}: {search['fitness']} "
+            f"  search    {search['criterion']} {search.get('allocation_method', 'evo')} at {search['sparsity']:.0%}: "
+            f"{search['fitness']} "
             f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
             "on the search data"
         )
