@@ -79,13 +79,14 @@ def plot_kept(
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    # below the axes, never over the data; three entries per legend row
-    columns = min(3, len(labels))
+    # below the axes, never over the data; three entries per legend row, two when the labels are
+    # long enough that three would run past the figure's edges
+    columns = min(3 if max(map(len, labels)) <= 26 else 2, len(labels))
     legend_rows = -(-len(labels) // columns)
     fig.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
     bottom = (0.045 * legend_rows + 0.02) * (1.0 if panels == 1 else 0.75)
     fig.tight_layout(rect=(0, bottom, 1, 1))
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # a legend wider than the axes is kept whole
     plt.close(fig)
     return series
