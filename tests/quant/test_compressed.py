@@ -101,7 +101,10 @@ def test_config_groups_and_refusals():
     assert fmt.scheme_of("model.layers.0.self_attn.q_proj").num_bits == 8
     with pytest.raises(MoePruneError, match="cannot tell which of 2 config groups"):
         fmt.scheme_of("model.layers.0.mlp.shared_expert.up_proj")
-    config["quantization_config"]["format"] = "nvfp4-pack-quantized"
-    with pytest.raises(MoePruneError, match="'nvfp4-pack-quantized'"):
+    config["quantization_config"]["format"] = "mxfp4-pack-quantized"
+    with pytest.raises(MoePruneError, match="'mxfp4-pack-quantized'"):
+        read_compressed_config(config)
+    config["quantization_config"]["format"] = "nvfp4-pack-quantized"  # read, but these are int4 weights
+    with pytest.raises(MoePruneError, match="group 'experts' is nvfp4-pack-quantized .* symmetric fp4 weights in groups of 16"):
         read_compressed_config(config)
     assert read_compressed_config({"quantization_config": {"quant_method": "fp8"}}) is None

@@ -175,17 +175,17 @@ def test_what_cannot_read_or_keep_it_is_refused_in_one_line(checkpoints, tmp_pat
 
 def test_a_compressed_format_moeprune_does_not_decode_is_refused_by_name(checkpoints, tmp_path):
     ct, _, data = checkpoints
-    other = tmp_path / "nvfp4"
+    other = tmp_path / "mxfp4"
     other.mkdir()
     for item in ct.iterdir():
         (other / item.name).write_bytes(item.read_bytes())
     config = json.loads((other / "config.json").read_text())
-    config["quantization_config"]["format"] = "nvfp4-pack-quantized"
+    config["quantization_config"]["format"] = "mxfp4-pack-quantized"
     (other / "config.json").write_text(json.dumps(config))
     done = run_cli("prune", other, "--criterion", "frequency", "--sparsity", "0.25", "--data", data,
                "--output", tmp_path / "out", "--quiet", ok=False)  # fmt: skip
     assert done.exit_code == 2 and done.output.count("\n") == 1
-    assert "'nvfp4-pack-quantized'; moeprune reads pack-quantized and float-quantized" in done.output
+    assert "'mxfp4-pack-quantized'; moeprune reads pack-quantized, float-quantized, nvfp4-pack-quantized" in done.output
 
 
 def test_streamed_weight_scores_and_the_no_load_drop(checkpoints, tmp_path):

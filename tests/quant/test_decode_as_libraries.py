@@ -3,8 +3,9 @@ scores, `eval`, the modeling files and the stock stacks compute the same numbers
 
 - compressed-tensors in the scale's dtype (its `dequantize`: codes cast to the scale's dtype, zero
   point subtracted and scale multiplied there; a bf16 scale gives bf16 weights, each product
-  rounded once), checked against the library in .venv (the dev extra installs it) and by hand
-  (test_decode_vllm_library.py: against the release vLLM's environment pins);
+  rounded once), NVFP4 in bf16 (the fp8 scale over the float32 global scale in float32, the
+  product rounded to float32 then bf16), checked against the library in .venv (the dev extra
+  installs it) and by hand (test_decode_vllm_library.py: against the release vLLM's environment pins);
 - block-scaled fp8 (`weight_scale_inv`) and MXFP4 as transformers dequantizes them while loading
   (float32 products, cast to the parameter's dtype), checked against its own functions.
 
@@ -19,12 +20,14 @@ import pytest
 import torch
 
 from moeprune.quant.compressed import (
+    GLOBAL_SCALE,
     PACKED,
     SCALE,
     SHAPE,
     ZERO,
     WeightScheme,
     dequantize_float,
+    dequantize_nvfp4,
     dequantize_packed,
     pack_int32,
 )
@@ -184,3 +187,73 @@ def test_mxfp4_equals_transformers(dtype):
     ours = dequantize_mxfp4(blocks, scales, dtype)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, theirs)
+
+
+def _nvfp4_case(seed: int, rows: int = ROWS, cols: int = COLS):
+    """The stored tensors of one random nvfp4 weight: every byte value (so all 16 codes in both
+    nibbles), fp8 scales spread over decades, a float32 [1] global scale as llm-compressor writes."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randperm(256, generator=g).repeat(rows * cols // 2 // 256 + 1)[: rows * cols // 2]
+    scale = torch.rand(rows, cols // 16, generator=g) * torch.logspace(-3, 2, cols // 16) + 2**-6
+    glob = torch.rand(1, generator=g) * 5000 + 1
+    return {
+        PACKED: packed.reshape(rows, cols // 2).to(torch.uint8),
+        SCALE: scale.to(torch.float8_e4m3fn),
+        GLOBAL_SCALE: glob.to(torch.float32),
+    }
+
+
+def test_nvfp4_by_hand():
+    """Byte 0x8F holds code 15 (-6) in its low nibble, read first, and code 8 (-0) in its high one;
+    the 16 codes are E2M1_VALUES. The global scale divides: fp8 scale 2 over global scale 0.5 is a
+    step of 4 for the first 16 inputs, 0.5 / 0.5 = 1 for the next 16. The result is bf16 whatever
+    the scales' dtypes (the library unpacks to bf16)."""
+    codes = torch.arange(16)
+    packed = (codes[0::2] | codes[1::2] << 4).repeat(2)[None].to(torch.uint8)  # [1, 16]: 32 inputs
+    scale = torch.tensor([[2.0, 0.5]]).to(torch.float8_e4m3fn)
+    w = dequantize_nvfp4({PACKED: packed, SCALE: scale, GLOBAL_SCALE: torch.tensor([0.5])})
+    assert w.dtype == torch.bfloat16 and w.shape == (1, 32)
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert w[0].tolist() == [4 * v for v in table] + table
+    assert torch.signbit(w[0, 8]) and not torch.signbit(w[0, 0])  # code 8 is -0
+    one = dequantize_nvfp4(
+        {
+            PACKED: torch.tensor([[0x8F] * 8], dtype=torch.uint8),
+            SCALE: torch.tensor([[1.0]]).to(torch.float8_e4m3fn),
+            GLOBAL_SCALE: torch.tensor([1.0]),
+        }
+    )
+    assert one[0, :2].tolist() == [-6.0, -0.0]
+    # 3 * (1 / 3): the quotient in float32 (0.3333333432...), the product 1.0000000298 in
+    # float32, rounded to bf16 1.0; not 3 * bf16(1/3) = 3 * 0.333984375 = 1.001953125
+    third = {
+        PACKED: torch.tensor([[0x55] * 8], dtype=torch.uint8),  # code 5 = 3.0 everywhere
+        SCALE: torch.tensor([[1.0]]).to(torch.float8_e4m3fn),
+        GLOBAL_SCALE: torch.tensor([3.0]),
+    }
+    assert dequantize_nvfp4(third).unique().tolist() == [1.0]
+
+
+@pytest.mark.parametrize("glob", ["float32[1]", "float32[]", "bfloat16[1]"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_equals_the_library(seed, glob):
+    """compressed-tensors' NVFP4PackedCompressor.decompress, bit for bit: llm-compressor stores a
+    float32 [1] global scale (its quotient by the bf16 scale is float32 by torch's promotion); a
+    0-dim or bf16 one keeps the quotient in bf16, and moeprune follows the library there too."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    tensors = _nvfp4_case(seed)
+    dtype, shape = glob.split("[")
+    tensors[GLOBAL_SCALE] = (
+        tensors[GLOBAL_SCALE].to(getattr(torch, dtype)).reshape((1,) if shape == "1]" else ())
+    )
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+    theirs = NVFP4PackedCompressor.decompress(
+        dict(tensors), QuantizationScheme(targets=["Linear"], weights=args)
+    )
+    ours = dequantize_nvfp4(tensors)
+    assert ours.dtype == theirs["weight"].dtype == torch.bfloat16
+    assert torch.equal(ours, theirs["weight"])
+    assert torch.equal(torch.signbit(ours), torch.signbit(theirs["weight"]))  # -0 where the library has it

@@ -1,6 +1,7 @@
 """compressed-tensors decoding against the library release vLLM's environment pins (.venv-vllm,
 driven in a subprocess: it cannot share .venv), on the cases of test_decode_as_libraries.py:
-moeprune's decode equals the library's there too, dtype and every value.
+moeprune's decode equals the library's there too, dtype and every value (NVFP4 included: 0.17
+infers the group from the scale's shape where 0.20 is given the scheme, the same arithmetic).
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_decode_as_libraries import FLOAT_CASES, PACKED_PARAMS, SCALE_DTYPES, _float_case, _packed_case
+from test_decode_as_libraries import (
+    FLOAT_CASES,
+    PACKED_PARAMS,
+    SCALE_DTYPES,
+    _float_case,
+    _nvfp4_case,
+    _packed_case,
+)
 
-from moeprune.quant.compressed import SCALE, dequantize_float, dequantize_packed
+from moeprune.quant.compressed import SCALE, dequantize_float, dequantize_nvfp4, dequantize_packed
 
 pytestmark = pytest.mark.vllm  # drives .venv-vllm's python in a subprocess (no vLLM start-up)
 
@@ -28,6 +36,7 @@ import json, sys
 import torch
 from safetensors.torch import load_file, save_file
 from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 folder = sys.argv[1]
@@ -36,10 +45,12 @@ out = {}
 for name, case in json.load(open(folder + "/cases.json")).items():
     parts = {k: tensors[name + "." + k] for k in case["parts"]}
     block = case.get("block_structure")
-    args = QuantizationArgs(num_bits=case["bits"], type=case["type"], symmetric=case["symmetric"],
+    kind = "float" if case["type"] == "nvfp4" else case["type"]
+    args = QuantizationArgs(num_bits=case["bits"], type=kind, symmetric=case["symmetric"],
                             strategy=case["strategy"], group_size=case["group_size"], block_structure=block)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
-    compressor = PackedQuantizationCompressor if case["type"] == "int" else NaiveQuantizationCompressor
+    compressor = {"int": PackedQuantizationCompressor, "float": NaiveQuantizationCompressor,
+                  "nvfp4": NVFP4PackedCompressor}[case["type"]]
     out[name] = compressor.decompress(parts, scheme)["weight"].contiguous()
 save_file(out, folder + "/decoded.safetensors")
 """
@@ -69,6 +80,12 @@ def test_the_release_vllm_serves_with_decodes_the_same(tmp_path):
         block = list(scheme.block_structure) if scheme.block_structure else None
         cases[name] = {"parts": ["weight", SCALE], "bits": 8, "type": "float", "symmetric": True}
         cases[name] |= {"strategy": strategy, "group_size": scheme.group_size, "block_structure": block}
+    for k in range(3):  # nvfp4: that release passes no quantization args to `dequantize` (0.20 does)
+        tensors = _nvfp4_case(seed=300 + k)
+        stored.update({f"nvfp4{k}.{n}": v for n, v in tensors.items()})
+        ours[f"nvfp4{k}"] = dequantize_nvfp4(tensors)
+        cases[f"nvfp4{k}"] = {"parts": sorted(tensors), "bits": 4, "type": "nvfp4", "symmetric": True}
+        cases[f"nvfp4{k}"] |= {"strategy": "tensor_group", "group_size": 16}
     save_file(stored, str(tmp_path / "cases.safetensors"))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     run = subprocess.run(

@@ -32,12 +32,15 @@ from moeprune.checkpoint.files import StoredTensor, stored_tensors
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.errors import MoePruneError
 from moeprune.quant.compressed import (
+    GLOBAL_SCALE,
+    NVFP4_FORMAT,
     PACKED,
     SCALE,
     SHAPE,
     ZERO,
     CompressedFormat,
     dequantize_float,
+    dequantize_nvfp4,
     dequantize_packed,
     read_compressed_config,
 )
@@ -142,11 +145,15 @@ def compressed_pairs(
 ) -> dict[str, tuple[str, ...]]:
     """Model key `<m>.weight` -> the stored keys it is decoded from, for compressed-tensors:
     `weight_packed`, `weight_scale`, `weight_shape` (and `weight_zero_point`) of pack-quantized
-    modules, the fp8 `weight` and its `weight_scale` of float-quantized ones; each checked."""
+    modules, `weight_packed`, `weight_scale` and `weight_global_scale` of nvfp4 ones, the fp8
+    `weight` and its `weight_scale` of float-quantized ones; each checked."""
     pairs: dict[str, tuple[str, ...]] = {}
     for key, stored in tensors.items():
         module, _, name = key.rpartition(".")
-        if name == PACKED:
+        nvfp4 = name == PACKED and fmt.scheme_of(module).format == NVFP4_FORMAT
+        if nvfp4:
+            needed = [f"{module}.{n}" for n in (PACKED, SCALE, GLOBAL_SCALE)]
+        elif name == PACKED:
             needed = [f"{module}.{n}" for n in (PACKED, SCALE, SHAPE)]
             zero = f"{module}.{ZERO}"
             if not fmt.scheme_of(module).symmetric:
@@ -160,9 +167,10 @@ def compressed_pairs(
             raise MoePruneError(
                 f"checkpoint {path}: compressed-tensors weight of {module!r} has no {missing[0]!r}"
             )
-        if name == PACKED and stored.dtype != "I32":
+        if name == PACKED and stored.dtype != ("U8" if nvfp4 else "I32"):
             raise MoePruneError(
-                f"checkpoint {path}: {key!r} is {stored.dtype}; compressed-tensors packs into int32"
+                f"checkpoint {path}: {key!r} is {stored.dtype}; compressed-tensors packs "
+                + ("nvfp4 codes into uint8" if nvfp4 else "into int32")
             )
         pairs[f"{module}.weight"] = tuple(needed)
     return pairs
@@ -183,11 +191,14 @@ def coded_pairs(
 def logical_shape(fmt: QuantFormat | None, codes: str, stored: StoredTensor) -> tuple[int, ...]:
     """The shape of the parameter stored codes stand for, from the header alone: mxfp4's blocks
     [..., rows, groups, 16] hold the transposed [..., groups * 32, rows]; pack-quantized int32
-    words [out, w] hold [out, w * 32 / bits] (exact for the multiples of 32 / bits models use)."""
+    words [out, w] hold [out, w * 32 / bits] (exact for the multiples of 32 / bits models use);
+    nvfp4's bytes [out, w] hold [out, 2w]."""
     if isinstance(fmt, Mxfp4Format) and codes.endswith(BLOCKS_SUFFIX):
         *lead, rows, groups, _ = stored.shape
         return (*lead, groups * GROUP, rows)
     if isinstance(fmt, CompressedFormat) and codes.endswith(PACKED):
+        if fmt.scheme_of(codes.rpartition(".")[0]).format == NVFP4_FORMAT:
+            return (*stored.shape[:-1], stored.shape[-1] * 2)
         bits = fmt.scheme_of(codes.rpartition(".")[0]).num_bits
         return (*stored.shape[:-1], stored.shape[-1] * 32 // bits)
     return stored.shape
@@ -196,13 +207,16 @@ def logical_shape(fmt: QuantFormat | None, codes: str, stored: StoredTensor) -> 
 def decoder(fmt: QuantFormat | None, key: str) -> Callable[..., torch.Tensor]:
     """The function that turns the stored tensors of quantized weight `key` (in `pairs` order:
     the codes first) into its values as the format's library decodes them: float32 for fp8 blocks
-    and mxfp4 (transformers' products), the scale's dtype for compressed-tensors (its library's)."""
+    and mxfp4 (transformers' products), the scale's dtype for compressed-tensors (its library's;
+    bf16 for nvfp4)."""
     if isinstance(fmt, Fp8Format):
         return partial(dequantize_blocks, block=fmt.block)
     if isinstance(fmt, CompressedFormat):
         scheme = fmt.scheme_of(key.rpartition(".")[0])
         if scheme.format == "float-quantized":
             return partial(dequantize_float, scheme=scheme)
+        if scheme.format == NVFP4_FORMAT:
+            return lambda *parts: dequantize_nvfp4(dict(zip((PACKED, SCALE, GLOBAL_SCALE), parts)))
         names = (PACKED, SCALE, SHAPE, ZERO)
         return lambda *parts: dequantize_packed(dict(zip(names, parts)), scheme)
     return dequantize_mxfp4

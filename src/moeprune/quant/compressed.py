@@ -9,6 +9,10 @@ alone from the format's own definition, for the two formats MoE releases use:
   `(q - zero_point) * scale` per group of `group_size` inputs.
 - `float-quantized` (FP8 weights): `<m>.weight` float8_e4m3fn beside `<m>.weight_scale`, one per
   tensor, per output channel or per block (`block_structure`); the weight is `fp8 * scale`.
+- `nvfp4-pack-quantized` (NVFP4, llm-compressor's and `prune --quantize nvfp4a16`'s output):
+  `<m>.weight_packed` uint8 [out, in/2] (two e2m1 codes a byte, the low nibble first),
+  `<m>.weight_scale` float8_e4m3fn [out, in/16] and `<m>.weight_global_scale` float32 [1]; the
+  weight is `e2m1 * (scale / global_scale)` per group of 16 inputs.
 
 Which modules are quantized and how is `quantization_config.config_groups` (each with `targets`:
 module class names such as "Linear", or "re:" regular expressions on module names) minus
@@ -18,9 +22,10 @@ Weights are decoded as compressed-tensors' own `dequantize` decodes them: in the
 (the codes cast to it, the zero point subtracted and the scale multiplied in it), so a bf16 scale
 gives bf16 weights, each product rounded once; float32 products would differ by up to half a bf16
 ulp, which moves logits and flips routing against every stack that reads the checkpoint with the
-library (transformers, vLLM). compressed-tensors itself is not needed to read (it is the oracle of
-tests/quant); formats
-moeprune does not decode (nvfp4, mxfp4-pack, sparse ones) are refused by name.
+library (transformers, vLLM). NVFP4 is decoded as the library's NVFP4 compressor decodes it, in
+bf16 whatever the model's dtype (see `dequantize_nvfp4`). compressed-tensors itself is not needed
+to read (it is the oracle of tests/quant); formats moeprune does not decode (mxfp4-pack, sparse
+ones) are refused by name.
 """
 
 from __future__ import annotations
@@ -31,12 +36,22 @@ from typing import Any
 import torch
 
 from moeprune.errors import MoePruneError
-from moeprune.serve.moeprune_quantized import PACKED, SCALE, SHAPE, ZERO, target_matches
+from moeprune.serve.moeprune_quantized import (
+    GLOBAL_SCALE,
+    NVFP4_FORMAT,
+    NVFP4_GROUP,
+    PACKED,
+    SCALE,
+    SHAPE,
+    ZERO,
+    target_matches,
+)
 from moeprune.serve.moeprune_quantized import dequantize_float as decode_float
+from moeprune.serve.moeprune_quantized import dequantize_nvfp4 as decode_nvfp4
 from moeprune.serve.moeprune_quantized import dequantize_packed as decode_packed
 from moeprune.serve.moeprune_quantized import unpack_int32 as unpack_words
 
-READ_FORMATS = ("pack-quantized", "float-quantized")
+READ_FORMATS = ("pack-quantized", "float-quantized", NVFP4_FORMAT)
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,18 @@ def read_compressed_config(config_dict: dict[str, Any]) -> CompressedFormat | No
         if fmt not in READ_FORMATS:
             raise MoePruneError(
                 f"this compressed-tensors checkpoint stores group {name!r} as {fmt!r}; moeprune reads "
-                f"{' and '.join(READ_FORMATS)} weights: dequantize it to bf16 first"
+                f"{', '.join(READ_FORMATS)} weights: dequantize it to bf16 first"
+            )
+        nvfp4 = (
+            weights.get("num_bits"),
+            weights.get("type"),
+            weights.get("group_size"),
+            weights.get("symmetric", True),
+        )
+        if fmt == NVFP4_FORMAT and nvfp4 != (4, "float", NVFP4_GROUP, True):
+            raise MoePruneError(
+                f"this compressed-tensors checkpoint's group {name!r} is {fmt} with weights {weights!r}; "
+                f"moeprune reads the format's symmetric fp4 weights in groups of {NVFP4_GROUP}: dequantize it to bf16 first"
             )
         block = weights.get("block_structure")
         schemes.append(
@@ -135,6 +161,16 @@ def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightSc
     scale per tensor, per output channel, per group or per block."""
     block = scheme.block_structure if scheme.strategy == "block" else None
     return decode_float(weight, scale, block)
+
+
+def dequantize_nvfp4(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight [out, in] of one nvfp4-pack-quantized module from its stored tensors, in bf16 as
+    compressed-tensors' NVFP4 compressor returns it whatever the model's dtype: the e2m1 codes
+    times `weight_scale / weight_global_scale`, that quotient in float32 (torch's promotion of the
+    bf16-cast fp8 scale by the float32 [1] global scale), the product rounded to float32 then bf16."""
+    if tensors[PACKED].dtype != torch.uint8:
+        raise MoePruneError(f"nvfp4 packs two codes a byte into uint8, got {tensors[PACKED].dtype}")
+    return decode_nvfp4(tensors[PACKED], tensors[SCALE], tensors[GLOBAL_SCALE])
 
 
 def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:

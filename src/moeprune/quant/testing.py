@@ -26,11 +26,13 @@ from torch import nn
 
 from moeprune.errors import MoePruneError
 from moeprune.quant.compressed import (
+    GLOBAL_SCALE,
     PACKED,
     SCALE,
     SHAPE,
     ZERO,
     dequantize_float,
+    dequantize_nvfp4,
     dequantize_packed,
     quantize_int,
     read_compressed_config,
@@ -303,8 +305,11 @@ def _dequantized(
     out = {}
     for name, tensor in tensors.items():
         module, _, last = name.rpartition(".")
-        if compressed is not None and last in (PACKED, SCALE, SHAPE, ZERO, "weight"):
-            if last == PACKED:
+        if compressed is not None and last in (PACKED, SCALE, SHAPE, ZERO, GLOBAL_SCALE, "weight"):
+            if last == PACKED and tensor.dtype == torch.uint8:  # nvfp4
+                parts = {k: tensors[f"{module}.{k}"] for k in (PACKED, SCALE, GLOBAL_SCALE)}
+                out[f"{module}.weight"] = dequantize_nvfp4(parts).to(dtype)
+            elif last == PACKED:
                 parts = {
                     k: tensors[f"{module}.{k}"]
                     for k in (PACKED, SCALE, SHAPE, ZERO)

@@ -13,7 +13,9 @@ names the three formats use:
   `<p>_scales` (one e8m0 exponent per 32 values) stand for the parameter `<p>` [..., in, out];
 - compressed-tensors (`"compressed-tensors"`): pack-quantized `<m>.weight_packed` (int32 words),
   `<m>.weight_scale`, `<m>.weight_shape` and, asymmetric, `<m>.weight_zero_point` stand for
-  `<m>.weight`; float-quantized `<m>.weight` (fp8) beside `<m>.weight_scale`.
+  `<m>.weight`; float-quantized `<m>.weight` (fp8) beside `<m>.weight_scale`; nvfp4-pack-quantized
+  `<m>.weight_packed` (uint8, two e2m1 codes a byte) beside `<m>.weight_scale` (fp8, one per 16
+  inputs) and `<m>.weight_global_scale` (float32 [1], which divides the scales).
 
 Each format is decoded as its own library decodes it, so these files, moeprune's reader and the
 stock stack hold the same numbers:
@@ -23,7 +25,9 @@ stock stack hold the same numbers:
   the model's dtype by the loader;
 - compressed-tensors as its `dequantize` does: the codes cast to the scale's dtype, the zero point
   subtracted and the scale multiplied in that dtype, so a bf16 scale gives bf16 weights (each
-  product rounded once to bf16), not the float32 products.
+  product rounded once to bf16), not the float32 products; nvfp4 as its compressor does: the codes
+  and fp8 scales cast to bf16, the scales divided by the float32 global scale (float32 by torch's
+  promotion), the product in float32, then rounded to bf16 whatever the model's dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ MXFP4_GROUP = 32  # values sharing one exponent
 # the 16 e2m1 codes: sign bit 3, exponent bits 2-1, mantissa bit 0 (no inf, no nan)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 PACKED, SCALE, SHAPE, ZERO = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
+GLOBAL_SCALE, NVFP4_GROUP = "weight_global_scale", 16  # nvfp4: the scales' divisor, inputs per scale
+NVFP4_FORMAT = "nvfp4-pack-quantized"
 DECODED_METHODS = ("fp8", "mxfp4", "compressed-tensors")
 
 
@@ -125,6 +131,25 @@ def dequantize_float(
     return w * scale.repeat_interleave(-(-cols // scale.shape[-1]), dim=-1)[..., :cols]
 
 
+def dequantize_nvfp4(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The weight [out, in] of one nvfp4-pack-quantized module, in bf16, as compressed-tensors'
+    NVFP4 compressor decodes it: uint8 `packed` [out, in/2] holds two e2m1 codes a byte, the low
+    nibble first; `scale` [out, in/16] (fp8) one per 16 inputs, divided by `global_scale` (float32
+    [1]) before it multiplies. The library unpacks to bf16 and casts the scale to it (both exact),
+    divides by the global scale in the promoted dtype (float32 for a [1] tensor), multiplies there
+    (one rounding) and rounds the product to bf16 (a second): each step here is the same torch op."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    values = table[codes.long()].to(torch.bfloat16)
+    step = scale.to(values.dtype)
+    if global_scale is not None:
+        step = step / global_scale
+    groups = values.unflatten(-1, (-1, NVFP4_GROUP)).to(step.dtype)
+    return (groups * step[..., None]).to(torch.bfloat16).flatten(-2)
+
+
 def target_matches(target: str, module: str) -> bool:
     """Whether a compressed-tensors `targets` entry names `module` ("re:" regex, else the name)."""
     if target.startswith("re:"):
@@ -175,7 +200,9 @@ class StoredQuantization:
             elif self.method == "compressed-tensors" and name.endswith(f".{PACKED}"):
                 module = name.removesuffix(f".{PACKED}")
                 zero = (f"{module}.{ZERO}",) if f"{module}.{ZERO}" in stored else ()
-                found[f"{module}.weight"] = (name, f"{module}.{SCALE}", f"{module}.{SHAPE}", *zero)
+                nvfp4 = (self._group(module).get("format") or self.quant.get("format")) == NVFP4_FORMAT
+                last = GLOBAL_SCALE if nvfp4 else SHAPE
+                found[f"{module}.weight"] = (name, f"{module}.{SCALE}", f"{module}.{last}", *zero)
             elif self.method == "compressed-tensors" and name.endswith(f".{SCALE}"):
                 module = name.removesuffix(f".{SCALE}")
                 if f"{module}.weight" in stored:  # float-quantized: the fp8 weight beside its scale
@@ -196,6 +223,8 @@ class StoredQuantization:
         if self.method == "mxfp4":
             return dequantize_mxfp4(values[0], values[1])
         scheme = self._scheme(weight.removesuffix(".weight"))
+        if values[0].dtype == torch.uint8:  # nvfp4: codes, scales, global scale
+            return dequantize_nvfp4(values[0], values[1], values[2])
         if values[0].dtype == torch.int32:
             zero = values[3] if len(values) > 3 and not scheme.get("symmetric", True) else None
             return dequantize_packed(values[0], values[1], values[2], int(scheme.get("num_bits", 8)), zero)
@@ -203,8 +232,11 @@ class StoredQuantization:
         return dequantize_float(values[0], values[1], tuple(block) if block else None)
 
     def _scheme(self, module: str) -> dict:
-        """The `weights` section of the config group that quantized `module`: the group whose
-        targets name it, else the only group."""
+        """The `weights` section of the config group that quantized `module`."""
+        return self._group(module)["weights"]
+
+    def _group(self, module: str) -> dict:
+        """The config group that quantized `module`: the group whose targets name it, else the only group."""
         groups = [
             g
             for g in (self.quant.get("config_groups") or {}).values()
@@ -212,5 +244,5 @@ class StoredQuantization:
         ]
         named = [g for g in groups if any(target_matches(t, module) for t in g.get("targets") or ())]
         if len(named) == 1 or (not named and len(groups) == 1):
-            return (named or groups)[0]["weights"]
+            return (named or groups)[0]
         raise _fail(f"{self.folder}: cannot tell which compressed-tensors config group quantized {module}")
