@@ -21,7 +21,7 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.models.packed import layer_cost
 from moeprune.observe.observer import observe
-from moeprune.surgery.neurons import uniform_widths
+from moeprune.surgery.neurons import guarded_shared, uniform_widths
 from moeprune.surgery.parameters import plan_routed_parameters
 from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
@@ -175,3 +175,14 @@ def test_width_multiple_flag_reaches_the_plan_and_bad_values_are_refused(planted
     refused = run_cli("prune", planted, "--output", tmp_path / "m", "--criterion", "reap", "--method", "drop",
                       "--sparsity", "0.5", "--data", data, "--width-multiple", "8", ok=False)  # fmt: skip
     assert refused.exit_code == 2 and "width_multiple" in refused.output.replace("-", "_"), refused.output
+
+
+def test_guarded_width_is_the_widest_step_within_the_enp_layer_and_the_default_falls_back():
+    """64-wide experts, ENP's K = 32: one expert whole leaves 8 x 32 - 64 = 192 neurons for 7 others."""
+    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=64, num_hidden_layers=2))
+    layer = moe.layers[0]
+    assert layer_cost(layer).per_expert == 0  # no biases: widths compare as neuron counts
+    assert guarded_shared(layer, 1, 32, None) == (24, 8)  # 32 leaves less than one block: falls back to 8
+    assert guarded_shared(layer, 1, 32, 4) == (24, 4) and guarded_shared(layer, 1, 32, 5) == (25, 5)
+    with pytest.raises(MoePruneError, match="less than one block of 32 neurons"):
+        guarded_shared(layer, 1, 32, 32)  # an asked multiple is never relaxed

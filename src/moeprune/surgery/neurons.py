@@ -369,10 +369,7 @@ def neuron_plan(
         guarded = sorted(set(moe.protected.get(m.index, ())) & set(ids))
         neurons = {e: k for e in ids} if k < m.intermediate_size else {}
         if neurons and guarded:  # moeprune's format anyway: grouped_mm's floor of 8 does not apply
-            step = width_step(m.intermediate_size, width_multiple)
-            shared = guarded_width(
-                layer_cost(m), m.intermediate_size, len(ids), len(guarded), k, step, m.index
-            )
+            shared, steps[-1] = guarded_shared(m, len(guarded), k, width_multiple)
             neurons = {e: shared for e in ids if e not in guarded}
             whole[str(m.index)] = guarded
         layers.append(
@@ -399,6 +396,22 @@ def neuron_plan(
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
     plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
     return plan
+
+
+def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[int, int]:
+    """(width, step) the other experts of a layer with `whole` super experts share. An asked
+    multiple is kept or refused; the default step (32) falls back to 8, then 1, where less than one
+    block would be left (a small expert: the demo's 64 neurons at 50 %)."""
+    full, cost = m.intermediate_size, layer_cost(m)
+    steps = [asked] if asked is not None else [width_step(full, None), STOCK_MULTIPLE, 1]
+    tries = [s for s in dict.fromkeys(steps) if asked is not None or full % s == 0 or s == 1]
+    for pos, step in enumerate(tries):
+        try:
+            return guarded_width(cost, full, m.num_experts, whole, k, step, m.index), step
+        except MoePruneError:
+            if pos == len(tries) - 1:
+                raise
+    raise AssertionError("no width step tried")  # pragma: no cover - tries is never empty
 
 
 def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:

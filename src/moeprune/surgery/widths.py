@@ -12,6 +12,10 @@ multiple of 32 wider than 32. A narrower or unaligned expert (the tiny test mode
 method's own step: 8 neurons for the neurons method where the width is a multiple of 8
 (transformers' grouped_mm needs 16-byte strides in a stock checkpoint), else 1.
 
+With `--method neurons`, a layer's guarded super experts stay whole and its others share
+`guarded_width` (surgery/neurons.py `guarded_shared`: under the default step, 32 falls back to 8,
+then 1, where less than one block would be left).
+
 Another narrowing method (mixed) can take the same rule: `width_step(width, asked, floor)` is
 the step of one layer, `nearest_multiple` rounds a target width onto it.
 """
