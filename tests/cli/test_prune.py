@@ -66,7 +66,7 @@ def predicted_at(model: Path, tmp_path: Path, sparsity: float, *flags) -> int:
     [
         ("--criterion", "magnitude"),
         ("--criterion", "reap", "--method", "novice"),
-        ("--criterion", "reap", "--method", "neurons"),
+        ("--criterion", "reap", "--method", "neurons", "--allow-super-experts"),  # the stock plan, exactly
         ("--criterion", "tenp", "--method", "tenp"),
         ("--criterion", "reap", "--allocation", "global"),
         ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125),

@@ -204,4 +204,4 @@ def test_tenp_keeps_it_whole_and_neurons_says_it_narrows_it(planted, data, tmp_p
     assert "whole experts" in _report(tmp_path / "tenp")["super_experts_note"]
     run_cli("prune", planted, "--output", tmp_path / "enp", "--criterion", "reap", "--method", "neurons",
             "--sparsity", "0.5", "--data", data, "--samples", "8", "--quiet")  # fmt: skip
-    assert "narrowed" in _report(tmp_path / "enp")["super_experts_note"]
+    assert "kept whole: the result is in moeprune format" in _report(tmp_path / "enp")["super_experts_note"]

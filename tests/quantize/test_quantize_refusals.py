@@ -53,8 +53,18 @@ CASES = {
         "that divides every width is 16 (--quant-group-size)",
     ),
     "kept width": (
-        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", *PY],
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", "--width-multiple", "8",
+         "--allow-super-experts", *PY],
         "does not divide the kept expert width 8: the largest group size that divides every width is 8",
+    ),
+    "neurons with the super-expert guard": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", *PY],
+        "give --allow-super-experts to narrow them too (a stock checkpoint)",
+    ),
+    "width multiple the group does not divide": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", "--width-multiple", "12",
+         "--allow-super-experts", *PY],
+        "does not divide the kept expert width 12: the largest group size that divides every width is 4",
     ),
     "group size of a channel scheme": (
         ["--quantize", "fp8-dynamic", "--quant-group-size", "16", *PY],

@@ -31,7 +31,7 @@ KINDS = {
     "evo": ("--allocation", "evo", "--search-data", "{data}", "--search-samples", "8",
             "--generations", "2", "--population", "4", "--elites", "2", "--criterion", "auto"),
     "no-load drop": ("--no-load",),
-    "no-load neurons": ("--no-load", "--method", "neurons", "--sparsity", "0.5"),
+    "no-load neurons": ("--no-load", "--method", "neurons", "--sparsity", "0.5", "--allow-super-experts"),
 }  # fmt: skip
 
 

@@ -172,7 +172,8 @@ def run(*args, ok: bool = True):
 
 
 def test_cli_no_load_neurons_equals_in_memory_prune(tiny_checkpoint, data, tmp_path):
-    common = ["--method", "neurons", "--sparsity", "0.5", "--data", data, "--neuron-importance", "l2", "--quiet"]  # fmt: skip
+    common = ["--method", "neurons", "--sparsity", "0.5", "--data", data, "--neuron-importance", "l2", "--quiet",
+              "--allow-super-experts"]  # the stock layout (guarded super experts: moeprune's format)  # fmt: skip
     run("prune", tiny_checkpoint, "--output", tmp_path / "mem", "--criterion", "reap", *common)
     result = run("prune", tiny_checkpoint, "--output", tmp_path / "streamed", "--criterion", "reap", "--no-load",
                  *common)  # fmt: skip

@@ -150,7 +150,7 @@ def test_unaligned_uniform_width_is_packed_not_stock(tmp_path):
     model = tiny_model("qwen3_moe")
     moe = MoEModel(model)
     stats = neuron_stats(moe)
-    plan = neuron_plan(moe, stats, 0.625, multiple_of=1)
+    plan = neuron_plan(moe, stats, 0.625, width_multiple=1)
     assert {c for lp in plan.layers for c in lp.neurons.values()} == {6}
     with virtual_plan(moe, plan, stats):
         virtual = logits(model)
@@ -177,7 +177,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(MoePruneError, match="less than one block of 8"):
         neuron_plan(moe, stats, 0.8)
     with pytest.raises(MoePruneError, match="less than one neuron"):
-        neuron_plan(moe, stats, 0.99, multiple_of=1)
+        neuron_plan(moe, stats, 0.99, width_multiple=1)
     with pytest.raises(MoePruneError, match="neurons=True"):
         neuron_plan(moe, observe(moe, calibration(), progress=False), 0.5)
     with pytest.raises(

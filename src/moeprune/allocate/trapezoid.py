@@ -11,6 +11,12 @@ Integer neuron counts: every other expert of layer l gets floor(q I_l) neurons, 
 neurons (the budget rounded to whole neurons) go one each by largest fractional remainder,
 earlier layer first on ties, then to the higher-scored expert of the layer. The kept parameters
 then differ from rho * T by at most half a neuron row (asserted within one row).
+
+Width multiples (`--width-multiple`, surgery/widths.py): with a step s_l per layer, every other
+expert of layer l gets floor(q I_l / s_l) s_l neurons, and the leftover neurons go one block of
+s_l each (the full width when less than a block is left to it) by largest fractional remainder
+(in blocks), a block given only while at least half of it is still owed: the kept parameters then
+differ from rho * T by at most half a block, max(s_l) / 2 neuron rows (asserted).
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ def trapezoid_allocation(
     keep_fraction: float,
     important_fraction: float | None = None,
     slope: float = DEFAULT_SLOPE,
+    steps: Sequence[int] | None = None,
 ) -> TrapezoidAllocation:
     """Whole experts per layer and neuron counts of the others; see the module docstring."""
     if not layers:
@@ -110,9 +117,13 @@ def trapezoid_allocation(
     important = _round_counts(wanted, [layer.experts for layer in layers])
     important_params = sum(c * layer.expert_params for c, layer in zip(important, layers))
     others = [(pos, layer) for pos, layer in enumerate(layers) for _ in range(layer.experts - important[pos])]
-    widths, ratio = _neuron_counts(layers, important, others, target - important_params, row)
+    steps = list(steps) if steps is not None else [1] * len(layers)
+    if any(s != 1 for s in steps):
+        widths, ratio = _block_counts(layers, important, others, target - important_params, row, steps)
+    else:
+        widths, ratio = _neuron_counts(layers, important, others, target - important_params, row)
     kept = important_params + sum(layer.cost.params(w) for layer, ws in zip(layers, widths) for w in ws)
-    if abs(kept - target) > row:
+    if abs(kept - target) > row * max(1, max(steps) / 2):
         raise AssertionError(f"trapezoid budget missed: kept {kept} vs target {target:.1f} (row {row})")
     return TrapezoidAllocation(
         important=important,
@@ -153,6 +164,46 @@ def _neuron_counts(
     )
     for j in rank[: max(extra, 0)]:
         base[j] += 1
+    for (pos, _), count in zip(others, base):
+        widths[pos].append(count)
+    return [sorted(ws, reverse=True) for ws in widths], ratio
+
+
+def _block_counts(
+    layers: Sequence[TrapezoidLayer],
+    important: Sequence[int],
+    others: Sequence[tuple[int, TrapezoidLayer]],
+    budget: float,
+    row: int,
+    steps: Sequence[int],
+) -> tuple[list[list[int]], float]:
+    """`_neuron_counts` with every width a multiple of its layer's step (or the full width)."""
+    widths: list[list[int]] = [[] for _ in layers]
+    if not others:
+        return widths, 1.0
+    full = sum(layer.width for _, layer in others)
+    neurons = (budget - sum(layer.cost.per_expert for _, layer in others)) / row
+    ratio = min(neurons / full, 1.0)
+    step = [steps[pos] for pos, _ in others]
+    base = [math.floor(ratio * layer.width / s) * s for (_, layer), s in zip(others, step)]
+    if ratio <= 0 or min(base) < 1:
+        small = min(step)
+        raise MoePruneError(
+            f"after the whole important experts, the others would keep a neuron ratio of {ratio:.4g}, less "
+            f"than one block of {small} neurons each; lower the important fraction, the sparsity or the "
+            "width multiple",
+            options=("important_fraction", "sparsity", "width_multiple"),
+        )
+    owed = min(neurons, full) - sum(base)
+    rank = sorted(
+        range(len(others)),
+        key=lambda j: (-(ratio * others[j][1].width - base[j]) / step[j], others[j][0], j),
+    )
+    for j in rank:
+        block = min(base[j] + step[j], others[j][1].width) - base[j]
+        if block > 0 and owed >= block / 2:
+            base[j] += block
+            owed -= block
     for (pos, _), count in zip(others, base):
         widths[pos].append(count)
     return [sorted(ws, reverse=True) for ws in widths], ratio

@@ -105,9 +105,9 @@ def as_report(protected: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
     return {str(layer): [int(e) for e in ids] for layer, ids in sorted(protected.items())}
 
 
+NEURONS_WHOLE = "super experts kept whole: the result is in moeprune format; --allow-super-experts gives a stock checkpoint"
 NARROWED = {  # what a neuron method does with the super experts (it keeps every expert, routed)
-    "neurons": "are narrowed like every expert by the neurons method, whose one width per layer makes a "
-    "stock checkpoint (--method mixed --mixed-whole 0 is the same ENP with them kept whole)",
+    "neurons": "stay whole, the other experts of their layers narrowed to one shared width; " + NEURONS_WHOLE,
     "tenp": "rank first among each layer's whole experts (kept whole where the trapezoid keeps that many "
     "whole experts in their layer; narrowed otherwise)",
     "mixed": "stay whole (every layer keeps at least its super experts whole)",

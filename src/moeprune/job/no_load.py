@@ -32,6 +32,7 @@ from moeprune.criteria import (
 )
 from moeprune.criteria.super_experts import as_report, guard_note
 from moeprune.data.loading import CalibrationData, calibration_sets
+from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneRequest
 from moeprune.models import MoEModel
@@ -336,6 +337,23 @@ def _drop(job: _NoLoadJob) -> dict:
     return report.to_json()
 
 
+def refuse_whole_super_experts(moe: MoEModel, config: PruneConfig) -> None:
+    """Right after observation: the neurons method keeps guarded super experts whole, a result in
+    moeprune's format (per-expert widths) that a rewrite of the shards does not write."""
+    if not moe.protected or not any(
+        uniform_widths(moe, config.sparsity_value(), config.options.width_multiple)[pos] < m.intermediate_size
+        for pos, m in enumerate(moe.layers)
+        if moe.protected.get(m.index)
+    ):
+        return
+    raise MoePruneError(
+        f"super experts found ({as_report(moe.protected)}): the neurons method keeps them whole, a result in "
+        "moeprune's format (per-expert widths) that rewriting the shards does not write; prune with the model "
+        "loaded, or give --allow-super-experts for a stock checkpoint (they are narrowed too)",
+        options=("no_load", "allow_super_experts"),
+    )
+
+
 def _shrink(job: _NoLoadJob) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
@@ -348,7 +366,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         options=("method",),
     )
     check_stock_shrink(moe)  # before any observation
-    uniform_widths(moe, config.sparsity_value())
+    uniform_widths(moe, config.sparsity_value(), config.options.width_multiple)
     before_layers, before_params = describe_layers(moe), routed_parameters(moe)
     crit, scores, stats, sets = score_without_loading(
         model_path,
@@ -361,6 +379,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         neurons=True,
     )
     found = guard_super_experts(moe, config, stats)
+    refuse_whole_super_experts(moe, config)
     timer.lap("score")
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     plan = build_plan(

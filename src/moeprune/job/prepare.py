@@ -271,6 +271,7 @@ def prepare(request: PruneRequest) -> PruneJob:
             request.quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
         )
         _check_stock_plan(config)
+        config = _quantized_widths(config, request.quantize)
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
@@ -301,7 +302,8 @@ def prepare(request: PruneRequest) -> PruneJob:
     if (
         request.quantize is not None and "neurons_per_expert" in layer_budget
     ):  # the widths a neuron method keeps
-        check_group(request.quantize, [], sorted(set(layer_budget["neurons_per_expert"].values())))
+        kept = sorted(set(layer_budget["neurons_per_expert"].values()))
+        check_group(request.quantize, quantized_dims(meta), kept)  # the largest group named divides all
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
@@ -377,6 +379,16 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
     return fmt
 
 
+def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneConfig:
+    """A neuron method's default width multiple under a grouped scheme is the group size, so every
+    kept width is quantized in whole groups (surgery/widths.py); an explicit one is kept (the
+    group check below refuses it when the group does not divide a kept width)."""
+    options = config.options
+    if getattr(options, "width_multiple", False) is None and quantize.spec.grouped:
+        return check_config(replace(config, options=replace(options, width_multiple=quantize.group)))
+    return config
+
+
 def _check_stock_plan(config: PruneConfig) -> None:
     """llm-compressor loads the pruned model with stock transformers: a plan a stock config
     expresses (the same expert count, or width, in every layer) is quantized; the others are
@@ -394,4 +406,11 @@ def _check_stock_plan(config: PruneConfig) -> None:
             f"{method.described(config.options)} with the {allocation.name} allocation is saved in moeprune's "
             "format, which is not quantized yet: prune without quantizing, or choose a uniform plan",
             options=("quantize", "method", "allocation"),
+        )
+    if config.method == "neurons" and not config.allow_super_experts:
+        raise MoePruneError(
+            "quantizing is done for stock checkpoints, and the neurons method keeps the super experts the "
+            "calibration data finds whole (per-expert widths: moeprune's format; a small model always has one): "
+            "give --allow-super-experts to narrow them too (a stock checkpoint), or quantize a drop",
+            options=("quantize", "method", "allow_super_experts"),
         )

@@ -53,6 +53,13 @@ from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.widths import (
+    STOCK_MULTIPLE,
+    check_width_multiple,
+    guarded_width,
+    nearest_multiple,
+    width_step,
+)
 
 IMPORTANCE: dict[str, str] = {"projection": "neuron_proj_sum", "l2": "neuron_l2_sum"}
 SHARED_MULTIPLIERS = (
@@ -61,7 +68,6 @@ SHARED_MULTIPLIERS = (
     "num_shared_experts",
 )  # shared width = I * this
 _WIDTH_ATTRS = ("intermediate_dim", "intermediate_size", "expert_dim")  # on experts modules
-STOCK_MULTIPLE = 8  # uniform widths stay a multiple of 8 neurons: 16-byte strides for grouped_mm
 Keep = Mapping[int, Mapping[int, torch.Tensor]]  # decoder layer -> position -> kept neuron ids
 
 
@@ -110,6 +116,22 @@ class NeuronOptions:
 
     def __post_init__(self) -> None:
         check_importance(self.neuron_importance)
+
+
+@dataclass(frozen=True)
+class NarrowOptions(NeuronOptions):
+    """The neurons and TENP methods' settings: how neurons rank, which widths are kept."""
+
+    width_multiple: int | None = setting(
+        None,
+        "neurons/tenp: every narrowed expert width is a multiple of N (the full width is always allowed) "
+        "[default: the group size with --quantize, else 32 where the expert width allows it; surgery/widths.py].",
+        minimum=1,
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_width_multiple(self.width_multiple)
 
 
 def neuron_importance(stats: LayerStats, kind: str = "projection") -> torch.Tensor:
@@ -271,21 +293,21 @@ def pad_mlp(module: nn.Module, width: int) -> None:
 
 
 # ----------------------------------------------------------------------------- plans
-def uniform_keep(cost: ExpertCost, width: int, ratio: float, multiple_of: int = 1) -> int:
-    """Neurons K so that an expert keeps the fraction `ratio` of its parameters.
-
-    K is the nearest multiple of `multiple_of` (ignored when the full width is not one: such a
-    model is unaligned already). transformers' default grouped_mm experts kernel needs 16-byte
-    strides, so a stock checkpoint needs K a multiple of 8 (bf16/fp16; 4 in fp32).
+def uniform_keep(cost: ExpertCost, width: int, ratio: float, step: int = 1) -> int:
+    """Neurons K so that an expert keeps the fraction `ratio` of its parameters: the multiple of
+    `step` nearest that (the full width always allowed; surgery/widths.py says which step).
+    transformers' default grouped_mm experts kernel needs 16-byte strides, so a stock checkpoint
+    needs K a multiple of 8 (bf16/fp16; 4 in fp32).
     """
     check_ratio(ratio, "neuron keep ratio (1 - sparsity)")
-    step = multiple_of if multiple_of >= 1 and width % multiple_of == 0 else 1
     target = (ratio * cost.params(width) - cost.per_expert) / cost.per_neuron
-    k = min(width, math.floor(target / step + 0.5) * step)
+    k = nearest_multiple(target, step, width)
     if k < 1:
         raise MoePruneError(
             f"keeping {ratio:.4g} of each expert's parameters leaves less than "
             f"{'one neuron' if step == 1 else f'one block of {step} neurons'} of its {width}; lower the sparsity"
+            + ("" if step == 1 else " or the width multiple"),
+            options=("sparsity", "width_multiple"),
         )
     return k
 
@@ -304,11 +326,20 @@ def neuron_keep_ratio(sparsity: float) -> float:
     return check_ratio(1 - sparsity, f"neuron keep ratio 1 - sparsity (sparsity {sparsity!r})")
 
 
-def uniform_widths(moe: MoEModel, sparsity: float, multiple_of: int = STOCK_MULTIPLE) -> list[int]:
-    """ENP's K per MoE layer: needs no statistics, so a sparsity that cannot be met fails before
-    any calibration pass (works on a meta-device model)."""
+def uniform_widths(moe: MoEModel, sparsity: float, width_multiple: int | None = None) -> list[int]:
+    """ENP's K per MoE layer, a multiple of its layer's step (`width_step`, grouped_mm's 8 as the
+    floor): needs no statistics, so a sparsity that cannot be met fails before any calibration
+    pass (works on a meta-device model)."""
     ratio = neuron_keep_ratio(sparsity)
-    return [uniform_keep(layer_cost(m), m.intermediate_size, ratio, multiple_of) for m in moe.layers]
+    return [
+        uniform_keep(
+            layer_cost(m),
+            m.intermediate_size,
+            ratio,
+            width_step(m.intermediate_size, width_multiple, STOCK_MULTIPLE),
+        )
+        for m in moe.layers
+    ]
 
 
 def neuron_plan(
@@ -317,22 +348,30 @@ def neuron_plan(
     sparsity: float,
     *,
     importance: str = "projection",
-    multiple_of: int = STOCK_MULTIPLE,
+    width_multiple: int | None = None,
     criterion: str | None = None,
     data_fingerprint: str = "",
 ) -> Plan:
     """ENP: every routed expert keeps the fraction 1 - sparsity of its parameters (its top-K neurons).
 
-    K is rounded to a multiple of `multiple_of` (see :func:`uniform_keep`); the plan's extra
-    records the parameter fraction actually kept.
+    K is the nearest multiple of the layer's width step (see :func:`uniform_keep`); the plan's
+    extra records the parameter fraction actually kept. A layer's super experts (`moe.protected`,
+    the guard) stay whole and its other experts share the widest width that keeps no more than K
+    would (`guarded_width`): the result is then in moeprune's format (per-expert widths).
     """
     check_neuron_prunable(moe)
     check_neuron_stats(moe, stats, check_importance(importance))
     ratio = neuron_keep_ratio(sparsity)
-    layers = []
-    for m, k in zip(moe.layers, uniform_widths(moe, sparsity, multiple_of)):
+    layers, steps, whole = [], [], {}
+    for m, k in zip(moe.layers, uniform_widths(moe, sparsity, width_multiple)):
         ids = m.expert_ids
+        steps.append(width_step(m.intermediate_size, width_multiple, STOCK_MULTIPLE))
+        guarded = sorted(set(moe.protected.get(m.index, ())) & set(ids))
         neurons = {e: k for e in ids} if k < m.intermediate_size else {}
+        if neurons and guarded:  # moeprune's format anyway: grouped_mm's floor of 8 does not apply
+            shared, steps[-1] = guarded_shared(m, len(guarded), k, width_multiple)
+            neurons = {e: shared for e in ids if e not in guarded}
+            whole[str(m.index)] = guarded
         layers.append(
             LayerPlan(
                 layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ids), neurons=neurons
@@ -349,13 +388,30 @@ def neuron_plan(
         extra={
             "neuron_importance": importance,
             "neuron_keep_ratio": ratio,
-            "neuron_multiple_of": multiple_of,
+            "width_multiple": dict(zip([str(m.index) for m in moe.layers], steps)),
+            **({"super_experts_whole": whole} if whole else {}),
         },
     )
     plan.validate({m.index: m.intermediate_size for m in moe.layers})
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
     plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
     return plan
+
+
+def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[int, int]:
+    """(width, step) the other experts of a layer with `whole` super experts share. An asked
+    multiple is kept or refused; the default step (32) falls back to 8, then 1, where less than one
+    block would be left (a small expert: the demo's 64 neurons at 50 %)."""
+    full, cost = m.intermediate_size, layer_cost(m)
+    steps = [asked] if asked is not None else [width_step(full, None), STOCK_MULTIPLE, 1]
+    tries = [s for s in dict.fromkeys(steps) if asked is not None or full % s == 0 or s == 1]
+    for pos, step in enumerate(tries):
+        try:
+            return guarded_width(cost, full, m.num_experts, whole, k, step, m.index), step
+        except MoePruneError:
+            if pos == len(tries) - 1:
+                raise
+    raise AssertionError("no width step tried")  # pragma: no cover - tries is never empty
 
 
 def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:
@@ -370,37 +426,40 @@ def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:
     return out
 
 
+def _asked(config: PruneConfig) -> int | None:
+    """The config's width multiple (None: the default rule of surgery/widths.py)."""
+    return getattr(METHODS.get(config.method).resolve_options(config.options), "width_multiple", None)
+
+
 def _neuron_steps(
-    moe: MoEModel, _config: PruneConfig, size: WeightBytes, _target: int
+    moe: MoEModel, config: PruneConfig, size: WeightBytes, _target: int
 ) -> list[tuple[float, int]]:
     """(sparsity, planned bytes) of every width step below the full width: the sparsity each width
     keeps exactly (1 - params(K) / params(I)), from the widest step down."""
     check_neuron_prunable(moe)
+    asked = _asked(config)
     candidates = set()
     for m in moe.layers:
         cost, full = layer_cost(m), m.intermediate_size
-        step = STOCK_MULTIPLE if full % STOCK_MULTIPLE == 0 else 1
-        for k in range(full - step, 0, -step):
+        step = width_step(full, asked, STOCK_MULTIPLE)
+        for k in range((full - 1) // step * step, 0, -step):
             candidates.add(1 - cost.params(k) / cost.params(full))
     out = []
     for sparsity in sorted(candidates):
         try:
-            out.append((sparsity, neuron_plan_bytes(size, uniform_widths(moe, sparsity))))
+            out.append((sparsity, neuron_plan_bytes(size, uniform_widths(moe, sparsity, asked))))
         except MoePruneError:  # less than one block of neurons left
             continue
     return out
 
 
 def _neuron_feasible(moe: MoEModel, config: PruneConfig) -> dict:
-    return {
-        "neurons_per_expert": dict(
-            zip([m.index for m in moe.layers], uniform_widths(moe, config.sparsity_value()))
-        )
-    }
+    widths = uniform_widths(moe, config.sparsity_value(), _asked(config))
+    return {"neurons_per_expert": dict(zip([m.index for m in moe.layers], widths))}
 
 
 def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
-    return neuron_plan_bytes(size, uniform_widths(moe, config.sparsity_value()))
+    return neuron_plan_bytes(size, uniform_widths(moe, config.sparsity_value(), _asked(config)))
 
 
 @METHODS.register(
@@ -412,7 +471,7 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
         needs=(NEURON_STATS,),
         neurons=True,
         one_width=True,
-        options=NeuronOptions,
+        options=NarrowOptions,
         feasible=_neuron_feasible,
         planned_bytes=_neuron_planned_bytes,
         target_steps=_neuron_steps,
@@ -424,6 +483,7 @@ def plan_neurons(request: PlanRequest) -> Plan:
         request.domains,
         request.sparsity,
         importance=request.options.neuron_importance,
+        width_multiple=request.options.width_multiple,
         criterion=request.criterion.name,
         data_fingerprint=request.data_fingerprint,
     )

@@ -17,9 +17,10 @@ whole experts and whole neurons:
   below) does not. The global and evo allocations choose per-layer counts from scores; where
   experts weigh differently per layer, their size is bounded by the worst case (the cheapest
   experts removed first), so the result fits whatever the scores say.
-- neurons: the widths are multiples of 8 neurons (`uniform_keep`); the solved sparsity is the
-  share of routed-expert parameters the chosen width removes, and one width step (8 neurons)
-  wider does not fit.
+- neurons: the widths are multiples of each layer's width step (`--width-multiple`,
+  surgery/widths.py; `uniform_keep`); the solved sparsity is the share of routed-expert parameters
+  the chosen width removes, and one width step wider does not fit. Super experts kept whole
+  (the guard) keep a layer at most what its ENP width keeps, so the plan still fits.
 - tenp: the sparsity is continuous (the kept parameters meet it within one neuron); it is solved
   on a grid of 1e-4 and 1e-4 lower does not fit.
 """

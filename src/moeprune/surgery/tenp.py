@@ -19,7 +19,7 @@ from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.neurons import (
-    NeuronOptions,
+    NarrowOptions,
     check_importance,
     check_neuron_prunable,
     check_neuron_stats,
@@ -27,10 +27,11 @@ from moeprune.surgery.neurons import (
 from moeprune.surgery.novice import StatsInput
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import GRID_STEP, WeightBytes, grid_steps
+from moeprune.surgery.widths import width_step
 
 
 @dataclass(frozen=True)
-class TenpOptions(NeuronOptions):
+class TenpOptions(NarrowOptions):
     """TENP's own settings: how many whole experts, how they grow with depth, how neurons rank."""
 
     important_fraction: float | None = setting(
@@ -63,6 +64,14 @@ def _options(config: PruneConfig) -> TenpOptions:
     return METHODS.get(config.method).resolve_options(config.options)
 
 
+def tenp_allocation(moe: MoEModel, sparsity: float, options: TenpOptions):
+    """The trapezoid of `moe` at `sparsity`, the narrowed widths on each layer's width step
+    (surgery/widths.py; TENP's own floor is 1 neuron)."""
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    steps = [width_step(m.intermediate_size, options.width_multiple) for m in moe.layers]
+    return trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope, steps)
+
+
 def tenp_plan(
     moe: MoEModel,
     stats: StatsInput | None,
@@ -89,8 +98,7 @@ def tenp_plan(
     check_neuron_stats(moe, stats, check_importance(importance))
     if isinstance(sparsity, bool) or not isinstance(sparsity, int | float):
         raise MoePruneError(f"sparsity must be a number, got {sparsity!r}")
-    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(layers, 1 - sparsity, important_fraction, slope)
+    alloc = tenp_allocation(moe, sparsity, options)
     by_layer = {s.layer: s for s in scores}
     plans = []
     for m, count, widths in zip(moe.layers, alloc.important, alloc.widths):
@@ -124,6 +132,9 @@ def tenp_plan(
             else important_fraction,
             "important_fraction": alloc.important_fraction,
             "slope": slope,
+            "width_multiple": {
+                str(m.index): width_step(m.intermediate_size, options.width_multiple) for m in moe.layers
+            },
             "routed_parameters_target": alloc.target_params,
             "routed_parameters_kept": alloc.kept_params,
             "routed_parameters_total": alloc.total_params,
@@ -138,9 +149,7 @@ TENP_STEP = GRID_STEP  # the grid TENP's continuous sparsity is solved on
 
 def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
     """Bytes left by TENP's plan at `sparsity`: whole experts per layer, the others narrowed."""
-    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    options = _options(config)
-    alloc = trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope)
+    alloc = tenp_allocation(moe, sparsity, _options(config))
     out = size.total
     for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
         out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
@@ -164,10 +173,7 @@ def _tenp_solve(
 
 
 def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:
-    trapezoid = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    alloc = trapezoid_allocation(
-        trapezoid, 1 - config.sparsity_value(), _options(config).important_fraction, _options(config).slope
-    )
+    alloc = tenp_allocation(moe, config.sparsity_value(), _options(config))
     return {
         "whole_experts_per_layer": dict(zip([m.index for m in moe.layers], alloc.important)),
         "neuron_keep_ratio": alloc.neuron_ratio,

@@ -1,0 +1,86 @@
+"""Which widths a narrowed expert may keep (`--width-multiple N`), and the width super experts'
+layer neighbours share when `--method neurons` keeps the super experts whole.
+
+Why a multiple: serving kernels pad an expert's width to their alignment (vLLM's fused MoE to 32
+neurons: a TENP result with 43-neuron experts was held at 1.084x its packed parameters) and a
+quantization group must divide every quantized input (a down projection's input is the width).
+A narrowed width that is a multiple of N wastes nothing there. The full width is always allowed.
+
+The default (no `--width-multiple`): the quantization group size with `--quantize` (set by the
+prune job, job/prepare.py), else 32, the serving kernels' alignment, where the full width is a
+multiple of 32 wider than 32. A narrower or unaligned expert (the tiny test models) keeps the
+method's own step: 8 neurons for the neurons method where the width is a multiple of 8
+(transformers' grouped_mm needs 16-byte strides in a stock checkpoint), else 1.
+
+With `--method neurons`, a layer's guarded super experts stay whole and its others share
+`guarded_width` (surgery/neurons.py `guarded_shared`: under the default step, 32 falls back to 8,
+then 1, where less than one block would be left).
+
+Another narrowing method (mixed) can take the same rule: `width_step(width, asked, floor)` is
+the step of one layer, `nearest_multiple` rounds a target width onto it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import ExpertCost
+
+ALIGN = 32  # the serving kernels' alignment (vLLM's fused MoE pads expert widths to it)
+STOCK_MULTIPLE = 8  # grouped_mm's 16-byte strides (bf16/fp16): a stock uniform width's step
+
+
+def check_width_multiple(value: object) -> int | None:
+    """None (the default) or a positive integer; anything else one line naming the setting."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MoePruneError(
+            f"the width multiple must be a positive integer, got {value!r}", options=("width_multiple",)
+        )
+    return value
+
+
+def width_step(width: int, asked: int | None, floor: int = 1) -> int:
+    """The step of the narrowed widths of experts `width` neurons wide: `asked` when given (the
+    full width stays allowed even when it is not a multiple), else ALIGN where the full width is a
+    multiple of it wider than it, else `floor` where the width is a multiple of it, else 1."""
+    if asked is not None:
+        return asked
+    if width % ALIGN == 0 and width > ALIGN:
+        return ALIGN
+    return floor if floor >= 1 and width % floor == 0 else 1
+
+
+def nearest_multiple(target: float, step: int, width: int) -> int:
+    """The multiple of `step` nearest `target` neurons (ties: the larger), capped at `width`
+    (the full width counts as a multiple); 0 when the nearest is no neuron at all."""
+    low = math.floor(target / step) * step
+    if low >= width:
+        return width
+    high = min(low + step, width)
+    return high if target - low >= high - target else max(low, 0)
+
+
+def guarded_width(
+    cost: ExpertCost, width: int, experts: int, whole: int, uniform: int, step: int, layer: int
+) -> int:
+    """The width the other experts of a layer share when `whole` of its `experts` (super experts)
+    stay whole: the widest multiple of `step` whose layer total does not exceed what the neurons
+    method's one width `uniform` keeps there (so the planned size of the stock plan still bounds
+    the result, and the layer keeps at most one step, (experts - whole) x step neurons, less);
+    one line when not even one block of `step` neurons is left."""
+    budget = experts * cost.params(uniform) - whole * cost.params(width)
+    rest = experts - whole
+    k = (width // step) * step
+    while k >= step and rest * cost.params(k) > budget:
+        k -= step
+    if k < step or rest <= 0:
+        raise MoePruneError(
+            f"MoE layer {layer}: with its {whole} super expert(s) kept whole, its other {rest} experts would "
+            f"keep less than {'one neuron' if step == 1 else f'one block of {step} neurons'} each; "
+            "lower the sparsity, or allow narrowing super experts (a stock checkpoint)",
+            options=("sparsity", "allow_super_experts", "width_multiple"),
+        )
+    return min(k, width)
