@@ -6,7 +6,7 @@ Why one method instead of four: which surgery is best changes with the budget an
 demo's table), and a search can only trade one form for another when they live in one plan.
 
 The gene. Each MoE layer's plan is a `LayerGene` (whole, narrowed, novice, dropped counts and the
-neurons W each narrowed expert keeps): what a search (`--allocation evo`, later) mutates. The
+neurons W each narrowed expert keeps): what `--allocation evo` mutates (search/mixed_space.py). The
 criterion's order decides who gets which form: the dropped experts are the first of the pruning
 order (group-balanced where routing is group-limited, as drop does), and of the others the most
 important are whole, the next narrowed, the next novices. Super experts rank first, and every
