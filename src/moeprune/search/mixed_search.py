@@ -27,6 +27,7 @@ from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.distributed import rank_and_world
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
 from moeprune.search.evo import EvoIO, EvoSearch
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
@@ -82,6 +83,7 @@ def search_mixed(
 ) -> tuple[list[tuple[int, int, int, int, int]], dict[str, Any]]:
     """The best mixed genes on the search data (one tuple per MoE layer) and search.json."""
     runtime = runtime or SearchRuntime()
+    rank, _ = rank_and_world()
     search_config = config.search
     fitness = check_fitness(search_config.fitness)
     options: MixedOptions = config.options if isinstance(config.options, MixedOptions) else MixedOptions()
@@ -119,7 +121,9 @@ def search_mixed(
     }
     search = MixedSearch(
         evaluate, space, seeds, search_config,
-        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress),
+        # under torchrun every rank runs the same search (not split yet); rank 0 alone writes its state
+        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
+                 write_state=rank == 0),
     )  # fmt: skip
     if search_set.text_only:
         _LOG.warning(TEXT_ONLY_NOTE)
