@@ -11,6 +11,10 @@ a fourth slash (`key=value,...`: the method's own options, or `allow_super_exper
         reap/uniform/drop reap/uniform/drop/reroute=none
     python benchmarks/quality.py --quick --plant 30 frequency/uniform/drop \\
         frequency/uniform/drop/allow_super_experts=true
+    python benchmarks/quality.py --quick reap/evo/drop reap/evo/mixed enp/uniform/neurons tenp/trapezoid/tenp
+
+An `evo` row first searches on the demo's search split (the demo's population, generations and
+seed); a mixed + evo row also prints its seeds' search fitness beside the winner's.
 
 `--plant SCALE` first makes a super expert: the least-routed expert of the first MoE layer gets its
 down_proj multiplied by SCALE (so its rare outputs are massive), and that model is the reference.
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from moeprune.checkpoint import load_model
-from moeprune.config import PruneConfig
+from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import compute_scores, get_criterion
 from moeprune.data.loading import load_data
 from moeprune.demo.corpus import DOMAINS
@@ -38,6 +42,9 @@ from moeprune.demo.run import DemoSettings, DomainEval
 from moeprune.demo.train import CORPUS_SUBDIR, FAMILIES, demo_spec, get_demo_model
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
+from moeprune.search.mixed_search import search_mixed
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import search_allocation
 from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import virtual_plan
 
@@ -51,7 +58,7 @@ def parse_row(text: str, sparsity: float) -> PruneConfig:
     settings: dict[str, Any] = {}
     for item in parts[3].split(",") if len(parts) == 4 else []:
         key, _, value = item.partition("=")
-        settings[key] = json.loads(value) if value[:1] in "0123456789-tf[{\"" else value
+        settings[key] = json.loads(value) if value[:1] in '0123456789-tf[{"' else value
     allow = bool(settings.pop("allow_super_experts", False))
     return PruneConfig(
         criterion,
@@ -76,7 +83,9 @@ def plant_super_expert(moe: MoEModel, stats, scale: float) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("rows", nargs="+", help="criterion/allocation/method[/key=value,...]")
     parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     parser.add_argument("--quick", action="store_true", help="the quick demo model and settings")
@@ -108,6 +117,7 @@ def main() -> None:
         return load_data(files, tokenizer, num_samples=samples, max_length=settings.max_length, seed=0)
 
     calibration = data("train", DOMAINS, settings.calibration_samples)
+    search = functools.cache(lambda: data("search", DOMAINS, settings.search_samples))
 
     def observed():
         return observe(
@@ -119,7 +129,10 @@ def main() -> None:
     if args.plant:
         planted = plant_super_expert(moe, stats, args.plant)
         stats = observed()  # the planted model is the one pruned and the reference
-    evals = {d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad) for d in DOMAINS}
+    evals = {
+        d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad)
+        for d in DOMAINS
+    }
     head = ["row", "sparsity", *[f"NLL {d}" for d in DOMAINS], "ESAP"] + (["planted kept"] if planted else [])
     print(f"model {model_dir} ({args.family}{', quick' if args.quick else ''})")
     if planted:
@@ -140,8 +153,27 @@ def main() -> None:
                 num_experts=[m.num_experts for m in moe.layers],
                 layers=[m.index for m in moe.layers],
             )
-            plan = build_plan(moe, crit, scores, config=config, stats=[stats])
-            metrics = {d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()}
+            removed = None
+            if config.allocation == "evo":  # the demo's search budget, on its search split
+                config = dataclasses.replace(
+                    config,
+                    search=SearchConfig(
+                        population=settings.population, elites=4, generations=settings.generations, seed=42
+                    ),
+                )
+                runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
+                find = search_mixed if config.method == "mixed" else search_allocation
+                removed, doc = find(moe, crit, scores, [stats], search(), config=config, runtime=runtime)
+                seeds = {k: round(v["fitness_value"], 4) for k, v in doc.get("seeds", {}).items()}
+                print(
+                    f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f}"
+                    + (f", seeds {seeds}" if seeds else "")
+                    + f", {doc['timings_s']['total']:.0f} s -->"
+                )
+            plan = build_plan(moe, crit, scores, config=config, stats=[stats], removed=removed)
+            metrics = {
+                d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()
+            }
             kept = None
             if planted:
                 layer_plan = next(lp for lp in plan.layers if lp.layer == planted[0])

@@ -3,6 +3,8 @@
 Prints, measured in one run on a trained demo-size model:
   (a) time to evaluate one candidate / time of one plain forward over the search set (target <= 1.15)
   (b) whole-search time / (P x T plain forwards) (target <= 0.6)
+  (c) one mixed candidate (whole, narrowed, novice and dropped experts: `--method mixed
+      --allocation evo`) / one drop candidate, both cold, same evaluator settings (target <= 1.2)
 
 A plain forward is ``model(input_ids, attention_mask)`` over every batch of the search set, full
 logits, nothing else. The whole search includes the teacher pass. The default run uses P=16, T=12
@@ -107,6 +109,35 @@ def candidate_seconds(evaluator: CandidateEvaluator, allocations: list[list[int]
     return statistics.median(times)
 
 
+def mixed_candidate_seconds(moe, crit, scores, stats, data, args, runtime) -> float:
+    """Median cold time of mixed candidates: the seeds of `--method mixed --allocation evo` (TENP's
+    trapezoid, ENP, novices) and mutants of them, each holding several forms per layer."""
+    import numpy as np
+
+    from moeprune.criteria.super_experts import protected_order
+    from moeprune.search.mixed_space import MixedSpace, as_genes
+    from moeprune.surgery.mixed import MixedOptions, layer_costs, mixed_plan
+    from moeprune.surgery.plans import virtual_plan
+    from moeprune.surgery.registry import PlanRequest
+
+    limits = layer_limits(moe)
+    space = MixedSpace(layer_costs(moe, limits), limits.layers, args.sparsity)
+    seeds = space.seeds(limits, MixedOptions())
+    ordered = protected_order(scores, moe.protected)
+    request = PlanRequest(moe, crit, ordered, args.sparsity, "evo", "mixed", stats=stats)
+    domains = request.domains
+    evaluator = CandidateEvaluator(
+        moe, data, [s.order for s in ordered], fitness=args.fitness, runtime=runtime,
+        plan_context=lambda c: virtual_plan(moe, mixed_plan(request, as_genes(c)), domains),
+        prefix_key=space.prefix_key,
+    )  # fmt: skip
+    rng = np.random.Generator(np.random.PCG64(0))
+    config = SearchConfig(population=4, elites=2)
+    probes = [seeds[k] for k in ("tenp", "neurons", "novice") if k in seeds]
+    probes += [space.mutate(space.mutate(p, config, rng), config, rng) for p in probes]
+    return candidate_seconds(evaluator, probes)
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -117,12 +148,13 @@ def main() -> None:
     sources = [str(corpus / f"{d}_search.jsonl") for d in DOMAINS]
     data = load_data(sources, tokenizer, num_samples=args.samples, max_length=args.max_length, seed=0)
     options = DataOptions(sources=sources, samples=args.samples, max_length=args.max_length)
-    _, scores, _ = score_experts(
+    crit, scores, stats = score_experts(
         moe,
         args.criterion,
         calibration_sets(tokenizer, options),
         progress=False,
         pad_token_id=tokenizer.pad_token_id or 0,
+        neurons=True,  # the mixed candidates narrow experts by their neurons' importance
     )
     orders = [s.order for s in scores]
     limits = layer_limits(moe)
@@ -140,12 +172,15 @@ def main() -> None:
     probes = [[r] * len(limits.caps) for r in (0, 1, 2)]
     one = candidate_seconds(evaluator, [[min(r, c) for r, c in zip(p, limits.caps)] for p in probes])
     print(f"plain forward over the search set: {forward:.3f} s; one candidate (cold): {one:.3f} s")
+    mixed = mixed_candidate_seconds(moe, crit, scores, stats, data, args, runtime)
+    print(f"one mixed candidate (cold): {mixed:.3f} s")
     print(
         f"teacher cache: {evaluator.cache_nbytes / 2**20:.1f} MiB ({evaluator.teacher.num_positions} positions)"
     )
 
-    config = SearchConfig(fitness=args.fitness, population=args.population, elites=args.elites,
-                          generations=args.generations)
+    config = SearchConfig(
+        fitness=args.fitness, population=args.population, elites=args.elites, generations=args.generations
+    )
     start = time.perf_counter()
     best, doc = run_evo_search(moe, data, orders, budget, config=config, fingerprint={}, runtime=runtime)
     whole = time.perf_counter() - start
@@ -175,6 +210,7 @@ def main() -> None:
             f"plain search (no speedups): {slow:.1f} s, same selection: {same}, speedup x{slow / whole:.2f}"
         )
     print(f"(a) one candidate / one plain forward = {one / forward:.3f} (target <= 1.15)")
+    print(f"(c) one mixed candidate / one drop candidate = {mixed / one:.3f} (target <= 1.2)")
     ratio = whole / (args.population * args.generations * forward)
     print(f"(b) whole search / (P x T plain forwards) = {ratio:.3f} (target <= 0.6)")
 

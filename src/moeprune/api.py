@@ -49,6 +49,7 @@ from moeprune.report.parts import (
 )
 from moeprune.search.auto import choose_criterion
 from moeprune.search.gradient import gradient_allocation
+from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
@@ -206,6 +207,10 @@ def prune(
         if config.allocation == "gradient":  # chooses the experts too: its order goes to the plan
             removed, plan_scores, search_doc = gradient_allocation(
                 moe, crit, scores, search_set, config=config, runtime=runtime
+            )
+        elif config.method == "mixed":  # genes per layer, not drop counts
+            removed, search_doc = search_mixed(  # type: ignore[assignment]
+                moe, crit, scores, stats, search_set, config=config, runtime=runtime
             )
         else:
             removed, search_doc = search_allocation(

@@ -468,6 +468,11 @@ CASES = [
         "no expert is narrowed to absorb them",
     ),
     Case(
+        "mixed with a fixed allocation",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--method", "mixed", "--allocation", "trapezoid"],
+        "the mixed method goes with the uniform or evo allocation, not trapezoid",
+    ),
+    Case(
         "tenp option without tenp",
         ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--slope", "0.2"],
         "--slope has no effect",

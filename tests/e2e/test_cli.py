@@ -495,3 +495,24 @@ def test_a_tokenizer_from_another_model_is_one_line_before_observation(data, tmp
     line = result.output.strip().splitlines()[-1]
     assert "vocabulary has 96 tokens" in line and "tokenizer does not belong to this model" in line
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_prune_mixed_evo_records_the_winning_genes(checkpoint, data, tmp_path):
+    """--method mixed --allocation evo: search.json, the report and the plan hold the winning genes,
+    which beat (or equal) every seed on the search data; the budget is the mixed plan's."""
+    out = tmp_path / "mixed"
+    run("prune", checkpoint, "--criterion", "reap", "--sparsity", "0.5", "--allocation", "evo", "--method", "mixed",
+        "--data", data, "--search-data", data, "--search-samples", "8", "--population", "6", "--elites", "2",
+        "--generations", "2", "--quiet", "--output", out)  # fmt: skip
+    search = json.loads((out / "search.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    report = json.loads((out / "report.json").read_text())
+    assert {"drop", "novice", "tenp", "neurons"} <= set(search["seeds"])
+    assert all(search["fitness_value"] >= s["fitness_value"] for s in search["seeds"].values())
+    assert plan["extra"]["mixed_genes"] == [dict(zip(("whole", "narrowed", "novice", "dropped", "width"), g))
+                                            for g in search["genes"]]  # fmt: skip
+    assert report["search"]["genes"] == search["genes"]
+    kept, target = plan["extra"]["routed_parameters_kept"], plan["extra"]["routed_parameters_target"]
+    assert (
+        abs(kept - target) <= 0.5 * plan["extra"]["routed_parameters_total"] / 2 / 8 / 16
+    )  # half a neuron row

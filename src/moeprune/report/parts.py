@@ -202,6 +202,8 @@ class SearchSummary(Part):
     fitness: str | None = None
     budget: int | None = None
     allocation: list[int] | None = None
+    genes: list[list[int]] | None = None  # mixed + evo: (whole, narrowed, novice, dropped, width) per layer
+    seeds: dict[str, Any] | None = None  # mixed + evo: the recipes of generation 0, their genes and fitness
     fitness_value: float | None = None
     uniform: SearchUniform | None = None
     evaluations: int | None = None

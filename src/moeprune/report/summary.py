@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from moeprune.allocate.fitness import FITNESSES
+from moeprune.allocate.fitness import FITNESSES, higher_is_better
 from moeprune.criteria.super_experts import NOT_CHECKED
 from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package, package_missing
@@ -58,10 +58,16 @@ def _search(report: PruneReport) -> dict | None:
     if search is None or search.fitness_value is None:
         return None
     stopped = search.stopped or SearchStop()
+    # mixed + evo has no uniform allocation: its baseline is the best seed (a single-surgery recipe)
+    seeds = {k: v["fitness_value"] for k, v in (search.seeds or {}).items()}
+    best_seed = max(
+        seeds, key=lambda k: seeds[k] * (1 if higher_is_better(str(search.fitness)) else -1), default=None
+    )
     return {
         "fitness": search.fitness,
         "searched": search.fitness_value,
-        "uniform": (search.uniform or SearchUniform()).fitness_value,
+        "uniform": seeds[best_seed] if best_seed else (search.uniform or SearchUniform()).fitness_value,
+        "baseline": f"best seed, {best_seed}" if best_seed else "uniform",
         "generations": stopped.generations_run,
         "stopped": stopped.reason,
         "evaluations": search.evaluations,
@@ -181,7 +187,7 @@ def format_lines(facts: dict) -> list[str]:
         )
         lines.append(
             f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
-            f"uniform ({gain:+.4g}); {how}"
+            f"{search.get('baseline', 'uniform')} ({gain:+.4g}); {how}"
         )
     if facts["unseen_experts"]:
         where = "; ".join(

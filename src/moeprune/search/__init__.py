@@ -8,6 +8,8 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - population.py  the budget-preserving population and its mutation
 - prefix.py      cached decoder-layer outputs shared by candidates with a common prefix
 - run.py         the resumable driver (search_allocation, run_evo_search)
+- mixed_space.py `--method mixed --allocation evo`: per-layer genes, the seeds, mutation, the exact budget
+- mixed_search.py its search (EvoSearch over genes) and driver (search_mixed)
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
 - options.py     SearchRuntime: how a search runs, none of which changes its result
 """

@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,9 +154,14 @@ class CandidateEvaluator:
         fitness: str = "esap",
         seed: int = 0,
         runtime: SearchRuntime | None = None,
+        plan_context: Callable[[Any], AbstractContextManager] | None = None,
+        prefix_key: Callable[[Any], tuple] | None = None,
     ) -> None:
         runtime = runtime or SearchRuntime(progress=False)
         self.moe = moe
+        # mixed genes (search/mixed_search.py): applied by plan_context, cached by a per-layer key
+        self.plan_context = plan_context
+        self.prefix_key = prefix_key
         self.progress = runtime.progress
         self.candidate_context: CandidateContext = runtime.candidate_context or (
             lambda removed: mask_experts(moe, removed)
@@ -341,10 +346,11 @@ class CandidateEvaluator:
         A raced candidate returns the mean over the samples it was scored on, which is below
         ``threshold``; it is recorded in ``raced`` and has no ``raw`` value.
         """
-        allocation = tuple(int(r) for r in allocation)
+        allocation = tuple(allocation) if self.plan_context is not None else tuple(int(r) for r in allocation)
         self.counters["candidates"] += 1
         accumulator = FitnessAccumulator(self.teacher, self.fitness, self.seed)
-        with self.candidate_context(self.removals(allocation)), self._tapping():
+        virtual = self.plan_context or (lambda a: self.candidate_context(self.removals(a)))
+        with virtual(allocation), self._tapping():
             for index, b in enumerate(self._batches):
                 self._score_batch(accumulator, b, self._candidate_rows(index, b, allocation))
                 if threshold is not None and self._hopeless(accumulator, threshold):
@@ -378,8 +384,9 @@ class CandidateEvaluator:
         if self.mode == PLAIN:
             self.counters["decoder_layers_run"] += len(self._layers)
             return self._plain_logits(b.batch).flatten(0, 1)[b.flat_index]
-        p, state = self._longest_prefix(index, b, allocation)
-        return self._run_layers(b, self.mode, p, state, index, allocation)
+        key = self.prefix_key(allocation) if self.prefix_key is not None else allocation
+        p, state = self._longest_prefix(index, b, key)
+        return self._run_layers(b, self.mode, p, state, index, key)
 
     def _longest_prefix(
         self, index: int, b: _SearchBatch, allocation: Allocation

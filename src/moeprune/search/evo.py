@@ -134,6 +134,16 @@ class EvoSearch:
         self.config.validate()  # a config changed after it was made is checked again
         self.feas = Feasibility(budget, caps, multiples)
         self.uniform = self.feas.check(uniform, "uniform allocation")
+        self._setup(evaluate, io, evaluate_many)
+
+    def _setup(
+        self,
+        evaluate: Callable[[Allocation], float],
+        io: EvoIO,
+        evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None,
+    ) -> None:
+        """What every search space shares (a subclass with another space calls it from its own
+        __init__: search/mixed_search.py)."""
         self.evaluate = evaluate
         self.state_path = Path(io.state_path) if io.state_path is not None else None
         self.fingerprint = dict(io.fingerprint or {})
@@ -155,15 +165,26 @@ class EvoSearch:
             name: getattr(self.config, name)
             for name in ("population", "elites", "delta_max", "tau_max", "seed")
         }
-        identity = {
-            "config": config,
+        identity = {"config": config, **self._space(), "fingerprint": self.fingerprint}
+        return json.loads(json.dumps(identity))  # compare as saved: tuples become lists
+
+    # -- the search space: drop counts here, overridden for other genes -----------------------
+    def _space(self) -> dict[str, Any]:
+        """What defines the space (a resume must match it)."""
+        return {
             "budget": self.feas.budget,
             "caps": list(self.feas.caps),
             "multiples": list(self.feas.multiples),
             "uniform": list(self.uniform),
-            "fingerprint": self.fingerprint,
         }
-        return json.loads(json.dumps(identity))  # compare as saved: tuples become lists
+
+    def _initial(self, rng: np.random.Generator) -> list[Allocation]:
+        return initial_population(
+            self.feas.budget, self.feas.caps, self.feas.multiples, self.uniform, self.config, rng
+        )
+
+    def _mutate(self, parent: Allocation, rng: np.random.Generator) -> Allocation:
+        return mutate(parent, self.feas.caps, self.feas.multiples, self.config, rng)
 
     def _save(self, generation: int, population: list[Allocation], rng: np.random.Generator) -> None:
         if self.state_path is None or not self.write_state:
@@ -202,12 +223,12 @@ class EvoSearch:
                     f"cannot resume: {_first_difference(key, saved, now)} differs from the saved search"
                     f" in {self.state_path}; use the same settings or start a new search"
                 )
-        self.cache = {tuple(a): float(f) for a, f in state["cache"]}
+        self.cache = {_frozen(a): float(f) for a, f in state["cache"]}
         self.history = [GenerationStats(**h) for h in state["history"]]
         self._new_in_generation = int(state["new_in_generation"])
         rng = np.random.Generator(np.random.PCG64())
         rng.bit_generator.state = state["rng"]
-        return int(state["generation"]), [tuple(a) for a in state["population"]], rng
+        return int(state["generation"]), [_frozen(a) for a in state["population"]], rng
 
     # -- the loop ------------------------------------------------------------------------------
     def _fitness(self, allocation: Allocation) -> float:
@@ -251,7 +272,7 @@ class EvoSearch:
         while len(nxt) < self.config.population:
             for _ in range(_MAX_OFFSPRING_REDRAWS):
                 parent = elites[int(rng.integers(len(elites)))]
-                child = mutate(parent, self.feas.caps, self.feas.multiples, self.config, rng)
+                child = self._mutate(parent, rng)
                 if child not in self.cache and child not in nxt:
                     break
             nxt.append(child)
@@ -269,9 +290,7 @@ class EvoSearch:
             rng = np.random.Generator(np.random.PCG64(self.config.seed))
             self.cache, self.history, self._new_in_generation = {}, [], 0
             start = 0
-            population = initial_population(
-                self.feas.budget, self.feas.caps, self.feas.multiples, self.uniform, self.config, rng
-            )
+            population = self._initial(rng)
             self._save(0, population, rng)
         bar = progress_bar(
             total=self.config.generations,
@@ -329,6 +348,11 @@ class EvoSearch:
             evaluations=len(self.cache),
             stopped=dict(self.stopped),
         )
+
+
+def _frozen(value: Any) -> Any:
+    """A saved candidate as the cache keys it: lists back to (nested) tuples."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _checked(allocation: Allocation, value: float) -> float:

@@ -6,7 +6,7 @@ Why one method instead of four: which surgery is best changes with the budget an
 demo's table), and a search can only trade one form for another when they live in one plan.
 
 The gene. Each MoE layer's plan is a `LayerGene` (whole, narrowed, novice, dropped counts and the
-neurons W each narrowed expert keeps): what a search (`--allocation evo`, later) mutates. The
+neurons W each narrowed expert keeps): what `--allocation evo` mutates (search/mixed_space.py). The
 criterion's order decides who gets which form: the dropped experts are the first of the pruning
 order (group-balanced where routing is group-limited, as drop does), and of the others the most
 important are whole, the next narrowed, the next novices. Super experts rank first, and every
@@ -374,7 +374,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         "per layer the most important experts stay whole, the next are narrowed to their top neurons, "
         "the next become novices and the rest are dropped; one routed-parameter budget met exactly",
         PARAMETERS,
-        ("uniform",),
+        ("uniform", "evo"),
         needs=(NEURON_STATS,),
         neurons=True,
         options=MixedOptions,
@@ -385,6 +385,8 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
 )
 def plan_mixed(request: PlanRequest) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
+    if request.removed is not None:  # --allocation evo: the searched genes (search/mixed_search.py)
+        return mixed_plan(request, [LayerGene(*g) for g in request.removed])  # type: ignore[misc]
     costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple))
     plan = mixed_plan(request, uniform_genes(costs, request.sparsity, options))
     plan.extra["mixed_options"] = {k: v for k, v in asdict(options).items() if k.startswith("mixed_")}

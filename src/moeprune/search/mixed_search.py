@@ -1,0 +1,182 @@
+"""EvoESAP over mixed genes (`--method mixed --allocation evo`): the search and its driver.
+
+The loop, the fitness cache, the checkpoint, `--resume` and `--patience` are EvoSearch's
+(search/evo.py); only the space differs (search/mixed_space.py: seeds, mutation, the exact budget).
+A candidate runs virtually, like a drop candidate: its plan (`mixed_plan`) is applied with router
+slicing, neuron masks and novice outputs (`virtual_plan`), never by copying weights; the prefix
+cache is keyed by each layer's counts and filled widths, which decide that layer exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from moeprune.allocate.fitness import check_fitness
+from moeprune.allocate.limits import layer_limits
+from moeprune.config import PruneConfig, SearchConfig
+from moeprune.criteria import Criterion, LayerScores
+from moeprune.criteria.super_experts import protected_order
+from moeprune.data.loading import CalibrationData
+from moeprune.errors import MoePruneError
+from moeprune.models.adapter import MoEModel
+from moeprune.observe.stats import ExpertStats
+from moeprune.runtime.distributed import rank_and_world
+from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
+from moeprune.search.evo import EvoIO, EvoSearch
+from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
+from moeprune.search.options import SearchRuntime
+from moeprune.search.run import model_fingerprint
+from moeprune.surgery.mixed import MixedOptions, layer_costs, mixed_plan
+from moeprune.surgery.plans import virtual_plan
+from moeprune.surgery.registry import PlanRequest
+
+_LOG = logging.getLogger(__name__)
+
+
+class MixedSearch(EvoSearch):
+    """EvoSearch whose candidates are mixed genes; generation 0 starts with the named seeds."""
+
+    def __init__(
+        self,
+        evaluate: Callable[[Any], float],
+        space: MixedSpace,
+        seeds: Mapping[str, Genes],
+        config: SearchConfig | None = None,
+        *,
+        io: EvoIO | None = None,
+    ) -> None:
+        self.config = config or SearchConfig()
+        self.config.validate()
+        self.space, self.seeds = space, dict(seeds)
+        self._setup(evaluate, io or EvoIO(), None)
+
+    def _space(self) -> dict[str, Any]:
+        return {
+            "target": self.space.target,
+            "layers": self.space.layers,
+            "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
+        }
+
+    def _initial(self, rng: np.random.Generator) -> list[Any]:
+        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
+
+    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
+        return self.space.mutate(parent, self.config, rng)
+
+
+def search_mixed(
+    moe: MoEModel,
+    criterion: Criterion,
+    scores: Sequence[LayerScores],
+    stats: Sequence[ExpertStats],
+    search_set: CalibrationData,
+    *,
+    config: PruneConfig,
+    runtime: SearchRuntime | None = None,
+) -> tuple[list[tuple[int, int, int, int, int]], dict[str, Any]]:
+    """The best mixed genes on the search data (one tuple per MoE layer) and search.json."""
+    runtime = runtime or SearchRuntime()
+    rank, _ = rank_and_world()
+    search_config = config.search
+    fitness = check_fitness(search_config.fitness)
+    options: MixedOptions = config.options if isinstance(config.options, MixedOptions) else MixedOptions()
+    sparsity = config.sparsity_value()
+    limits = layer_limits(moe, config.expert_multiple)
+    space = MixedSpace(layer_costs(moe, limits), limits.layers, sparsity)
+    seeds = space.seeds(limits, options)
+    path = Path(runtime.state_path) if runtime.state_path is not None else None
+    if runtime.resume and (path is None or not path.is_file()):
+        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
+    ordered = protected_order(scores, moe.protected)  # super experts last: dropped never, whole first
+    request = PlanRequest(
+        moe, criterion, ordered, sparsity, "evo", "mixed", stats=stats,
+        expert_multiple=config.expert_multiple, options=options,
+    )  # fmt: skip
+    domains = request.domains
+
+    def plan_context(candidate: Genes):
+        return virtual_plan(moe, mixed_plan(request, as_genes(candidate)), domains)
+
+    evaluator: CandidateEvaluator | None = None
+
+    def evaluate(candidate: Genes) -> float:
+        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
+        return evaluator.evaluate(candidate)  # type: ignore[arg-type]
+
+    fingerprint = {
+        "model": model_fingerprint(moe),
+        "criterion": criterion.name,
+        "method": "mixed",
+        "sparsity": config.sparsity,
+        "calibration": [s.data_fingerprint for s in stats],
+        "fitness": fitness,
+        "search_data": search_set.fingerprint,
+    }
+    search = MixedSearch(
+        evaluate, space, seeds, search_config,
+        # under torchrun every rank runs the same search (not split yet); rank 0 alone writes its state
+        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
+                 write_state=rank == 0),
+    )  # fmt: skip
+    if search_set.text_only:
+        _LOG.warning(TEXT_ONLY_NOTE)
+    start = time.perf_counter()
+    evaluator = CandidateEvaluator(
+        moe, search_set, [s.order for s in ordered], fitness=fitness, seed=search_config.seed,
+        runtime=replace(runtime, candidate_context=None), plan_context=plan_context,
+        prefix_key=space.prefix_key,
+    )  # fmt: skip
+    result = search.run(resume=runtime.resume)
+    seconds = time.perf_counter() - start
+    sign = evaluator.sign
+    best = cast(Genes, result.best)  # EvoSearch keys candidates as tuples: here, of genes
+    cache = cast(dict[Any, float], search.cache)
+    document = {
+        "fitness": fitness,
+        "higher_is_better": sign > 0,
+        "space": "mixed genes (whole, narrowed, novice, dropped, width) per MoE layer",
+        "config": {
+            k: getattr(search_config, k)
+            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
+        },
+        "layers": limits.layers,
+        "routed_parameters_target": space.target,
+        "genes": [list(g) for g in best],
+        "narrowed_neurons": space.widths(best),
+        "fitness_value": sign * result.best_fitness,
+        "seeds": {
+            name: {"genes": [list(g) for g in genes], "fitness_value": sign * cache[genes]}
+            for name, genes in seeds.items()
+        },
+        "evaluations": result.evaluations,
+        "stopped": result.stopped,
+        "generations": [
+            {
+                "generation": h.generation,
+                "best": sign * h.best,
+                "mean": sign * h.mean,
+                "fitnesses": [sign * f for f in h.fitnesses],
+                "new_evaluations": h.new_evaluations,
+                "best_genes": [list(g) for g in cast(list[Any], h.best_allocation)],
+            }
+            for h in result.history
+        ],
+        **evaluator.data_summary(),
+        "timings_s": {
+            "teacher_pass": round(evaluator.teacher_seconds, 3),
+            "total": round(seconds, 3),
+            "per_evaluation": round(
+                (seconds - evaluator.teacher_seconds) / max(1, evaluator.counters["candidates"]), 4
+            ),
+        },
+        "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
+    }
+    evaluator.release()
+    return list(best), document
