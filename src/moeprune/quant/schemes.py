@@ -84,6 +84,9 @@ class QuantizeOptions:
     method: str = "gptq"
     group_size: int | None = None  # None: DEFAULT_GROUP for grouped schemes
     python: str | None = None  # None: DEFAULT_PYTHON under the current folder
+    # per-layer precision (quant/precision.py): {decoder layer: its routed experts' scheme};
+    # `scheme` is then the base, for every other Linear
+    layer_schemes: dict[int, str] | None = None
 
     @property
     def spec(self) -> Scheme:
