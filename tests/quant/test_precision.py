@@ -112,8 +112,10 @@ def test_losses_are_the_fitness_drop_of_a_physically_quantized_copy(moe):
     losses = measure_losses(evaluator, moe, allocation, ["w4a16", "fp8-dynamic"], 16)
     assert evaluator.evaluate(allocation) == full  # weights restored exactly
     copy_moe = MoEModel(copy.deepcopy(moe.model))  # the teacher is the full-precision model
-    plain = CandidateEvaluator(copy_moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False))
-    for n, p in expert_weights(copy_moe, 2).items():
+    plain = CandidateEvaluator(
+        copy_moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False)
+    )
+    for p in expert_weights(copy_moe, 2).values():
         p.data = fake_quantize(p.data, "w4a16", 16)
     assert losses[2]["w4a16"] == pytest.approx(full - plain.evaluate(allocation), rel=1e-4, abs=1e-7)
     assert all(row[s] != 0 for row in losses for s in row)  # every swap changed the candidate
@@ -154,7 +156,9 @@ def test_bytes_with_one_scheme_everywhere_are_the_uniform_prediction(moe):
             assert total == base.total - sum(lay.experts * lay.expert() for lay in base.layers) + expert
     removed = precision_bytes(size, moe, schemes, options, 4, [2, 0, 0])
     layer = quantized_weight_bytes(size, moe, options, 4).layers[0]
-    assert pb.total(schemes[:1] * 3) - removed.total(schemes[:1] * 3) == 2 * (layer.expert() + layer.router_row)
+    assert pb.total(schemes[:1] * 3) - removed.total(schemes[:1] * 3) == 2 * (
+        layer.expert() + layer.router_row
+    )
 
 
 def _full_size(moe: MoEModel) -> WeightBytes:

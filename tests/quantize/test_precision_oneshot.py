@@ -69,7 +69,9 @@ def test_each_layer_carries_its_scheme_and_weighs_as_predicted(quantized):
             assert stored["weight"].dtype == torch.float8_e4m3fn and stored["weight_scale"].shape[1] == 1
         else:
             rows, inputs = (int(v) for v in stored["weight_shape"])
-            assert sum(t.nbytes for t in stored.values()) == SCHEMES[scheme].linear_bytes(rows, inputs, GROUP, 4)
+            assert sum(t.nbytes for t in stored.values()) == SCHEMES[scheme].linear_bytes(
+                rows, inputs, GROUP, 4
+            )
     attention = {k: v for k, v in tensors.items() if k.startswith("model.layers.0.self_attn.q_proj.")}
     rows, inputs = (int(v) for v in attention["model.layers.0.self_attn.q_proj.weight_shape"])
     assert sum(t.nbytes for t in attention.values()) == SCHEMES["w8a16"].linear_bytes(rows, inputs, GROUP, 4)
@@ -77,7 +79,9 @@ def test_each_layer_carries_its_scheme_and_weighs_as_predicted(quantized):
     written = sum(p.stat().st_size for p in quantized["out"].glob("*.safetensors"))
     assert written <= quantized["predicted"].total(list(CHOICE.values()))
     for layer, scheme in CHOICE.items():  # per layer: the tensors, plus the header allowance exactly
-        stored = sum(t.nbytes for k, t in tensors.items() if k.startswith(f"model.layers.{layer}.mlp.experts."))
+        stored = sum(
+            t.nbytes for k, t in tensors.items() if k.startswith(f"model.layers.{layer}.mlp.experts.")
+        )
         name = f"model.layers.{layer}.mlp.experts.8.gate_proj.weight_packed"
         allowance = 8 * 3 * 3 * (len(name) + 16 + HEADER_ENTRY)  # 8 experts, 3 projections, 3 tensors
         assert stored + allowance == quantized["predicted"].layers[layer][scheme], (layer, scheme)

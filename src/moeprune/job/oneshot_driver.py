@@ -106,7 +106,9 @@ def main() -> None:
     linearize_moe(model)  # done here (not inside oneshot) so that the experts can be hooked
     counts = _count_expert_tokens(model)
     modifier = GPTQModifier if spec["method"] == "gptq" else QuantizationModifier
-    recipe = modifier(ignore=spec["ignore"], **(_layer_schemes(spec) if spec.get("layer_schemes") else _scheme(spec)))
+    recipe = modifier(
+        ignore=spec["ignore"], **(_layer_schemes(spec) if spec.get("layer_schemes") else _scheme(spec))
+    )
     samples = spec["samples"]
     data: dict = {}
     if samples:  # round-to-nearest of weights needs none

@@ -68,5 +68,9 @@ def quantize_folder(
         "tokens_per_expert": counts,
         "least_tokens_per_expert": min((min(c) for c in counts.values() if c), default=0),
         "versions": out["versions"],
-        **({"layer_schemes": {str(k): v for k, v in options.layer_schemes.items()}} if options.layer_schemes else {}),
+        **(
+            {"layer_schemes": {str(k): v for k, v in options.layer_schemes.items()}}
+            if options.layer_schemes
+            else {}
+        ),
     }

@@ -29,52 +29,10 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
-from moeprune.quant.fake import FAKE_SCHEMES, fake_quantize
-from moeprune.quant.schemes import SCHEMES, QuantizeOptions
+from moeprune.quant.fake import fake_quantize
+from moeprune.quant.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.shards.quantized_bytes import quantized_weight_bytes
 from moeprune.surgery.sizes import WeightBytes
-
-AUTO = "auto:"
-
-
-def parse_auto(text: str) -> tuple[str, ...] | None:
-    """The schemes of `auto:a,b,...` (None for a single scheme); refuses, in one line, an unknown
-    or unmodelled scheme, a repeat, or fewer than two."""
-    if not text.startswith(AUTO):
-        return None
-    names = tuple(n.strip() for n in text[len(AUTO) :].split(",") if n.strip())
-    for name in names:
-        if name not in SCHEMES:
-            raise MoePruneError(
-                f"unknown quantization scheme {name!r} in {text!r}; choose among {', '.join(FAKE_SCHEMES)}",
-                options=("quantize",),
-            )
-        if name not in FAKE_SCHEMES:
-            raise MoePruneError(
-                f"{name} has its own group size and scale format, which per-layer precision does not model; "
-                f"choose among {', '.join(FAKE_SCHEMES)}",
-                options=("quantize",),
-            )
-    if len(set(names)) != len(names):
-        raise MoePruneError(f"a scheme is named twice in {text!r}", options=("quantize",))
-    if len(names) < 2:
-        raise MoePruneError(
-            f"{text!r} leaves nothing to choose: name two or more schemes after 'auto:', or give the one "
-            "scheme without it",
-            options=("quantize",),
-        )
-    return names
-
-
-def check_auto(text: str, has_data: bool) -> tuple[str, ...] | None:
-    """`parse_auto` plus the refusal that needs the request only: scoring needs calibration data."""
-    names = parse_auto(text)
-    if names is not None and not has_data:
-        raise MoePruneError(
-            "per-layer precision scores each layer's schemes on the calibration data: give data files",
-            options=("data", "quantize"),
-        )
-    return names
 
 
 def expert_weights(moe: MoEModel, position: int) -> dict[str, torch.nn.Parameter]:
@@ -95,7 +53,8 @@ class LayerSwap:
         key = (position, scheme)
         if key not in self.cache:
             self.cache[key] = {
-                n: fake_quantize(p.data, scheme, self.group) for n, p in expert_weights(self.moe, position).items()
+                n: fake_quantize(p.data, scheme, self.group)
+                for n, p in expert_weights(self.moe, position).items()
             }
         return self.cache[key]
 
@@ -157,11 +116,15 @@ def precision_bytes(
     the routed experts and any scheme per layer inside, `removed[l]` experts of layer l gone (with
     their router rows; experts dropped from routing, as drop's surgery does)."""
     per: dict[str, WeightBytes] = {
-        s: quantized_weight_bytes(size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes)
+        s: quantized_weight_bytes(
+            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
+        )
         for s in schemes
     }
     base = per[schemes[0]]
-    fixed = base.total - sum(lay.experts * lay.expert() + r * lay.router_row for lay, r in zip(base.layers, removed))
+    fixed = base.total - sum(
+        lay.experts * lay.expert() + r * lay.router_row for lay, r in zip(base.layers, removed)
+    )
     layers = tuple(
         {s: (per[s].layers[i].experts - r) * per[s].layers[i].expert() for s in schemes}
         for i, r in enumerate(removed)
