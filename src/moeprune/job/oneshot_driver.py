@@ -9,7 +9,8 @@ never moeprune.
 SPEC (JSON): {"model": folder of the pruned, full-precision model, "output": folder to save the
 quantized model in, "scheme": w4a16 | w8a16 | fp8-dynamic | nvfp4a16, "method": gptq | rtn,
 "group_size": N, "samples": [[token ids], ...] (none: round-to-nearest without data),
-"ignore": [module names or "re:" patterns], "max_shard_size": as save_pretrained takes it}.
+"ignore": [module names or "re:" patterns], "max_shard_size": as save_pretrained takes it,
+optionally "layer_schemes": {decoder layer index: scheme of its routed experts} (per-layer precision)}.
 
 Calibration reaches every expert: llm-compressor linearizes each fused experts module into one
 Linear per projection and expert, and with `moe_calibrate_all_experts` every expert computes on
@@ -42,6 +43,31 @@ def _scheme(spec: dict):
         )
         return {"config_groups": {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}}
     return {"targets": ["Linear"], "scheme": {"fp8-dynamic": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16"}[name]}
+
+
+def _layer_schemes(spec: dict):
+    """Per-layer precision (`--quantize auto:...`): spec["layer_schemes"] maps a decoder layer's
+    index to the scheme of its routed experts; every other Linear takes spec["scheme"]. One config
+    group per scheme; the experts' groups target their linearized projections by name, and
+    compressed-tensors gives a name pattern precedence over the class target "Linear"."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    def scheme(name: str, targets: list[str]):
+        one = _scheme({**spec, "scheme": name})
+        if "config_groups" in one:
+            group = one["config_groups"]["group_0"]
+            return group.model_copy(update={"targets": targets})
+        return preset_name_to_scheme(one["scheme"], targets)
+
+    by_scheme: dict[str, list[str]] = defaultdict(list)
+    for layer, name in sorted(spec["layer_schemes"].items(), key=lambda item: int(item[0])):
+        if name != spec["scheme"]:
+            by_scheme[name].append(str(layer))
+    groups = {"group_0": scheme(spec["scheme"], ["Linear"])}
+    for i, (name, layers) in enumerate(sorted(by_scheme.items()), start=1):
+        pattern = rf"re:.*layers\.({'|'.join(layers)})\.mlp\.experts\.\d+\.(gate|up|down)_proj$"
+        groups[f"group_{i}"] = scheme(name, [pattern])
+    return {"config_groups": groups}
 
 
 def _count_expert_tokens(model) -> dict:
@@ -80,7 +106,9 @@ def main() -> None:
     linearize_moe(model)  # done here (not inside oneshot) so that the experts can be hooked
     counts = _count_expert_tokens(model)
     modifier = GPTQModifier if spec["method"] == "gptq" else QuantizationModifier
-    recipe = modifier(ignore=spec["ignore"], **_scheme(spec))
+    recipe = modifier(
+        ignore=spec["ignore"], **(_layer_schemes(spec) if spec.get("layer_schemes") else _scheme(spec))
+    )
     samples = spec["samples"]
     data: dict = {}
     if samples:  # round-to-nearest of weights needs none

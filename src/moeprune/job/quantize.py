@@ -44,6 +44,8 @@ def quantize_folder(
         "ignore": list(IGNORE),
         "max_shard_size": max_shard_size,
     }
+    if options.layer_schemes:  # per-layer precision: each layer's experts in its own scheme
+        spec["layer_schemes"] = {str(k): v for k, v in options.layer_schemes.items()}
     out = run_driver(python, DRIVER, spec, TIMEOUT_S, "llm-compressor's oneshot", f" on {folder}")
     for name in WEIGHTS:
         (folder / name).unlink(missing_ok=True)
@@ -66,4 +68,9 @@ def quantize_folder(
         "tokens_per_expert": counts,
         "least_tokens_per_expert": min((min(c) for c in counts.values() if c), default=0),
         "versions": out["versions"],
+        **(
+            {"layer_schemes": {str(k): v for k, v in options.layer_schemes.items()}}
+            if options.layer_schemes
+            else {}
+        ),
     }

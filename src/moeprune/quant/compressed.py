@@ -87,6 +87,11 @@ class CompressedFormat:
         named = [s for s in self.schemes if any(target_matches(t, module) for t in s.targets)]
         if len(named) == 1 or (not named and len(self.schemes) == 1):
             return (named or list(self.schemes))[0]
+        # no pattern names it: the one group with a class target ("Linear") has it, as in
+        # compressed-tensors, where a name pattern takes precedence over a class name
+        by_class = [s for s in self.schemes if any(not t.startswith("re:") for t in s.targets)]
+        if not named and len(by_class) == 1:
+            return by_class[0]
         raise MoePruneError(
             f"compressed-tensors: cannot tell which of {len(self.schemes)} config groups quantized {module!r} "
             "from its name; moeprune reads checkpoints whose groups name their modules by regex, or have one group"

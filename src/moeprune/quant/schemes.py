@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeprune.errors import MoePruneError
+from moeprune.quant.fake import FAKE_SCHEMES
 
 SETUP = "scripts/setup_quant.sh"
 DEFAULT_PYTHON = ".venv-quant/bin/python"
@@ -84,6 +85,9 @@ class QuantizeOptions:
     method: str = "gptq"
     group_size: int | None = None  # None: DEFAULT_GROUP for grouped schemes
     python: str | None = None  # None: DEFAULT_PYTHON under the current folder
+    # per-layer precision (quant/precision.py): {decoder layer: its routed experts' scheme};
+    # `scheme` is then the base, for every other Linear
+    layer_schemes: dict[int, str] | None = None
 
     @property
     def spec(self) -> Scheme:
@@ -105,6 +109,12 @@ def check_quantize(options: QuantizeOptions, has_data: bool, quantized_input: st
     """The refusals of a quantize request that need nothing but the request and the input's
     format, in one line each; returns the quantization environment's Python. `quantized_input`:
     how the input is quantized (None: full precision)."""
+    if check_auto(options.scheme, has_data) is not None:
+        raise MoePruneError(
+            "per-layer precision (auto:) is chosen by moeprune.quant.precision, which prune does not run "
+            "yet: give one scheme (docs/large-models.md, per-layer precision)",
+            options=OPTIONS,
+        )
     if options.scheme not in SCHEMES:
         raise MoePruneError(
             f"unknown quantization scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}",
@@ -162,6 +172,49 @@ def check_group(options: QuantizeOptions, dims: list[int], widths: list[int]) ->
         f"{', '.join(map(str, bad))}: the largest group size that divides every width is {largest}",
         options=("quant_group_size",),
     )
+
+
+AUTO = "auto:"
+
+
+def parse_auto(text: str) -> tuple[str, ...] | None:
+    """The schemes of `auto:a,b,...` (None for a single scheme); refuses, in one line, an unknown
+    or unmodelled scheme, a repeat, or fewer than two."""
+    if not text.startswith(AUTO):
+        return None
+    names = tuple(n.strip() for n in text[len(AUTO) :].split(",") if n.strip())
+    for name in names:
+        if name not in SCHEMES:
+            raise MoePruneError(
+                f"unknown quantization scheme {name!r} in {text!r}; choose among {', '.join(FAKE_SCHEMES)}",
+                options=("quantize",),
+            )
+        if name not in FAKE_SCHEMES:
+            raise MoePruneError(
+                f"{name} has its own group size and scale format, which per-layer precision does not model; "
+                f"choose among {', '.join(FAKE_SCHEMES)}",
+                options=("quantize",),
+            )
+    if len(set(names)) != len(names):
+        raise MoePruneError(f"a scheme is named twice in {text!r}", options=("quantize",))
+    if len(names) < 2:
+        raise MoePruneError(
+            f"{text!r} leaves nothing to choose: name two or more schemes after 'auto:', or give the one "
+            "scheme without it",
+            options=("quantize",),
+        )
+    return names
+
+
+def check_auto(text: str, has_data: bool) -> tuple[str, ...] | None:
+    """`parse_auto` plus the refusal that needs the request only: scoring needs calibration data."""
+    names = parse_auto(text)
+    if names is not None and not has_data:
+        raise MoePruneError(
+            "per-layer precision scores each layer's schemes on the calibration data: give data files",
+            options=("data", "quantize"),
+        )
+    return names
 
 
 def _quant_python(given: str | None) -> str:

@@ -1,0 +1,170 @@
+"""Per-layer precision without llm-compressor: the fake quantization on hand-computed numbers, the
+`auto:` refusals, the reversible swap, the per-layer losses against a physically quantized copy,
+the exact choice against brute force, and the bytes against shards/quantized_bytes.py.
+(tests/quantize/test_precision_oneshot.py checks the fake quantization against llm-compressor.)"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+from moeprune.data.loading import CalibrationData, Sample
+from moeprune.errors import MoePruneError
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
+from moeprune.quant.fake import fake_quantize
+from moeprune.quant.precision import (
+    LayerSwap,
+    PrecisionBytes,
+    budget_per_scheme,
+    check_auto,
+    choose_schemes,
+    expert_weights,
+    measure_losses,
+    precision_bytes,
+)
+from moeprune.quant.schemes import QuantizeOptions
+from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.options import SearchRuntime
+from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.surgery.sizes import WeightBytes
+
+pytestmark = pytest.mark.unit
+
+
+def test_fake_quantization_on_hand_computed_numbers():
+    w = torch.tensor([[0.75, -1.5, 0.45, 0.0, 2.0, 1.0, -0.5, 0.1]], dtype=torch.float64)
+    # int4, groups of 4: amax 1.5 -> scale 0.2, codes round(3.75, -7.5, 2.25, 0) = 4, -8, 2, 0;
+    # amax 2 -> scale 4/15, codes round(7.5, 3.75, -1.875, 0.375) = 8 -> clamped 7, 4, -2, 0
+    s = 2.0 / 7.5
+    want = torch.tensor([[0.8, -1.6, 0.4, 0.0, 7 * s, 4 * s, -2 * s, 0.0]], dtype=torch.float64)
+    assert torch.allclose(fake_quantize(w, "w4a16", 4), want, atol=1e-15)
+    # int8, one group of 8: scale 2/127.5
+    s8 = 2.0 / 127.5
+    assert torch.allclose(fake_quantize(w, "w8a16", 8), torch.round(w / s8).clamp(-128, 127) * s8, atol=1e-15)
+    # fp8 per row: scale 2/448; 0.75 / scale = 168, a tie between e4m3's 160 and 176: to even, 160;
+    # 0.45 / scale = 100.8 -> 104 (e4m3 steps of 8 in 64..128)
+    fp8 = fake_quantize(w, "fp8-dynamic", 128)
+    assert float(fp8[0, 0]) == pytest.approx(160 * 2.0 / 448, abs=1e-15) and fp8[0, 4] == 2.0
+    assert abs(float(fp8[0, 2]) - 104 * 2.0 / 448) < 1e-15
+    zero = fake_quantize(torch.zeros(2, 8), "w4a16", 4)  # zero scale -> eps, weights stay zero
+    assert torch.equal(zero, torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize(
+    ("text", "has_data", "says"),
+    [
+        ("auto:w4a16,int3", True, "unknown quantization scheme 'int3'"),
+        ("auto:w4a16", True, "leaves nothing to choose"),
+        ("auto:w4a16,nvfp4a16", True, "nvfp4a16 has its own group size"),
+        ("auto:w4a16,w4a16", True, "named twice"),
+        ("auto:w4a16,w8a16", False, "give data files"),
+    ],
+)
+def test_auto_refusals_in_one_line(text, has_data, says):
+    with pytest.raises(MoePruneError, match=says) as error:
+        check_auto(text, has_data)
+    assert "\n" not in str(error.value)
+
+
+def test_auto_parses_and_a_single_scheme_is_not_auto():
+    assert check_auto("auto:w8a16, w4a16,fp8-dynamic", True) == ("w8a16", "w4a16", "fp8-dynamic")
+    assert check_auto("w4a16", False) is None
+
+
+@pytest.fixture(scope="module")
+def moe() -> MoEModel:
+    torch.manual_seed(0)
+    return MoEModel(tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[]))
+
+
+def test_swap_uses_the_fake_copies_and_restores_the_very_tensors(moe):
+    swap = LayerSwap(moe, 16)
+    before = {n: p.data_ptr() for n, p in expert_weights(moe, 1).items()}
+    clones = {n: p.detach().clone() for n, p in expert_weights(moe, 1).items()}
+    with swap.quantized(1, "w4a16"):
+        for n, p in expert_weights(moe, 1).items():
+            assert torch.equal(p.data, fake_quantize(clones[n], "w4a16", 16))
+            assert not torch.equal(p.data, clones[n])
+    for n, p in expert_weights(moe, 1).items():
+        assert p.data_ptr() == before[n] and torch.equal(p.data, clones[n])
+
+
+def _data() -> CalibrationData:
+    g = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(4):
+        ids = torch.randint(3, 90, (12,), generator=g).tolist()
+        samples.append(Sample(ids, [False] * 6 + [True] * 6, "mem", False))
+    return CalibrationData(samples, "fp", 0, False, ["mem"])
+
+
+def test_losses_are_the_fitness_drop_of_a_physically_quantized_copy(moe):
+    data = _data()
+    orders = [list(range(m.num_experts)) for m in moe.layers]
+    allocation = (2, 0, 4)
+    evaluator = CandidateEvaluator(moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False))
+    full = evaluator.evaluate(allocation)
+    losses = measure_losses(evaluator, moe, allocation, ["w4a16", "fp8-dynamic"], 16)
+    assert evaluator.evaluate(allocation) == full  # weights restored exactly
+    copy_moe = MoEModel(copy.deepcopy(moe.model))  # the teacher is the full-precision model
+    plain = CandidateEvaluator(
+        copy_moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False)
+    )
+    for p in expert_weights(copy_moe, 2).values():
+        p.data = fake_quantize(p.data, "w4a16", 16)
+    assert losses[2]["w4a16"] == pytest.approx(full - plain.evaluate(allocation), rel=1e-4, abs=1e-7)
+    assert all(row[s] != 0 for row in losses for s in row)  # every swap changed the candidate
+
+
+def test_choice_is_exact_against_brute_force():
+    rng = random.Random(3)
+    schemes = ("w4a16", "w8a16", "fp8-dynamic")
+    for _ in range(20):
+        layers = tuple({s: rng.randint(10, 40) for s in schemes} for _ in range(5))
+        losses = [{s: rng.random() for s in schemes} for _ in range(5)]
+        bytes_ = PrecisionBytes(100, layers)
+        budget = rng.randint(100 + 60, 100 + 190)
+        fits = [c for c in itertools.product(schemes, repeat=5) if bytes_.total(c) <= budget]
+        if not fits:
+            with pytest.raises(MoePruneError, match="no per-layer choice fits"):
+                choose_schemes(bytes_, losses, budget)
+            continue
+        best = min(sum(loss[s] for loss, s in zip(losses, c)) for c in fits)
+        got = choose_schemes(bytes_, losses, budget)
+        assert bytes_.total(got) <= budget
+        assert sum(loss[s] for loss, s in zip(losses, got)) == pytest.approx(best, abs=1e-12)
+
+
+def test_bytes_with_one_scheme_everywhere_are_the_uniform_prediction(moe):
+    size = _full_size(moe)
+    layers = size.layers
+    options = QuantizeOptions("w8a16", "rtn", 16)
+    schemes = ["w8a16", "w4a16", "fp8-dynamic"]
+    pb = precision_bytes(size, moe, schemes, options, 4, [0] * len(layers))
+    for s, total in budget_per_scheme(pb, schemes).items():
+        uniform = quantized_weight_bytes(size, moe, QuantizeOptions(s, "rtn", 16), 4)
+        if s == "w8a16":
+            assert total == uniform.total
+        else:  # only the experts change scheme: the difference is theirs
+            expert = sum(lay.experts * lay.expert() for lay in uniform.layers)
+            base = quantized_weight_bytes(size, moe, options, 4)
+            assert total == base.total - sum(lay.experts * lay.expert() for lay in base.layers) + expert
+    removed = precision_bytes(size, moe, schemes, options, 4, [2, 0, 0])
+    layer = quantized_weight_bytes(size, moe, options, 4).layers[0]
+    assert pb.total(schemes[:1] * 3) - removed.total(schemes[:1] * 3) == 2 * (
+        layer.expert() + layer.router_row
+    )
+
+
+def _full_size(moe: MoEModel) -> WeightBytes:
+    from moeprune.surgery.sizes import LayerBytes
+
+    hidden = moe.layers[0].hidden_size
+    width = moe.layers[0].experts.down_proj.shape[-1]
+    layers = tuple(LayerBytes(m.num_experts, width, 3 * hidden * 4, 0, hidden * 4) for m in moe.layers)
+    return WeightBytes("float32", 10_000 + sum(lay.experts * lay.expert() for lay in layers), layers, 0)
