@@ -32,7 +32,7 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     assert full["criterion"] == "full model" and full["esap"] == pytest.approx(1.0, abs=1e-6)
     methods = {(r["allocation"], r["method"]) for r in rows[1:]}
     assert {("uniform", "drop"), ("global", "drop"), ("uniform", "novice"), ("uniform", "neurons"),
-            ("trapezoid", "tenp"), ("evo", "drop"), ("uniform", "novice, rank 16"),
+            ("trapezoid", "tenp"), ("evo", "drop"), ("evo", "mixed"), ("uniform", "novice, rank 16"),
             ("uniform", "drop, reroute none")} <= methods  # fmt: skip
     for sparsity in (0.25, 0.5):  # a rank-16 novice holds d + 2 d 16 values where a constant holds d
         peers = {r["method"]: r for r in rows if r["sparsity"] == sparsity and r["criterion"] == "mone"}
@@ -71,6 +71,8 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
             assert data["params"] == pytest.approx(kept)
             total_before = sum(r["routed_params_before"] for r in row["kept_rows"])
             total_after = sum(r["routed_params_after"] for r in row["kept_rows"])
+            if row["method"] == "mixed":  # one parameter budget over every form, met to half a neuron row
+                assert total_after / total_before == pytest.approx(1 - sparsity, abs=0.005)
             if row["method"] in ("neurons", "tenp"):  # a parameter budget, met over the whole model
                 assert total_after / total_before == pytest.approx(1 - sparsity, abs=0.03)
                 assert data["experts"] == [r["experts_before"] for r in row["kept_rows"]]

@@ -25,7 +25,7 @@ from moeprune.surgery.neurons import guarded_shared, uniform_widths
 from moeprune.surgery.parameters import plan_routed_parameters
 from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
-from moeprune.surgery.tenp import TenpOptions, tenp_allocation
+from moeprune.surgery.tenp import TenpOptions, tenp_allocation, tenp_steps
 from moeprune.surgery.widths import nearest_multiple, width_step
 
 pytestmark = pytest.mark.integration
@@ -79,6 +79,18 @@ def test_tenp_widths_are_multiples_and_the_budget_within_half_a_block():
         assert abs(alloc.kept_params - alloc.target_params) <= row * step / 2
     exact = tenp_allocation(moe, 0.5, TenpOptions(width_multiple=1))
     assert abs(exact.kept_params - exact.target_params) <= row / 2
+
+
+def test_tenp_falls_back_to_one_neuron_where_the_default_step_leaves_no_block():
+    """64-wide experts at 50 %: the trapezoid leaves the narrowed ones a third of their width (21
+    neurons), under one block of 32; the default step gives way to TENP's own 1 neuron (what the
+    plan records), an explicit multiple is refused."""
+    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=64, num_hidden_layers=4, mlp_only_layers=[]))
+    assert tenp_steps(moe, 0.5, TenpOptions()) == [1] * 4 and tenp_steps(moe, 0.25, TenpOptions()) == [32] * 4
+    alloc = tenp_allocation(moe, 0.5, TenpOptions())
+    assert abs(alloc.kept_params - alloc.target_params) <= layer_cost(moe.layers[0]).per_neuron / 2
+    with pytest.raises(MoePruneError, match="less than one block of 32 neurons"):
+        tenp_allocation(moe, 0.5, TenpOptions(width_multiple=32))
 
 
 # ----------------------------------------------------------------------------- the planted super expert

@@ -12,7 +12,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from moeprune.data.loading import CalibrationData, load_data
 from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import CORPUS_SUBDIR, demo_spec, get_demo_model
 from moeprune.models import MoEModel
+from moeprune.observe import ExpertStats
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 from moeprune.report.kept import plot_kept
@@ -36,6 +37,7 @@ from moeprune.runtime.atomic import atomic_write_dir, check_output_dir, write_js
 from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.search.gradient import gradient_allocation
+from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
 from moeprune.surgery.lowrank import fit_novices, plan_rank
@@ -111,7 +113,13 @@ EXTRA: tuple[tuple[str, str, str, dict | None], ...] = (
     ("tenp", "trapezoid", "tenp", None),
 )
 # the searched rows: (criterion, allocation, method); the quick demo runs the first only
-SEARCHED = (("frequency", "evo", "drop"), ("reap", "evo", "drop"), ("frequency", "gradient", "drop"))
+# (mixed + evo under the tenp order: the best recipe on both quick demo models, docs/allocation.md)
+SEARCHED = (
+    ("frequency", "evo", "drop"),
+    ("tenp", "evo", "mixed"),
+    ("reap", "evo", "drop"),
+    ("frequency", "gradient", "drop"),
+)
 
 
 def configurations(quick: bool) -> Iterator[tuple[str, str, str, float, dict | None]]:
@@ -122,7 +130,7 @@ def configurations(quick: bool) -> Iterator[tuple[str, str, str, float, dict | N
                 yield criterion, allocation, "drop", sparsity, None
         for criterion, allocation, method, options in EXTRA:
             yield criterion, allocation, method, sparsity, options
-        for criterion, allocation, method in SEARCHED[:1] if quick else SEARCHED:
+        for criterion, allocation, method in SEARCHED[:2] if quick else SEARCHED:
             yield criterion, allocation, method, sparsity, None
 
 
@@ -156,27 +164,33 @@ def _search(
     config: PruneConfig,
     settings: DemoSettings,
     pad: int,
-) -> tuple[list[int], list, dict]:
-    """The searched allocation of `config` on the search data: experts removed per layer, the
-    scores whose order the plan follows, and search.json. Evo: a short EvoESAP search (the demo's
-    budget: small population, few generations); gradient: `moeprune prune`'s defaults."""
+    stats: ExpertStats | None = None,
+) -> tuple[list, list, dict]:
+    """The searched allocation of `config` on the search data: what each layer removes (drop
+    counts, or mixed genes), the scores whose order the plan follows, and search.json. Evo: a short
+    EvoESAP search (the demo's budget: small population, few generations), over mixed genes for
+    the mixed method; gradient: `moeprune prune`'s defaults."""
     runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
+    criterion = get_criterion(config.criterion)
     if config.allocation == "gradient":
-        return gradient_allocation(
-            moe, get_criterion(config.criterion), scores, search, config=config, runtime=runtime
+        return gradient_allocation(moe, criterion, scores, search, config=config, runtime=runtime)
+    short = SearchConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
+    if config.method == "mixed":
+        assert stats is not None, "the mixed method narrows by the observed neuron statistics"
+        searched = replace(config, search=short)
+        genes, document = search_mixed(
+            moe, criterion, scores, [stats], search, config=searched, runtime=runtime
         )
+        return genes, scores, document
     budget = budget_from_sparsity(
         config.sparsity_value(), [m.num_experts for m in moe.layers], [m.top_k for m in moe.layers]
-    )
-    search_config = SearchConfig(
-        population=settings.population, elites=4, generations=settings.generations, seed=42
     )
     removed, document = run_evo_search(
         moe,
         search,
         [s.order for s in protected_order(scores, moe.protected)],  # super experts last
         budget,
-        config=search_config,
+        config=short,
         fingerprint={"demo": True},
         runtime=runtime,
     )
@@ -261,7 +275,7 @@ def _run_demo(
         found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
         removed = None
         if searches(allocation):
-            removed, scores, document = _search(moe, scores, search, config, settings, pad)
+            removed, scores, document = _search(moe, scores, search, config, settings, pad, stats)
             search_docs.append({"criterion": criterion, "sparsity": sparsity, **document})
         plan = build_plan(
             moe,

@@ -64,12 +64,29 @@ def _options(config: PruneConfig) -> TenpOptions:
     return METHODS.get(config.method).resolve_options(config.options)
 
 
+def tenp_steps(moe: MoEModel, sparsity: float, options: TenpOptions) -> list[int]:
+    """Each MoE layer's width step: `--width-multiple` when given (a budget it cannot meet is
+    refused), else the serving alignment (surgery/widths.py) where the trapezoid leaves the
+    narrowed experts at least one block, else TENP's own 1 neuron, as the neurons method falls
+    back where its default step leaves too little."""
+    steps = [width_step(m.intermediate_size, options.width_multiple) for m in moe.layers]
+    if options.width_multiple is None and any(s > 1 for s in steps):
+        try:
+            _trapezoid(moe, sparsity, options, steps)
+        except MoePruneError:  # less than one block of the default step left: TENP's own floor
+            return [1] * len(steps)
+    return steps
+
+
+def _trapezoid(moe: MoEModel, sparsity: float, options: TenpOptions, steps: list[int]):
+    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
+    return trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope, steps)
+
+
 def tenp_allocation(moe: MoEModel, sparsity: float, options: TenpOptions):
     """The trapezoid of `moe` at `sparsity`, the narrowed widths on each layer's width step
-    (surgery/widths.py; TENP's own floor is 1 neuron)."""
-    layers = [TrapezoidLayer(m.num_experts, m.intermediate_size, layer_cost(m)) for m in moe.layers]
-    steps = [width_step(m.intermediate_size, options.width_multiple) for m in moe.layers]
-    return trapezoid_allocation(layers, 1 - sparsity, options.important_fraction, options.slope, steps)
+    (`tenp_steps`)."""
+    return _trapezoid(moe, sparsity, options, tenp_steps(moe, sparsity, options))
 
 
 def tenp_plan(
@@ -132,9 +149,9 @@ def tenp_plan(
             else important_fraction,
             "important_fraction": alloc.important_fraction,
             "slope": slope,
-            "width_multiple": {
-                str(m.index): width_step(m.intermediate_size, options.width_multiple) for m in moe.layers
-            },
+            "width_multiple": dict(
+                zip([str(m.index) for m in moe.layers], tenp_steps(moe, sparsity, options))
+            ),
             "routed_parameters_target": alloc.target_params,
             "routed_parameters_kept": alloc.kept_params,
             "routed_parameters_total": alloc.total_params,

@@ -14,7 +14,9 @@ method's own step: 8 neurons for the neurons method where the width is a multipl
 
 With `--method neurons`, a layer's guarded super experts stay whole and its others share
 `guarded_width` (surgery/neurons.py `guarded_shared`: under the default step, 32 falls back to 8,
-then 1, where less than one block would be left).
+then 1, where less than one block would be left); TENP under the default step falls back to its
+own 1 neuron the same way (surgery/tenp.py `tenp_steps`). An explicit `--width-multiple` is never
+relaxed: a budget it cannot meet is refused.
 
 Another narrowing method (mixed) can take the same rule: `width_step(width, asked, floor)` is
 the step of one layer, `nearest_multiple` rounds a target width onto it.
