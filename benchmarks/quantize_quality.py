@@ -36,6 +36,7 @@ import torch
 from moeprune.checkpoint import load_pretrained
 from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import FAMILIES
+from moeprune.errors import MoePruneError
 from moeprune.job.quantize import quantize_folder
 from moeprune.quant.schemes import QuantizeOptions
 from quality import Demo, load_demo
@@ -151,7 +152,11 @@ class Runner:
         if done.returncode != 0:
             raise SystemExit(f"{name}: prune failed ({done.returncode}):\n{done.stderr[-3000:]}")
         row.sparsity = json.loads((out / "report.json").read_text())["sparsity"]
-        return self.score(row, out)
+        try:
+            return self.score(row, out)
+        except MoePruneError as error:  # saved but not readable back (e.g. every expert kept is picked)
+            row.refused = f"saved ({weight_bytes(out)[1]:,} bytes), not scored: {str(error).splitlines()[0]}"
+            return row
 
     def quantize_only(self, scheme: str) -> tuple[Row, Row | None]:
         """The whole model in bf16, quantized by prune --quantize's llm-compressor driver on the
