@@ -142,15 +142,13 @@ class Runner:
             self.common + flags + (["--quant-python", self.args.python] if "--quantize" in flags else [])
         )
         row = Row(name, " ".join(flags), budget)
-        if self.args.reuse and (out / "report.json").is_file():  # made by an earlier run: scored again
-            row.sparsity = json.loads((out / "report.json").read_text())["sparsity"]
-            return self.score(row, out)
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode == 2 and "--target-size" in flags:  # no plan fits: the solver's line
-            row.refused = done.stderr.strip().splitlines()[-1].removeprefix("moeprune: error: ")
-            return row
-        if done.returncode != 0:
-            raise SystemExit(f"{name}: prune failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        if not (self.args.reuse and (out / "report.json").is_file()):  # else made by an earlier run
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode == 2 and "--target-size" in flags:  # no plan fits: the solver's line
+                row.refused = done.stderr.strip().splitlines()[-1].removeprefix("moeprune: error: ")
+                return row
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: prune failed ({done.returncode}):\n{done.stderr[-3000:]}")
         row.sparsity = json.loads((out / "report.json").read_text())["sparsity"]
         try:
             return self.score(row, out)
@@ -160,17 +158,14 @@ class Runner:
 
     def quantize_only(self, scheme: str) -> tuple[Row, Row | None]:
         """The whole model in bf16, quantized by prune --quantize's llm-compressor driver on the
-        same calibration data; also the bf16 copy's row (once)."""
+        same calibration data; also the bf16 copy's row (with w4a16, the first)."""
         bf16, folder = self.work / "full_bf16", self.work / f"full_{scheme}"
-        first = not bf16.is_dir()
-        if first:
+        if not bf16.is_dir():
             copy.deepcopy(self.demo.moe.model).to(torch.bfloat16).save_pretrained(bf16)
             self.demo.tokenizer.save_pretrained(bf16)
-        row = (
-            self.score(Row("bf16, full model", "(the model saved in bf16)", sparsity=0.0), bf16)
-            if first
-            else None
-        )
+        row = None  # the bf16 copy's own row, once
+        if scheme == "w4a16":
+            row = self.score(Row("bf16, full model", "(the model saved in bf16)", sparsity=0.0), bf16)
         config = folder / "config.json"
         if self.args.reuse and config.is_file() and "quantization_config" in config.read_text():
             return self.score(Row(f"{scheme} only", self.only_flags(scheme), sparsity=0.0), folder), row
