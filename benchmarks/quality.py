@@ -29,6 +29,7 @@ import functools
 import json
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,6 +83,51 @@ def plant_super_expert(moe: MoEModel, stats, scale: float) -> tuple[int, int]:
     return layer.index, expert
 
 
+@dataclasses.dataclass
+class Demo:
+    """A trained demo model, loaded, with its settings and its corpus's splits (shared with
+    benchmarks/quantize_quality.py)."""
+
+    model_dir: Path
+    moe: MoEModel
+    tokenizer: Any
+    settings: DemoSettings
+    pad: int
+
+    def files(self, split: str, domains) -> list[str]:
+        return [str(self.model_dir / CORPUS_SUBDIR / f"{d}_{split}.jsonl") for d in domains]
+
+    def data(self, split: str, domains, samples: int):
+        files = self.files(split, domains)
+        return load_data(
+            files, self.tokenizer, num_samples=samples, max_length=self.settings.max_length, seed=0
+        )
+
+    def evals(self) -> dict[str, DomainEval]:
+        """Held-out eval batches per domain, with the (current) model's distributions as reference."""
+        return {
+            d: DomainEval(
+                self.moe,
+                self.data("eval", [d], self.settings.eval_samples),
+                self.settings.batch_size,
+                self.pad,
+            )
+            for d in DOMAINS
+        }
+
+
+def load_demo(family: str, quick: bool, spec_text: str = "", threads: int = 1) -> Demo:
+    """The demo model of `family` (quick or full; `spec_text` changes fields of its spec), trained once and cached."""
+    settings = DemoSettings.for_mode(quick)
+    spec = demo_spec(family, quick)
+    if spec_text:  # another trained model of the same architecture (a second seed, more experts)
+        changes = dict(item.split("=", 1) for item in spec_text.split(","))
+        spec = dataclasses.replace(spec, **{k: type(getattr(spec, k))(v) for k, v in changes.items()})
+    model_dir = get_demo_model(spec, progress=False, threads=threads)
+    model, tokenizer = load_model(model_dir)
+    return Demo(model_dir, MoEModel(model), tokenizer, settings, tokenizer.pad_token_id or 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,21 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    settings = DemoSettings.for_mode(args.quick)
-    spec = demo_spec(args.family, args.quick)
-    if args.spec:  # another trained model of the same architecture (a second seed, more experts)
-        changes = dict(item.split("=", 1) for item in args.spec.split(","))
-        spec = dataclasses.replace(spec, **{k: type(getattr(spec, k))(v) for k, v in changes.items()})
-    model_dir = get_demo_model(spec, progress=False, threads=args.threads)
-    model, tokenizer = load_model(model_dir)
-    moe = MoEModel(model)
-    pad = tokenizer.pad_token_id or 0
-    corpus = model_dir / CORPUS_SUBDIR
-
-    def data(split: str, domains, samples: int):
-        files = [str(corpus / f"{d}_{split}.jsonl") for d in domains]
-        return load_data(files, tokenizer, num_samples=samples, max_length=settings.max_length, seed=0)
-
+    demo = load_demo(args.family, args.quick, args.spec, args.threads)
+    model_dir, moe, settings, pad, data = demo.model_dir, demo.moe, demo.settings, demo.pad, demo.data
     calibration = data("train", DOMAINS, settings.calibration_samples)
     search = functools.cache(lambda: data("search", DOMAINS, settings.search_samples))
 
@@ -129,10 +162,7 @@ def main() -> None:
     if args.plant:
         planted = plant_super_expert(moe, stats, args.plant)
         stats = observed()  # the planted model is the one pruned and the reference
-    evals = {
-        d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad)
-        for d in DOMAINS
-    }
+    evals = demo.evals()
     head = ["row", "sparsity", *[f"NLL {d}" for d in DOMAINS], "ESAP"] + (["planted kept"] if planted else [])
     print(f"model {model_dir} ({args.family}{', quick' if args.quick else ''})")
     if planted:

@@ -91,12 +91,16 @@ class DomainEval:
                     b.sample_index.tolist(), logits, b.input_ids, b.answer_mask, b.attention_mask
                 )
 
-    def score(self, context: Callable[[], AbstractContextManager]) -> dict[str, float]:
-        """ESAP vs the full model and NLL on answer tokens, under a (fresh) virtual pruning context."""
+    def score(
+        self, context: Callable[[], AbstractContextManager], model: torch.nn.Module | None = None
+    ) -> dict[str, float]:
+        """ESAP vs the full model and NLL on answer tokens, under a (fresh) virtual pruning context;
+        `model`: another model scored on the same batches (a saved, e.g. quantized, result)."""
         esap, nll = FitnessAccumulator(self.teacher, "esap"), FitnessAccumulator(self.teacher, "nll")
+        model = self.moe.model if model is None else model
         with torch.no_grad(), context():
             for b in self.batches:
-                logits = self.moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+                logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
                 for acc in (esap, nll):
                     acc.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
         return {"esap": esap.result(), "nll": nll.result()}
