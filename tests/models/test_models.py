@@ -326,3 +326,30 @@ def test_multimodal_wrapper_keeps_its_towers_and_class(family, tmp_path):
     assert all(torch.equal(state[n], t) for n, t in towers.items() if n in state)
     assert MoEModel(reloaded).layers[0].num_experts == 6
     assert_logits_close(logits(reloaded), before)
+
+
+def test_a_layer_keeping_only_its_top_k_experts_saves_and_reloads(tmp_path):
+    """75 % of 8 experts, top-2: every layer keeps 2, so its router's logits, weights and indices
+    are all [T, 2]; the indices are still found (the integer tensor) and the saved result reloads
+    with the logits of the masked model."""
+    import moeprune
+    from moeprune.config import PruneConfig
+    from moeprune.criteria import compute_scores, get_criterion
+    from moeprune.models import MoEModel
+    from moeprune.models.factory import tiny_model
+    from moeprune.surgery.planning import build_plan
+    from moeprune.surgery.plans import apply_plan_physical, virtual_plan
+
+    model = tiny_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[], num_experts=8, num_experts_per_tok=2)
+    moe = MoEModel(model)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    scores = compute_scores("magnitude", weights=moe.layers, num_experts=[8, 8], layers=[m.index for m in moe.layers])
+    plan = build_plan(moe, get_criterion("magnitude"), scores, config=PruneConfig("magnitude", 0.75))
+    assert all(len(lp.kept) == 2 for lp in plan.layers)
+    with torch.no_grad(), virtual_plan(moe, plan):
+        masked = model(ids).logits
+    apply_plan_physical(moe, plan)
+    model.save_pretrained(tmp_path / "kept2")
+    with torch.no_grad():
+        reloaded = moeprune.load_pretrained(tmp_path / "kept2")(ids).logits
+    torch.testing.assert_close(reloaded, masked, rtol=1e-5, atol=1e-5)

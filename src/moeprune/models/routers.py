@@ -114,11 +114,14 @@ def router_index_position(
         if len(integer) == 1
         else []
     )
+    # a layer that keeps only its top-k experts: logits, weights and indices are all [T, k], the
+    # indices still the one integer tensor and the logits' width the count whichever float they are
+    all_picked = tensors and not extra and len(logits) == 2 and {tuple(t.shape) for t in out} == {(2, count)}
     if (
         len(integer) == 1
-        and len(logits) == 1
+        and (len(logits) == 1 or all_picked)
         and weights
-        and (extra or len({tuple(t.shape) for t in out}) == 2)
+        and (extra or len({tuple(t.shape) for t in out}) == 2 or all_picked)
     ):
         return integer[0], int(out[logits[0]].shape[1])
     got = [
