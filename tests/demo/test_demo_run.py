@@ -46,6 +46,10 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     for sparsity in (0.25, 0.5):  # searched >= uniform on the search data, by construction
         search = next(s for s in results["searches"] if s["sparsity"] == sparsity)
         assert search["fitness_value"] >= search["uniform"]["fitness_value"]
+        mixed = next(s for s in results["searches"] if s["sparsity"] == sparsity and "seeds" in s)
+        assert set(mixed["seeds"]) >= {"tenp", "neurons"}, mixed["seeds"].keys()  # drop, novice: where the budget allows
+        assert all(mixed["fitness_value"] >= seed["fitness_value"] for seed in mixed["seeds"].values())
+    assert "tenp mixed evo at 50%" in result.output
     # the super experts (a model this small always has one) stay in every row, as prune keeps them
     assert results["super_experts"] and "super experts kept in every row" in result.output
     for row in rows[1:]:

@@ -49,48 +49,51 @@ def test_width_steps_and_rounding_by_hand():
 
 
 def test_enp_widths_are_multiples_and_the_budget_is_met_to_half_a_step():
-    """A 128-wide qwen3_moe: default step 32; at 0.3 each expert's target is 89.6 neurons -> 96."""
-    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=128, num_hidden_layers=2))
+    """A 256-wide qwen3_moe: default step 32; at 0.3 each expert's target is 179.2 neurons -> 192.
+    A 128-wide one is under 8 blocks: the default keeps grouped_mm's 8 (89.6 -> 88)."""
+    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=256, num_hidden_layers=2))
     for sparsity, asked, expected in (
-        (0.3, None, 96),
-        (0.3, 16, 96),
-        (0.3, 24, 96),
-        (0.6, None, 64),
-        (0.6, 24, 48),
+        (0.3, None, 192),
+        (0.3, 16, 176),
+        (0.3, 24, 168),
+        (0.6, None, 96),
+        (0.6, 24, 96),
     ):
         widths = uniform_widths(moe, sparsity, asked)
         assert set(widths) == {expected}, (sparsity, asked, widths)
         step = asked or 32
-        assert expected % step == 0 and abs(expected - (1 - sparsity) * 128) <= step / 2
-    with pytest.raises(MoePruneError, match="less than one block of 32 neurons of its 128"):
-        uniform_widths(moe, 0.9)
+        assert expected % step == 0 and abs(expected - (1 - sparsity) * 256) <= step / 2
+    with pytest.raises(MoePruneError, match="less than one block of 32 neurons of its 256"):
+        uniform_widths(moe, 0.95)
+    narrow = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=128, num_hidden_layers=2))
+    assert set(uniform_widths(narrow, 0.3)) == {88} and set(uniform_widths(narrow, 0.25)) == {96}
 
 
 def test_tenp_widths_are_multiples_and_the_budget_within_half_a_block():
     moe = MoEModel(
-        tiny_model("qwen3_moe", moe_intermediate_size=128, num_hidden_layers=4, mlp_only_layers=[])
+        tiny_model("qwen3_moe", moe_intermediate_size=256, num_hidden_layers=4, mlp_only_layers=[])
     )
     row = layer_cost(moe.layers[0]).per_neuron
     for asked in (None, 16):
         alloc = tenp_allocation(moe, 0.5, TenpOptions(width_multiple=asked))
         step = asked or 32
         narrowed = [w for ws in alloc.widths for w in ws]
-        assert narrowed and all(w % step == 0 and 0 < w < 128 for w in narrowed), narrowed
+        assert narrowed and all(w % step == 0 and 0 < w < 256 for w in narrowed), narrowed
         assert abs(alloc.kept_params - alloc.target_params) <= row * step / 2
     exact = tenp_allocation(moe, 0.5, TenpOptions(width_multiple=1))
     assert abs(exact.kept_params - exact.target_params) <= row / 2
 
 
 def test_tenp_falls_back_to_one_neuron_where_the_default_step_leaves_no_block():
-    """64-wide experts at 50 %: the trapezoid leaves the narrowed ones a third of their width (21
-    neurons), under one block of 32; the default step gives way to TENP's own 1 neuron (what the
-    plan records), an explicit multiple is refused."""
-    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=64, num_hidden_layers=4, mlp_only_layers=[]))
-    assert tenp_steps(moe, 0.5, TenpOptions()) == [1] * 4 and tenp_steps(moe, 0.25, TenpOptions()) == [32] * 4
-    alloc = tenp_allocation(moe, 0.5, TenpOptions())
+    """256-wide experts at 80 %: the trapezoid leaves the narrowed ones under one block of 32
+    neurons; the default step gives way to TENP's own 1 neuron (what the plan records), an explicit
+    multiple is refused."""
+    moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=256, num_hidden_layers=4, mlp_only_layers=[]))
+    assert tenp_steps(moe, 0.8, TenpOptions()) == [1] * 4 and tenp_steps(moe, 0.5, TenpOptions()) == [32] * 4
+    alloc = tenp_allocation(moe, 0.8, TenpOptions())
     assert abs(alloc.kept_params - alloc.target_params) <= layer_cost(moe.layers[0]).per_neuron / 2
     with pytest.raises(MoePruneError, match="less than one block of 32 neurons"):
-        tenp_allocation(moe, 0.5, TenpOptions(width_multiple=32))
+        tenp_allocation(moe, 0.8, TenpOptions(width_multiple=32))
 
 
 # ----------------------------------------------------------------------------- the planted super expert
@@ -190,11 +193,12 @@ def test_width_multiple_flag_reaches_the_plan_and_bad_values_are_refused(planted
 
 
 def test_guarded_width_is_the_widest_step_within_the_enp_layer_and_the_default_falls_back():
-    """64-wide experts, ENP's K = 32: one expert whole leaves 8 x 32 - 64 = 192 neurons for 7 others."""
+    """64-wide experts, ENP's K = 32: one expert whole leaves 8 x 32 - 64 = 192 neurons for 7 others
+    (the default step of a 64-wide expert is grouped_mm's 8; an asked 32 is refused, never relaxed)."""
     moe = MoEModel(tiny_model("qwen3_moe", moe_intermediate_size=64, num_hidden_layers=2))
     layer = moe.layers[0]
     assert layer_cost(layer).per_expert == 0  # no biases: widths compare as neuron counts
-    assert guarded_shared(layer, 1, 32, None) == (24, 8)  # 32 leaves less than one block: falls back to 8
+    assert guarded_shared(layer, 1, 32, None) == (24, 8)
     assert guarded_shared(layer, 1, 32, 4) == (24, 4) and guarded_shared(layer, 1, 32, 5) == (25, 5)
     with pytest.raises(MoePruneError, match="less than one block of 32 neurons"):
         guarded_shared(layer, 1, 32, 32)  # an asked multiple is never relaxed

@@ -330,11 +330,16 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
             f"{best['method']}{than}"
         )
     for search in results.get("searches", []):
+        if "uniform" in search:  # drop counts: against the criterion's uniform plan
+            reference, name = search["uniform"]["fitness_value"], "uniform"
+        else:  # mixed genes: against the best recipe it started from (its seeds)
+            sign = 1 if search.get("higher_is_better", True) else -1
+            name, seed = max(search["seeds"].items(), key=lambda item: sign * item[1]["fitness_value"])
+            reference = seed["fitness_value"]
+        how = search.get("allocation_method", "mixed evo" if "seeds" in search else "evo")
         lines.append(
-            f"  search    {search['criterion']} {search.get('allocation_method', 'evo')} at {search['sparsity']:.0%}: "
-            f"{search['fitness']} "
-            f"{search['fitness_value']:.4f} searched vs {search['uniform']['fitness_value']:.4f} uniform "
-            "on the search data"
+            f"  search    {search['criterion']} {how} at {search['sparsity']:.0%}: {search['fitness']} "
+            f"{search['fitness_value']:.4f} searched vs {reference:.4f} {name} on the search data"
         )
     if results.get("super_experts"):
         named = "; ".join(f"layer {k}: {v}" for k, v in results["super_experts"].items())

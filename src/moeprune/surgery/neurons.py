@@ -403,7 +403,7 @@ def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[
     multiple is kept or refused; the default step (32) falls back to 8, then 1, where less than one
     block would be left (a small expert: the demo's 64 neurons at 50 %)."""
     full, cost = m.intermediate_size, layer_cost(m)
-    steps = [asked] if asked is not None else [width_step(full, None), STOCK_MULTIPLE, 1]
+    steps = [asked] if asked is not None else [width_step(full, None, STOCK_MULTIPLE), STOCK_MULTIPLE, 1]
     tries = [s for s in dict.fromkeys(steps) if asked is not None or full % s == 0 or s == 1]
     for pos, step in enumerate(tries):
         try:

@@ -8,7 +8,7 @@ A narrowed width that is a multiple of N wastes nothing there. The full width is
 
 The default (no `--width-multiple`): the quantization group size with `--quantize` (set by the
 prune job, job/prepare.py), else 32, the serving kernels' alignment, where the full width is a
-multiple of 32 wider than 32. A narrower or unaligned expert (the tiny test models) keeps the
+multiple of 32 and at least 256 (8 blocks: half a step is then at most 1/16 of the width). A narrower or unaligned expert (the tiny test models) keeps the
 method's own step: 8 neurons for the neurons method where the width is a multiple of 8
 (transformers' grouped_mm needs 16-byte strides in a stock checkpoint), else 1.
 
@@ -30,6 +30,9 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import ExpertCost
 
 ALIGN = 32  # the serving kernels' alignment (vLLM's fused MoE pads expert widths to it)
+# the default aligns only experts at least 8 blocks wide: half a step is then at most 1/16 of the
+# width, where on a 64-wide expert it would round a 25 % ENP cut (48 neurons) up to no cut at all
+ALIGN_MIN_WIDTH = 8 * ALIGN
 STOCK_MULTIPLE = 8  # grouped_mm's 16-byte strides (bf16/fp16): a stock uniform width's step
 
 
@@ -47,10 +50,10 @@ def check_width_multiple(value: object) -> int | None:
 def width_step(width: int, asked: int | None, floor: int = 1) -> int:
     """The step of the narrowed widths of experts `width` neurons wide: `asked` when given (the
     full width stays allowed even when it is not a multiple), else ALIGN where the full width is a
-    multiple of it wider than it, else `floor` where the width is a multiple of it, else 1."""
+    multiple of it and at least ALIGN_MIN_WIDTH, else `floor` where the width is a multiple of it, else 1."""
     if asked is not None:
         return asked
-    if width % ALIGN == 0 and width > ALIGN:
+    if width % ALIGN == 0 and width >= ALIGN_MIN_WIDTH:
         return ALIGN
     return floor if floor >= 1 and width % floor == 0 else 1
 
