@@ -126,13 +126,14 @@ def test_neurons_keeps_the_planted_super_expert_whole_in_memory(data, tmp_path):
     plan = build_plan(moe, crit, scores, config=config, stats=[stats])
     cost = layer_cost(moe.layers[0])
     for lp in plan.layers:
-        if lp.layer == LAYER:  # 8 x params(8) = params(16) + 7 x params(k): k = 6 is the widest that fits
-            assert EXPERT not in lp.neurons and set(lp.neurons.values()) == {6} and len(lp.neurons) == 7
+        if lp.layer == LAYER:  # 8 x 8 neurons = 16 + 7 x 6 + 6 left: six of the seven get one more (step 1)
+            assert EXPERT not in lp.neurons and sorted(lp.neurons.values()) == [6] + [7] * 6
         else:
             assert set(lp.neurons.values()) == {8} and len(lp.neurons) == 8
     assert plan.extra["super_experts_whole"] == {str(LAYER): [EXPERT]}
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
-    assert kept == 3 * 8 * cost.params(8) + cost.params(16) + 7 * cost.params(6)  # hand-computed budget
+    assert kept == 3 * 8 * cost.params(8) + cost.params(16) + 6 * cost.params(7) + cost.params(6)
+    assert kept == 4 * 8 * cost.params(8)  # ENP's budget exactly (no biases: parameters go by neurons)
     full = logits(model)
     with virtual_plan(moe, plan, stats):
         virtual = logits(model)

@@ -357,7 +357,8 @@ def neuron_plan(
     K is the nearest multiple of the layer's width step (see :func:`uniform_keep`); the plan's
     extra records the parameter fraction actually kept. A layer's super experts (`moe.protected`,
     the guard) stay whole and its other experts share the widest width that keeps no more than K
-    would (`guarded_width`): the result is then in moeprune's format (per-expert widths).
+    would (`guarded_width`), some of them one step wider with what that leaves (`_promoted`): the
+    result is then in moeprune's format (per-expert widths).
     """
     check_neuron_prunable(moe)
     check_neuron_stats(moe, stats, check_importance(importance))
@@ -370,7 +371,7 @@ def neuron_plan(
         neurons = {e: k for e in ids} if k < m.intermediate_size else {}
         if neurons and guarded:  # moeprune's format anyway: grouped_mm's floor of 8 does not apply
             shared, steps[-1] = guarded_shared(m, len(guarded), k, width_multiple)
-            neurons = {e: shared for e in ids if e not in guarded}
+            neurons = _promoted(m, [e for e in ids if e not in guarded], len(guarded), k, shared, steps[-1])
             whole[str(m.index)] = guarded
         layers.append(
             LayerPlan(
@@ -396,6 +397,20 @@ def neuron_plan(
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
     plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
     return plan
+
+
+def _promoted(m: MoELayer, others: list[int], whole: int, k: int, shared: int, step: int) -> dict[int, int]:
+    """The narrowed widths of a guarded layer's other experts: `shared` each, then one step more
+    for as many of them (the lowest ids) as what `shared` leaves of ENP's layer budget pays for, so
+    the layer keeps at most one step of one expert less than ENP's K would, never more (the
+    stock plan's planned size still bounds the result). An expert promoted to its full width is
+    whole."""
+    cost, full = layer_cost(m), m.intermediate_size
+    left = m.num_experts * cost.params(k) - whole * cost.params(full) - len(others) * cost.params(shared)
+    up = min(shared + step, full)
+    promoted = int(left // (cost.params(up) - cost.params(shared))) if up > shared else 0
+    widths = {e: up if i < promoted else shared for i, e in enumerate(others)}
+    return {e: w for e, w in widths.items() if w < full}
 
 
 def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[int, int]:
