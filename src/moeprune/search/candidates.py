@@ -8,8 +8,7 @@ once into a :class:`~moeprune.fitness.TeacherCache`.
 
 Speed (the search evaluates hundreds of candidates):
 
-- Fitness cache: :class:`~moeprune.allocate.evo.EvoSearch` evaluates each distinct allocation once.
-- Shared prefix: the state of MoE layer p depends only on r_0..r_{p-1}. Per batch it is cached
+- Fitness cache: EvoSearch evaluates each distinct allocation once. Shared prefix: the state of MoE layer p depends only on r_0..r_{p-1}. Per batch it is cached
   (LRU, byte budget) keyed by that prefix; a candidate resumes at its longest cached prefix and
   runs only the layers from there on. The state is the layer's post-attention residual ("split"
   mode: the attention of the first differing layer is shared too, only its MoE half runs), or
@@ -17,8 +16,7 @@ Speed (the search evaluates hundreds of candidates):
   rotary embeddings, ...) that the model's own forward passed them during the teacher pass,
   captured by hooks, so nothing family-specific is rebuilt. A self-check on the first batch
   compares each mode with ``model(...)`` and keeps the first that matches; the plain forward is
-  the fallback.
-- Answer rows only: the final norm and LM head run on the scored positions only.
+  the fallback. Answer rows only: the final norm and LM head run on the scored positions only.
 - Racing: after each batch, a candidate whose fitness could not reach the m-th best fitness seen
   so far even if every remaining sample scored perfectly stops there. Elites are always the top m
   of everything evaluated (the population keeps the previous elites), so such a candidate can

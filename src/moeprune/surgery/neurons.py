@@ -56,8 +56,9 @@ from moeprune.surgery.sizes import WeightBytes
 from moeprune.surgery.widths import (
     STOCK_MULTIPLE,
     check_width_multiple,
-    guarded_width,
+    guarded_shared,
     nearest_multiple,
+    promoted_widths,
     width_step,
 )
 
@@ -357,7 +358,7 @@ def neuron_plan(
     K is the nearest multiple of the layer's width step (see :func:`uniform_keep`); the plan's
     extra records the parameter fraction actually kept. A layer's super experts (`moe.protected`,
     the guard) stay whole and its other experts share the widest width that keeps no more than K
-    would (`guarded_width`), some of them one step wider with what that leaves (`_promoted`): the
+    would (`guarded_width`), some of them one step wider with what that leaves (`promoted_widths`): the
     result is then in moeprune's format (per-expert widths).
     """
     check_neuron_prunable(moe)
@@ -371,7 +372,9 @@ def neuron_plan(
         neurons = {e: k for e in ids} if k < m.intermediate_size else {}
         if neurons and guarded:  # moeprune's format anyway: grouped_mm's floor of 8 does not apply
             shared, steps[-1] = guarded_shared(m, len(guarded), k, width_multiple)
-            neurons = _promoted(m, [e for e in ids if e not in guarded], len(guarded), k, shared, steps[-1])
+            neurons = promoted_widths(
+                m, [e for e in ids if e not in guarded], len(guarded), k, shared, steps[-1]
+            )
             whole[str(m.index)] = guarded
         layers.append(
             LayerPlan(
@@ -397,36 +400,6 @@ def neuron_plan(
     kept = plan_routed_parameters(moe, plan)["routed_experts"]
     plan.extra["routed_parameters_kept_fraction"] = kept / routed_parameters(moe)["routed_experts"]
     return plan
-
-
-def _promoted(m: MoELayer, others: list[int], whole: int, k: int, shared: int, step: int) -> dict[int, int]:
-    """The narrowed widths of a guarded layer's other experts: `shared` each, then one step more
-    for as many of them (the lowest ids) as what `shared` leaves of ENP's layer budget pays for, so
-    the layer keeps at most one step of one expert less than ENP's K would, never more (the
-    stock plan's planned size still bounds the result). An expert promoted to its full width is
-    whole."""
-    cost, full = layer_cost(m), m.intermediate_size
-    left = m.num_experts * cost.params(k) - whole * cost.params(full) - len(others) * cost.params(shared)
-    up = min(shared + step, full)
-    promoted = int(left // (cost.params(up) - cost.params(shared))) if up > shared else 0
-    widths = {e: up if i < promoted else shared for i, e in enumerate(others)}
-    return {e: w for e, w in widths.items() if w < full}
-
-
-def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[int, int]:
-    """(width, step) the other experts of a layer with `whole` super experts share. An asked
-    multiple is kept or refused; the default step (32) falls back to 8, then 1, where less than one
-    block would be left (a small expert: the demo's 64 neurons at 50 %)."""
-    full, cost = m.intermediate_size, layer_cost(m)
-    steps = [asked] if asked is not None else [width_step(full, None, STOCK_MULTIPLE), STOCK_MULTIPLE, 1]
-    tries = [s for s in dict.fromkeys(steps) if asked is not None or full % s == 0 or s == 1]
-    for pos, step in enumerate(tries):
-        try:
-            return guarded_width(cost, full, m.num_experts, whole, k, step, m.index), step
-        except MoePruneError:
-            if pos == len(tries) - 1:
-                raise
-    raise AssertionError("no width step tried")  # pragma: no cover - tries is never empty
 
 
 def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:

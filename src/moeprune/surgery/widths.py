@@ -13,7 +13,7 @@ method's own step: 8 neurons for the neurons method where the width is a multipl
 (transformers' grouped_mm needs 16-byte strides in a stock checkpoint), else 1.
 
 With `--method neurons`, a layer's guarded super experts stay whole and its others share
-`guarded_width` (surgery/neurons.py `guarded_shared`: under the default step, 32 falls back to 8,
+`guarded_width` (`guarded_shared` below: under the default step, 32 falls back to 8,
 then 1, where less than one block would be left); TENP under the default step falls back to its
 own 1 neuron the same way (surgery/tenp.py `tenp_steps`). An explicit `--width-multiple` is never
 relaxed: a budget it cannot meet is refused.
@@ -27,7 +27,8 @@ from __future__ import annotations
 import math
 
 from moeprune.errors import MoePruneError
-from moeprune.models.adapter import ExpertCost
+from moeprune.models.adapter import ExpertCost, MoELayer
+from moeprune.models.packed import layer_cost
 
 ALIGN = 32  # the serving kernels' alignment (vLLM's fused MoE pads expert widths to it)
 # the default aligns only experts at least 8 blocks wide: half a step is then at most 1/16 of the
@@ -89,3 +90,35 @@ def guarded_width(
             options=("sparsity", "allow_super_experts", "width_multiple"),
         )
     return min(k, width)
+
+
+def promoted_widths(
+    m: MoELayer, others: list[int], whole: int, k: int, shared: int, step: int
+) -> dict[int, int]:
+    """The narrowed widths of a guarded layer's other experts: `shared` each, then one step more
+    for as many of them (the lowest ids) as what `shared` leaves of ENP's layer budget pays for, so
+    the layer keeps at most one step of one expert less than ENP's K would, never more (the
+    stock plan's planned size still bounds the result). An expert promoted to its full width is
+    whole."""
+    cost, full = layer_cost(m), m.intermediate_size
+    left = m.num_experts * cost.params(k) - whole * cost.params(full) - len(others) * cost.params(shared)
+    up = min(shared + step, full)
+    promoted = int(left // (cost.params(up) - cost.params(shared))) if up > shared else 0
+    widths = {e: up if i < promoted else shared for i, e in enumerate(others)}
+    return {e: w for e, w in widths.items() if w < full}
+
+
+def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[int, int]:
+    """(width, step) the other experts of a layer with `whole` super experts share. An asked
+    multiple is kept or refused; the default step (32) falls back to 8, then 1, where less than one
+    block would be left (a small expert: the demo's 64 neurons at 50 %)."""
+    full, cost = m.intermediate_size, layer_cost(m)
+    steps = [asked] if asked is not None else [width_step(full, None, STOCK_MULTIPLE), STOCK_MULTIPLE, 1]
+    tries = [s for s in dict.fromkeys(steps) if asked is not None or full % s == 0 or s == 1]
+    for pos, step in enumerate(tries):
+        try:
+            return guarded_width(cost, full, m.num_experts, whole, k, step, m.index), step
+        except MoePruneError:
+            if pos == len(tries) - 1:
+                raise
+    raise AssertionError("no width step tried")  # pragma: no cover - tries is never empty
