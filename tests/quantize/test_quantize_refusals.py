@@ -62,10 +62,6 @@ CASES = {
     ),
     "gptq without data": (["--quantize", "w4a16", "--criterion", "magnitude", "--no-data", *PY], "GPTQ calibrates"),
     "no-load pipeline": (["--quantize", "w4a16", "--no-load", *PY], "quantizing runs on the in-memory pipeline"),
-    "per-layer counts": (
-        ["--quantize", "w4a16", "--quant-group-size", "16", "--allocation", "global", *PY],
-        "moeprune's format, which is not quantized yet",
-    ),
     "setting without --quantize": (["--quant-method", "rtn"], "quant_method set without quantize"),
 }
 
