@@ -57,10 +57,6 @@ CASES = {
          "--allow-super-experts", *PY],
         "does not divide the kept expert width 8: the largest group size that divides every width is 8",
     ),
-    "neurons with the super-expert guard": (
-        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", *PY],
-        "give --allow-super-experts to narrow them too (a stock checkpoint)",
-    ),
     "width multiple the group does not divide": (
         ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "neurons", "--width-multiple", "12",
          "--allow-super-experts", *PY],
@@ -72,10 +68,6 @@ CASES = {
     ),
     "gptq without data": (["--quantize", "w4a16", "--criterion", "magnitude", "--no-data", *PY], "GPTQ calibrates"),
     "no-load pipeline": (["--quantize", "w4a16", "--no-load", *PY], "quantizing runs on the in-memory pipeline"),
-    "per-layer counts": (
-        ["--quantize", "w4a16", "--quant-group-size", "16", "--allocation", "global", *PY],
-        "moeprune's format, which is not quantized yet",
-    ),
     "setting without --quantize": (["--quant-method", "rtn"], "quant_method set without quantize"),
 }
 

@@ -71,6 +71,10 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
         defaults["save_dtype"] = by_torch_name[str(recipe.save.dtype)]
     defaults["max_shard_size"] = str(recipe.save.max_shard_size)
     defaults["drop_mtp"] = recipe.save.drop_mtp or None
+    if recipe.quantize is not None:  # the scheme, method and group size it was quantized with
+        quantize = recipe.quantize
+        defaults |= {"quantize": quantize["scheme"], "quant_method": quantize.get("method")}
+        defaults["quant_group_size"] = quantize.get("group_size")
     ctx.default_map = {k: v for k, v in defaults.items() if v is not None and v != ()}
     return path
 

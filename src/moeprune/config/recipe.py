@@ -35,6 +35,8 @@ class Recipe:
     pipeline: str = "in-memory"
     target_size: int | None = None  # the bytes asked for, when `config.sparsity` was solved from them
     moeprune_version: str | None = None  # of the run that wrote it
+    # `--quantize`: {"scheme", "method", "group_size"} (the Python that ran it is the machine's)
+    quantize: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -56,6 +58,8 @@ class Recipe:
         }
         if self.target_size is not None:
             out["target"] = {"target_size": self.target_size, "solved_sparsity": self.config.sparsity}
+        if self.quantize is not None:
+            out["quantize"] = dict(self.quantize)
         return out
 
     @classmethod
@@ -86,6 +90,12 @@ class Recipe:
         options = DataOptions(sources=tuple(data.get("calibration") or ()))
         options = replace(options, **{name: data[name] for name in _RECIPE_DATA if name in data})
         target = document.get("target") or {}
+        quantize = document.get("quantize")
+        if quantize is not None and (not isinstance(quantize, dict) or "scheme" not in quantize):
+            raise MoePruneError(
+                f"the recipe's 'quantize' must be an object with a 'scheme', got {quantize!r}",
+                options=("config",),
+            )
         return cls(
             PruneConfig.from_dict(document["config"]),
             options,
@@ -98,6 +108,7 @@ class Recipe:
             pipeline=document.get("pipeline", "in-memory"),
             target_size=target.get("target_size"),
             moeprune_version=document.get("moeprune_version"),
+            quantize=quantize,
         )
 
     @classmethod

@@ -10,7 +10,8 @@ SPEC (JSON): {"model": folder of the pruned, full-precision model, "output": fol
 quantized model in, "scheme": w4a16 | w8a16 | fp8-dynamic | nvfp4a16, "method": gptq | rtn,
 "group_size": N, "samples": [[token ids], ...] (none: round-to-nearest without data),
 "ignore": [module names or "re:" patterns], "max_shard_size": as save_pretrained takes it,
-optionally "layer_schemes": {decoder layer index: scheme of its routed experts} (per-layer precision)}.
+optionally "layer_schemes": {decoder layer index: scheme of its routed experts} (per-layer precision),
+"moeprune": whether the folder is in moeprune's format (oneshot_layout.py quantizes that one)}.
 
 Calibration reaches every expert: llm-compressor linearizes each fused experts module into one
 Linear per projection and expert, and with `moe_calibrate_all_experts` every expert computes on
@@ -25,6 +26,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # oneshot_layout.py beside this file (no moeprune import)
+from oneshot_layout import count_own_tokens, per_layer_experts, write_compressed  # noqa: E402
 
 
 def _scheme(spec: dict):
@@ -102,9 +107,15 @@ def main() -> None:
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype="auto")
+    moeprune = bool(spec.get("moeprune"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        spec["model"],
+        dtype="auto",
+        trust_remote_code=moeprune,  # moeprune's format: its modeling files
+    )
+    own = per_layer_experts(model) if moeprune else {}
     linearize_moe(model)  # done here (not inside oneshot) so that the experts can be hooked
-    counts = _count_expert_tokens(model)
+    counts = _count_expert_tokens(model) | count_own_tokens(own)
     modifier = GPTQModifier if spec["method"] == "gptq" else QuantizationModifier
     recipe = modifier(
         ignore=spec["ignore"], **(_layer_schemes(spec) if spec.get("layer_schemes") else _scheme(spec))
@@ -124,10 +135,14 @@ def main() -> None:
         model=model,
         recipe=recipe,
         moe_calibrate_all_experts=True,
-        pipeline="basic" if spec["method"] == "rtn" else "sequential",
+        trust_remote_code_model=moeprune,
+        pipeline="datafree" if not samples else "basic" if spec["method"] == "rtn" else "sequential",
         **data,
     )
-    model.save_pretrained(spec["output"], save_compressed=True, max_shard_size=spec["max_shard_size"])
+    if moeprune:
+        write_compressed(model, spec["model"], spec["output"])
+    else:
+        model.save_pretrained(spec["output"], save_compressed=True, max_shard_size=spec["max_shard_size"])
     out = {
         "versions": {
             "llmcompressor": llmcompressor.__version__,

@@ -123,10 +123,8 @@ def plan_sizes(
             )
     solution = None
     if config.target_size is not None:
-        # a quantized result must be stock (llm-compressor loads it): the same count in every layer
-        solution = solve_target(
-            meta, config, size, parse_target_size(config.target_size), stock=quantize is not None
-        )
+        stock = quantize is not None and _stock_plan(config)
+        solution = solve_target(meta, config, size, parse_target_size(config.target_size), stock=stock)
         config = replace(config, sparsity=solution.sparsity, target_size=None)
     sizes = PlannedSizes(
         stored_format(model_path),
@@ -270,7 +268,6 @@ def prepare(request: PruneRequest) -> PruneJob:
         quant_python = check_quantize(
             request.quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
         )
-        _check_stock_plan(config)
         config = _quantized_widths(config, request.quantize)
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
@@ -389,28 +386,14 @@ def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneCo
     return config
 
 
-def _check_stock_plan(config: PruneConfig) -> None:
-    """llm-compressor loads the pruned model with stock transformers: a plan a stock config
-    expresses (the same expert count, or width, in every layer) is quantized; the others are
-    refused before loading, naming what works."""
+def _stock_plan(config: PruneConfig) -> bool:
+    """Whether a stock config expresses the plan (the same expert count, or width, in every
+    layer): a --target-size of a quantized stock result is solved among such plans only, so the
+    result stays a stock checkpoint; the others are quantized in moeprune's format."""
     method = METHODS.get(config.method)
     allocation = ALLOCATIONS.get(config.allocation or default_allocation(config.method))
-    if (
-        not allocation.fixed
-        or method.configured(config.options).keeps_routing
-        or config.method not in STOCK_METHODS
-    ):
-        raise MoePruneError(
-            f"quantizing is done for results a stock config expresses (the same expert count or width in "
-            f"every layer: {' or '.join(STOCK_METHODS)} with the uniform allocation); "
-            f"{method.described(config.options)} with the {allocation.name} allocation is saved in moeprune's "
-            "format, which is not quantized yet: prune without quantizing, or choose a uniform plan",
-            options=("quantize", "method", "allocation"),
-        )
-    if config.method == "neurons" and not config.allow_super_experts:
-        raise MoePruneError(
-            "quantizing is done for stock checkpoints, and the neurons method keeps the super experts the "
-            "calibration data finds whole (per-expert widths: moeprune's format; a small model always has one): "
-            "give --allow-super-experts to narrow them too (a stock checkpoint), or quantize a drop",
-            options=("quantize", "method", "allow_super_experts"),
-        )
+    return bool(
+        allocation.fixed
+        and not method.configured(config.options).keeps_routing
+        and config.method in STOCK_METHODS
+    )

@@ -29,9 +29,11 @@ def quantize_folder(
     options: QuantizeOptions,
     samples: list[list[int]],
     max_shard_size: int | str,
+    moeprune_format: bool = False,
 ) -> dict[str, Any]:
     """Quantize the full-precision checkpoint in `folder` in place (its config and weights
-    replaced); returns what report.json records: the scheme, the library versions and the
+    replaced; `moeprune_format`: a folder in moeprune's format, loaded through its modeling files
+    and rewritten by names, see oneshot_layout.py); returns what report.json records: the scheme, the library versions and the
     calibration tokens each kept expert computed on."""
     work = folder / ".moeprune-quantized"
     spec = {
@@ -43,6 +45,7 @@ def quantize_folder(
         "samples": samples,
         "ignore": list(IGNORE),
         "max_shard_size": max_shard_size,
+        "moeprune": moeprune_format,
     }
     if options.layer_schemes:  # per-layer precision: each layer's experts in its own scheme
         spec["layer_schemes"] = {str(k): v for k, v in options.layer_schemes.items()}

@@ -12,11 +12,12 @@ from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
 from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
-from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
+from moeprune.plan import Plan
+from moeprune.quant.schemes import check_group
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import (
     Serving,
@@ -61,19 +62,20 @@ def run_job(job: PruneJob) -> dict:
         return _run(job, log, job.run.progress)
 
 
-def _quantize(job: PruneJob, tmp: Path, report, log: RunLog, progress: bool) -> None:
+def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool) -> None:
     """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
     on the prune's calibration data with every kept expert reached; report.json records how."""
     assert job.quantize is not None and job.quant_python is not None
-    if report.format != "stock":
-        raise MoePruneError(  # prepare refuses such plans; a result saved otherwise is never quantized
-            "this result is saved in moeprune's format, which llm-compressor does not load: not quantized"
-        )
+    moeprune_format = report.format == "moeprune"  # loaded there through its own modeling files
+    widths = sorted({w for lp in plan.layers for e in lp.kept if (w := lp.neurons.get(e)) is not None})
+    check_group(job.quantize, [], widths)  # per-expert widths are known once scored (tenp, mixed)
     samples = [list(map(int, s.input_ids)) for d in job.calibration for s in d.samples]
     with stage(f"quantizing {job.quantize.describe()} with llm-compressor ({job.quant_python})", progress):
         report.quantization = quantize_folder(
-            job.quant_python, tmp, job.quantize, samples, job.max_shard_size
+            job.quant_python, tmp, job.quantize, samples, job.max_shard_size, moeprune_format
         )
+    if moeprune_format:  # vLLM's plugin reads moeprune's format unquantized only
+        report.serving = Serving(vllm_refused=quantized_refusal(f"compressed-tensors {job.quantize.scheme}"))
     q = report.quantization
     log.note(
         f"quantized {q['scheme']} ({q['method']}) by llm-compressor {q['versions']['llmcompressor']}: every "
@@ -120,6 +122,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         ),
         pipeline="in-memory",
         target_size=job.sizes.target.target_bytes if job.sizes is not None and job.sizes.target else None,
+        quantize=job.quantize.recipe() if job.quantize is not None else None,
     )
     report.target = job.sizes.report(None) if job.sizes is not None else None
     quantized_input = quantization_format(job.model_path) is not None
@@ -166,7 +169,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
             record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
         if job.quantize is not None:
-            _quantize(job, tmp, report, log, progress)
+            _quantize(job, tmp, report, result.plan, log, progress)
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

@@ -97,6 +97,11 @@ class QuantizeOptions:
     def group(self) -> int:
         return self.spec.group(self.group_size or DEFAULT_GROUP)
 
+    def recipe(self) -> dict[str, object]:
+        """What recipe.json records to repeat the quantization (the format's own group left out)."""
+        grouped = self.spec.grouped and not self.spec.fixed_group
+        return {"scheme": self.scheme, "method": self.method, "group_size": self.group if grouped else None}
+
     def describe(self) -> str:
         group = f", groups of {self.group}" if self.spec.grouped else ""
         return f"{self.scheme} ({self.method}{group})"
