@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from tests.release_layouts import write_mtp_release
 
 from helpers import assert_logits_close, run_cli, stored_tensors
 from moeprune.checkpoint import load_pretrained
@@ -55,7 +56,10 @@ def quantized(request, tmp_path_factory) -> dict:
     extra, flags = CASES[family]
     root = tmp_path_factory.mktemp(f"quantize-moeprune-{family}")
     tokenizer = byte_tokenizer()
-    tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
+    if family == "deepseek_v3":  # with DeepSeek's MTP layer stored beside the stack
+        write_mtp_release(family, root / "model", vocab_size=len(tokenizer), num_hidden_layers=3, **extra)
+    else:
+        tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     data = root / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
@@ -87,7 +91,8 @@ def test_every_kept_expert_quantized_routers_lm_head_and_novices_not(quantized):
         assert len(counts) > 1, kept  # the global allocation kept a different count per layer
     seen = {(int(m[1]), int(m[2]), m[3]) for k in tensors if (m := EXPERT.fullmatch(k)) and m[4] == "weight_packed"}
     assert seen == {(lay, e, p) for lay, es in kept.items() for e in es for p in ("gate", "up", "down")}
-    assert not any(EXPERT.fullmatch(k) and k.endswith(".weight") for k in tensors)  # nothing left in full precision
+    # nothing of a kept expert left in full precision (the MTP layer's stay, below)
+    assert not any((m := EXPERT.fullmatch(k)) and int(m[1]) in kept and k.endswith(".weight") for k in tensors)
     assert tensors["lm_head.weight"].dtype == torch.float32
     for lay in kept:
         assert tensors[f"model.layers.{lay}.mlp.gate.weight"].dtype == torch.float32
@@ -96,6 +101,9 @@ def test_every_kept_expert_quantized_routers_lm_head_and_novices_not(quantized):
         assert len(novices) == sum(8 - len(es) for es in kept.values()) > 0
         assert all(tensors[k].dtype == torch.float32 for k in novices)
         assert "model.layers.1.mlp.shared_experts.gate_proj.weight_packed" in tensors  # shared experts follow the scheme
+        mtp = [k for k in tensors if k.startswith("model.layers.3.")]  # the MTP layer: kept, not quantized
+        assert any(".mlp.experts." in k for k in mtp) and all(k.endswith(".weight") or "bias" in k for k in mtp)
+        assert all(tensors[k].dtype == torch.float32 for k in mtp)
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     assert "does not serve moeprune-format checkpoints" in report["serving"]["vllm_refused"]
@@ -139,7 +147,7 @@ def _decoded_by_compressed_tensors(out: Path, into: Path) -> Path:
             decoded[key] = value
     into.mkdir()
     for item in out.iterdir():
-        if item.suffix in (".py", ".json") and item.name != "config.json":
+        if item.suffix in (".py", ".json") and item.name not in ("config.json", "model.safetensors.index.json"):
             (into / item.name).write_bytes(item.read_bytes())
     (into / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in decoded.items()}, into / "model.safetensors", metadata={"format": "pt"})
