@@ -232,7 +232,7 @@ CASES = [
     Case(
         "--resume without evo",
         ["prune", "{model}", "--output", "{root}/out", "--resume", *PRUNE],
-        "needs the evo allocation",
+        "--resume has no effect without --allocation evo",
     ),
     Case(
         "--resume of a finished folder",

@@ -14,10 +14,7 @@ import torch
 
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.errors import MoePruneError
-from moeprune.models import MoEModel
-from moeprune.models.factory import tiny_model
-from moeprune.quant.fake import fake_quantize
-from moeprune.quant.precision import (
+from moeprune.job.precision import (
     LayerSwap,
     PrecisionBytes,
     budget_per_scheme,
@@ -27,6 +24,9 @@ from moeprune.quant.precision import (
     measure_losses,
     precision_bytes,
 )
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
+from moeprune.quant.fake import fake_quantize
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime

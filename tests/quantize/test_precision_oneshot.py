@@ -4,7 +4,7 @@ one scheme per MoE layer (w4a16, w8a16, fp8-dynamic; the rest w8a16), one onesho
 the module.
 
 What must hold: each layer's experts carry their scheme and every other Linear the base one; the
-bytes are what quant/precision.py predicts from shards/quantized_bytes.py; the decoded expert
+bytes are what job/precision.py predicts from shards/quantized_bytes.py; the decoded expert
 weights are bit for bit quant/fake.py's fake quantization (the numbers the search scored); and
 `moeprune.load_pretrained` computes the logits of the fake-quantized original.
 """
@@ -21,12 +21,12 @@ import torch
 
 from helpers import assert_logits_close, stored_tensors
 from moeprune.checkpoint import load_pretrained
+from moeprune.job.precision import precision_bytes
 from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.quant.compressed import WeightScheme, dequantize_float, dequantize_packed
 from moeprune.quant.fake import fake_quantize
-from moeprune.quant.precision import precision_bytes
 from moeprune.quant.schemes import SCHEMES, QuantizeOptions
 from moeprune.shards.quantized_bytes import HEADER_ENTRY, ignored
 from moeprune.shards.weight_bytes import cast_weight_bytes

@@ -25,7 +25,7 @@ CASES = {
         False,
         "per-layer precision scores each layer's schemes on the calibration data",
     ),
-    "valid": ("auto:w4a16,w8a16", True, "per-layer precision (auto:) is chosen by moeprune.quant.precision"),
+    "valid": ("auto:w4a16,w8a16", True, "per-layer precision (auto:) is chosen by moeprune.job.precision"),
 }
 
 

@@ -218,7 +218,8 @@ def test_cli_no_load_neuron_prune_under_torchrun_is_written_once(tiny_checkpoint
     """`prune --no-load` observes layer by layer split over ranks; rank 0 alone rewrites the shards
     (a second writer would find the folder taken and fail), equal to one process's rewrite."""
     args = ["prune", str(tiny_checkpoint), "--no-load", "--method", "neurons", "--criterion", "frequency",
-            "--sparsity", "0.5", "--data", str(calibration), "--batch-size", "2", "--quiet"]  # fmt: skip
+            "--sparsity", "0.5", "--data", str(calibration), "--batch-size", "2", "--quiet",
+            "--allow-super-experts"]  # fmt: skip  (no-load writes stock widths only)
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "one")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     moeprune = Path(sys.executable).with_name("moeprune")

@@ -88,7 +88,8 @@ KINDS = {  # kind: (prune arguments, expected format)
     "global": (dict(criterion="aimer", sparsity=0.25, allocation="global"), "moeprune"),
     "evo": (dict(criterion="aimer", sparsity=0.25, allocation="evo"), "moeprune"),
     "novice": (dict(criterion="mone", sparsity=0.25, method="novice"), "moeprune"),
-    "neurons": (dict(criterion="reap", sparsity=0.25, method="neurons"), "stock"),
+    # stock ENP: super experts narrowed with the others (guarded, they stay whole: moeprune's format, "tenp" covers it)
+    "neurons": (dict(criterion="reap", sparsity=0.25, method="neurons", allow_super_experts=True), "stock"),
     "tenp": (dict(criterion="tenp", sparsity=0.25, method="tenp"), "moeprune"),
 }
 EXTRA_KINDS = ("global", "novice", "tenp")  # per-layer counts, novices and widths for the other families

@@ -1,7 +1,7 @@
 """Round-to-nearest fake quantization: a weight replaced by what llm-compressor's RTN
 (`QuantizationModifier`) would store for it, decoded back to the weight's dtype.
 
-Why here: the per-layer precision search (quant/precision.py) scores candidate schemes without
+Why here: the per-layer precision search (job/precision.py) scores candidate schemes without
 running llm-compressor (another environment, minutes per call); it swaps each layer's experts for
 their fake-quantized copies. For the scores to mean anything the copies must be the very numbers
 the final checkpoint decodes to, so the arithmetic follows compressed-tensors 0.19 step by step

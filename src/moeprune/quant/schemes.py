@@ -85,7 +85,7 @@ class QuantizeOptions:
     method: str = "gptq"
     group_size: int | None = None  # None: DEFAULT_GROUP for grouped schemes
     python: str | None = None  # None: DEFAULT_PYTHON under the current folder
-    # per-layer precision (quant/precision.py): {decoder layer: its routed experts' scheme};
+    # per-layer precision (job/precision.py): {decoder layer: its routed experts' scheme};
     # `scheme` is then the base, for every other Linear
     layer_schemes: dict[int, str] | None = None
 
@@ -116,7 +116,7 @@ def check_quantize(options: QuantizeOptions, has_data: bool, quantized_input: st
     how the input is quantized (None: full precision)."""
     if check_auto(options.scheme, has_data) is not None:
         raise MoePruneError(
-            "per-layer precision (auto:) is chosen by moeprune.quant.precision, which prune does not run "
+            "per-layer precision (auto:) is chosen by moeprune.job.precision, which prune does not run "
             "yet: give one scheme (docs/large-models.md, per-layer precision)",
             options=OPTIONS,
         )
