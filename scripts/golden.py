@@ -102,6 +102,9 @@ def _diff(a, b, where: str = "") -> list[str]:
 
 
 def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("record", "compare"):
+        print("usage: python scripts/golden.py record|compare FILE.json", file=sys.stderr)
+        return 2
     mode, path = sys.argv[1], Path(sys.argv[2])
     results = run_all()
     if mode == "record":

@@ -118,10 +118,7 @@ def trapezoid_allocation(
     important_params = sum(c * layer.expert_params for c, layer in zip(important, layers))
     others = [(pos, layer) for pos, layer in enumerate(layers) for _ in range(layer.experts - important[pos])]
     steps = list(steps) if steps is not None else [1] * len(layers)
-    if any(s != 1 for s in steps):
-        widths, ratio = _block_counts(layers, important, others, target - important_params, row, steps)
-    else:
-        widths, ratio = _neuron_counts(layers, important, others, target - important_params, row)
+    widths, ratio = _block_counts(layers, important, others, target - important_params, row, steps)
     kept = important_params + sum(layer.cost.params(w) for layer, ws in zip(layers, widths) for w in ws)
     if abs(kept - target) > row * max(1, max(steps) / 2):
         raise AssertionError(f"trapezoid budget missed: kept {kept} vs target {target:.1f} (row {row})")
@@ -136,39 +133,6 @@ def trapezoid_allocation(
     )
 
 
-def _neuron_counts(
-    layers: Sequence[TrapezoidLayer],
-    important: Sequence[int],
-    others: Sequence[tuple[int, TrapezoidLayer]],
-    budget: float,
-    row: int,
-) -> tuple[list[list[int]], float]:
-    """Neuron counts of the non-important experts: one ratio q, rounding handed out exactly."""
-    widths: list[list[int]] = [[] for _ in layers]
-    if not others:
-        return widths, 1.0
-    full = sum(layer.width for _, layer in others)
-    neurons = (budget - sum(layer.cost.per_expert for _, layer in others)) / row
-    ratio = neurons / full
-    if ratio <= 0 or any(math.floor(ratio * layer.width) < 1 for _, layer in others):
-        raise MoePruneError(
-            f"after the whole important experts, the others would keep a neuron ratio of {ratio:.4g}, "
-            "less than one neuron each; lower the important fraction or the sparsity",
-            options=("important_fraction", "sparsity"),
-        )
-    ratio = min(ratio, 1.0)
-    base = [math.floor(ratio * layer.width) for _, layer in others]
-    extra = min(math.floor(neurons + 0.5), full) - sum(base)
-    rank = sorted(
-        range(len(others)), key=lambda j: (-(ratio * others[j][1].width - base[j]), others[j][0], j)
-    )
-    for j in rank[: max(extra, 0)]:
-        base[j] += 1
-    for (pos, _), count in zip(others, base):
-        widths[pos].append(count)
-    return [sorted(ws, reverse=True) for ws in widths], ratio
-
-
 def _block_counts(
     layers: Sequence[TrapezoidLayer],
     important: Sequence[int],
@@ -177,7 +141,9 @@ def _block_counts(
     row: int,
     steps: Sequence[int],
 ) -> tuple[list[list[int]], float]:
-    """`_neuron_counts` with every width a multiple of its layer's step (or the full width)."""
+    """Widths of the non-important experts: one ratio q of the full width, each width rounded down
+    to a multiple of its layer's step (1: single neurons), then the rounding handed out exactly, a
+    step at a time, to the experts that lost most to it."""
     widths: list[list[int]] = [[] for _ in layers]
     if not others:
         return widths, 1.0
@@ -188,11 +154,12 @@ def _block_counts(
     base = [math.floor(ratio * layer.width / s) * s for (_, layer), s in zip(others, step)]
     if ratio <= 0 or min(base) < 1:
         small = min(step)
+        unit = "one neuron" if small == 1 else f"one block of {small} neurons"
         raise MoePruneError(
             f"after the whole important experts, the others would keep a neuron ratio of {ratio:.4g}, less "
-            f"than one block of {small} neurons each; lower the important fraction, the sparsity or the "
-            "width multiple",
-            options=("important_fraction", "sparsity", "width_multiple"),
+            f"than {unit} each; lower the important fraction, the sparsity"
+            + (" or the width multiple" if small > 1 else ""),
+            options=("important_fraction", "sparsity") + (("width_multiple",) if small > 1 else ()),
         )
     owed = min(neurons, full) - sum(base)
     rank = sorted(
