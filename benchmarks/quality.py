@@ -23,7 +23,8 @@ planning, or for mixed + evo every expert once before the search (the plan takes
 The `kept` column is the share of routed-expert parameters the plan keeps. The novice and drop
 methods' sparsity is a share of experts, so rank-R novices (d + 2dR parameters each) keep more
 than 1 - S: `params=true` makes the row's sparsity a share of routed parameters instead (the
-experts whose novices leave (1 - S) of them, to the nearest whole expert: as mixed's novice seed).
+experts whose novices leave (1 - S) of them, to the nearest whole expert: as mixed's novice seed;
+where even every expert above top-k is not enough, that many, and the kept column shows the excess).
 
 `--plant SCALE` first makes a super expert: the least-routed expert of the first MoE layer gets its
 down_proj multiplied by SCALE (so its rare outputs are massive), and that model is the reference.
@@ -64,9 +65,14 @@ from moeprune.surgery.plans import virtual_plan
 def expert_sparsity(moe: MoEModel, sparsity: float, rank: int) -> float:
     """The share of experts whose rank-`rank` novices leave (1 - sparsity) of the routed parameters
     (every layer alike: P and d the same in each MoE layer of the demo models)."""
-    layer = moe.layers[0]
-    expert = routed_parameters(moe)["routed_experts"] / sum(m.num_experts for m in moe.layers)
-    return sparsity * expert / (expert - novice_params(layer.hidden_size, rank))
+    layer, experts = moe.layers[0], sum(m.num_experts for m in moe.layers)
+    expert = routed_parameters(moe)["routed_experts"] / experts
+    wanted = sparsity * expert / (expert - novice_params(layer.hidden_size, rank))
+    most = sum(m.num_experts - m.top_k for m in moe.layers) / experts  # every layer keeps top-k experts
+    if wanted > most:  # the novices alone cannot reach the budget: the kept column shows by how much
+        print(f"<!-- rank-{rank} novices reach {sparsity:.0%} of routed parameters at {wanted:.1%} of experts; "
+              f"at most {most:.1%} can be removed -->")  # fmt: skip
+    return min(wanted, most)
 
 
 def parse_row(text: str, sparsity: float) -> PruneConfig:

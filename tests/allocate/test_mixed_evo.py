@@ -167,8 +167,9 @@ def test_low_rank_search_scores_what_is_saved():
     assert {i: len(f) for i, f in every.items()} == {m.index: 8 for m in moe.layers}
     config = check_config(replace(_config(0.5), options={"novice_rank": 4}))
     scores = compute_scores("reap", stats=stats)
-    with pytest.raises(MoePruneError, match="fit every expert first"):
-        search_mixed(moe, get_criterion("reap"), scores, [stats], _data(), config=config)
+    for unchecked in (config, replace(_config(0.5), options={"novice_rank": 4})):  # a script's dict too
+        with pytest.raises(MoePruneError, match="fit every expert first"):
+            search_mixed(moe, get_criterion("reap"), scores, [stats], _data(), config=unchecked)
     runtime = SearchRuntime(progress=False)
     genes, doc = search_mixed(
         moe, get_criterion("reap"), scores, [stats], _data(), config=config, runtime=runtime, novices=every

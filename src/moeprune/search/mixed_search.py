@@ -39,7 +39,7 @@ from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint
 from moeprune.surgery.lowrank import Fits, moments_bytes
-from moeprune.surgery.mixed import MixedOptions, layer_costs, mixed_plan
+from moeprune.surgery.mixed import layer_costs, mixed_options, mixed_plan
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 
@@ -94,7 +94,7 @@ def search_mixed(
     rank, _ = rank_and_world()
     search_config = config.search
     fitness = check_fitness(search_config.fitness)
-    options: MixedOptions = config.options if isinstance(config.options, MixedOptions) else MixedOptions()
+    options = mixed_options(config)  # a dict of fields (an unchecked config) too: its rank counts
     sparsity = config.sparsity_value()
     rank = options.novice_rank
     if rank and novices is None:

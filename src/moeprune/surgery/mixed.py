@@ -257,13 +257,14 @@ def _target(costs: Sequence[LayerCosts], sparsity: float) -> float:
     return (1 - sparsity) * sum(c.experts * c.expert() for c in costs)
 
 
-def _options(config: PruneConfig) -> MixedOptions:
+def mixed_options(config: PruneConfig) -> MixedOptions:
+    """The config's mixed options resolved (a dict of fields from a recipe or a script, or None)."""
     return METHODS.get(config.method).resolve_options(config.options)
 
 
 def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
     """The uniform genes of `config` and the narrowed widths that meet its budget."""
-    options = _options(config)
+    options = mixed_options(config)
     costs = layer_costs(moe, layer_limits(moe, config.expert_multiple), options.novice_rank)
     sparsity = config.sparsity_value()
     genes = uniform_genes(costs, sparsity, options)
