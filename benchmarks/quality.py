@@ -12,9 +12,19 @@ a fourth slash (`key=value,...`: the method's own options, or `allow_super_exper
     python benchmarks/quality.py --quick --plant 30 frequency/uniform/drop \\
         frequency/uniform/drop/allow_super_experts=true
     python benchmarks/quality.py --quick reap/evo/drop reap/evo/mixed enp/uniform/neurons tenp/trapezoid/tenp
+    python benchmarks/quality.py --quick mone/uniform/novice/novice_rank=16 tenp/evo/mixed/novice_rank=16 \
+        mone/uniform/novice/novice_rank=16,params=true
 
 An `evo` row first searches on the demo's search split (the demo's population, generations and
-seed); a mixed + evo row also prints its seeds' search fitness beside the winner's.
+seed); a mixed + evo row also prints its seeds' search fitness beside the winner's. Low-rank
+novices (`novice_rank=R`) are fitted on the calibration split as `moeprune prune` fits them: after
+planning, or for mixed + evo every expert once before the search (the plan takes those fits).
+
+The `kept` column is the share of routed-expert parameters the plan keeps. The novice and drop
+methods' sparsity is a share of experts, so rank-R novices (d + 2dR parameters each) keep more
+than 1 - S: `params=true` makes the row's sparsity a share of routed parameters instead (the
+experts whose novices leave (1 - S) of them, to the nearest whole expert: as mixed's novice seed;
+where even every expert above top-k is not enough, that many, and the kept column shows the excess).
 
 `--plant SCALE` first makes a super expert: the least-routed expert of the first MoE layer gets its
 down_proj multiplied by SCALE (so its rare outputs are massive), and that model is the reference.
@@ -46,8 +56,23 @@ from moeprune.observe.observer import observe
 from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
+from moeprune.surgery.lowrank import fit_every_novice, fit_novices, plan_rank
+from moeprune.surgery.parameters import novice_params, plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan, guard_super_experts
 from moeprune.surgery.plans import virtual_plan
+
+
+def expert_sparsity(moe: MoEModel, sparsity: float, rank: int) -> float:
+    """The share of experts whose rank-`rank` novices leave (1 - sparsity) of the routed parameters
+    (every layer alike: P and d the same in each MoE layer of the demo models)."""
+    layer, experts = moe.layers[0], sum(m.num_experts for m in moe.layers)
+    expert = routed_parameters(moe)["routed_experts"] / experts
+    wanted = sparsity * expert / (expert - novice_params(layer.hidden_size, rank))
+    most = sum(m.num_experts - m.top_k for m in moe.layers) / experts  # every layer keeps top-k experts
+    if wanted > most:  # the novices alone cannot reach the budget: the kept column shows by how much
+        print(f"<!-- rank-{rank} novices reach {sparsity:.0%} of routed parameters at {wanted:.1%} of experts; "
+              f"at most {most:.1%} can be removed -->")  # fmt: skip
+    return min(wanted, most)
 
 
 def parse_row(text: str, sparsity: float) -> PruneConfig:
@@ -61,6 +86,7 @@ def parse_row(text: str, sparsity: float) -> PruneConfig:
         key, _, value = item.partition("=")
         settings[key] = json.loads(value) if value[:1] in '0123456789-tf[{"' else value
     allow = bool(settings.pop("allow_super_experts", False))
+    settings.pop("params", None)  # read by main: the sparsity is a share of routed parameters
     return PruneConfig(
         criterion,
         sparsity,
@@ -163,16 +189,27 @@ def main() -> None:
         planted = plant_super_expert(moe, stats, args.plant)
         stats = observed()  # the planted model is the one pruned and the reference
     evals = demo.evals()
-    head = ["row", "sparsity", *[f"NLL {d}" for d in DOMAINS], "ESAP"] + (["planted kept"] if planted else [])
+    head = ["row", "sparsity", "kept", *[f"NLL {d}" for d in DOMAINS], "ESAP"] + (
+        ["planted kept"] if planted else []
+    )
     print(f"model {model_dir} ({args.family}{', quick' if args.quick else ''})")
     if planted:
         print(f"planted super expert: layer {planted[0]} expert {planted[1]} (down_proj x {args.plant:g})")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     full = {d: e.score(nullcontext) for d, e in evals.items()}
-    print(_line("full model", 0.0, full, "yes" if planted else None))
+    print(_line("full model", 0.0, 1.0, full, "yes" if planted else None))
+    routed_total = routed_parameters(moe)["routed_experts"]
+    every_novice = functools.cache(  # every expert at rank R, for mixed + evo (fitted once per rank)
+        lambda rank: fit_every_novice(
+            moe, rank, [calibration], batch_size=settings.batch_size, pad_token_id=pad, progress=False
+        )
+    )
     for sparsity in args.sparsity:
         for text in args.rows:
             config = parse_row(text, sparsity)
+            rank = int((config.options or {}).get("novice_rank", 0))
+            if "params=true" in text and config.method == "novice":
+                config = dataclasses.replace(config, sparsity=expert_sparsity(moe, sparsity, rank))
             found = guard_super_experts(moe, config, [stats])
             crit = get_criterion(config.criterion)
             scores = compute_scores(
@@ -193,7 +230,10 @@ def main() -> None:
                 )
                 runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
                 find = search_mixed if config.method == "mixed" else search_allocation
-                removed, doc = find(moe, crit, scores, [stats], search(), config=config, runtime=runtime)
+                ranked = {"novices": every_novice(rank)} if rank and config.method == "mixed" else {}
+                removed, doc = find(
+                    moe, crit, scores, [stats], search(), config=config, runtime=runtime, **ranked
+                )
                 seeds = {k: round(v["fitness_value"], 4) for k, v in doc.get("seeds", {}).items()}
                 print(
                     f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f}"
@@ -201,21 +241,30 @@ def main() -> None:
                     + f", {doc['timings_s']['total']:.0f} s -->"
                 )
             plan = build_plan(moe, crit, scores, config=config, stats=[stats], removed=removed)
+            fits = None
+            if plan_rank(plan):  # as `moeprune prune`: after planning, or the search's own fits
+                fitted = every_novice(rank) if config.method == "mixed" and removed is not None else None
+                fits = fit_novices(
+                    moe, plan, [calibration], batch_size=settings.batch_size, pad_token_id=pad,
+                    progress=False, fitted=fitted,
+                )  # fmt: skip
             metrics = {
-                d: e.score(functools.partial(virtual_plan, moe, plan, stats)) for d, e in evals.items()
+                d: e.score(functools.partial(virtual_plan, moe, plan, stats, fits)) for d, e in evals.items()
             }
+            kept_share = plan_routed_parameters(moe, plan)["routed_experts"] / routed_total
             kept = None
             if planted:
                 layer_plan = next(lp for lp in plan.layers if lp.layer == planted[0])
                 kept = "no" if planted[1] in layer_plan.dropped or planted[1] in layer_plan.novice else "yes"
                 kept += f" (super: {found})" if found and text == args.rows[0] else ""
-            print(_line(text, sparsity, metrics, kept))
+            print(_line(text, sparsity, kept_share, metrics, kept))
     print(f"({time.perf_counter() - start:.0f} s)")
 
 
-def _line(name: str, sparsity: float, metrics: dict, kept: str | None) -> str:
+def _line(name: str, sparsity: float, share: float, metrics: dict, kept: str | None) -> str:
     esap = sum(m["esap"] for m in metrics.values()) / len(metrics)
-    cells = [name, f"{sparsity:.0%}", *[f"{metrics[d]['nll']:.3f}" for d in DOMAINS], f"{esap:.4f}"]
+    cells = [name, f"{sparsity:.0%}", f"{share:.4f}", *[f"{metrics[d]['nll']:.3f}" for d in DOMAINS]]
+    cells.append(f"{esap:.4f}")
     return "| " + " | ".join(cells + ([kept] if kept is not None else [])) + " |"
 
 

@@ -54,7 +54,7 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
-from moeprune.surgery.lowrank import fit_novices, plan_rank
+from moeprune.surgery.lowrank import fit_every_novice, fit_novices, plan_rank
 from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,
@@ -194,6 +194,7 @@ def prune(
         )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     removed, search_doc, plan_scores = None, None, scores
+    every_novice = None  # a mixed search's rank-R novices: scored by the search, saved by the plan
     if searches(config.allocation):
         assert search_set is not None  # needs.check refused a search without search data
         runtime = SearchRuntime(
@@ -209,8 +210,13 @@ def prune(
                 moe, crit, scores, search_set, config=config, runtime=runtime
             )
         elif config.method == "mixed":  # genes per layer, not drop counts
+            rank = config.options.novice_rank  # resolved: MixedOptions
+            if rank:
+                every_novice = fit_every_novice(
+                    moe, rank, sets, batch_size=batch_size, pad_token_id=pad, progress=progress
+                )
             removed, search_doc = search_mixed(  # type: ignore[assignment]
-                moe, crit, scores, stats, search_set, config=config, runtime=runtime
+                moe, crit, scores, stats, search_set, config=config, runtime=runtime, novices=every_novice
             )
         else:
             removed, search_doc = search_allocation(
@@ -219,7 +225,9 @@ def prune(
     plan = build_plan(
         moe, crit, plan_scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
     )
-    fits = fit_novices(moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress)
+    fits = fit_novices(
+        moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice
+    )
     surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)
     report = PruneReport(
         criterion=crit.name,

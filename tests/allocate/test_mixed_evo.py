@@ -141,3 +141,64 @@ def test_virtual_candidate_equals_physical_surgery(setup):
 def test_mixed_with_a_fixed_allocation_is_refused_in_one_line():
     with pytest.raises(MoePruneError, match="mixed method goes with the uniform or evo allocation"):
         check_config(PruneConfig("reap", 0.5, method="mixed", allocation="trapezoid"))
+
+
+def test_low_rank_search_scores_what_is_saved():
+    """--novice-rank 4 (a novice: 32 x 9 = 288 parameters): every expert is fitted once before the
+    search; the winner's search fitness equals its final plan's, evaluated afresh with the plan's
+    novices (taken from those fits, and equal to a refit of the plan's novices alone). The novice
+    seed pays the rank-4 cost: at 50 % round(6144 / (1536 - 288)) = 5 novices per layer, 12096 of
+    12288 kept, so the repair narrows one of them: 9 novices (rank 0: 4 per layer, over the
+    budget, a whole expert narrowed: 8)."""
+    from moeprune.surgery.lowrank import fit_every_novice, fit_novices
+
+    model = tiny_model("qwen3_moe")
+    moe = MoEModel(model)
+    data = calibration((20, 17, 15, 12))
+    stats = observe(moe, data, batch_size=2, neurons=True, progress=False)
+    limits = layer_limits(moe)
+    novices = {
+        rank: sum(g[2] for g in MixedSpace(layer_costs(moe, limits, rank), limits.layers, 0.5).seeds(
+            limits, MixedOptions(novice_rank=rank))["novice"])
+        for rank in (0, 4)
+    }  # fmt: skip
+    assert novices == {0: 8, 4: 9}
+    every = fit_every_novice(moe, 4, [data], batch_size=2, progress=False)
+    assert {i: len(f) for i, f in every.items()} == {m.index: 8 for m in moe.layers}
+    config = check_config(replace(_config(0.5), options={"novice_rank": 4}))
+    scores = compute_scores("reap", stats=stats)
+    for unchecked in (config, replace(_config(0.5), options={"novice_rank": 4})):  # a script's dict too
+        with pytest.raises(MoePruneError, match="fit every expert first"):
+            search_mixed(moe, get_criterion("reap"), scores, [stats], _data(), config=unchecked)
+    runtime = SearchRuntime(progress=False)
+    genes, doc = search_mixed(
+        moe, get_criterion("reap"), scores, [stats], _data(), config=config, runtime=runtime, novices=every
+    )
+    assert doc["novice_rank"] == 4 and doc["novice_moments_bytes"] == 16 * 32**2 * 16
+    # the winner and the novice seed (a winner on random weights may have no novice): each one's
+    # search fitness is its saved plan's, evaluated afresh
+    for cand, value in (
+        (genes, doc["fitness_value"]),
+        *[(g["genes"], g["fitness_value"]) for g in [doc["seeds"]["novice"]]],
+    ):
+        plan = build_plan(moe, get_criterion("reap"), scores, config=config, stats=[stats], removed=cand)
+        assert plan.extra["novice_rank"] == 4
+        fits = fit_novices(moe, plan, [data], fitted=every)
+        refit = fit_novices(moe, plan, [data], batch_size=2, progress=False)
+        for index, by_id in fits.items():
+            for e, f in by_id.items():
+                assert f is every[index][e]
+                other = refit[index][e]
+                for a, b in zip((f.constant, f.u, f.v), (other.constant, other.u, other.v)):
+                    torch.testing.assert_close(a, b)
+        fresh = CandidateEvaluator(
+            moe, _data(), [s.order for s in protected_order(scores, moe.protected)], seed=SMALL.seed,
+            runtime=SearchRuntime(progress=False, fast=False),
+            plan_context=lambda _, plan=plan, fits=fits: virtual_plan(moe, plan, stats, fits),
+        )  # fmt: skip
+        assert fresh.sign * fresh.evaluate(tuple(map(tuple, cand))) == pytest.approx(value, abs=1e-6)
+        pruned = copy.deepcopy(model)
+        apply_plan_physical(MoEModel(pruned), plan, stats, fits)
+        assert routed_parameters(MoEModel(pruned))["routed_experts"] == plan.extra["routed_parameters_kept"]
+        assert abs(plan.extra["routed_parameters_kept"] - 0.5 * TOTAL) <= ROW / 2
+    assert sum(len(lp.novice) for lp in plan.layers) == 9  # the novice seed's plan

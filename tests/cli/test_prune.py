@@ -70,8 +70,10 @@ def predicted_at(model: Path, tmp_path: Path, sparsity: float, *flags) -> int:
         ("--criterion", "tenp", "--method", "tenp"),
         ("--criterion", "reap", "--allocation", "global"),
         ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125),
-    ],
-    ids=["drop", "novice", "neurons", "tenp", "global", "mixed"],
+        ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125,
+         "--novice-rank", 2),  # rank-2 novices: d + 4d values each, in the plan and the bytes
+    ],  # fmt: skip
+    ids=["drop", "novice", "neurons", "tenp", "global", "mixed", "mixed-rank"],
 )
 def test_the_written_weights_fit_and_one_step_less_would_not(tiny_checkpoint, data, tmp_path, flags):
     # in bfloat16 the tiny model is 158,784 bytes of tensors: aim at about 75 % of its files

@@ -350,6 +350,33 @@ def test_prune_evo_search_writes_search_json_and_plots(checkpoint, data, tmp_pat
     assert result.exit_code == 2 and "nothing to resume" in result.output
 
 
+def test_prune_mixed_evo_with_low_rank_novices(checkpoint, data, tmp_path):
+    """`--method mixed --allocation evo --novice-rank 2` end to end: every expert fitted before the
+    search (search.json says the rank and the moments' bytes: 16 d^2 per routed expert), the plan
+    records the rank, the saved layers hold rank-2 novices and the plan's kept parameters."""
+    import moeprune
+    from moeprune.models import MoEModel
+    from moeprune.surgery.parameters import routed_parameters
+
+    out = tmp_path / "mixed"
+    run("prune", checkpoint, "--output", out, "--criterion", "tenp", "--sparsity", "0.5", "--allocation", "evo",
+        "--method", "mixed", "--mixed-novice", "0.25", "--novice-rank", "2", "--data", data, "--search-data", data,
+        "--search-samples", "8", "--population", "4", "--elites", "2", "--generations", "2", "--quiet")  # fmt: skip
+    search = json.loads((out / "search.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    model = moeprune.load_pretrained(out)
+    moe = MoEModel(model)
+    d = moe.layers[0].hidden_size
+    assert search["novice_rank"] == 2 and search["novice_moments_bytes"] == 16 * d * d * sum(
+        len(layer["kept"]) + len(layer["dropped"]) for layer in plan["layers"]
+    )
+    assert plan["extra"]["novice_rank"] == 2
+    assert routed_parameters(moe)["routed_experts"] == plan["extra"]["routed_parameters_kept"]
+    layers = json.loads((out / "config.json").read_text()).get("moeprune", {}).get("layers", [])
+    assert any(entry["novice"] for entry in layers), layers  # the winner keeps novices here
+    assert all(entry.get("novice_rank") == 2 for entry in layers if entry["novice"])
+
+
 def test_criterion_auto_picks_the_best_uniform_plan(checkpoint, data, tmp_path):
     out = tmp_path / "auto"
     run("prune", checkpoint, "--output", out, "--criterion", "auto", "--sparsity", "0.25", "--data", data,

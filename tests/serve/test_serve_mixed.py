@@ -2,7 +2,8 @@
 build through the plugin as moeprune's loader computes them, at the size the issue allows.
 
 Tiny Qwen3-MoE and DeepSeek-V3 models (test_serve_vllm.py's), pruned with `--method mixed` at 70 %
-of routed parameters. One subprocess of `.venv-vllm` serves both (test_serve_vllm.py's driver):
+of routed parameters, the Qwen3-MoE one also with rank-2 novices (`--novice-rank 2`: low-rank novices
+beside narrowed and dropped experts in one layer). One subprocess of `.venv-vllm` serves both (test_serve_vllm.py's driver):
 greedy tokens equal `moeprune.load_pretrained`'s (a differing token only at a tie of its logits),
 top-5 logprobs within LOGPROB_ATOL, and vLLM holds what the checkpoint stores plus the zero
 neurons padding each width group (served_parameter_count), at most 1.05x the stored parameters.
@@ -38,6 +39,11 @@ pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 OPTIONS = {"mixed_whole": 0.25, "mixed_novice": 0.125, "mixed_width": 0.25}
+CASES = {"qwen3_moe": 0, "deepseek_v3": 0, "qwen3_moe-rank2": 2}  # result -> novice rank
+
+
+def _family(case: str) -> str:
+    return case.split("-")[0]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +55,13 @@ def results(tmp_path_factory) -> dict[str, Path]:
     for family in FAMILIES:
         _reference(family, root / family, len(tokenizer))
         tokenizer.save_pretrained(root / family)
-        made[family] = root / f"{family}-mixed"
-        config = PruneConfig("reap", 0.7, method="mixed", options=OPTIONS)
-        prune_checkpoint(PruneRequest(root / family, made[family], config, data=data, run=RunOptions(progress=False)))
+    for case, rank in CASES.items():
+        family = _family(case)
+        made[case] = root / f"{case}-mixed"
+        config = PruneConfig("reap", 0.7, method="mixed", options={**OPTIONS, **({"novice_rank": rank} if rank else {})})
+        prune_checkpoint(PruneRequest(root / family, made[case], config, data=data, run=RunOptions(progress=False)))
         if family == "deepseek_v3":  # transformers-written configs leave DeepSeek-V3's routing implicit
-            path = made[family] / "config.json"
+            path = made[case] / "config.json"
             written = json.loads(path.read_text())
             assert written.pop("scoring_func") == "sigmoid" and written.pop("topk_method") == "noaux_tc"
             path.write_text(json.dumps(written, indent=2))
@@ -63,20 +71,21 @@ def results(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def served(vllm_python, results, tmp_path_factory) -> dict:  # noqa: F811
     spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
-            "models": [[str(results[f]), VLLM_OPTIONS.get(f, {})] for f in FAMILIES], "refuse": []}  # fmt: skip
+            "models": [[str(results[c]), VLLM_OPTIONS.get(_family(c), {})] for c in CASES], "refuse": []}  # fmt: skip
     return drive_vllm(vllm_python, tmp_path_factory.mktemp("vllm_mixed"), spec, DRIVER)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_results_mix_every_form_in_every_layer(family, results):
-    for entry in json.loads((results[family] / "config.json").read_text())["moeprune"]["layers"]:
+@pytest.mark.parametrize("case", CASES)
+def test_results_mix_every_form_in_every_layer(case, results):
+    for entry in json.loads((results[case] / "config.json").read_text())["moeprune"]["layers"]:
         widths = entry["widths"]  # None: a novice; several narrowed widths beside the whole one
         assert entry["novice"] and None in widths and len({w for w in widths if w is not None}) > 1, entry
+        assert entry.get("novice_rank", 0) == CASES[case], entry
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_serves_a_mixed_result_like_moeprune(family, served, results):
-    path = results[family]
+@pytest.mark.parametrize("case", CASES)
+def test_vllm_serves_a_mixed_result_like_moeprune(case, served, results):
+    family, path = _family(case), results[case]
     result = served["models"][str(path)]
     assert result["architecture"].startswith("MoePrune")
     worst, _ = _compare(family, result, moeprune.load_pretrained(path))
@@ -85,11 +94,11 @@ def test_vllm_serves_a_mixed_result_like_moeprune(family, served, results):
     assert counts["layer_forwards"] > 0 and counts["routings"] == counts["layer_forwards"], counts
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_holds_at_most_1_05x_the_stored_parameters(family, served, results):
+@pytest.mark.parametrize("case", CASES)
+def test_vllm_holds_at_most_1_05x_the_stored_parameters(case, served, results):
     from moeprune.serve.vllm.layout import served_parameter_count
 
-    path = results[family]
+    family, path = case, results[case]
     allocated = served["models"][str(path)]["allocated"]
     assert allocated is not None, "the driver did not see vLLM load this model"
     held = allocated["parameters"] - allocated["vocab_padding"]

@@ -166,3 +166,61 @@ def test_tenp_is_the_genes_of_its_trapezoid():
         assert all(abs(t.neurons[e] - m.neurons[e]) <= 1 for e in t.neurons)
     for plan in (tenp, mixed):
         assert abs(plan_routed_parameters(moe, plan)["routed_experts"] - 0.5 * TOTAL) <= ROW / 2
+
+
+RANK = 2  # a rank-2 novice of the tiny models holds 32 x (1 + 2 x 2) = 160 parameters
+S_RANK = 1 - 7424 / TOTAL  # per layer 3712 kept
+
+
+def test_low_rank_novices_beside_narrowed_and_dropped_experts(tmp_path):
+    """--novice-rank 2 at sparsity 1 - 7424 / 24576: per layer 2 whole (3072) and 1 rank-2 novice
+    (160) leave 480, 1.25 experts of 4 neurons (384): 1 narrowed, 4 dropped; the fill gives each
+    layer's narrowed expert the missing neuron (2 x 96), so each layer keeps 3072 + 160 + 480 = 3712
+    and the plan exactly (1 - S) x T = 7424 (rank-0 novices of 32 would leave 608: 2 narrowed).
+    Masked = physical = reloaded logits, all four forms in each layer."""
+    from moeprune.cli.prune import method_settings_by_name
+    from moeprune.surgery.lowrank import NoviceOptions, fit_novices
+
+    # one --novice-rank flag for both methods: the same field, validated by NoviceOptions
+    assert method_settings_by_name()["novice_rank"] in __import__("dataclasses").fields(NoviceOptions)
+    with pytest.raises(MoePruneError, match="non-negative"):
+        MixedOptions(novice_rank=-1)
+    model, moe, stats = setup("qwen3_moe")
+    shares = {"mixed_whole": 0.25, "mixed_novice": 0.125, "mixed_width": 0.25}
+    with pytest.raises(MoePruneError, match="larger than the hidden size"):
+        check_feasible(
+            moe, check_config(PruneConfig("reap", 0.5, method="mixed", options={"novice_rank": 33}))
+        )
+    ranked = PruneConfig("reap", S_RANK, method="mixed", options={"novice_rank": RANK, **shares})
+    known = check_feasible(moe, check_config(ranked))
+    assert known["mixed_genes"][0] == {"whole": 2, "narrowed": 1, "novice": 1, "dropped": 4, "width": 4}
+    assert known["narrowed_neurons"] == {0: [5], 2: [5]}  # MoE layers 0 and 2
+    plan = plan_of(moe, stats, S_RANK, novice_rank=RANK, **shares)
+    assert plan.extra["novice_rank"] == RANK
+    for lp in plan.layers:
+        assert (
+            len(lp.kept) == 4
+            and len(lp.novice) == 1
+            and len(lp.dropped) == 4
+            and list(lp.neurons.values()) == [5]
+        )
+    kept = plan_routed_parameters(moe, plan)["routed_experts"]
+    assert kept == plan.extra["routed_parameters_kept"] == 7424 == round((1 - S_RANK) * TOTAL)
+
+    fits = fit_novices(moe, plan, [calibration((20, 17, 15, 12))], batch_size=2, progress=False)
+    assert {e: f.rank for lp in plan.layers for e, f in fits[lp.layer].items()} == {
+        e: RANK for lp in plan.layers for e in lp.novice
+    }
+    with pytest.raises(MoePruneError, match="fit them first"), virtual_plan(moe, plan, stats):
+        pass
+    with virtual_plan(moe, plan, stats, fits):
+        virtual = logits(model)
+    pruned = copy.deepcopy(model)
+    pruned_moe = MoEModel(pruned)
+    apply_plan_physical(pruned_moe, plan, stats, fits)
+    assert_logits_close(logits(pruned), virtual)
+    assert routed_parameters(pruned_moe)["routed_experts"] == 7424
+    assert moeprune.save_pretrained(pruned, tmp_path) == "moeprune"
+    reloaded = moeprune.load_pretrained(tmp_path)
+    assert routed_parameters(MoEModel(reloaded))["routed_experts"] == 7424
+    assert_logits_close(logits(reloaded), virtual)

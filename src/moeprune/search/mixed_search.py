@@ -5,6 +5,11 @@ The loop, the fitness cache, the checkpoint, `--resume` and `--patience` are Evo
 A candidate runs virtually, like a drop candidate: its plan (`mixed_plan`) is applied with router
 slicing, neuron masks and novice outputs (`virtual_plan`), never by copying weights; the prefix
 cache is keyed by each layer's counts and filled widths, which decide that layer exactly.
+
+With `--novice-rank R` a candidate's novices are the rank-R fits of its novice experts, taken
+from `novices`: every routed expert fitted once before the search (surgery/lowrank.py
+`fit_every_novice`), so a candidate is scored with the novices its plan would save, and the
+final plan takes the same fits (`fit_novices(..., fitted=novices)`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from moeprune.search.evo import EvoIO, EvoSearch
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint
-from moeprune.surgery.mixed import MixedOptions, layer_costs, mixed_plan
+from moeprune.surgery.lowrank import Fits, moments_bytes
+from moeprune.surgery.mixed import layer_costs, mixed_options, mixed_plan
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 
@@ -80,16 +86,25 @@ def search_mixed(
     *,
     config: PruneConfig,
     runtime: SearchRuntime | None = None,
+    novices: Fits | None = None,
 ) -> tuple[list[tuple[int, int, int, int, int]], dict[str, Any]]:
-    """The best mixed genes on the search data (one tuple per MoE layer) and search.json."""
+    """The best mixed genes on the search data (one tuple per MoE layer) and search.json.
+    `novices`: with a novice rank R > 0, every routed expert's rank-R fit (`fit_every_novice`)."""
     runtime = runtime or SearchRuntime()
     rank, _ = rank_and_world()
     search_config = config.search
     fitness = check_fitness(search_config.fitness)
-    options: MixedOptions = config.options if isinstance(config.options, MixedOptions) else MixedOptions()
+    options = mixed_options(config)  # a dict of fields (an unchecked config) too: its rank counts
     sparsity = config.sparsity_value()
+    rank = options.novice_rank
+    if rank and novices is None:
+        raise MoePruneError(
+            f"a mixed search with --novice-rank {rank} scores rank-{rank} novices: fit every expert first "
+            "(surgery/lowrank.py fit_every_novice) and pass them as novices"
+        )
+    fits = novices if rank else None
     limits = layer_limits(moe, config.expert_multiple)
-    space = MixedSpace(layer_costs(moe, limits), limits.layers, sparsity)
+    space = MixedSpace(layer_costs(moe, limits, rank), limits.layers, sparsity)
     seeds = space.seeds(limits, options)
     path = Path(runtime.state_path) if runtime.state_path is not None else None
     if runtime.resume and (path is None or not path.is_file()):
@@ -102,7 +117,7 @@ def search_mixed(
     domains = request.domains
 
     def plan_context(candidate: Genes):
-        return virtual_plan(moe, mixed_plan(request, as_genes(candidate)), domains)
+        return virtual_plan(moe, mixed_plan(request, as_genes(candidate)), domains, fits)
 
     evaluator: CandidateEvaluator | None = None
 
@@ -115,6 +130,7 @@ def search_mixed(
         "criterion": criterion.name,
         "method": "mixed",
         "sparsity": config.sparsity,
+        **({"novice_rank": rank} if rank else {}),  # rank 0: the same state as before ranks existed
         "calibration": [s.data_fingerprint for s in stats],
         "fitness": fitness,
         "search_data": search_set.fingerprint,
@@ -148,6 +164,16 @@ def search_mixed(
         },
         "layers": limits.layers,
         "routed_parameters_target": space.target,
+        **(
+            {
+                "novice_rank": rank,
+                "novice_moments_bytes": moments_bytes(
+                    moe, {m.index: range(m.num_experts) for m in moe.layers}
+                ),
+            }
+            if rank
+            else {}
+        ),
         "genes": [list(g) for g in best],
         "narrowed_neurons": space.widths(best),
         "fitness_value": sign * result.best_fitness,

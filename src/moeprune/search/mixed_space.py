@@ -11,7 +11,7 @@ drop does) and the fill keeps every narrowed expert in [1, I] neurons. Mutation 
 infeasible step, so every candidate the search sees meets the one budget.
 
 Why the seeds: the first generation holds today's single-surgery recipes as genes (uniform drop,
-uniform novices, TENP's trapezoid, uniform neurons: ENP), so the best the search returns is at
+uniform novices (at the run's `--novice-rank`, so at its cost d + 2dR), TENP's trapezoid, uniform neurons: ENP), so the best the search returns is at
 least as fit as each of them on the search data. A recipe whose counts alone miss the parameter
 budget (drop and novices come in whole experts) narrows as few experts as the fill needs.
 """
@@ -128,8 +128,11 @@ class MixedSpace:
             recipes["drop"] = [LayerGene(c.experts - r, 0, 0, r, c.width) for c, r in zip(costs, removed)]
         except InfeasibleBudgetError:
             recipes["drop"] = None
-        novices = []
-        for c in costs:
+        novices: list[LayerGene] | None = []
+        for c in costs:  # a novice (of rank R: d + 2dR parameters) saves P - n of P
+            if c.novice >= c.expert() or novices is None:
+                novices = None  # a novice as large as an expert saves nothing: no such recipe
+                continue
             r = min(round(s * c.experts * c.expert() / (c.expert() - c.novice)), c.experts - c.top_k)
             novices.append(LayerGene(c.experts - r, 0, r, 0, c.width))
         recipes["novice"] = novices

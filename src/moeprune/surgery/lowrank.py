@@ -18,13 +18,17 @@ Few tokens: n tokens give at most n - 1 independent centred inputs, so an expert
 min(R, n - 1) and is zero-padded to R (the zero columns add nothing); with one token it is its
 constant mu, and an expert no token reached has mu = 0 and B = 0, as a rank-0 novice.
 
-The search (evo) scores candidates with constant novices (the d x d statistics of every expert
-would be needed); the final plan's novices are fitted at rank R.
+`--method novice --allocation evo` scores candidates with constant novices; the final plan's
+novices are fitted at rank R. `--method mixed --allocation evo` fits every routed expert at rank R
+once before its search (`fit_every_novice`: the d x d statistics of every expert at once), gives
+each candidate's novices those fits, and the final plan takes the same fits (`fit_novices(...,
+fitted=)`), so what the search scored is what is saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -39,8 +43,11 @@ from moeprune.observe.moments import Moments, observe_moments
 from moeprune.observe.stats import F64
 from moeprune.plan import Plan
 
+_LOG = logging.getLogger(__name__)
+
 RIDGE = 1e-6  # lambda / (trace(Sigma) / d): see the module docstring
 RANK_KEY = "novice_rank"  # plan.extra: the rank the plan's novices are fitted at (absent: 0)
+Fits = dict[int, dict[int, LowRankNovice]]  # decoder layer -> original expert id -> fitted novice
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,10 @@ class NoviceOptions:
 
     novice_rank: int = setting(
         0,
-        "novice: rank R of the low-rank novice mu + B(h - hbar) fitted by least squares on the routed "
-        "calibration tokens (0: the constant mu of MoNE); costs d + 2dR parameters per novice and a "
-        "second calibration pass holding 16 d^2 bytes per removed expert.",
+        "novice/mixed: rank R of the low-rank novice mu + B(h - hbar) fitted by least squares on the "
+        "routed calibration tokens (0: the constant mu of MoNE); costs d + 2dR parameters per novice and "
+        "a second calibration pass holding 16 d^2 bytes per removed expert (mixed + evo: per routed "
+        "expert, fitted before the search).",
         minimum=0,
         metavar="R",
     )
@@ -102,33 +110,33 @@ def plan_rank(plan: Plan) -> int:
     return int(plan.extra.get(RANK_KEY, 0) or 0)
 
 
-def fit_novices(
+def moments_bytes(moe: MoEModel, targets: Mapping[int, Sequence[int]]) -> int:
+    """Bytes the fitting pass holds: two d x d fp64 matrices (16 d^2 bytes) per target expert."""
+    return sum(16 * moe.layer(i).hidden_size ** 2 * len(set(p)) for i, p in targets.items())
+
+
+def _fit(
     moe: MoEModel,
-    plan: Plan,
+    targets: Mapping[int, Sequence[int]],
+    rank: int,
     sets: Sequence[CalibrationData],
     *,
-    batch_size: int = 8,
-    pad_token_id: int = 0,
-    progress: bool = True,
-) -> dict[int, dict[int, LowRankNovice]]:
-    """The plan's novices fitted at its rank ({decoder layer: {original expert id: novice}}, in
-    the model's dtype) from a second pass over the calibration sets; {} for a rank-0 plan."""
-    rank = plan_rank(plan)
-    if rank == 0:
+    batch_size: int,
+    pad_token_id: int,
+    progress: bool,
+) -> Fits:
+    """The experts at `targets` ({decoder layer: positions}) fitted at `rank`, keyed by original id."""
+    targets = {i: list(p) for i, p in targets.items() if p}
+    if not targets:
         return {}
     if not sets:
         raise MoePruneError(
             "low-rank novices need calibration data (a second pass fits them)", options=("data",)
         )
-    targets: dict[int, list[int]] = {}
-    for lp in plan.layers:
-        if lp.novice:
-            where = {orig: pos for pos, orig in enumerate(moe.layer(lp.layer).expert_ids)}
-            targets[lp.layer] = [where[e] for e in lp.novice]
     moments = observe_moments(
         moe, sets, targets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
     )
-    out: dict[int, dict[int, LowRankNovice]] = {}
+    out: Fits = {}
     for index, positions in targets.items():
         layer = moe.layer(index)
         ref = cast(torch.Tensor, layer.experts.down_proj)
@@ -138,4 +146,66 @@ def fit_novices(
             m = moments.get(index, {}).get(p) or Moments.zeros(layer.hidden_size)
             fitted[ids[p]] = fit_lowrank(m, rank).to(device=ref.device, dtype=ref.dtype)
         out[index] = fitted
+    return out
+
+
+def fit_every_novice(
+    moe: MoEModel,
+    rank: int,
+    sets: Sequence[CalibrationData],
+    *,
+    batch_size: int = 8,
+    pad_token_id: int = 0,
+    progress: bool = True,
+) -> Fits:
+    """Every routed expert of every MoE layer fitted as a rank-`rank` novice, in one pass: what a
+    mixed search gives its candidates' novices, so it scores the novices that will be saved. The
+    pass holds 16 d^2 bytes per routed expert at once (logged; docs/allocation.md says what fits)."""
+    targets = {m.index: list(range(m.num_experts)) for m in moe.layers}
+    _LOG.info(
+        "fitting rank-%d novices for all %d routed experts before the search: the pass holds %.3g GB "
+        "of fp64 moments (16 d^2 bytes per expert)",
+        rank, sum(map(len, targets.values())), moments_bytes(moe, targets) / 1e9,
+    )  # fmt: skip
+    return _fit(moe, targets, rank, sets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress)
+
+
+def fit_novices(
+    moe: MoEModel,
+    plan: Plan,
+    sets: Sequence[CalibrationData],
+    *,
+    batch_size: int = 8,
+    pad_token_id: int = 0,
+    progress: bool = True,
+    fitted: Fits | None = None,
+) -> Fits:
+    """The plan's novices fitted at its rank ({decoder layer: {original expert id: novice}}, in
+    the model's dtype) from a second pass over the calibration sets; {} for a rank-0 plan.
+    `fitted`: every expert already fitted at that rank (`fit_every_novice`, a mixed search's): the
+    plan's novices are taken from it, the very ones the search scored, and no pass runs."""
+    rank = plan_rank(plan)
+    if rank == 0:
+        return {}
+    targets: dict[int, list[int]] = {}
+    for lp in plan.layers:
+        if lp.novice:
+            where = {orig: pos for pos, orig in enumerate(moe.layer(lp.layer).expert_ids)}
+            targets[lp.layer] = [where[e] for e in lp.novice]
+    if fitted is None:
+        return _fit(
+            moe, targets, rank, sets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
+        )
+    out: Fits = {}
+    for lp in plan.layers:
+        if not lp.novice:
+            continue
+        have = fitted.get(lp.layer, {})
+        missing = [e for e in lp.novice if e not in have or have[e].rank != rank]
+        if missing:
+            raise MoePruneError(
+                f"layer {lp.layer}: no rank-{rank} fit of novices {missing} among the fitted ones; "
+                "fit every expert at the plan's rank (fit_every_novice) or let fit_novices fit them"
+            )
+        out[lp.layer] = {e: have[e] for e in lp.novice}
     return out

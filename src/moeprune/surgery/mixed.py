@@ -1,6 +1,6 @@
 """The mixed method: in each MoE layer some experts stay whole, some are narrowed to their top
-neurons (ENP's ranking), some become novices (their mean output, routing unchanged) and the rest
-are dropped, under one routed-parameter budget met exactly.
+neurons (ENP's ranking), some become novices (their mean output, or with `--novice-rank R` the
+low-rank map mu + B (h - hbar) of surgery/lowrank.py; routing unchanged) and the rest are dropped, under one routed-parameter budget met exactly.
 
 Why one method instead of four: which surgery is best changes with the budget and the layer (the
 demo's table), and a search can only trade one form for another when they live in one plan.
@@ -14,7 +14,7 @@ gene keeps at least that many whole, so they stay whole.
 
 The budget. The plan keeps (1 - sparsity) x T routed-expert parameters, T the model's: whole
 experts hold P = per_neuron x I + per_expert, a narrowed one per_neuron x W + per_expert, a novice
-its d-vector, a dropped one nothing. Whole experts and novices come in whole units, so what the
+its d-vector (rank R: d + 2dR, `novice_params`), a dropped one nothing. Whole experts and novices come in whole units, so what the
 genes miss (at most half an expert per layer) is handed to the narrowed experts one neuron each
 (`fill_widths`): the kept parameters then differ from the budget by at most half a neuron row,
 the finest step any plan has. A gene set without narrowed experts (drop, novices) must meet it by
@@ -22,7 +22,7 @@ its counts alone, or is refused in one line.
 
 Points of this space (docs/surgery.md): uniform drop is `--mixed-whole 0 --mixed-width 1` (every
 kept expert at full width), uniform novices add `--mixed-novice S` at the parameter sparsity
-S (1 - d / P), ENP is `--mixed-whole 0` (everything narrowed), and TENP is the per-layer genes whose
+S (1 - n / P, n a novice's parameters; `--novice-rank R` for low-rank ones), ENP is `--mixed-whole 0` (everything narrowed), and TENP is the per-layer genes whose
 whole counts follow its trapezoid with everything else narrowed.
 """
 
@@ -39,6 +39,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.neurons import (
     NeuronOptions,
     check_importance,
@@ -47,6 +48,7 @@ from moeprune.surgery.neurons import (
     stock_width_expressible,
 )
 from moeprune.surgery.novice import require_stats
+from moeprune.surgery.parameters import novice_params
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes, grid_steps
 
@@ -61,8 +63,10 @@ def _share(value: object, name: str, low_open: bool = False) -> None:
 
 
 @dataclass(frozen=True)
-class MixedOptions(NeuronOptions):
-    """The uniform gene: the same shares in every MoE layer (module docstring)."""
+class MixedOptions(NeuronOptions, NoviceOptions):
+    """The uniform gene: the same shares in every MoE layer (module docstring). The neuron ranking
+    is ENP's and the novices' rank the novice method's: the same settings (one `--novice-rank`
+    flag), validated by their own classes."""
 
     mixed_whole: float | None = setting(
         None,
@@ -87,7 +91,8 @@ class MixedOptions(NeuronOptions):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        NeuronOptions.__post_init__(self)
+        NoviceOptions.__post_init__(self)
         if self.mixed_whole is not None:
             _share(self.mixed_whole, "mixed_whole")
         _share(self.mixed_novice, "mixed_novice")
@@ -135,16 +140,17 @@ class LayerCosts:
         )
 
 
-def layer_costs(moe: MoEModel, limits: LayerLimits | None = None) -> list[LayerCosts]:
-    """The parameter costs of `moe`'s MoE layers (a meta-device model does)."""
+def layer_costs(moe: MoEModel, limits: LayerLimits | None = None, rank: int = 0) -> list[LayerCosts]:
+    """The parameter costs of `moe`'s MoE layers (a meta-device model does), its novices of rank
+    `rank` (d + 2dR parameters each)."""
     limits = limits or layer_limits(moe)
     out = []
     for pos, m in enumerate(moe.layers):
         cost = layer_cost(m)
         out.append(
             LayerCosts(
-                m.num_experts, m.intermediate_size, cost.per_neuron, cost.per_expert, m.hidden_size,
-                m.top_k, len(moe.protected.get(m.index, ())), limits.caps[pos], limits.multiples[pos],
+                m.num_experts, m.intermediate_size, cost.per_neuron, cost.per_expert,
+                novice_params(m.hidden_size, rank), m.top_k, len(moe.protected.get(m.index, ())), limits.caps[pos], limits.multiples[pos],
             )
         )  # fmt: skip
     return out
@@ -251,15 +257,17 @@ def _target(costs: Sequence[LayerCosts], sparsity: float) -> float:
     return (1 - sparsity) * sum(c.experts * c.expert() for c in costs)
 
 
-def _options(config: PruneConfig) -> MixedOptions:
+def mixed_options(config: PruneConfig) -> MixedOptions:
+    """The config's mixed options resolved (a dict of fields from a recipe or a script, or None)."""
     return METHODS.get(config.method).resolve_options(config.options)
 
 
 def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
     """The uniform genes of `config` and the narrowed widths that meet its budget."""
-    costs = layer_costs(moe, layer_limits(moe, config.expert_multiple))
+    options = mixed_options(config)
+    costs = layer_costs(moe, layer_limits(moe, config.expert_multiple), options.novice_rank)
     sparsity = config.sparsity_value()
-    genes = uniform_genes(costs, sparsity, _options(config))
+    genes = uniform_genes(costs, sparsity, options)
     check_genes(costs, genes, [m.index for m in moe.layers])
     return genes, fill_widths(costs, genes, _target(costs, sparsity))
 
@@ -271,7 +279,7 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
     importance = options.neuron_importance
     limits = layer_limits(moe, request.expert_multiple)
-    costs = layer_costs(moe, limits)
+    costs = layer_costs(moe, limits, options.novice_rank)
     check_genes(costs, genes, limits.layers)
     require_stats(stats, "the mixed method (novices' mean outputs, neuron importance)")
     if any(g.narrowed for g in genes):
@@ -312,6 +320,8 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
             "routed_parameters_total": sum(c.experts * c.expert() for c in costs),
         },
     )
+    if options.novice_rank:  # fitted after planning (surgery/lowrank.py), or taken from a search's fits
+        plan.extra[RANK_KEY] = options.novice_rank
     plan.validate({m.index: m.intermediate_size for m in moe.layers})
     return plan
 
@@ -387,7 +397,7 @@ def plan_mixed(request: PlanRequest) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
     if request.removed is not None:  # --allocation evo: the searched genes (search/mixed_search.py)
         return mixed_plan(request, [LayerGene(*g) for g in request.removed])  # type: ignore[misc]
-    costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple))
+    costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple), options.novice_rank)
     plan = mixed_plan(request, uniform_genes(costs, request.sparsity, options))
     plan.extra["mixed_options"] = {k: v for k, v in asdict(options).items() if k.startswith("mixed_")}
     return plan

@@ -24,7 +24,7 @@ from moeprune.models.reshape import drop_experts, mask_experts
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.plan import Plan
 from moeprune.surgery.drop import zero_novices, zero_vectors
-from moeprune.surgery.lowrank import plan_rank
+from moeprune.surgery.lowrank import Fits, plan_rank
 from moeprune.surgery.merge import resolve_merge, swapped_weights, write_weights
 from moeprune.surgery.merging import Tensors
 from moeprune.surgery.neurons import (
@@ -37,8 +37,6 @@ from moeprune.surgery.neurons import (
     uniform_width,
 )
 from moeprune.surgery.novice import StatsInput, layer_stats, mean_outputs, require_stats
-
-Fits = dict[int, dict[int, LowRankNovice]]  # decoder layer -> original id -> fitted low-rank novice
 
 V = TypeVar("V")
 
