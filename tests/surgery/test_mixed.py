@@ -23,6 +23,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
+from moeprune.surgery.lowrank import check_every_novice_fits
 from moeprune.surgery.mixed import LayerCosts, LayerGene, MixedOptions, fill_widths
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan, check_config, check_feasible
@@ -224,3 +225,15 @@ def test_low_rank_novices_beside_narrowed_and_dropped_experts(tmp_path):
     reloaded = moeprune.load_pretrained(tmp_path)
     assert routed_parameters(MoEModel(reloaded))["routed_experts"] == 7424
     assert_logits_close(logits(reloaded), virtual)
+
+
+def test_an_all_expert_fit_larger_than_memory_is_refused_with_its_size():
+    """16 d^2 bytes per routed expert, hand-counted: refused one byte short of it, accepted at it."""
+    moe = MoEModel(tiny_model("qwen3_moe"))
+    need = sum(16 * m.hidden_size**2 * m.num_experts for m in moe.layers)
+    assert need == 16 * moe.layers[0].hidden_size ** 2 * sum(m.num_experts for m in moe.layers)
+    check_every_novice_fits(moe, 2, memory=need)
+    check_every_novice_fits(moe, 0, memory=1)  # rank 0 fits nothing
+    with pytest.raises(MoePruneError, match=r"--novice-rank 2 .* more than this machine's") as err:
+        check_every_novice_fits(moe, 2, memory=need - 1)
+    assert set(err.value.options) == {"novice_rank", "allocation"}

@@ -35,6 +35,7 @@ from moeprune.shards.quantized_bytes import quantized_dims, quantized_weight_byt
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery import METHODS
+from moeprune.surgery.lowrank import check_every_novice_fits
 from moeprune.surgery.planning import check_config, check_feasible, requirements
 from moeprune.surgery.registry import default_allocation
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
@@ -296,6 +297,8 @@ def prepare(request: PruneRequest) -> PruneJob:
         checked, meta, config, None if kept_quantization else save_dtype, request.quantize
     )
     layer_budget = check_feasible(meta, config)
+    if config.method == "mixed" and searches(config.allocation):
+        check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
     if (
         request.quantize is not None and "neurons_per_expert" in layer_budget
     ):  # the widths a neuron method keeps

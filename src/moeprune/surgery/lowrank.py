@@ -28,6 +28,7 @@ fitted=)`), so what the search scored is what is saved.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -113,6 +114,32 @@ def plan_rank(plan: Plan) -> int:
 def moments_bytes(moe: MoEModel, targets: Mapping[int, Sequence[int]]) -> int:
     """Bytes the fitting pass holds: two d x d fp64 matrices (16 d^2 bytes) per target expert."""
     return sum(16 * moe.layer(i).hidden_size ** 2 * len(set(p)) for i, p in targets.items())
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_every_novice_fits(moe: MoEModel, rank: int, memory: int | None = None) -> None:
+    """Refuse, before loading, a mixed search with rank-R novices whose all-expert fitting pass
+    (`fit_every_novice`: 16 d^2 bytes per routed expert) cannot fit in this machine's memory;
+    `moe` may be the meta skeleton (only its shape is read)."""
+    if not rank:
+        return
+    memory = physical_memory() if memory is None else memory
+    need = moments_bytes(moe, {m.index: range(m.num_experts) for m in moe.layers})
+    if memory is not None and need > memory:
+        raise MoePruneError(
+            f"mixed + evo with --novice-rank {rank} fits every routed expert before the search: "
+            f"{need / 2**30:,.1f} GiB of moments (16 d^2 bytes per expert), more than this machine's "
+            f"{memory / 2**30:,.1f} GiB; give --novice-rank 0, or --allocation uniform (the plan's "
+            "novices only are fitted)",
+            options=("novice_rank", "allocation"),
+        )
 
 
 def _fit(
