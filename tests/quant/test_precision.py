@@ -140,6 +140,24 @@ def test_choice_is_exact_against_brute_force():
         assert sum(loss[s] for loss, s in zip(losses, got)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choice_on_a_hand_built_table_is_the_known_optimum():
+    """Three layers, fixed 100 bytes, every layer 10 bytes in w4a16; upgrading to w8a16 costs 20
+    (layer 0, loss 1.0 -> 0) or 11 (layers 1 and 2, loss 0.6 -> 0). Under 150 bytes (20 to spend)
+    the best is layer 0 alone (loss 1.2), not the better gain per byte of layer 1 (loss 1.6, what a
+    greedy choice by gain per byte takes); under 152, layers 1 and 2 (loss 1.0, 152 bytes)."""
+    bytes_ = PrecisionBytes(
+        100,
+        ({"w4a16": 10, "w8a16": 30}, {"w4a16": 10, "w8a16": 21}, {"w4a16": 10, "w8a16": 21}),
+    )
+    losses = [{"w4a16": 1.0, "w8a16": 0.0}, {"w4a16": 0.6, "w8a16": 0.0}, {"w4a16": 0.6, "w8a16": 0.0}]
+    assert choose_schemes(bytes_, losses, 150) == ["w8a16", "w4a16", "w4a16"]
+    assert choose_schemes(bytes_, losses, 152) == ["w4a16", "w8a16", "w8a16"]
+    assert choose_schemes(bytes_, losses, 130) == ["w4a16"] * 3
+    assert choose_schemes(bytes_, losses, 10**6) == ["w8a16"] * 3
+    with pytest.raises(MoePruneError, match="no per-layer choice fits 129 bytes: the smallest weighs 130"):
+        choose_schemes(bytes_, losses, 129)
+
+
 def test_bytes_with_one_scheme_everywhere_are_the_uniform_prediction(moe):
     size = _full_size(moe)
     layers = size.layers

@@ -75,6 +75,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
         quantize = recipe.quantize
         defaults |= {"quantize": quantize["scheme"], "quant_method": quantize.get("method")}
         defaults["quant_group_size"] = quantize.get("group_size")
+        defaults["target_size"] = quantize.get("target_size")  # auto:'s budget, beside the sparsity
     ctx.default_map = {k: v for k, v in defaults.items() if v is not None and v != ()}
     return path
 
@@ -148,7 +149,9 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     default=None,
     help=f"Quantize the pruned model with llm-compressor, in its own environment (--quant-python): "
     f"{'; '.join(f'{n}: {s.help}' for n, s in SCHEMES.items())}. Routers and lm_head stay unquantized; the "
-    "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes.",
+    "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes. auto:A,B[,...] "
+    "(with --sparsity and --target-size): each MoE layer's experts in the scheme of the list that costs the "
+    "fitness least under the target, the rest in A.",
 )
 @click.option(
     "--quant-method",
@@ -186,7 +189,11 @@ def prune(model: str, output: str, **options) -> None:
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
     ctx = click.get_current_context()
-    if options["target_size"] is not None and _from_recipe(ctx, "sparsity"):
+    if (
+        options["target_size"] is not None
+        and _from_recipe(ctx, "sparsity")
+        and not _from_recipe(ctx, "target_size")
+    ):
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
@@ -278,6 +285,16 @@ def size_lines(plan: dict) -> list[str]:
         lines.append(
             f"target    {_bytes(plan['target_bytes'])} ({plan['target_bytes']:,} bytes): sparsity "
             f"{plan['solved_sparsity']:.6g} solved, the smallest step that fits{below}"
+        )
+    if plan.get("precision_schemes"):
+        every = ", ".join(
+            f"{s} {_bytes(b)} ({b:,} bytes)" for s, b in plan["precision_every_layer_at"].items()
+        )
+        lines.append(f"per-layer every layer's experts in one scheme: {every}")
+        reach = "reachable" if plan["precision_reachable"] else "not reachable"
+        lines.append(
+            f"target    {_bytes(plan['precision_target_bytes'])} ({plan['precision_target_bytes']:,} bytes): "
+            f"{reach}; each layer's scheme is chosen under it once the experts are pruned"
         )
     return lines
 

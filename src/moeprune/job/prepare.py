@@ -18,6 +18,7 @@ from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
+from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
@@ -174,6 +175,10 @@ class PruneJob:
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
     quantize: QuantizeOptions | None = None  # quantized after saving, by llm-compressor
     quant_python: str | None = None  # the quantization environment's Python
+    precision: PrecisionTarget | None = (
+        None  # `--quantize auto:...`: the per-layer budget (auto_precision.py)
+    )
+    precision_choice: dict | None = None  # its choice once made (after the surgery): report.json's account
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -204,6 +209,7 @@ class PruneJob:
             "save_dtype": self.saved_as,
             "resume": self.run.resume,
             **(self.sizes.describe() if self.sizes is not None else {}),
+            **(self.precision.describe() if self.precision is not None else {}),
         }
 
 
@@ -250,6 +256,10 @@ def prepare(request: PruneRequest) -> PruneJob:
     data, search_data, tokenizer_path = request.data, request.search_data, request.tokenizer_path
     save, run = request.save, request.run
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
+    config, quantize = resolve_auto(
+        config, request.quantize, bool(data.sources)
+    )  # auto:'s target: its budget
+    names = quantize.candidates if quantize is not None else None
     config = check_config(config)
     if data.sequential:
         raise MoePruneError(
@@ -263,12 +273,12 @@ def prepare(request: PruneRequest) -> PruneJob:
         checked, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
     quant_python = None
-    if request.quantize is not None:  # before the input's own format is looked at: it must be full precision
+    if quantize is not None:  # before the input's own format is looked at: it must be full precision
         fmt = check_quantized(checked)
         quant_python = check_quantize(
-            request.quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
+            quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
         )
-        config = _quantized_widths(config, request.quantize)
+        config = _quantized_widths(config, quantize)
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
@@ -282,8 +292,9 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
-    if request.quantize is not None:
-        check_group(request.quantize, quantized_dims(meta), [m.intermediate_size for m in meta.layers])
+    for scheme in names or ((quantize.scheme,) if quantize is not None else ()):
+        assert quantize is not None
+        check_group(quantize.of(scheme), quantized_dims(meta), [m.intermediate_size for m in meta.layers])
     stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
@@ -292,15 +303,18 @@ def prepare(request: PruneRequest) -> PruneJob:
     )
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
-    config, sizes = plan_sizes(
-        checked, meta, config, None if kept_quantization else save_dtype, request.quantize
-    )
+    config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
     layer_budget = check_feasible(meta, config)
-    if (
-        request.quantize is not None and "neurons_per_expert" in layer_budget
-    ):  # the widths a neuron method keeps
+    if quantize is not None and "neurons_per_expert" in layer_budget:  # the widths a neuron method keeps
         kept = sorted(set(layer_budget["neurons_per_expert"].values()))
-        check_group(request.quantize, quantized_dims(meta), kept)  # the largest group named divides all
+        check_group(quantize, quantized_dims(meta), kept)  # the largest group named divides all
+    precision = None
+    if quantize is not None and quantize.budget is not None:  # the bytes per scheme; T reachable?
+        full = cast_weight_bytes(checked, meta, save_dtype)
+        dtype_bytes = torch.empty((), dtype=save_dtype).element_size()
+        precision = plan_precision(
+            meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget)
+        )
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
@@ -338,8 +352,9 @@ def prepare(request: PruneRequest) -> PruneJob:
         sizes,
         Path(tokenizer_path) if tokenizer_path is not None else None,
         save.drop_mtp,
-        request.quantize,
+        quantize,
         quant_python,
+        precision,
     )
 
 
