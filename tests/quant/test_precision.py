@@ -186,3 +186,34 @@ def _full_size(moe: MoEModel) -> WeightBytes:
     width = moe.layers[0].experts.down_proj.shape[-1]
     layers = tuple(LayerBytes(m.num_experts, width, 3 * hidden * 4, 0, hidden * 4) for m in moe.layers)
     return WeightBytes("float32", 10_000 + sum(lay.experts * lay.expert() for lay in layers), layers, 0)
+
+
+def test_losses_scored_after_the_surgery_are_the_masked_ones_before():
+    """prune's per-layer precision keeps the unpruned model's teacher (built before the surgery)
+    and scores the physically pruned model: the same losses as `measure_losses` on the unpruned
+    model with the plan's experts masked (the evo search's view)."""
+    from moeprune.api import prune
+    from moeprune.config import PruneConfig
+    from moeprune.job.auto_precision import PrecisionTarget, choose_precision, precision_teacher
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[])
+    reference = MoEModel(copy.deepcopy(model))
+    data, config = _data(), PruneConfig("frequency", 0.25)
+    teacher = precision_teacher(MoEModel(model), data, config, 8, 0, False)
+    plan = prune(model, config, data=data, run=None).plan
+    schemes = ("w4a16", "w8a16")
+    options = QuantizeOptions("w4a16", "rtn", 16, candidates=schemes)
+    size = _full_size(reference)
+    target = PrecisionTarget(schemes, 10**9, size, 4, {})
+    chosen, doc = choose_precision(teacher, MoEModel(model), reference, plan, options, target)
+    orders = [lp.dropped + lp.kept for lp in plan.layers]
+    masked = CandidateEvaluator(
+        reference, data, orders, fitness="esap", runtime=SearchRuntime(progress=False, fast=False)
+    )
+    want = measure_losses(masked, reference, [len(lp.dropped) for lp in plan.layers], schemes, 16)
+    for layer, row in zip(("0", "1", "2"), want):
+        for s in schemes:
+            assert doc["losses"][layer][s] == pytest.approx(row[s], rel=1e-4, abs=1e-7), (layer, s)
+    # under an unlimited budget each layer takes its least lossy scheme
+    assert chosen.layer_schemes == {int(k): min(row, key=row.__getitem__) for k, row in doc["losses"].items()}
