@@ -123,8 +123,8 @@ class QuantizeOptions:
         return AUTO + ",".join(self.candidates) if self.candidates else self.scheme
 
     def describe(self) -> str:
-        grouped = any(SCHEMES[s].grouped for s in self.candidates or (self.scheme,))
-        group = f", groups of {self.group_size or DEFAULT_GROUP}" if grouped else ""
+        grouped = [self.of(s).group for s in self.candidates or (self.scheme,) if SCHEMES[s].grouped]
+        group = f", groups of {'/'.join(map(str, sorted(set(grouped))))}" if grouped else ""
         return f"{self.asked} ({self.method}{group})"
 
     def of(self, scheme: str) -> QuantizeOptions:
