@@ -217,3 +217,34 @@ def test_losses_scored_after_the_surgery_are_the_masked_ones_before():
             assert doc["losses"][layer][s] == pytest.approx(row[s], rel=1e-4, abs=1e-7), (layer, s)
     # under an unlimited budget each layer takes its least lossy scheme
     assert chosen.layer_schemes == {int(k): min(row, key=row.__getitem__) for k, row in doc["losses"].items()}
+
+
+def test_the_joint_choice_scores_each_grid_point_with_every_chosen_layer_quantized(moe):
+    """`choose_sparsity` (no --sparsity): per grid point, the uniform split in the criterion's
+    order, the schemes chosen under the target, and the fitness with all of them fake-quantized at
+    once: equal to a plain evaluator's on a copy quantized by hand; the best point is returned."""
+    from moeprune.config import PruneConfig
+    from moeprune.job.precision_grid import choose_sparsity, uniform_split
+
+    data, config = _data(), PruneConfig("frequency", 0.25)
+    orders = [list(range(m.num_experts))[::-1] for m in moe.layers]  # any fixed order
+    evaluator = CandidateEvaluator(moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False))
+    schemes = ("w4a16", "w8a16")
+    options = QuantizeOptions("w4a16", "rtn", 16, candidates=schemes)
+    size = _full_size(moe)
+    pb = precision_bytes(size, moe, schemes, options, 4, [0, 0, 0])
+    target = pb.total(["w4a16", "w8a16", "w4a16"])  # room for some w8a16 once experts are removed
+    best, rows = choose_sparsity(evaluator, moe, config, options, [0.25, 0.5], size, 4, target)
+    assert [r["sparsity"] for r in rows] == [0.25, 0.5]
+    for row in rows:
+        removed = uniform_split(moe, config, row["sparsity"])
+        assert list(row["removed_per_layer"].values()) == removed
+        assert row["predicted_bytes"] <= target
+        copy_moe = MoEModel(copy.deepcopy(moe.model))  # its teacher pass first: the full-precision model
+        plain = CandidateEvaluator(copy_moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False))
+        for position, scheme in enumerate(row["chosen"].values()):
+            for p in expert_weights(copy_moe, position).values():
+                p.data = fake_quantize(p.data, scheme, 16)
+        assert row["fitness"] == pytest.approx(plain.evaluate(removed), rel=1e-5, abs=1e-8)
+    assert best == max(rows, key=lambda r: r["fitness"])["sparsity"]
+    assert "w8a16" in rows[-1]["chosen"].values()  # removing experts bought bits

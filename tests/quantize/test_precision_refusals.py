@@ -31,7 +31,18 @@ CASES = {
     "nvfp4": ("auto:w4a16,nvfp4a16", [*S, *T], True, "nvfp4a16 has its own group size and scale format"),
     "no data": (AUTO, [*S, *T], False, "per-layer precision scores each layer's schemes on the calibration data"),
     "no target": (AUTO, S, True, f"{AUTO} chooses each layer's scheme under a size: give --target-size"),
-    "no sparsity": (AUTO, T, True, f"{AUTO} chooses the schemes for a given expert split: give --sparsity too"),
+    "joint with criterion auto": (
+        AUTO,
+        [*T, "--criterion", "auto", "--search-data", "{calib}"],
+        True,
+        f"{AUTO} without --sparsity scores a grid of sparsities by one named criterion's order",
+    ),
+    "joint unreachable": (
+        AUTO,
+        ["--target-size", "100000"],
+        True,
+        "even with every layer in w4a16 at sparsity 0.75 the result weighs",
+    ),
     "unreachable": (
         AUTO,
         [*S, "--target-size", "100000"],
@@ -72,8 +83,9 @@ def never_load(monkeypatch):
 
 def _prune(world: Path, out: Path, scheme: str, *flags, data: bool = True, ok: bool = True):
     given = ["--data", world / "calib.jsonl"] if data else []
+    criterion = [] if "--criterion" in flags else ["--criterion", "frequency"]
     return run_cli(
-        "prune", world / "model", "--output", out, "--criterion", "frequency", *given, "--quantize", scheme,
+        "prune", world / "model", "--output", out, *criterion, *given, "--quantize", scheme,
         "--quant-method", "rtn", "--quant-group-size", "16", "--quant-python", sys.executable, *flags, ok=ok,
     )  # fmt: skip
 
@@ -81,6 +93,7 @@ def _prune(world: Path, out: Path, scheme: str, *flags, data: bool = True, ok: b
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_auto_refused_in_one_line_before_loading(world, tmp_path, case):
     scheme, flags, has_data, message = CASES[case]
+    flags = [str(f).replace("{calib}", str(world / "calib.jsonl")) for f in flags]
     result = _prune(world, tmp_path / "out", scheme, *flags, data=has_data, ok=False)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
@@ -108,3 +121,19 @@ def test_dry_run_prints_each_schemes_bytes_and_whether_the_target_is_reachable(w
     )
     assert f"({between:,} bytes): reachable;" in out
     assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_without_a_sparsity_prints_the_grid_it_will_try(world, tmp_path):
+    """The grid runs from the smallest sparsity where every layer in w4a16 fits to the smallest
+    where every layer in w8a16 does: at 0.25 (2 experts off each layer) the all-w4a16 result fits
+    the target below, at 0.5 the all-w8a16 one does, and one step below each does not."""
+    out = _prune(world, tmp_path / "o", AUTO, "--target-size", "141000", "--dry-run").output
+    grid = [
+        (float(s), int(a.replace(",", "")), int(b.replace(",", "")))
+        for s, a, b in re.findall(r"grid      sparsity ([\d.]+): every layer in one scheme w4a16 ([\d,]+), w8a16 ([\d,]+)", out)
+    ]
+    assert len(grid) == 4 and [g[0] for g in grid] == sorted(g[0] for g in grid)
+    assert grid[0][1] <= 141000 and grid[-1][2] <= 141000 and grid[-2][2] > 141000
+    below = _prune(world, tmp_path / "o", "w4a16", "--sparsity", str(grid[0][0] - 1 / 24), "--dry-run").output
+    assert int(re.search(r"predicted .*?\(([\d,]+) bytes\)", below)[1].replace(",", "")) > 141000
+    assert "sparsity " + str(grid[0][0]) in out and not (tmp_path / "o").exists()

@@ -150,8 +150,8 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help=f"Quantize the pruned model with llm-compressor, in its own environment (--quant-python): "
     f"{'; '.join(f'{n}: {s.help}' for n, s in SCHEMES.items())}. Routers and lm_head stay unquantized; the "
     "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes. auto:A,B[,...] "
-    "(with --sparsity and --target-size): each MoE layer's experts in the scheme of the list that costs the "
-    "fitness least under the target, the rest in A.",
+    "(with --target-size): each MoE layer's experts in the scheme of the list that costs the fitness least "
+    "under the target, the rest in A; without --sparsity the sparsity is chosen with them.",
 )
 @click.option(
     "--quant-method",
@@ -165,6 +165,15 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=int,
     default=None,
     help=f"--quantize w4a16/w8a16: weights sharing one scale [default: {DEFAULT_GROUP}].",
+)
+@click.option(
+    "--quant-sparsity-grid",
+    type=int,
+    default=4,
+    show_default=True,
+    help="--quantize auto:... with --target-size and no --sparsity: the sparsities tried, each with its "
+    "per-layer schemes, between the one where the cheapest scheme fits and the one where the most "
+    "expensive does (uniform splits; docs/large-models.md).",
 )
 @click.option(
     "--quant-python",
@@ -242,7 +251,7 @@ def prune(model: str, output: str, **options) -> None:
 
 def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | None:
     """--quantize and its settings; a setting typed without --quantize is refused (never read)."""
-    names = ("quant_method", "quant_group_size", "quant_python")
+    names = ("quant_method", "quant_group_size", "quant_python", "quant_sparsity_grid")
     if options["quantize"] is None:
         typed = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
         if typed:
@@ -252,7 +261,11 @@ def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | No
             )
         return None
     return QuantizeOptions(
-        options["quantize"], options["quant_method"], options["quant_group_size"], options["quant_python"]
+        options["quantize"],
+        options["quant_method"],
+        options["quant_group_size"],
+        options["quant_python"],
+        sparsity_grid=options["quant_sparsity_grid"],
     )
 
 
@@ -291,6 +304,11 @@ def size_lines(plan: dict) -> list[str]:
             f"{s} {_bytes(b)} ({b:,} bytes)" for s, b in plan["precision_every_layer_at"].items()
         )
         lines.append(f"per-layer every layer's experts in one scheme: {every}")
+        for point in plan.get("precision_grid") or []:
+            every = ", ".join(f"{s} {b:,}" for s, b in point["every_layer_at"].items())
+            lines.append(
+                f"grid      sparsity {point['sparsity']:.6g}: every layer in one scheme {every} bytes"
+            )
         reach = "reachable" if plan["precision_reachable"] else "not reachable"
         lines.append(
             f"target    {_bytes(plan['precision_target_bytes'])} ({plan['precision_target_bytes']:,} bytes): "

@@ -18,7 +18,8 @@ Three steps, each where it is cheapest:
   experts the plan kept, and the exact choice under T.
 
 Only methods that remove whole experts with their router rows (drop, merge) are priced by the byte
-model (`precision_bytes`); the others are refused before loading.
+model (`precision_bytes`); the others are refused before loading. Without `--sparsity` the
+sparsity is chosen with the schemes first (job/precision_grid.py), then these steps run at it.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ def resolve_auto(
     if names is None:
         return config, options
     options = replace(options, scheme=names[0], candidates=names)
+    joint = config.sparsity is None
     config, target = _split_target(config, options)
-    return config, replace(options, budget=target)
+    if joint:  # the sparsity is chosen with the schemes (prepare sets the grid's first point)
+        config = replace(config, sparsity=JOINT_PLACEHOLDER)
+    return config, replace(options, budget=target, joint=joint)
 
 
 def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneConfig, Any]:
@@ -66,11 +70,16 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             "layer would take the most precise scheme: give that scheme alone)",
             options=("quantize", "target_size"),
         )
-    if config.sparsity is None:
+    if options.sparsity_grid < 1:
         raise MoePruneError(
-            f"{asked} chooses the schemes for a given expert split: give --sparsity too (the joint choice "
-            "of the sparsity and the schemes under --target-size alone is not implemented)",
-            options=("quantize", "sparsity"),
+            f"the sparsity grid needs at least one point, got {options.sparsity_grid}",
+            options=("quant_sparsity_grid",),
+        )
+    if config.sparsity is None and config.criterion == "auto":
+        raise MoePruneError(
+            f"{asked} without --sparsity scores a grid of sparsities by one named criterion's order: "
+            "name a criterion, or give --sparsity",
+            options=("quantize", "criterion"),
         )
     method = METHODS.get(config.method).configured(config.options)
     if method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons:
@@ -80,6 +89,9 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             options=("quantize", "method"),
         )
     return replace(config, target_size=None), config.target_size
+
+
+JOINT_PLACEHOLDER = 0.5  # the config's sparsity until prepare sets the grid's (the config needs one)
 
 
 @dataclass(frozen=True)
@@ -93,15 +105,20 @@ class PrecisionTarget:
     size: WeightBytes
     dtype_bytes: int
     every_layer_at: dict[str, int]
+    # no --sparsity: the sparsities tried for the joint choice, each with every_layer_at (precision_grid.py)
+    grid: tuple[tuple[float, dict[str, int]], ...] = ()
 
     def describe(self) -> dict[str, Any]:
         """The dry run's facts."""
-        return {
+        out: dict[str, Any] = {
             "precision_schemes": list(self.schemes),
             "precision_target_bytes": self.target_bytes,
             "precision_every_layer_at": dict(self.every_layer_at),
             "precision_reachable": min(self.every_layer_at.values()) <= self.target_bytes,
         }
+        if self.grid:
+            out["precision_grid"] = [{"sparsity": s, "every_layer_at": dict(per)} for s, per in self.grid]
+        return out
 
 
 def plan_precision(
@@ -111,6 +128,7 @@ def plan_precision(
     size: WeightBytes,
     dtype_bytes: int,
     target_bytes: int,
+    grid: tuple[tuple[float, dict[str, int]], ...] = (),
 ) -> PrecisionTarget:
     """The bytes per scheme at the sparsity (uniform split), and the refusal of an unreachable target."""
     assert options.candidates is not None and config.sparsity is not None
@@ -127,7 +145,7 @@ def plan_precision(
             f"{config.sparsity:g}, over the target {target_bytes:,}: raise the sparsity or the target",
             options=("target_size", "sparsity", "quantize"),
         )
-    return PrecisionTarget(options.candidates, target_bytes, size, dtype_bytes, per)
+    return PrecisionTarget(options.candidates, target_bytes, size, dtype_bytes, per, grid)
 
 
 def scoring_data(
@@ -148,9 +166,11 @@ def precision_teacher(
     batch_size: int,
     pad: int | None,
     progress: bool,
+    orders: list[list[int]] | None = None,
 ) -> CandidateEvaluator:
-    """The evaluator of the losses, built on the full model (its teacher pass) before the surgery."""
-    orders = [list(range(layer.num_experts)) for layer in moe.layers]
+    """The evaluator of the losses, built on the full model (its teacher pass) before the surgery;
+    `orders`: the criterion's pruning orders (the joint choice masks by them), else any."""
+    orders = orders or [list(range(layer.num_experts)) for layer in moe.layers]
     runtime = SearchRuntime(batch_size=batch_size, pad_token_id=pad, progress=progress, fast=False)
     return CandidateEvaluator(
         moe, data, orders, fitness=config.search.fitness, seed=config.seed, runtime=runtime

@@ -19,6 +19,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
+from moeprune.job.precision_grid import sparsity_grid
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
@@ -301,6 +302,18 @@ def prepare(request: PruneRequest) -> PruneJob:
         if save.dtype and kept_quantization is None
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
+    grid: tuple = ()
+    if (
+        quantize is not None and quantize.joint and quantize.budget is not None
+    ):  # planned at the grid's first point
+        element = torch.empty((), dtype=save_dtype).element_size()
+        target = parse_target_size(quantize.budget)
+        grid = tuple(
+            sparsity_grid(
+                meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target
+            )
+        )
+        config = replace(config, sparsity=grid[0][0])
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
@@ -313,7 +326,7 @@ def prepare(request: PruneRequest) -> PruneJob:
         full = cast_weight_bytes(checked, meta, save_dtype)
         dtype_bytes = torch.empty((), dtype=save_dtype).element_size()
         precision = plan_precision(
-            meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget)
+            meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget), grid
         )
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None

@@ -14,6 +14,7 @@ from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
 from moeprune.job.auto_precision import choose_precision, precision_note, precision_teacher, scoring_data
 from moeprune.job.evidence import Evidence, write_evidence
+from moeprune.job.precision_grid import choose_sparsity, criterion_orders
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
@@ -106,12 +107,24 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
-    teacher = None
+    teacher, grid_rows = None, None
     if job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
+        assert job.quantize is not None
+        pad = getattr(job.tokenizer, "pad_token_id", None)
+        full, orders = MoEModel(model), None
+        if job.quantize.joint:  # the grid masks experts in the criterion's order
+            orders = criterion_orders(full, job.config, job.calibration, data.batch_size, pad or 0, progress)
         with stage("teacher pass of the per-layer precision scores", progress):
             scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
-            pad = getattr(job.tokenizer, "pad_token_id", None)
-            teacher = precision_teacher(MoEModel(model), scored, job.config, data.batch_size, pad, progress)
+            teacher = precision_teacher(full, scored, job.config, data.batch_size, pad, progress, orders)
+        if job.quantize.joint:
+            with stage("choosing the sparsity with the schemes (a grid of uniform splits)", progress):
+                p = job.precision
+                grid = [s for s, _ in p.grid]
+                sparsity, grid_rows = choose_sparsity(
+                    teacher, full, job.config, job.quantize, grid, p.size, p.dtype_bytes, p.target_bytes
+                )
+            job = replace(job, config=replace(job.config, sparsity=sparsity))
     result = prune(
         model,
         job.config,
@@ -130,6 +143,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             quantize, choice = choose_precision(
                 teacher, moe, job.meta, result.plan, job.quantize, job.precision
             )
+        if grid_rows is not None:
+            choice["sparsity_grid"] = grid_rows
         job = replace(job, quantize=quantize, precision_choice=choice)
         timer.lap("precision")
     report = replace(

@@ -91,9 +91,10 @@ class QuantizeOptions:
     # `auto:a,b,...` resolved (job/prepare.py): the schemes a layer's experts may take, `scheme`
     # their first (the base); None for one scheme
     candidates: tuple[str, ...] | None = None
-    budget: int | str | None = (
-        None  # with candidates: the target size the choice fits (not a solved sparsity)
-    )
+    budget: int | str | None = None  # with candidates: the target the choice fits (not a solved sparsity)
+    # with candidates and no --sparsity: the sparsities tried for the joint choice (job/precision_grid.py)
+    sparsity_grid: int = 4
+    joint: bool = False  # no sparsity given: it is chosen with the schemes
 
     @property
     def spec(self) -> Scheme:

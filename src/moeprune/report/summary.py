@@ -229,6 +229,12 @@ def format_lines(facts: dict) -> list[str]:
     precision = facts.get("precision")
     if precision:  # prune --quantize auto:...: each layer's experts in its chosen scheme
         chosen = ", ".join(f"{layer} {scheme}" for layer, scheme in precision["chosen"].items())
+        grid = precision.get("sparsity_grid") or []
+        if grid:  # no --sparsity: it was chosen with the schemes
+            tried = ", ".join(f"{row['sparsity']:.4g}" for row in grid)
+            lines.append(
+                f"  per-layer bits  sparsity {facts['sparsity']:g} chosen among {tried} (best combined fitness)"
+            )
         lines.append(
             f"  per-layer bits  experts of layer {chosen}; {_size(precision['written_bytes'])} written, "
             f"{_size(precision['predicted_bytes'])} predicted, target {_size(precision['target_bytes'])}"
