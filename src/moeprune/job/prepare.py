@@ -176,9 +176,8 @@ class PruneJob:
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
     quantize: QuantizeOptions | None = None  # quantized after saving, by llm-compressor
     quant_python: str | None = None  # the quantization environment's Python
-    precision: PrecisionTarget | None = (
-        None  # `--quantize auto:...`: the per-layer budget (auto_precision.py)
-    )
+    # `--quantize auto:...`: the per-layer budget (auto_precision.py)
+    precision: PrecisionTarget | None = None
     precision_choice: dict | None = None  # its choice once made (after the surgery): report.json's account
 
     def describe(self) -> dict:
@@ -257,9 +256,8 @@ def prepare(request: PruneRequest) -> PruneJob:
     data, search_data, tokenizer_path = request.data, request.search_data, request.tokenizer_path
     save, run = request.save, request.run
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
-    config, quantize = resolve_auto(
-        config, request.quantize, bool(data.sources)
-    )  # auto:'s target: its budget
+    # auto:'s target is its budget, not a solved sparsity
+    config, quantize = resolve_auto(config, request.quantize, bool(data.sources))
     names = quantize.candidates if quantize is not None else None
     config = check_config(config)
     if data.sequential:
@@ -302,10 +300,8 @@ def prepare(request: PruneRequest) -> PruneJob:
         if save.dtype and kept_quantization is None
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
-    grid: tuple = ()
-    if (
-        quantize is not None and quantize.joint and quantize.budget is not None
-    ):  # planned at the grid's first point
+    grid: tuple = ()  # auto: without --sparsity: the sparsities tried, the job planned at the first
+    if quantize is not None and quantize.joint and quantize.budget is not None:
         element = torch.empty((), dtype=save_dtype).element_size()
         target = parse_target_size(quantize.budget)
         grid = tuple(
