@@ -50,7 +50,7 @@ def joint(tmp_path_factory) -> dict:
         run_cli(*args)
     report = json.loads((root / "out" / "report.json").read_text())
     recipe = json.loads((root / "out" / "recipe.json").read_text())
-    return {"dry": dry, "report": report, "recipe": recipe}
+    return {"dry": dry, "report": report, "recipe": recipe, "out": root / "out"}
 
 
 def test_the_sparsity_kept_is_the_grid_point_of_best_combined_fitness(joint):
@@ -70,3 +70,11 @@ def test_the_final_choice_is_the_grid_choice_at_that_point(joint):
     assert joint["report"]["removed_per_layer"] == best["removed_per_layer"]
     assert precision["chosen"] == best["chosen"] and precision["predicted_bytes"] == best["predicted_bytes"]
     assert precision["summed_loss"] == pytest.approx(best["summed_loss"], rel=1e-6, abs=1e-9)
+
+
+def test_the_run_log_names_the_choice_and_who_reads_it(joint):
+    log = (joint["out"] / "moeprune.log").read_text()
+    chosen = ", ".join(f"{k} {v}" for k, v in joint["report"]["quantization"]["precision"]["chosen"].items())
+    assert f"per-layer precision (experts of layer: scheme) {chosen};" in log
+    if len(set(joint["report"]["quantization"]["precision"]["chosen"].values())) > 1:
+        assert "stock transformers reads one experts scheme for every layer" in log

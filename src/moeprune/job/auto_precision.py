@@ -218,9 +218,15 @@ def precision_note(doc: dict[str, Any]) -> str:
     chosen = ", ".join(f"{layer} {scheme}" for layer, scheme in doc["chosen"].items())
     written = doc.get("written_bytes")
     on_disk = f", {written:,} written" if written is not None else ""
+    mixed = (
+        "; stock transformers reads one experts scheme for every layer: load it with moeprune.load_pretrained "
+        "or vLLM"
+        if len(set(doc["chosen"].values())) > 1
+        else ""
+    )
     return (
         f"per-layer precision (experts of layer: scheme) {chosen}; {doc['predicted_bytes']:,} bytes predicted"
-        f"{on_disk}, target {doc['target_bytes']:,}; summed {doc['fitness']} loss {doc['summed_loss']:.6g}"
+        f"{on_disk}, target {doc['target_bytes']:,}; summed {doc['fitness']} loss {doc['summed_loss']:.6g}{mixed}"
     )
 
 
