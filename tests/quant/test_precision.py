@@ -140,6 +140,24 @@ def test_choice_is_exact_against_brute_force():
         assert sum(loss[s] for loss, s in zip(losses, got)) == pytest.approx(best, abs=1e-12)
 
 
+def test_choice_on_a_hand_built_table_is_the_known_optimum():
+    """Three layers, fixed 100 bytes, every layer 10 bytes in w4a16; upgrading to w8a16 costs 20
+    (layer 0, loss 1.0 -> 0) or 11 (layers 1 and 2, loss 0.6 -> 0). Under 150 bytes (20 to spend)
+    the best is layer 0 alone (loss 1.2), not the better gain per byte of layer 1 (loss 1.6, what a
+    greedy choice by gain per byte takes); under 152, layers 1 and 2 (loss 1.0, 152 bytes)."""
+    bytes_ = PrecisionBytes(
+        100,
+        ({"w4a16": 10, "w8a16": 30}, {"w4a16": 10, "w8a16": 21}, {"w4a16": 10, "w8a16": 21}),
+    )
+    losses = [{"w4a16": 1.0, "w8a16": 0.0}, {"w4a16": 0.6, "w8a16": 0.0}, {"w4a16": 0.6, "w8a16": 0.0}]
+    assert choose_schemes(bytes_, losses, 150) == ["w8a16", "w4a16", "w4a16"]
+    assert choose_schemes(bytes_, losses, 152) == ["w4a16", "w8a16", "w8a16"]
+    assert choose_schemes(bytes_, losses, 130) == ["w4a16"] * 3
+    assert choose_schemes(bytes_, losses, 10**6) == ["w8a16"] * 3
+    with pytest.raises(MoePruneError, match="no per-layer choice fits 129 bytes: the smallest weighs 130"):
+        choose_schemes(bytes_, losses, 129)
+
+
 def test_bytes_with_one_scheme_everywhere_are_the_uniform_prediction(moe):
     size = _full_size(moe)
     layers = size.layers
@@ -168,3 +186,65 @@ def _full_size(moe: MoEModel) -> WeightBytes:
     width = moe.layers[0].experts.down_proj.shape[-1]
     layers = tuple(LayerBytes(m.num_experts, width, 3 * hidden * 4, 0, hidden * 4) for m in moe.layers)
     return WeightBytes("float32", 10_000 + sum(lay.experts * lay.expert() for lay in layers), layers, 0)
+
+
+def test_losses_scored_after_the_surgery_are_the_masked_ones_before():
+    """prune's per-layer precision keeps the unpruned model's teacher (built before the surgery)
+    and scores the physically pruned model: the same losses as `measure_losses` on the unpruned
+    model with the plan's experts masked (the evo search's view)."""
+    from moeprune.api import prune
+    from moeprune.config import PruneConfig
+    from moeprune.job.auto_precision import PrecisionTarget, choose_precision, precision_teacher
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[])
+    reference = MoEModel(copy.deepcopy(model))
+    data, config = _data(), PruneConfig("frequency", 0.25)
+    teacher = precision_teacher(MoEModel(model), data, config, 8, 0, False)
+    plan = prune(model, config, data=data, run=None).plan
+    schemes = ("w4a16", "w8a16")
+    options = QuantizeOptions("w4a16", "rtn", 16, candidates=schemes)
+    size = _full_size(reference)
+    target = PrecisionTarget(schemes, 10**9, size, 4, {})
+    chosen, doc = choose_precision(teacher, MoEModel(model), reference, plan, options, target)
+    orders = [lp.dropped + lp.kept for lp in plan.layers]
+    masked = CandidateEvaluator(
+        reference, data, orders, fitness="esap", runtime=SearchRuntime(progress=False, fast=False)
+    )
+    want = measure_losses(masked, reference, [len(lp.dropped) for lp in plan.layers], schemes, 16)
+    for layer, row in zip(("0", "1", "2"), want):
+        for s in schemes:
+            assert doc["losses"][layer][s] == pytest.approx(row[s], rel=1e-4, abs=1e-7), (layer, s)
+    # under an unlimited budget each layer takes its least lossy scheme
+    assert chosen.layer_schemes == {int(k): min(row, key=row.__getitem__) for k, row in doc["losses"].items()}
+
+
+def test_the_joint_choice_scores_each_grid_point_with_every_chosen_layer_quantized(moe):
+    """`choose_sparsity` (no --sparsity): per grid point, the uniform split in the criterion's
+    order, the schemes chosen under the target, and the fitness with all of them fake-quantized at
+    once: equal to a plain evaluator's on a copy quantized by hand; the best point is returned."""
+    from moeprune.config import PruneConfig
+    from moeprune.job.precision_grid import choose_sparsity, uniform_split
+
+    data, config = _data(), PruneConfig("frequency", 0.25)
+    orders = [list(range(m.num_experts))[::-1] for m in moe.layers]  # any fixed order
+    evaluator = CandidateEvaluator(moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False))
+    schemes = ("w4a16", "w8a16")
+    options = QuantizeOptions("w4a16", "rtn", 16, candidates=schemes)
+    size = _full_size(moe)
+    pb = precision_bytes(size, moe, schemes, options, 4, [0, 0, 0])
+    target = pb.total(["w4a16", "w8a16", "w4a16"])  # room for some w8a16 once experts are removed
+    best, rows = choose_sparsity(evaluator, moe, config, options, [0.25, 0.5], size, 4, target)
+    assert [r["sparsity"] for r in rows] == [0.25, 0.5]
+    for row in rows:
+        removed = uniform_split(moe, config, row["sparsity"])
+        assert list(row["removed_per_layer"].values()) == removed
+        assert row["predicted_bytes"] <= target
+        copy_moe = MoEModel(copy.deepcopy(moe.model))  # its teacher pass first: the full-precision model
+        plain = CandidateEvaluator(copy_moe, data, orders, fitness="kl", runtime=SearchRuntime(progress=False, fast=False))
+        for position, scheme in enumerate(row["chosen"].values()):
+            for p in expert_weights(copy_moe, position).values():
+                p.data = fake_quantize(p.data, scheme, 16)
+        assert row["fitness"] == pytest.approx(plain.evaluate(removed), rel=1e-5, abs=1e-8)
+    assert best == max(rows, key=lambda r: r["fitness"])["sparsity"]
+    assert "w8a16" in rows[-1]["chosen"].values()  # removing experts bought bits

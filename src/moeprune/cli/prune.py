@@ -75,6 +75,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
         quantize = recipe.quantize
         defaults |= {"quantize": quantize["scheme"], "quant_method": quantize.get("method")}
         defaults["quant_group_size"] = quantize.get("group_size")
+        defaults["target_size"] = quantize.get("target_size")  # auto:'s budget, beside the sparsity
     ctx.default_map = {k: v for k, v in defaults.items() if v is not None and v != ()}
     return path
 
@@ -148,7 +149,9 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     default=None,
     help=f"Quantize the pruned model with llm-compressor, in its own environment (--quant-python): "
     f"{'; '.join(f'{n}: {s.help}' for n, s in SCHEMES.items())}. Routers and lm_head stay unquantized; the "
-    "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes.",
+    "result is a compressed-tensors checkpoint; --target-size then counts quantized bytes. auto:A,B[,...] "
+    "(with --target-size): each MoE layer's experts in the scheme of the list that costs the fitness least "
+    "under the target, the rest in A; without --sparsity the sparsity is chosen with them.",
 )
 @click.option(
     "--quant-method",
@@ -162,6 +165,15 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=int,
     default=None,
     help=f"--quantize w4a16/w8a16: weights sharing one scale [default: {DEFAULT_GROUP}].",
+)
+@click.option(
+    "--quant-sparsity-grid",
+    type=int,
+    default=4,
+    show_default=True,
+    help="--quantize auto:... with --target-size and no --sparsity: the sparsities tried, each with its "
+    "per-layer schemes, between the one where the cheapest scheme fits and the one where the most "
+    "expensive does (uniform splits; docs/large-models.md).",
 )
 @click.option(
     "--quant-python",
@@ -186,7 +198,11 @@ def prune(model: str, output: str, **options) -> None:
     """Prune MODEL and save the result with its evidence: plan.json, recipe.json, report.json,
     README.md (model card), density.png (and search.json, search_curve.png for evo)."""
     ctx = click.get_current_context()
-    if options["target_size"] is not None and _from_recipe(ctx, "sparsity"):
+    if (
+        options["target_size"] is not None
+        and _from_recipe(ctx, "sparsity")
+        and not _from_recipe(ctx, "target_size")
+    ):
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
@@ -235,7 +251,7 @@ def prune(model: str, output: str, **options) -> None:
 
 def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | None:
     """--quantize and its settings; a setting typed without --quantize is refused (never read)."""
-    names = ("quant_method", "quant_group_size", "quant_python")
+    names = ("quant_method", "quant_group_size", "quant_python", "quant_sparsity_grid")
     if options["quantize"] is None:
         typed = [n for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
         if typed:
@@ -245,7 +261,11 @@ def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | No
             )
         return None
     return QuantizeOptions(
-        options["quantize"], options["quant_method"], options["quant_group_size"], options["quant_python"]
+        options["quantize"],
+        options["quant_method"],
+        options["quant_group_size"],
+        options["quant_python"],
+        sparsity_grid=options["quant_sparsity_grid"],
     )
 
 
@@ -278,6 +298,21 @@ def size_lines(plan: dict) -> list[str]:
         lines.append(
             f"target    {_bytes(plan['target_bytes'])} ({plan['target_bytes']:,} bytes): sparsity "
             f"{plan['solved_sparsity']:.6g} solved, the smallest step that fits{below}"
+        )
+    if plan.get("precision_schemes"):
+        every = ", ".join(
+            f"{s} {_bytes(b)} ({b:,} bytes)" for s, b in plan["precision_every_layer_at"].items()
+        )
+        lines.append(f"per-layer every layer's experts in one scheme: {every}")
+        for point in plan.get("precision_grid") or []:
+            every = ", ".join(f"{s} {b:,}" for s, b in point["every_layer_at"].items())
+            lines.append(
+                f"grid      sparsity {point['sparsity']:.6g}: every layer in one scheme {every} bytes"
+            )
+        reach = "reachable" if plan["precision_reachable"] else "not reachable"
+        lines.append(
+            f"target    {_bytes(plan['precision_target_bytes'])} ({plan['precision_target_bytes']:,} bytes): "
+            f"{reach}; each layer's scheme is chosen under it once the experts are pruned"
         )
     return lines
 

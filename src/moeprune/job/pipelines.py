@@ -26,6 +26,7 @@ from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, Sear
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.criteria.super_experts import found_in, guard_document
 from moeprune.errors import MoePruneError
+from moeprune.job.auto_precision import resolve_auto
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.job.prepare import PruneRequest
 from moeprune.job.run import prune_in_memory
@@ -121,7 +122,8 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
     plan of work). What `moeprune prune` runs."""
     name = pipeline
     pipeline_spec = PIPELINES.get(name)
-    config = check_config(request.config)  # names, numbers and combinations; the allocation resolved
+    config, quantize = resolve_auto(request.config, request.quantize, bool(request.data.sources))
+    config = check_config(config)  # names, numbers and combinations; the allocation resolved
     pipeline_spec.check(config)
     if request.quantize is not None and name != "in-memory":
         raise MoePruneError(
@@ -130,7 +132,7 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
             options=("quantize", "pipeline"),
         )
     assert pipeline_spec.fn is not None, f"pipeline {name} registered without a function"
-    return pipeline_spec.fn(replace(request, config=config))
+    return pipeline_spec.fn(replace(request, config=config, quantize=quantize))
 
 
 @PIPELINES.register(

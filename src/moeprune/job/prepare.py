@@ -18,6 +18,8 @@ from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
+from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
+from moeprune.job.precision_grid import sparsity_grid
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
@@ -175,6 +177,9 @@ class PruneJob:
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
     quantize: QuantizeOptions | None = None  # quantized after saving, by llm-compressor
     quant_python: str | None = None  # the quantization environment's Python
+    # `--quantize auto:...`: the per-layer budget (auto_precision.py)
+    precision: PrecisionTarget | None = None
+    precision_choice: dict | None = None  # its choice once made (after the surgery): report.json's account
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -205,6 +210,7 @@ class PruneJob:
             "save_dtype": self.saved_as,
             "resume": self.run.resume,
             **(self.sizes.describe() if self.sizes is not None else {}),
+            **(self.precision.describe() if self.precision is not None else {}),
         }
 
 
@@ -251,6 +257,9 @@ def prepare(request: PruneRequest) -> PruneJob:
     data, search_data, tokenizer_path = request.data, request.search_data, request.tokenizer_path
     save, run = request.save, request.run
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
+    # auto:'s target is its budget, not a solved sparsity
+    config, quantize = resolve_auto(config, request.quantize, bool(data.sources))
+    names = quantize.candidates if quantize is not None else None
     config = check_config(config)
     if data.sequential:
         raise MoePruneError(
@@ -264,12 +273,12 @@ def prepare(request: PruneRequest) -> PruneJob:
         checked, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
     quant_python = None
-    if request.quantize is not None:  # before the input's own format is looked at: it must be full precision
+    if quantize is not None:  # before the input's own format is looked at: it must be full precision
         fmt = check_quantized(checked)
         quant_python = check_quantize(
-            request.quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
+            quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
         )
-        config = _quantized_widths(config, request.quantize)
+        config = _quantized_widths(config, quantize)
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
@@ -283,27 +292,41 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
-    if request.quantize is not None:
-        check_group(request.quantize, quantized_dims(meta), [m.intermediate_size for m in meta.layers])
+    for scheme in names or ((quantize.scheme,) if quantize is not None else ()):
+        assert quantize is not None
+        check_group(quantize.of(scheme), quantized_dims(meta), [m.intermediate_size for m in meta.layers])
     stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
         if save.dtype and kept_quantization is None
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
+    grid: tuple = ()  # auto: without --sparsity: the sparsities tried, the job planned at the first
+    if quantize is not None and quantize.joint and quantize.budget is not None:
+        element = torch.empty((), dtype=save_dtype).element_size()
+        target = parse_target_size(quantize.budget)
+        grid = tuple(
+            sparsity_grid(
+                meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target
+            )
+        )
+        config = replace(config, sparsity=grid[0][0])
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
-    config, sizes = plan_sizes(
-        checked, meta, config, None if kept_quantization else save_dtype, request.quantize
-    )
+    config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
     layer_budget = check_feasible(meta, config)
     if config.method == "mixed" and searches(config.allocation):
         check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
-    if (
-        request.quantize is not None and "neurons_per_expert" in layer_budget
-    ):  # the widths a neuron method keeps
+    if quantize is not None and "neurons_per_expert" in layer_budget:  # the widths a neuron method keeps
         kept = sorted(set(layer_budget["neurons_per_expert"].values()))
-        check_group(request.quantize, quantized_dims(meta), kept)  # the largest group named divides all
+        check_group(quantize, quantized_dims(meta), kept)  # the largest group named divides all
+    precision = None
+    if quantize is not None and quantize.budget is not None:  # the bytes per scheme; T reachable?
+        full = cast_weight_bytes(checked, meta, save_dtype)
+        dtype_bytes = torch.empty((), dtype=save_dtype).element_size()
+        precision = plan_precision(
+            meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget), grid
+        )
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
@@ -341,8 +364,9 @@ def prepare(request: PruneRequest) -> PruneJob:
         sizes,
         Path(tokenizer_path) if tokenizer_path is not None else None,
         save.drop_mtp,
-        request.quantize,
+        quantize,
         quant_python,
+        precision,
     )
 
 

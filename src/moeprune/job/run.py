@@ -12,7 +12,9 @@ from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
 from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
+from moeprune.job.auto_precision import choose_precision, precision_note, precision_teacher, scoring_data
 from moeprune.job.evidence import Evidence, write_evidence
+from moeprune.job.precision_grid import choose_sparsity, criterion_orders
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
@@ -64,7 +66,8 @@ def run_job(job: PruneJob) -> dict:
 
 def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool) -> None:
     """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
-    on the prune's calibration data with every kept expert reached; report.json records how."""
+    on the prune's calibration data with every kept expert reached; report.json records how (and,
+    for per-layer precision, the choice, its losses and the bytes predicted and written)."""
     assert job.quantize is not None and job.quant_python is not None
     moeprune_format = report.format == "moeprune"  # loaded there through its own modeling files
     widths = sorted({w for lp in plan.layers for e in lp.kept if (w := lp.neurons.get(e)) is not None})
@@ -76,6 +79,10 @@ def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progres
         )
     if moeprune_format:  # vLLM's plugin reads moeprune's format unquantized only
         report.serving = Serving(vllm_refused=quantized_refusal(f"compressed-tensors {job.quantize.scheme}"))
+    if job.precision_choice is not None:
+        written = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+        report.quantization["precision"] = {**job.precision_choice, "written_bytes": written}
+        log.note(precision_note(report.quantization["precision"]))
     q = report.quantization
     log.note(
         f"quantized {q['scheme']} ({q['method']}) by llm-compressor {q['versions']['llmcompressor']}: every "
@@ -84,12 +91,40 @@ def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progres
     )
 
 
+def _quantize_recipe(job: PruneJob) -> dict | None:
+    """recipe.json's `quantize`: per-layer precision adds its target (the sparsity is the config's)."""
+    if job.quantize is None:
+        return None
+    out = job.quantize.recipe()
+    if job.precision is not None:
+        out["target_size"] = job.precision.target_bytes
+    return out
+
+
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
     with stage(f"loading {job.model_path}", progress), transformers_bars_off():
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
+    teacher, grid_rows = None, None
+    if job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
+        assert job.quantize is not None
+        pad = getattr(job.tokenizer, "pad_token_id", None)
+        full, orders = MoEModel(model), None
+        if job.quantize.joint:  # the grid masks experts in the criterion's order
+            orders = criterion_orders(full, job.config, job.calibration, data.batch_size, pad or 0, progress)
+        with stage("teacher pass of the per-layer precision scores", progress):
+            scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
+            teacher = precision_teacher(full, scored, job.config, data.batch_size, pad, progress, orders)
+        if job.quantize.joint:
+            with stage("choosing the sparsity with the schemes (a grid of uniform splits)", progress):
+                p = job.precision
+                grid = [s for s, _ in p.grid]
+                sparsity, grid_rows = choose_sparsity(
+                    teacher, full, job.config, job.quantize, grid, p.size, p.dtype_bytes, p.target_bytes
+                )
+            job = replace(job, config=replace(job.config, sparsity=sparsity))
     result = prune(
         model,
         job.config,
@@ -102,6 +137,16 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     )
     timer.lap("prune")
     moe = MoEModel(model)
+    if teacher is not None:
+        assert job.precision is not None and job.quantize is not None
+        with stage("scoring each layer's schemes (fake-quantized, one layer at a time)", progress):
+            quantize, choice = choose_precision(
+                teacher, moe, job.meta, result.plan, job.quantize, job.precision
+            )
+        if grid_rows is not None:
+            choice["sparsity_grid"] = grid_rows
+        job = replace(job, quantize=quantize, precision_choice=choice)
+        timer.lap("precision")
     report = replace(
         result.report,
         command=PRUNE,
@@ -122,7 +167,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         ),
         pipeline="in-memory",
         target_size=job.sizes.target.target_bytes if job.sizes is not None and job.sizes.target else None,
-        quantize=job.quantize.recipe() if job.quantize is not None else None,
+        quantize=_quantize_recipe(job),
     )
     report.target = job.sizes.report(None) if job.sizes is not None else None
     quantized_input = quantization_format(job.model_path) is not None

@@ -88,6 +88,13 @@ class QuantizeOptions:
     # per-layer precision (job/precision.py): {decoder layer: its routed experts' scheme};
     # `scheme` is then the base, for every other Linear
     layer_schemes: dict[int, str] | None = None
+    # `auto:a,b,...` resolved (job/prepare.py): the schemes a layer's experts may take, `scheme`
+    # their first (the base); None for one scheme
+    candidates: tuple[str, ...] | None = None
+    budget: int | str | None = None  # with candidates: the target the choice fits (not a solved sparsity)
+    # with candidates and no --sparsity: the sparsities tried for the joint choice (job/precision_grid.py)
+    sparsity_grid: int = 4
+    joint: bool = False  # no sparsity given: it is chosen with the schemes
 
     @property
     def spec(self) -> Scheme:
@@ -100,11 +107,33 @@ class QuantizeOptions:
     def recipe(self) -> dict[str, object]:
         """What recipe.json records to repeat the quantization (the format's own group left out)."""
         grouped = self.spec.grouped and not self.spec.fixed_group
-        return {"scheme": self.scheme, "method": self.method, "group_size": self.group if grouped else None}
+        if self.candidates:  # `auto:` repeats as asked; the choice is recorded beside it
+            grouped = any(SCHEMES[s].grouped for s in self.candidates)
+        out: dict[str, object] = {
+            "scheme": self.asked,
+            "method": self.method,
+            "group_size": self.group_size or DEFAULT_GROUP if grouped else None,
+        }
+        if self.layer_schemes:
+            out["layer_schemes"] = {str(k): v for k, v in sorted(self.layer_schemes.items())}
+        return out
+
+    @property
+    def asked(self) -> str:
+        """The scheme as the user gave it: `auto:a,b` for per-layer precision."""
+        return AUTO + ",".join(self.candidates) if self.candidates else self.scheme
 
     def describe(self) -> str:
-        group = f", groups of {self.group}" if self.spec.grouped else ""
-        return f"{self.scheme} ({self.method}{group})"
+        grouped = [self.of(s).group for s in self.candidates or (self.scheme,) if SCHEMES[s].grouped]
+        group = f", groups of {'/'.join(map(str, sorted(set(grouped))))}" if grouped else ""
+        return f"{self.asked} ({self.method}{group})"
+
+    def of(self, scheme: str) -> QuantizeOptions:
+        """These options with one scheme everywhere (a group size given for the list goes to the
+        schemes that take one)."""
+        spec = SCHEMES[scheme]
+        group = self.group_size if spec.grouped and not spec.fixed_group else None
+        return QuantizeOptions(scheme, self.method, group, self.python)
 
 
 OPTIONS = ("quantize",)
@@ -114,12 +143,11 @@ def check_quantize(options: QuantizeOptions, has_data: bool, quantized_input: st
     """The refusals of a quantize request that need nothing but the request and the input's
     format, in one line each; returns the quantization environment's Python. `quantized_input`:
     how the input is quantized (None: full precision)."""
-    if check_auto(options.scheme, has_data) is not None:
-        raise MoePruneError(
-            "per-layer precision (auto:) is chosen by moeprune.job.precision, which prune does not run "
-            "yet: give one scheme (docs/large-models.md, per-layer precision)",
-            options=OPTIONS,
-        )
+    names = options.candidates or check_auto(options.scheme, has_data)
+    if names is not None:  # per-layer precision: every candidate passes the one-scheme checks
+        for name in names:
+            python = check_quantize(options.of(name), has_data, quantized_input)
+        return python
     if options.scheme not in SCHEMES:
         raise MoePruneError(
             f"unknown quantization scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}",

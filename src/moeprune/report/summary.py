@@ -138,6 +138,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "kept_whole": kept_whole_note(report.kept_whole or {}),
         "super_experts": report.super_experts,
         "super_experts_note": report.super_experts_note,
+        "precision": (report.quantization or {}).get("precision"),
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -225,6 +226,19 @@ def format_lines(facts: dict) -> list[str]:
     target = facts.get("target")
     if target:
         lines.append(target_line(target))
+    precision = facts.get("precision")
+    if precision:  # prune --quantize auto:...: each layer's experts in its chosen scheme
+        chosen = ", ".join(f"{layer} {scheme}" for layer, scheme in precision["chosen"].items())
+        grid = precision.get("sparsity_grid") or []
+        if grid:  # no --sparsity: it was chosen with the schemes
+            tried = ", ".join(f"{row['sparsity']:.4g}" for row in grid)
+            lines.append(
+                f"  per-layer bits  sparsity {facts['sparsity']:g} chosen among {tried} (best combined fitness)"
+            )
+        lines.append(
+            f"  per-layer bits  experts of layer {chosen}; {_size(precision['written_bytes'])} written, "
+            f"{_size(precision['predicted_bytes'])} predicted, target {_size(precision['target_bytes'])}"
+        )
     if facts["vllm_parameters"]:
         served, before = facts["vllm_parameters"], facts["parameters"]["before"]
         versus = f"{change(before, served):+.1f}% vs before; " if before else ""

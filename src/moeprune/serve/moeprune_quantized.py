@@ -245,4 +245,9 @@ class StoredQuantization:
         named = [g for g in groups if any(target_matches(t, module) for t in g.get("targets") or ())]
         if len(named) == 1 or (not named and len(groups) == 1):
             return (named or groups)[0]
+        # no pattern names it: the one group with a class target ("Linear") has it, as in
+        # compressed-tensors, where a name pattern takes precedence over a class name (per-layer precision)
+        by_class = [g for g in groups if any(not t.startswith("re:") for t in g.get("targets") or ())]
+        if not named and len(by_class) == 1:
+            return by_class[0]
         raise _fail(f"{self.folder}: cannot tell which compressed-tensors config group quantized {module}")

@@ -1,0 +1,80 @@
+"""`prune --quantize auto:w4a16,w8a16 --target-size T` without `--sparsity`, through prune's own
+steps (observation, the grid, the configured prune at the chosen point, the schemes chosen again),
+with llm-compressor's oneshot stood in for (its part is tests/quantize/test_precision_prune.py):
+no quantization environment needed, so it runs everywhere.
+
+What must hold: the grid's points are the dry run's; the sparsity kept is the point of best combined
+fitness; the prune ran at it (report and recipe); and with the uniform allocation the final choice
+equals the grid's choice at that point (the same split, the same losses)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from helpers import run_cli
+from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.job import run as run_module
+from moeprune.models.factory import tiny_model
+
+pytestmark = pytest.mark.integration
+
+TARGET = "145000"
+
+
+def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
+    """What report.json's `quantization` needs from llm-compressor's run (nothing is quantized)."""
+    return {"scheme": options.scheme, "method": options.method, "calibration_tokens": 1,
+            "least_tokens_per_expert": 1, "versions": {"llmcompressor": "stand-in"},
+            "layer_schemes": {str(k): v for k, v in (options.layer_schemes or {}).items()}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def joint(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("precision-joint")
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    data = root / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
+    args = ["prune", root / "model", "--output", root / "out", "--data", data, "--criterion", "frequency",
+            "--target-size", TARGET, "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn",
+            "--quant-group-size", "16", "--quant-python", sys.executable, "--quiet"]  # fmt: skip
+    dry = run_cli(*args, "--dry-run").output
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "quantize_folder", _stand_in)
+        run_cli(*args)
+    report = json.loads((root / "out" / "report.json").read_text())
+    recipe = json.loads((root / "out" / "recipe.json").read_text())
+    return {"dry": dry, "report": report, "recipe": recipe, "out": root / "out"}
+
+
+def test_the_sparsity_kept_is_the_grid_point_of_best_combined_fitness(joint):
+    precision = joint["report"]["quantization"]["precision"]
+    rows = precision["sparsity_grid"]
+    dry = [float(s) for s in re.findall(r"grid      sparsity ([\d.]+):", joint["dry"])]
+    assert [round(r["sparsity"], 6) for r in rows] == dry and len(rows) == 4
+    best = max(rows, key=lambda r: r["fitness"])
+    assert joint["report"]["sparsity"] == best["sparsity"] == joint["recipe"]["config"]["sparsity"]
+    assert all(r["predicted_bytes"] <= int(TARGET) for r in rows)
+    assert joint["recipe"]["quantize"]["target_size"] == int(TARGET)
+
+
+def test_the_final_choice_is_the_grid_choice_at_that_point(joint):
+    precision = joint["report"]["quantization"]["precision"]
+    best = next(r for r in precision["sparsity_grid"] if r["sparsity"] == joint["report"]["sparsity"])
+    assert joint["report"]["removed_per_layer"] == best["removed_per_layer"]
+    assert precision["chosen"] == best["chosen"] and precision["predicted_bytes"] == best["predicted_bytes"]
+    assert precision["summed_loss"] == pytest.approx(best["summed_loss"], rel=1e-6, abs=1e-9)
+
+
+def test_the_run_log_names_the_choice_and_who_reads_it(joint):
+    log = (joint["out"] / "moeprune.log").read_text()
+    chosen = ", ".join(f"{k} {v}" for k, v in joint["report"]["quantization"]["precision"]["chosen"].items())
+    assert f"per-layer precision (experts of layer: scheme) {chosen};" in log
+    if len(set(joint["report"]["quantization"]["precision"]["chosen"].values())) > 1:
+        assert "stock transformers reads one experts scheme for every layer" in log
