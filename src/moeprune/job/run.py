@@ -14,7 +14,7 @@ from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
-from moeprune.job.quantize import quantize_folder
+from moeprune.job.quantize import ignore_prefixes, quantize_folder
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.schemes import check_group
@@ -29,7 +29,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
-from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, ignored_note, record_mtp
+from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
 from moeprune.shards.rewrite import (
     DROP_MTP,
     append_input_tensors,
@@ -62,9 +62,13 @@ def run_job(job: PruneJob) -> dict:
         return _run(job, log, job.run.progress)
 
 
-def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool) -> None:
+def _quantize(
+    job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool, mtp: MtpPlan | None
+) -> None:
     """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
-    on the prune's calibration data with every kept expert reached; report.json records how."""
+    on the prune's calibration data with every kept expert reached; report.json records how. Kept
+    MTP layers stay unquantized (transformers does not build them, so llm-compressor never sees
+    them) and the config's `ignore` names them."""
     assert job.quantize is not None and job.quant_python is not None
     moeprune_format = report.format == "moeprune"  # loaded there through its own modeling files
     widths = sorted({w for lp in plan.layers for e in lp.kept if (w := lp.neurons.get(e)) is not None})
@@ -74,6 +78,8 @@ def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progres
         report.quantization = quantize_folder(
             job.quant_python, tmp, job.quantize, samples, job.max_shard_size, moeprune_format
         )
+    if mtp is not None and not mtp.left_out:
+        ignore_prefixes(tmp, mtp.roots)
     if moeprune_format:  # vLLM's plugin reads moeprune's format unquantized only
         report.serving = Serving(vllm_refused=quantized_refusal(f"compressed-tensors {job.quantize.scheme}"))
     q = report.quantization
@@ -136,6 +142,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         else "",
     )
     with_mtp(result.plan, mtp)
+    if mtp is not None and not mtp.left_out and job.quantize is not None:
+        mtp.unquantized = True  # the summary says so
     ignored = ignored_keys(job.model_path) if not quantized_input else []  # a kept quantization copies all
     carry = result.plan.is_uniform()  # a stock result: its loader skips them as the input's did
     notes = ([mtp.note()] if mtp is not None else []) + ([ignored_note(ignored, carry)] if ignored else [])
@@ -165,11 +173,18 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 max_shard_size=job.max_shard_size,
                 keep_mtp=mtp is not None and not mtp.left_out,
             )
-            if (mtp is not None and not mtp.left_out) or (ignored and carry):
+            append = (mtp is not None and not mtp.left_out) or bool(ignored and carry)
+            # a stock result is quantized through transformers' class, whose save_pretrained writes
+            # only what it builds: the input's other tensors are added after (moeprune's format is
+            # rewritten by names, oneshot_layout.py, and keeps them)
+            after = job.quantize is not None and report.format == "stock"
+            if append and not after:
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
             record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
         if job.quantize is not None:
-            _quantize(job, tmp, report, result.plan, log, progress)
+            _quantize(job, tmp, report, result.plan, log, progress, mtp)
+            if append and after:  # as stored in the unquantized result, byte for byte
+                append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
