@@ -296,11 +296,11 @@ def prepare(request: PruneRequest) -> PruneJob:
         checked, meta, config, None if kept_quantization else save_dtype, request.quantize
     )
     layer_budget = check_feasible(meta, config)
-    if (
-        request.quantize is not None and "neurons_per_expert" in layer_budget
-    ):  # the widths a neuron method keeps
-        kept = sorted(set(layer_budget["neurons_per_expert"].values()))
-        check_group(request.quantize, quantized_dims(meta), kept)  # the largest group named divides all
+    kept_widths = planned_widths(layer_budget, config)
+    if request.quantize is not None and kept_widths:  # the widths a neuron method keeps, known now
+        check_group(
+            request.quantize, quantized_dims(meta), kept_widths
+        )  # the largest group named divides all
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
@@ -374,6 +374,18 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
             options=("method", "save_dtype"),
         )
     return fmt
+
+
+def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
+    """The narrowed expert widths a plan will keep, where the structure and options fix them before
+    loading (check_feasible's answer): the neurons method's one width per layer, TENP's trapezoid
+    widths, the mixed method's uniform genes' widths. A searched allocation (mixed with evo)
+    chooses them after scoring: none here (the prune checks its plan before the surgery)."""
+    if "neurons_per_expert" in layer_budget:
+        return sorted(set(layer_budget["neurons_per_expert"].values()))
+    if "narrowed_neurons" in layer_budget and not searches(config.allocation):
+        return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
+    return []
 
 
 def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneConfig:

@@ -3,6 +3,7 @@ and saved with its evidence (report, plan, recipe, plots, model card, run log), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -62,17 +63,27 @@ def run_job(job: PruneJob) -> dict:
         return _run(job, log, job.run.progress)
 
 
-def _quantize(
-    job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool, mtp: MtpPlan | None
-) -> None:
+def _check_quantizable(job: PruneJob) -> Callable[[Plan], None] | None:
+    """The plan's kept widths against the quantization group, before the surgery: what prepare
+    could not know before loading (the widths a mixed search chose) is refused here, after the
+    scoring and search but before the model is changed or anything is written."""
+    quantize = job.quantize
+    if quantize is None:
+        return None
+
+    def check(plan: Plan) -> None:
+        check_group(quantize, [], sorted({w for lp in plan.layers for w in lp.neurons.values()}))
+
+    return check
+
+
+def _quantize(job: PruneJob, tmp: Path, report, log: RunLog, progress: bool, mtp: MtpPlan | None) -> None:
     """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
     on the prune's calibration data with every kept expert reached; report.json records how. Kept
     MTP layers stay unquantized (transformers does not build them, so llm-compressor never sees
     them) and the config's `ignore` names them."""
     assert job.quantize is not None and job.quant_python is not None
     moeprune_format = report.format == "moeprune"  # loaded there through its own modeling files
-    widths = sorted({w for lp in plan.layers for e in lp.kept if (w := lp.neurons.get(e)) is not None})
-    check_group(job.quantize, [], widths)  # per-expert widths are known once scored (tenp, mixed)
     samples = [list(map(int, s.input_ids)) for d in job.calibration for s in d.samples]
     with stage(f"quantizing {job.quantize.describe()} with llm-compressor ({job.quant_python})", progress):
         report.quantization = quantize_folder(
@@ -103,7 +114,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         tokenizer=job.tokenizer,
         search_data=job.search_set,
         options=data,
-        run=job.run,
+        run=replace(job.run, check_plan=_check_quantizable(job)),
         search_state=search_state_path(job.output),
     )
     timer.lap("prune")
@@ -182,7 +193,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
             record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
         if job.quantize is not None:
-            _quantize(job, tmp, report, result.plan, log, progress, mtp)
+            _quantize(job, tmp, report, log, progress, mtp)
             if append and after:  # as stored in the unquantized result, byte for byte
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
         write_evidence(tmp, evidence, moe)
