@@ -225,6 +225,8 @@ def prune(
     plan = build_plan(
         moe, crit, plan_scores, config=config, stats=stats, removed=removed, data_fingerprint=fingerprint
     )
+    if run.check_plan is not None:  # a caller's refusal of the plan, before the model is changed
+        run.check_plan(plan)
     fits = fit_novices(
         moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice
     )

@@ -6,8 +6,11 @@ deepseek_v3, pruned uniformly and quantized by llm-compressor's oneshot, one run
 What must hold: every kept expert's projections are quantized (codes, scales, shape) and the
 routers and lm_head are not; each quantized Linear weighs exactly what the byte model of
 moeprune.quant.schemes says; the planned size bounds the file, and a --target-size in quantized
-bytes is met; every kept expert was calibrated on every calibration token; and the stock
-compressed-tensors stack and `moeprune.load_pretrained` compute the same logits.
+bytes is met; every kept expert was calibrated on every calibration token; the stock
+compressed-tensors stack and `moeprune.load_pretrained` compute the same logits; and the
+deepseek_v3 release's multi-token-prediction layer (which transformers' class does not build, so
+llm-compressor's save would drop it) is in the result unquantized, byte for byte as the unquantized
+prune stores it, and named in quantization_config's ignore.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.release_layouts import mtp_keys, write_mtp_release
 
 from helpers import assert_logits_close, run_cli, stock_from_pretrained, stored_tensors
 from moeprune.checkpoint import load_pretrained
@@ -50,7 +54,10 @@ def quantized(request, tmp_path_factory) -> dict:
     extra, flags = FAMILIES[family]
     root = tmp_path_factory.mktemp(f"quantize-{family}")
     tokenizer = byte_tokenizer()
-    tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
+    if family == "deepseek_v3":  # with DeepSeek's MTP layer stored beside the stack (model.layers.3.*)
+        write_mtp_release(family, root / "model", vocab_size=len(tokenizer), num_hidden_layers=3, **extra)
+    else:
+        tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     data = root / "calib.jsonl"
     data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
@@ -66,8 +73,19 @@ def quantized(request, tmp_path_factory) -> dict:
         target, size_flags = None, ["--sparsity", "0.25"]
     dry = run_cli("prune", *common, "--output", root / "out", *size_flags, "--dry-run").output
     predicted = int(re.search(r"predicted .*?\(([\d,]+) bytes\)", dry)[1].replace(",", ""))
-    run_cli("prune", *common, "--output", root / "out", *size_flags)
-    return {"family": family, "out": root / "out", "predicted": predicted, "target": target, "flags": flags}
+    summary = run_cli("prune", *common, "--output", root / "out", *size_flags).output
+    if family == "deepseek_v3":  # the same prune unquantized: the MTP layer as it stores it
+        plain = [root / "model", "--data", data, "--criterion", "frequency", "--output", root / "plain"]
+        run_cli("prune", *plain, *size_flags)
+    return {
+        "family": family,
+        "root": root,
+        "out": root / "out",
+        "summary": summary,
+        "predicted": predicted,
+        "target": target,
+        "flags": flags,
+    }
 
 
 def test_every_kept_expert_quantized_router_and_lm_head_not(quantized):
@@ -81,12 +99,33 @@ def test_every_kept_expert_quantized_router_and_lm_head_not(quantized):
     layers = {int(k) for k in removed}
     seen = {(int(m[1]), int(m[2]), m[3]) for k in tensors if (m := EXPERT.fullmatch(k)) and m[4] == "weight_packed"}
     assert seen == {(lay, e, p) for lay in layers for e in range(kept) for p in ("gate", "up", "down")}
-    assert not any(EXPERT.fullmatch(k) and k.endswith(".weight") for k in tensors)  # nothing left in full precision
+    mtp = (f"model.layers.{config['num_hidden_layers']}.",)  # a release's MTP layer: kept unquantized (below)
+    expert_weights = [k for k in tensors if EXPERT.fullmatch(k) and k.endswith(".weight")]
+    assert not [k for k in expert_weights if not k.startswith(mtp)]  # nothing left in full precision
     assert tensors["lm_head.weight"].dtype == torch.float32
     for lay in layers:
         assert tensors[f"model.layers.{lay}.mlp.gate.weight"].dtype == torch.float32
         assert tensors[f"model.layers.{lay}.mlp.gate.weight"].shape[0] == kept
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_mtp_layer_kept_unquantized_byte_for_byte(quantized):
+    """transformers' DeepseekV3 class does not build the MTP layer, so the save after quantizing
+    would drop it: the result appends it as the unquantized prune stores it."""
+    if quantized["family"] != "deepseek_v3":
+        pytest.skip("qwen3_moe releases have no MTP layer")
+    out, plain = quantized["out"], quantized["root"] / "plain"
+    expected = mtp_keys(plain, "deepseek_v3")
+    assert any(".mlp.experts." in k for k in expected) and len(expected) > 10
+    got = mtp_keys(out, "deepseek_v3")
+    assert sorted(got) == sorted(expected)
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert r"re:model\.layers\.3\..*" in config["quantization_config"]["ignore"]
+    assert "(model.layers.3.*) kept, pruned to 6 of 8 experts" in quantized["summary"]
+    assert "left unquantized by --quantize" in quantized["summary"]
 
 
 def test_each_quantized_linear_weighs_what_the_byte_model_says(quantized):

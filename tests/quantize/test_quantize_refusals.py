@@ -17,6 +17,7 @@ from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_compressed_checkpoint
 
 pytestmark = pytest.mark.integration
+LOAD_PLACED = run_module.load_placed
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,17 @@ CASES = {
          "--allow-super-experts", *PY],
         "does not divide the kept expert width 12: the largest group size that divides every width is 4",
     ),
+    # TENP's trapezoid widths (8 and 12 of 16 on a step of 4) follow from the structure and options
+    "tenp width multiple the group does not divide": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "tenp", "--criterion", "tenp",
+         "--width-multiple", "4", *PY],
+        "does not divide the kept expert widths 8, 12: the largest group size that divides every width is 4",
+    ),
+    # the mixed method's uniform genes fix its widths (9 and 10 neurons: one neuron at a time)
+    "mixed widths": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "mixed", *PY],
+        "does not divide the kept expert widths 9, 10: the largest group size that divides every width is 1",
+    ),
     "group size of a channel scheme": (
         ["--quantize", "fp8-dynamic", "--quant-group-size", "16", *PY],
         "fp8-dynamic scales each output channel",
@@ -97,3 +109,28 @@ def test_no_quantization_environment_names_the_setup_script(world, tmp_path, mon
     assert result.exit_code == 2, result.output
     assert "no quantization environment (.venv-quant/bin/python not found): run scripts/setup_quant.sh" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_searched_widths_refused_before_the_surgery(world, tmp_path, monkeypatch):
+    """The widths a mixed search chooses are known only after it: the plan is refused right then,
+    before the surgery changes the model and before anything is written or quantized."""
+    from moeprune import api
+
+    monkeypatch.setattr(run_module, "load_placed", LOAD_PLACED)  # loading is expected here
+
+    def no_surgery(*_a, **_k):
+        raise AssertionError("the surgery ran before the refusal")
+
+    monkeypatch.setattr(api, "fit_novices", no_surgery)
+    monkeypatch.setattr(run_module, "quantize_folder", no_surgery)
+    search = tmp_path / "search.jsonl"
+    search.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "answer": f" {2 * i}"}) + "\n" for i in range(2)))
+    result = run_cli(
+        "prune", world / "model", "--output", tmp_path / "out", "--sparsity", "0.25", "--data", world / "calib.jsonl",
+        "--criterion", "frequency", "--method", "mixed", "--allocation", "evo", "--search-data", search,
+        "--population", "2", "--elites", "1", "--generations", "1", "--search-samples", "2",
+        "--quantize", "w4a16", "--quant-group-size", "16", *PY, ok=False,
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "a group of 16 weights does not divide the kept expert width" in result.output.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()

@@ -10,7 +10,14 @@ from moeprune.cli.main import command_line, main
 from moeprune.cli.options import data_from_options, data_options, registry_help, vllm_options
 from moeprune.errors import MoePruneError
 from moeprune.evaluate import METRICS, EvalOptions, evaluate_models, parse_metrics
-from moeprune.evaluate.lm_eval_bridge import ENGINES, LmEvalOptions, check_engine, parse_tasks, task_manager
+from moeprune.evaluate.lm_eval_bridge import (
+    ENGINES,
+    LmEvalOptions,
+    check_engine,
+    check_vllm_folders,
+    parse_tasks,
+    task_manager,
+)
 from moeprune.report.eval_plots import draw_directory, plot_acceptance
 from moeprune.report.eval_report import to_markdown, write_report
 from moeprune.report.summary import eval_lines
@@ -140,6 +147,8 @@ def eval_command(models: tuple[str, ...], reference: str, **kwargs) -> None:
         log=(lambda _m: None) if kwargs["quiet"] else (lambda m: click.echo(m, err=True)),
         progress=not kwargs["quiet"],
     )
+    if options.lm_eval is not None:  # vLLM's kernels for each folder, before any model loads
+        check_vllm_folders(options.lm_eval, [*models, reference])
     with RunLog(command_line()) as log:
         doc = evaluate_models(list(models), reference, options)
         if not output:

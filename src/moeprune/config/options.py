@@ -3,7 +3,7 @@ and each method's options) and the data, save and run options; JSON round trips 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -49,6 +49,9 @@ class RunOptions:
     dry_run: bool = False  # check the inputs and print the plan's sizes; load and write nothing
     trust_remote_code: bool = False  # run a checkpoint's own modeling code (transformers' flag)
     command_line: str | None = None  # how the user asked for it (the model card's "Reproduce")
+    # sees the plan before any surgery and may refuse it (MoePruneError): what only the plan tells,
+    # such as a searched width a quantization group does not divide, fails before the model changes
+    check_plan: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -24,11 +24,13 @@ from typing import Any
 
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.driver import find_vllm_python, run_driver
+from moeprune.evaluate.vllm_host import refuse_quantized_moe
 
 EXTRA = "moeprune[eval]"
 ENGINES = ("hf", "vllm")
 VLLM_DRIVER = Path(__file__).with_name("lm_eval_vllm_driver.py")
 # lm-eval's names for the dtypes moeprune's --dtype accepts; None: vLLM's own choice ("auto")
+VLLM_ELSEWHERE = "run `eval --engine vllm`"  # the refusal's advice (vllm_host.py)
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -76,6 +78,17 @@ def _manager(include: str | None, defaults: bool) -> Any:
 
 def _missing(manager: Any, tasks: Sequence[str]) -> list[str]:
     return [t for t in tasks if not manager.match_tasks([t])]
+
+
+def check_vllm_folders(options: LmEvalOptions, folders: Sequence[str]) -> None:
+    """Engine `vllm`: every checkpoint folder it will serve is one vLLM has kernels for here
+    (a quantized MoE one needs a GPU, AMX or Arm: vllm_host.py), checked before any model loads."""
+    if options.engine != "vllm":
+        return
+    for folder in folders:
+        path = Path(folder) / "config.json"
+        if path.is_file():
+            refuse_quantized_moe(folder, json.loads(path.read_text()), VLLM_ELSEWHERE)
 
 
 def check_engine(options: LmEvalOptions) -> None:
@@ -173,8 +186,9 @@ def run_tasks_vllm(
     `trust_remote_code`: lm-eval reads config.json with transformers' AutoConfig, which knows the
     `moeprune_<family>` type only from the folder's own self-contained modeling file (vLLM itself
     builds the model through moeprune's plugin)."""
-    python = find_vllm_python(options.vllm_python)
     config = json.loads((Path(folder) / "config.json").read_text())
+    refuse_quantized_moe(folder, config, VLLM_ELSEWHERE)  # before vLLM's minute of start-up
+    python = find_vllm_python(options.vllm_python)
     spec = {
         "model": str(folder),
         "tokenizer": str(tokenizer_folder),

@@ -42,6 +42,7 @@ from moeprune.data.files import parse_source
 from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
 from moeprune.evaluate.driver import find_vllm_python, run_driver
+from moeprune.evaluate.vllm_host import refuse_quantized_moe
 from moeprune.serve.vllm.layout import quantized_refusal
 
 LOGPROB_ATOL = 2e-4
@@ -216,12 +217,14 @@ def describe_difference(first: dict[str, Any], atol: float) -> str:
 
 def _refuse_unservable(folder: Path) -> None:
     """A folder the plugin refuses by its config alone (a moeprune-format result that kept quantized
-    weights) is refused here, in the plugin's sentence, before vLLM takes its 20 s to start."""
+    weights) is refused here, in the plugin's sentence, before vLLM takes its 20 s to start; so is
+    a quantized MoE folder on a CPU vLLM has no quantized fused-MoE kernel for (vllm_host.py)."""
     config = read_config_dict(folder)
     quant = config.get("quantization_config")
     if quant and config.get("moeprune"):  # the section moeprune-format configs carry
         method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
         raise MoePruneError(quantized_refusal(str(method)))
+    refuse_quantized_moe(folder, config, "serve-check it")
 
 
 def serve_check(folder: str | Path, options: ServeCheckOptions) -> dict[str, Any]:
@@ -231,6 +234,8 @@ def serve_check(folder: str | Path, options: ServeCheckOptions) -> dict[str, Any
     folder = check_model_path(folder)
     _refuse_unservable(folder)
     reference = str(check_model_path(options.reference)) if options.reference else None
+    if reference:
+        _refuse_unservable(Path(reference))
     python = find_vllm_python(options.vllm_python)
     token_ids, sources = prompts(folder, options)
     if not token_ids:

@@ -317,9 +317,9 @@ def prepare(request: PruneRequest) -> PruneJob:
     layer_budget = check_feasible(meta, config)
     if config.method == "mixed" and searches(config.allocation):
         check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
-    if quantize is not None and "neurons_per_expert" in layer_budget:  # the widths a neuron method keeps
-        kept = sorted(set(layer_budget["neurons_per_expert"].values()))
-        check_group(quantize, quantized_dims(meta), kept)  # the largest group named divides all
+    kept_widths = planned_widths(layer_budget, config)
+    if quantize is not None and kept_widths:  # the widths a neuron method keeps, known now
+        check_group(quantize, quantized_dims(meta), kept_widths)  # the largest group named divides all
     precision = None
     if quantize is not None and quantize.budget is not None:  # the bytes per scheme; T reachable?
         full = cast_weight_bytes(checked, meta, save_dtype)
@@ -401,6 +401,18 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
             options=("method", "save_dtype"),
         )
     return fmt
+
+
+def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
+    """The narrowed expert widths a plan will keep, where the structure and options fix them before
+    loading (check_feasible's answer): the neurons method's one width per layer, TENP's trapezoid
+    widths, the mixed method's uniform genes' widths. A searched allocation (mixed with evo)
+    chooses them after scoring: none here (the prune checks its plan before the surgery)."""
+    if "neurons_per_expert" in layer_budget:
+        return sorted(set(layer_budget["neurons_per_expert"].values()))
+    if "narrowed_neurons" in layer_budget and not searches(config.allocation):
+        return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
+    return []
 
 
 def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneConfig:

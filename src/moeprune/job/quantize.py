@@ -10,6 +10,8 @@ so a failed quantization leaves no half-written result.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -77,3 +79,19 @@ def quantize_folder(
             else {}
         ),
     }
+
+
+def ignore_prefixes(folder: Path, prefixes: tuple[str, ...]) -> None:
+    """Name the stored key `prefixes` (the MTP layers kept beside a quantized model, unquantized) in
+    config.json's `quantization_config.ignore`, as "re:" patterns: a loader that builds those
+    layers (vLLM's MTP drafts) then builds them unquantized, as they are stored, rather than
+    looking for compressed-tensors codes that are not there."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or not prefixes:
+        return
+    ignore = list(quant.get("ignore") or [])
+    ignore += [p for p in (f"re:{re.escape(root)}.*" for root in prefixes) if p not in ignore]
+    quant["ignore"] = ignore
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

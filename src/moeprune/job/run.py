@@ -3,6 +3,7 @@ and saved with its evidence (report, plan, recipe, plots, model card, run log), 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from moeprune.job.auto_precision import choose_precision, precision_note, precis
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.precision_grid import choose_sparsity, criterion_orders
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
-from moeprune.job.quantize import quantize_folder
+from moeprune.job.quantize import ignore_prefixes, quantize_folder
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.schemes import check_group
@@ -31,7 +32,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
-from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, ignored_note, record_mtp
+from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
 from moeprune.shards.rewrite import (
     DROP_MTP,
     append_input_tensors,
@@ -64,19 +65,35 @@ def run_job(job: PruneJob) -> dict:
         return _run(job, log, job.run.progress)
 
 
-def _quantize(job: PruneJob, tmp: Path, report, plan: Plan, log: RunLog, progress: bool) -> None:
+def _check_quantizable(job: PruneJob) -> Callable[[Plan], None] | None:
+    """The plan's kept widths against the quantization group, before the surgery: what prepare
+    could not know before loading (the widths a mixed search chose) is refused here, after the
+    scoring and search but before the model is changed or anything is written."""
+    quantize = job.quantize
+    if quantize is None:
+        return None
+
+    def check(plan: Plan) -> None:
+        check_group(quantize, [], sorted({w for lp in plan.layers for w in lp.neurons.values()}))
+
+    return check
+
+
+def _quantize(job: PruneJob, tmp: Path, report, log: RunLog, progress: bool, mtp: MtpPlan | None) -> None:
     """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
     on the prune's calibration data with every kept expert reached; report.json records how (and,
-    for per-layer precision, the choice, its losses and the bytes predicted and written)."""
+    for per-layer precision, the choice, its losses and the bytes predicted and written). Kept
+    MTP layers stay unquantized (transformers does not build them, so llm-compressor never sees
+    them) and the config's `ignore` names them."""
     assert job.quantize is not None and job.quant_python is not None
     moeprune_format = report.format == "moeprune"  # loaded there through its own modeling files
-    widths = sorted({w for lp in plan.layers for e in lp.kept if (w := lp.neurons.get(e)) is not None})
-    check_group(job.quantize, [], widths)  # per-expert widths are known once scored (tenp, mixed)
     samples = [list(map(int, s.input_ids)) for d in job.calibration for s in d.samples]
     with stage(f"quantizing {job.quantize.describe()} with llm-compressor ({job.quant_python})", progress):
         report.quantization = quantize_folder(
             job.quant_python, tmp, job.quantize, samples, job.max_shard_size, moeprune_format
         )
+    if mtp is not None and not mtp.left_out:
+        ignore_prefixes(tmp, mtp.roots)
     if moeprune_format:  # vLLM's plugin reads moeprune's format unquantized only
         report.serving = Serving(vllm_refused=quantized_refusal(f"compressed-tensors {job.quantize.scheme}"))
     if job.precision_choice is not None:
@@ -132,7 +149,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         tokenizer=job.tokenizer,
         search_data=job.search_set,
         options=data,
-        run=job.run,
+        run=replace(job.run, check_plan=_check_quantizable(job)),
         search_state=search_state_path(job.output),
     )
     timer.lap("prune")
@@ -181,6 +198,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         else "",
     )
     with_mtp(result.plan, mtp)
+    if mtp is not None and not mtp.left_out and job.quantize is not None:
+        mtp.unquantized = True  # the summary says so
     ignored = ignored_keys(job.model_path) if not quantized_input else []  # a kept quantization copies all
     carry = result.plan.is_uniform()  # a stock result: its loader skips them as the input's did
     notes = ([mtp.note()] if mtp is not None else []) + ([ignored_note(ignored, carry)] if ignored else [])
@@ -210,11 +229,18 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 max_shard_size=job.max_shard_size,
                 keep_mtp=mtp is not None and not mtp.left_out,
             )
-            if (mtp is not None and not mtp.left_out) or (ignored and carry):
+            append = (mtp is not None and not mtp.left_out) or bool(ignored and carry)
+            # a stock result is quantized through transformers' class, whose save_pretrained writes
+            # only what it builds: the input's other tensors are added after (moeprune's format is
+            # rewritten by names, oneshot_layout.py, and keeps them)
+            after = job.quantize is not None and report.format == "stock"
+            if append and not after:
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
             record_mtp(tmp, mtp)  # moeprune's format: the MTP layers' count and ids in its section
         if job.quantize is not None:
-            _quantize(job, tmp, report, result.plan, log, progress)
+            _quantize(job, tmp, report, log, progress, mtp)
+            if append and after:  # as stored in the unquantized result, byte for byte
+                append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

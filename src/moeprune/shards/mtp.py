@@ -47,6 +47,10 @@ MTP_NOT_SERVED = (
     "{drafted} results only (the loaders load the main model, the MTP tensors stay on disk)"
 )
 NEURONS_SKIP_MTP = "narrowing experts (the neurons methods) does not reach MTP layers yet"
+MTP_UNQUANTIZED = (
+    "left unquantized by --quantize (llm-compressor quantizes the layers the model class builds; "
+    "quantization_config's ignore names them)"
+)
 
 
 @dataclass
@@ -61,6 +65,7 @@ class MtpPlan:
     criterion: str = ""
     left_out: str = ""
     served: str = ""  # moeprune's format: how vLLM drafts with them, or why it does not (the note says it)
+    unquantized: bool = False  # kept in full precision beside a `--quantize`d model (the note says it)
 
     def to_json(self) -> dict:
         if self.left_out:
@@ -87,11 +92,13 @@ class MtpPlan:
         if self.left_out:
             return f"{what} left out: {self.left_out}"
         if not self.kept:
-            dense = f"{what} kept as stored (no routed experts)"
-            return f"{dense}; {self.served}" if self.served else dense
-        kept = len(next(iter(self.kept.values())))
-        pruned = f"{what} kept, pruned to {kept} of {self.num_experts} experts by {self.criterion} on its own weights"
-        return f"{pruned}; {self.served}" if self.served else pruned
+            line = f"{what} kept as stored (no routed experts)"
+        else:
+            kept = len(next(iter(self.kept.values())))
+            line = f"{what} kept, pruned to {kept} of {self.num_experts} experts by {self.criterion} on its own weights"
+        return "; ".join(
+            [line] + [x for x in (MTP_UNQUANTIZED if self.unquantized else "", self.served) if x]
+        )
 
 
 def mtp_count(plan: Plan, groups: int = 1) -> int:

@@ -190,10 +190,17 @@ def _tenp_solve(
 
 
 def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+    """The trapezoid's counts and widths, from the structure and options alone: the scores only
+    choose which experts stay whole, so the narrowed widths (`narrowed_neurons`, what a
+    quantization group must divide) are known before loading."""
     alloc = tenp_allocation(moe, config.sparsity_value(), _options(config))
     return {
         "whole_experts_per_layer": dict(zip([m.index for m in moe.layers], alloc.important)),
         "neuron_keep_ratio": alloc.neuron_ratio,
+        "narrowed_neurons": {
+            m.index: sorted({w for w in widths if w < m.intermediate_size})
+            for m, widths in zip(moe.layers, alloc.widths)
+        },
     }
 
 
