@@ -112,3 +112,24 @@ def assert_streamed_scores_and_no_load_drop(quantized, reference, tmp_path) -> N
     assert json.loads((tmp_path / "no_load" / "config.json").read_text())["quantization_config"]
     for file in (tmp_path / "loaded").glob("*.safetensors"):
         assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()
+
+
+def save_tiny_qwen(folder, num_hidden_layers: int = 3):
+    """A tiny qwen3_moe (every layer MoE) with the byte tokenizer, saved to `folder`: the input
+    checkpoint of the quantize tests. Returns (model, tokenizer)."""
+    from moeprune.data.tokenizer import byte_tokenizer
+    from moeprune.models.factory import tiny_model
+
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=num_hidden_layers, mlp_only_layers=[])
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def write_arithmetic(path, count: int = 6):
+    """`count` calibration lines of arithmetic (jsonl, a `text` field each); returns `path`."""
+    import json
+
+    path.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(count)))
+    return path

@@ -15,10 +15,8 @@ import sys
 
 import pytest
 
-from helpers import run_cli
-from moeprune.data.tokenizer import byte_tokenizer
+from helpers import run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.job import run as run_module
-from moeprune.models.factory import tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,12 +33,8 @@ def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=
 @pytest.fixture(scope="module")
 def joint(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("precision-joint")
-    tokenizer = byte_tokenizer()
-    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
+    save_tiny_qwen(root / "model")
+    data = write_arithmetic(root / "calib.jsonl")
     args = ["prune", root / "model", "--output", root / "out", "--data", data, "--criterion", "frequency",
             "--target-size", TARGET, "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn",
             "--quant-group-size", "16", "--quant-python", sys.executable, "--quiet"]  # fmt: skip

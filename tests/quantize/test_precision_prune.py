@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_logits_close, run_cli, stored_tensors
+from helpers import assert_logits_close, run_cli, save_tiny_qwen, stored_tensors, write_arithmetic
 from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
@@ -48,13 +48,9 @@ def pruned(tmp_path_factory) -> dict:
     if not QUANT_PYTHON.is_file():
         pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
     root = tmp_path_factory.mktemp("precision-prune")
-    tokenizer = byte_tokenizer()
     torch.manual_seed(0)
-    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
+    model, _ = save_tiny_qwen(root / "model")
+    data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--data", data, "--criterion", "frequency", "--sparsity", "0.25", "--allocation", "global",
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", str(GROUP),
               "--quant-python", QUANT_PYTHON]  # fmt: skip

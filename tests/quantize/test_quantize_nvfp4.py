@@ -33,12 +33,12 @@ from helpers import (
     assert_streamed_scores_and_no_load_drop,
     kept_expert_sources,
     run_cli,
+    save_tiny_qwen,
     stock_from_pretrained,
     stored_tensors,
+    write_arithmetic,
 )
 from moeprune.checkpoint import load_pretrained
-from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.models.factory import tiny_model
 from moeprune.quant.schemes import SCHEMES
 from moeprune.quant.testing import save_dequantized_checkpoint
 
@@ -57,14 +57,8 @@ def nvfp4(tmp_path_factory) -> Path:
     if not QUANT_PYTHON.is_file():
         pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
     root = tmp_path_factory.mktemp("nvfp4")
-    tokenizer = byte_tokenizer()
-    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "calib.jsonl"
-    data.write_text(
-        "".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6))
-    )
+    save_tiny_qwen(root / "model")
+    data = write_arithmetic(root / "calib.jsonl")
     run_cli("prune", root / "model", "--data", data, "--criterion", "frequency", "--sparsity", "0.5",
             "--quantize", "nvfp4a16", "--quant-python", QUANT_PYTHON, "--output", root / "out", "--quiet")  # fmt: skip
     return root / "out"

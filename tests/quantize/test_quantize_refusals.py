@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
-from moeprune.data.tokenizer import byte_tokenizer
+from helpers import run_cli, save_tiny_qwen
 from moeprune.job import run as run_module
-from moeprune.models.factory import tiny_model
 from moeprune.quant.testing import save_compressed_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -24,10 +22,7 @@ LOAD_PLACED = run_module.load_placed
 def world(tmp_path_factory) -> Path:
     """`model/` (tiny qwen3_moe, 16-wide experts, full precision), `ct/` (the same, W4A16), `calib.jsonl`."""
     root = tmp_path_factory.mktemp("quantize-refusals")
-    tokenizer = byte_tokenizer()
-    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=2, mlp_only_layers=[])
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    model, tokenizer = save_tiny_qwen(root / "model", num_hidden_layers=2)
     save_compressed_checkpoint(model, root / "ct", scheme="w4a16", group_size=16, tokenizer=tokenizer)
     (root / "calib.jsonl").write_text("".join(json.dumps({"text": f"{i} plus {i}"}) + "\n" for i in range(4)))
     return root
