@@ -13,6 +13,9 @@ plan that fits, or the solver's refusal when none does). Every full-precision pa
     python benchmarks/quantize_quality.py --quick --group-size 32
     python benchmarks/quantize_quality.py --quick --family deepseek_v3 --group-size 32
 
+`--precision add` (or `only`, beside the rows it is compared with) adds per-layer precision rows
+(`--quantize auto:w4a16,w8a16`): see `precision`.
+
 Each row costs a prune and a quantization (about 30 s on the quick model, 2 CPU cores).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -43,6 +47,7 @@ from quality import Demo, load_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTED = ".mlp.experts."  # routed experts' tensors (a shared expert is mlp.shared_experts.)
+AUTO = "auto:w4a16,w8a16"  # per-layer precision (`--precision`): each MoE layer's experts in one of these
 
 
 @dataclass
@@ -135,21 +140,27 @@ class Runner:
         a = self.args
         return ["--quantize", scheme, "--quant-method", a.method, "--quant-group-size", str(a.group_size)]
 
-    def prune(self, name: str, flags: list[str], budget: str = "") -> Row:
-        out = self.work / name.replace(" ", "_").replace("%", "").replace("+", "")
+    def command(self, out: Path, flags: list[str]) -> list[str]:
         command = [sys.executable, "-m", "moeprune", "prune", str(self.demo.model_dir), "--output", str(out)]
-        command += (
+        return command + (
             self.common + flags + (["--quant-python", self.args.python] if "--quantize" in flags else [])
         )
+
+    def prune(self, name: str, flags: list[str], budget: str = "") -> Row:
+        out = self.work / name.replace(" ", "_").replace("%", "").replace("+", "").replace(":", "_")
         row = Row(name, " ".join(flags), budget)
         if not (self.args.reuse and (out / "report.json").is_file()):  # else made by an earlier run
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            done = subprocess.run(self.command(out, flags), capture_output=True, text=True, check=False)
             if done.returncode == 2 and "--target-size" in flags:  # no plan fits: the solver's line
                 row.refused = done.stderr.strip().splitlines()[-1].removeprefix("moeprune: error: ")
                 return row
             if done.returncode != 0:
                 raise SystemExit(f"{name}: prune failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        row.sparsity = json.loads((out / "report.json").read_text())["sparsity"]
+        report = json.loads((out / "report.json").read_text())
+        row.sparsity = report["sparsity"]
+        chosen = report.get("quantization", {}).get("precision", {}).get("chosen")
+        if chosen:  # per-layer precision: which scheme each MoE layer's experts got
+            row.name += " (" + ", ".join(f"layer {k} {v}" for k, v in chosen.items()) + ")"
         try:
             return self.score(row, out)
         except MoePruneError as error:  # saved but not readable back (e.g. every expert kept is picked)
@@ -176,6 +187,25 @@ class Runner:
         options = QuantizeOptions(scheme, self.args.method, self.args.group_size, self.args.python)
         quantize_folder(self.args.python, folder, options, samples, "5GB")
         return self.score(Row(f"{scheme} only", self.only_flags(scheme), sparsity=0.0), folder), row
+
+    def every_layer_at(self, sparsity: float) -> dict[str, int]:
+        """prune --dry-run's predicted bytes at `sparsity` with every MoE layer's experts in each
+        scheme of AUTO (bounds: the safetensors headers are allowed for), e.g. {"w4a16": 193216, ...}."""
+        flags = [
+            "--sparsity",
+            str(sparsity),
+            *self.quant_flags(AUTO),
+            "--target-size",
+            str(10**12),
+            "--dry-run",
+        ]
+        done = subprocess.run(
+            self.command(self.work / "dry_run", flags), capture_output=True, text=True, check=True
+        )
+        line = next(x for x in (done.stdout + done.stderr).splitlines() if x.startswith("per-layer"))
+        return {
+            s: int(b.replace(",", "")) for s, b in re.findall(r"(\w+) [\d.]+ \w*B \(([\d,]+) bytes\)", line)
+        }
 
     def only_flags(self, scheme: str) -> str:
         return " ".join(self.quant_flags(scheme)) + " (llm-compressor driver, no prune)"
@@ -211,6 +241,23 @@ def run(runner: Runner, sparsities: list[float], bf16_sparsities: list[float]) -
     return rows
 
 
+def precision(runner: Runner, sparsities: list[float], only: Row) -> list[Row]:
+    """The per-layer precision rows (`--quantize auto:w4a16,w8a16`): at each sparsity, a target
+    halfway between the dry run's predictions with every layer's experts at w4a16 and at w8a16
+    (so the choice has bytes to spend and cannot buy every layer w8a16); then the joint grid (no
+    `--sparsity`: the sparsity chosen with the schemes) at the bytes of W4A16 of the whole model."""
+    rows = []
+    for s in sparsities:
+        bounds = runner.every_layer_at(s)
+        target = (bounds["w4a16"] + bounds["w8a16"]) // 2
+        flags = ["--sparsity", str(s), "--target-size", str(target), *runner.quant_flags(AUTO)]
+        budget = f"halfway: {bounds['w4a16']:,} / {bounds['w8a16']:,} predicted"
+        rows.append(runner.prune(f"reap {s:.0%} + {AUTO}", flags, budget))
+    flags = ["--target-size", str(only.total_bytes), *runner.quant_flags(AUTO)]
+    rows.append(runner.prune(f"{AUTO}, sparsity chosen", flags, f"= {only.name}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,6 +284,13 @@ def main() -> None:
         "--work", type=Path, default=None, help="keep the checkpoints here [default: a temporary folder]"
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--precision",
+        choices=("off", "add", "only"),
+        default="off",
+        help=f"per-layer precision rows ({AUTO}): added to the table, or only they beside their anchors "
+        "(W4A16 only, reap S %% + W4A16; with --reuse those are scored, not made again)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -248,7 +302,18 @@ def main() -> None:
         full = Row("full model (reference)", "(the trained fp32 model)", sparsity=0.0)
         full.routed_bytes, full.total_bytes = weight_bytes(demo.model_dir)
         full.metrics = {d: e.score(nullcontext) for d, e in runner.evals.items()}
-        rows = [full, *run(runner, args.sparsity, args.bf16_sparsity)]
+        if args.precision == "only":
+            only = runner.quantize_only("w4a16")[0]
+            flags = [["--sparsity", str(s), *runner.quant_flags("w4a16")] for s in args.sparsity]
+            rows = [
+                full,
+                only,
+                *[runner.prune(f"reap {s:.0%} + w4a16", f) for s, f in zip(args.sparsity, flags)],
+            ]
+        else:
+            rows = [full, *run(runner, args.sparsity, args.bf16_sparsity)]
+        if args.precision != "off":
+            rows += precision(runner, args.sparsity, next(r for r in rows if r.name == "w4a16 only"))
     print(
         f"model {demo.model_dir} ({args.family}{', quick' if args.quick else ''}), groups of {args.group_size}, {args.method}"
     )
