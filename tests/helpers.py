@@ -133,3 +133,19 @@ def write_arithmetic(path, count: int = 6):
 
     path.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(count)))
     return path
+
+
+def save_tiny_release(folder, family: str, **overrides):
+    """A tiny 3-layer `family` model with the byte tokenizer saved to `folder`; deepseek_v3 in its
+    release layout, with the MTP layer stored beside the stack (model.layers.3.*)."""
+    from tests.release_layouts import write_mtp_release
+
+    from moeprune.data.tokenizer import byte_tokenizer
+    from moeprune.models.factory import tiny_model
+
+    tokenizer = byte_tokenizer()
+    if family == "deepseek_v3":
+        write_mtp_release(family, folder, vocab_size=len(tokenizer), num_hidden_layers=3, **overrides)
+    else:
+        tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **overrides).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -21,12 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.release_layouts import mtp_keys, write_mtp_release
+from tests.release_layouts import mtp_keys
 
-from helpers import assert_logits_close, run_cli, stock_from_pretrained, stored_tensors
+from helpers import (
+    assert_logits_close,
+    run_cli,
+    save_tiny_release,
+    stock_from_pretrained,
+    stored_tensors,
+    write_arithmetic,
+)
 from moeprune.checkpoint import load_pretrained
-from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.models.factory import tiny_model
 from moeprune.quant.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
@@ -53,14 +58,8 @@ def quantized(request, tmp_path_factory) -> dict:
     family = request.param
     extra, flags = FAMILIES[family]
     root = tmp_path_factory.mktemp(f"quantize-{family}")
-    tokenizer = byte_tokenizer()
-    if family == "deepseek_v3":  # with DeepSeek's MTP layer stored beside the stack (model.layers.3.*)
-        write_mtp_release(family, root / "model", vocab_size=len(tokenizer), num_hidden_layers=3, **extra)
-    else:
-        tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
+    save_tiny_release(root / "model", family, **extra)  # deepseek_v3: with its MTP layer (model.layers.3.*)
+    data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--data", data, "--criterion", "frequency", *flags, "--quant-python", QUANT_PYTHON]
     if family == "qwen3_moe":  # the target between the 4- and the 5-expert plans' quantized sizes
         sizes = {}

@@ -21,13 +21,10 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from tests.release_layouts import write_mtp_release
 
-from helpers import assert_logits_close, run_cli, stored_tensors
+from helpers import assert_logits_close, run_cli, save_tiny_release, stored_tensors, write_arithmetic
 from moeprune.checkpoint import load_pretrained
 from moeprune.config import Recipe
-from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.models.factory import tiny_model
 from moeprune.quant.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
@@ -55,14 +52,8 @@ def quantized(request, tmp_path_factory) -> dict:
     family = request.param
     extra, flags = CASES[family]
     root = tmp_path_factory.mktemp(f"quantize-moeprune-{family}")
-    tokenizer = byte_tokenizer()
-    if family == "deepseek_v3":  # with DeepSeek's MTP layer stored beside the stack
-        write_mtp_release(family, root / "model", vocab_size=len(tokenizer), num_hidden_layers=3, **extra)
-    else:
-        tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **extra).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "calib.jsonl"
-    data.write_text("".join(json.dumps({"text": f"Question {i}: {i} plus {i} is {2 * i}. " * 2}) + "\n" for i in range(6)))
+    save_tiny_release(root / "model", family, **extra)  # deepseek_v3: with its MTP layer (model.layers.3.*)
+    data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--output", root / "out", "--data", data, "--criterion", "frequency", *flags]
     common += ["--quant-group-size", "16", "--quant-python", QUANT_PYTHON]
     dry = run_cli("prune", *common, "--dry-run").output
