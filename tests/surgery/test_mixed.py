@@ -227,13 +227,45 @@ def test_low_rank_novices_beside_narrowed_and_dropped_experts(tmp_path):
     assert_logits_close(logits(reloaded), virtual)
 
 
-def test_an_all_expert_fit_larger_than_memory_is_refused_with_its_size():
-    """16 d^2 bytes per routed expert, hand-counted: refused one byte short of it, accepted at it."""
+def test_an_all_expert_fit_is_refused_only_when_one_layer_exceeds_memory():
+    """16 d^2 bytes per routed expert, hand-counted, fitted one MoE layer per pass at least: refused
+    one byte short of the largest layer's moments, accepted at them (not at the whole model's)."""
     moe = MoEModel(tiny_model("qwen3_moe"))
-    need = sum(16 * m.hidden_size**2 * m.num_experts for m in moe.layers)
-    assert need == 16 * moe.layers[0].hidden_size ** 2 * sum(m.num_experts for m in moe.layers)
-    check_every_novice_fits(moe, 2, memory=need)
+    per_layer = [16 * m.hidden_size**2 * m.num_experts for m in moe.layers]
+    assert len(per_layer) > 1 and per_layer[0] == 16 * 32**2 * 8
+    check_every_novice_fits(moe, 2, memory=max(per_layer))
     check_every_novice_fits(moe, 0, memory=1)  # rank 0 fits nothing
-    with pytest.raises(MoePruneError, match=r"--novice-rank 2 .* more than this machine's") as err:
-        check_every_novice_fits(moe, 2, memory=need - 1)
+    with pytest.raises(
+        MoePruneError, match=r"--novice-rank 2 .* one MoE layer per pass .* more than this machine's"
+    ) as err:
+        check_every_novice_fits(moe, 2, memory=max(per_layer) - 1)
     assert set(err.value.options) == {"novice_rank", "allocation"}
+
+
+def test_every_novice_fitted_in_passes_that_fit_memory_equals_one_pass(monkeypatch):
+    """Memory for one layer's moments: one calibration pass per MoE layer, giving the very fits
+    (bit for bit) of the single pass; memory for both layers: one pass."""
+    from moeprune.surgery import lowrank
+
+    moe = MoEModel(tiny_model("qwen3_moe"))
+    data = calibration((20, 17, 15, 12))
+    one_layer = 16 * 32**2 * 8
+    layers = [m.index for m in moe.layers]
+    assert len(layers) == 2 and lowrank.layer_passes(moe, None) == [layers]
+    assert lowrank.layer_passes(moe, 2 * one_layer) == [layers]
+    assert lowrank.layer_passes(moe, 2 * one_layer - 1) == [[i] for i in layers]
+    whole = lowrank.fit_every_novice(moe, 3, [data], batch_size=2, progress=False, memory=None)
+    calls = []
+    observe = lowrank.observe_moments
+    monkeypatch.setattr(
+        lowrank, "observe_moments", lambda m, s, t, **k: calls.append(sorted(t)) or observe(m, s, t, **k)
+    )
+    split = lowrank.fit_every_novice(moe, 3, [data], batch_size=2, progress=False, memory=one_layer)
+    assert calls == [[i] for i in layers]
+    assert whole.keys() == split.keys() and all(whole[i].keys() == split[i].keys() for i in whole)
+    for i in whole:
+        for e, fit in whole[i].items():
+            for a, b in zip(
+                (fit.constant, fit.u, fit.v), (split[i][e].constant, split[i][e].u, split[i][e].v)
+            ):
+                assert torch.equal(a, b)

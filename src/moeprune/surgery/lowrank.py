@@ -20,7 +20,8 @@ constant mu, and an expert no token reached has mu = 0 and B = 0, as a rank-0 no
 
 `--method novice --allocation evo` scores candidates with constant novices; the final plan's
 novices are fitted at rank R. `--method mixed --allocation evo` fits every routed expert at rank R
-once before its search (`fit_every_novice`: the d x d statistics of every expert at once), gives
+once before its search (`fit_every_novice`: the d x d statistics of every expert, in as few
+calibration passes as the memory allows, down to one MoE layer per pass), gives
 each candidate's novices those fits, and the final plan takes the same fits (`fit_novices(...,
 fitted=)`), so what the search scored is what is saved.
 """
@@ -124,20 +125,53 @@ def physical_memory() -> int | None:
         return None
 
 
+def moments_memory() -> int | None:
+    """Bytes the all-expert fitting pass may hold per calibration pass: half of what the OS reports
+    available now (MemAvailable: the model is already loaded), or a quarter of the RAM where it
+    does not say; None where neither is known (one pass)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    memory = physical_memory()
+    return None if memory is None else memory // 4
+
+
+def layer_passes(moe: MoEModel, memory: int | None) -> list[list[int]]:
+    """The MoE layers (decoder indices) grouped, in order, into the fewest consecutive passes whose
+    all-expert moments each fit in `memory` bytes (a layer larger than it is a pass of its own;
+    `check_every_novice_fits` refuses that before loading when it exceeds the RAM)."""
+    passes: list[list[int]] = []
+    held = 0
+    for m in moe.layers:
+        need = moments_bytes(moe, {m.index: range(m.num_experts)})
+        if passes and (memory is None or held + need <= memory):
+            passes[-1].append(m.index)
+            held += need
+        else:
+            passes.append([m.index])
+            held = need
+    return passes
+
+
 def check_every_novice_fits(moe: MoEModel, rank: int, memory: int | None = None) -> None:
-    """Refuse, before loading, a mixed search with rank-R novices whose all-expert fitting pass
-    (`fit_every_novice`: 16 d^2 bytes per routed expert) cannot fit in this machine's memory;
-    `moe` may be the meta skeleton (only its shape is read)."""
+    """Refuse, before loading, a mixed search with rank-R novices whose all-expert fitting cannot
+    fit in this machine's memory even one MoE layer per pass (`fit_every_novice` holds 16 d^2 bytes
+    per routed expert of the layers of one pass); `moe` may be the meta skeleton (its shape only)."""
     if not rank:
         return
     memory = physical_memory() if memory is None else memory
-    need = moments_bytes(moe, {m.index: range(m.num_experts) for m in moe.layers})
-    if memory is not None and need > memory:
+    sizes = {m.index: moments_bytes(moe, {m.index: range(m.num_experts)}) for m in moe.layers}
+    layer = max(sizes, key=lambda i: sizes[i], default=None)
+    if memory is not None and layer is not None and sizes[layer] > memory:
         raise MoePruneError(
-            f"mixed + evo with --novice-rank {rank} fits every routed expert before the search: "
-            f"{need / 2**30:,.1f} GiB of moments (16 d^2 bytes per expert), more than this machine's "
-            f"{memory / 2**30:,.1f} GiB; give --novice-rank 0, or --allocation uniform (the plan's "
-            "novices only are fitted)",
+            f"mixed + evo with --novice-rank {rank} fits every routed expert before the search, one "
+            f"MoE layer per pass at least: {sizes[layer] / 2**30:,.1f} GiB of moments for layer "
+            f"{layer} (16 d^2 bytes per expert), more than this machine's {memory / 2**30:,.1f} GiB; "
+            "give --novice-rank 0, or --allocation uniform (the plan's novices only are fitted)",
             options=("novice_rank", "allocation"),
         )
 
@@ -184,17 +218,35 @@ def fit_every_novice(
     batch_size: int = 8,
     pad_token_id: int = 0,
     progress: bool = True,
+    memory: int | None = None,
 ) -> Fits:
-    """Every routed expert of every MoE layer fitted as a rank-`rank` novice, in one pass: what a
-    mixed search gives its candidates' novices, so it scores the novices that will be saved. The
-    pass holds 16 d^2 bytes per routed expert at once (logged; docs/allocation.md says what fits)."""
+    """Every routed expert of every MoE layer fitted as a rank-`rank` novice: what a mixed search
+    gives its candidates' novices, so it scores the novices that will be saved. The moments take
+    16 d^2 bytes per routed expert; the layers are fitted in as few calibration passes as keep each
+    pass's moments within `memory` bytes (default: half the memory available, `moments_memory`),
+    one pass where all fit. A pass's fits do not depend on which other layers it observes, so the
+    passes give the very fits one pass would (tested)."""
     targets = {m.index: list(range(m.num_experts)) for m in moe.layers}
+    passes = layer_passes(moe, moments_memory() if memory is None else memory)
     _LOG.info(
-        "fitting rank-%d novices for all %d routed experts before the search: the pass holds %.3g GB "
-        "of fp64 moments (16 d^2 bytes per expert)",
-        rank, sum(map(len, targets.values())), moments_bytes(moe, targets) / 1e9,
+        "fitting rank-%d novices for all %d routed experts before the search: %.3g GB of fp64 "
+        "moments (16 d^2 bytes per expert) in %d calibration pass(es)",
+        rank, sum(map(len, targets.values())), moments_bytes(moe, targets) / 1e9, len(passes),
     )  # fmt: skip
-    return _fit(moe, targets, rank, sets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress)
+    out: Fits = {}
+    for layers in passes:
+        out.update(
+            _fit(
+                moe,
+                {i: targets[i] for i in layers},
+                rank,
+                sets,
+                batch_size=batch_size,
+                pad_token_id=pad_token_id,
+                progress=progress,
+            )
+        )
+    return out
 
 
 def fit_novices(
