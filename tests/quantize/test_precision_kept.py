@@ -14,15 +14,13 @@ is within the predicted bytes and T.
 
 from __future__ import annotations
 
-import itertools
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import run_cli, stored_tensors, write_arithmetic
+from helpers import brute_force_choice, prune_auto_halfway, stored_tensors, write_arithmetic
 from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
@@ -52,10 +50,7 @@ def pruned(request, tmp_path_factory) -> dict:
     common = [root / "model", "--data", data, "--criterion", "frequency", *CASES[request.param],
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", str(GROUP),
               "--quant-python", QUANT_PYTHON]  # fmt: skip
-    dry = run_cli("prune", *common, "--output", root / "out", "--target-size", "10MB", "--dry-run").output
-    every = {s: int(n.replace(",", "")) for s, n in re.findall(r"(w\d+a16) [\d.]+ kB \(([\d,]+) bytes\)", dry)}
-    target = (every["w4a16"] + every["w8a16"]) // 2
-    run_cli("prune", *common, "--output", root / "out", "--target-size", str(target), "--quiet")
+    target, every = prune_auto_halfway(common, root / "out")
     out = root / "out"
     report = json.loads((out / "report.json").read_text())
     return {"case": request.param, "out": out, "target": target, "every": every, "report": report}
@@ -64,14 +59,10 @@ def pruned(request, tmp_path_factory) -> dict:
 def test_the_dry_run_prediction_is_the_table_chosen_on_and_the_choice_its_optimum(pruned):
     precision = pruned["report"]["quantization"]["precision"]
     assert precision["every_layer_at"] == pruned["every"]  # before loading = after the surgery
-    losses, sizes = precision["losses"], precision["expert_bytes"]
-    fits = [
-        c for c in itertools.product(("w4a16", "w8a16"), repeat=3)
-        if precision["fixed_bytes"] + sum(sizes[lay][s] for lay, s in zip(LAYERS, c)) <= pruned["target"]
-    ]  # fmt: skip
-    best = min(fits, key=lambda c: sum(losses[lay][s] for lay, s in zip(LAYERS, c)))
-    assert precision["chosen"] == dict(zip(LAYERS, best))
-    assert set(best) == {"w4a16", "w8a16"}  # the target leaves a real choice
+    losses = precision["losses"]
+    best = brute_force_choice(precision, pruned["target"])
+    assert precision["chosen"] == best
+    assert set(best.values()) == {"w4a16", "w8a16"}  # the target leaves a real choice
     assert pruned["report"]["quantization"]["layer_schemes"] == precision["chosen"]
     assert all(losses[lay]["w4a16"] > losses[lay]["w8a16"] for lay in LAYERS)  # the packed layers were fake-quantized
 
