@@ -149,3 +149,32 @@ def save_tiny_release(folder, family: str, **overrides):
     else:
         tiny_model(family, vocab_size=len(tokenizer), num_hidden_layers=3, **overrides).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def prune_auto_halfway(common: list, out) -> tuple[int, dict[str, int]]:
+    """`moeprune prune *common --output out` (a `--quantize auto:w4a16,w8a16` run) with the target
+    halfway between its dry run's bytes with every layer's experts at w4a16 and at w8a16: the
+    choice then has bytes to spend but cannot buy w8a16 everywhere. Returns (target, those bytes)."""
+    import re
+
+    dry = run_cli("prune", *common, "--output", out, "--target-size", "10MB", "--dry-run").output
+    every = {s: int(n.replace(",", "")) for s, n in re.findall(r"(w\d+a16) [\d.]+ kB \(([\d,]+) bytes\)", dry)}
+    target = (every["w4a16"] + every["w8a16"]) // 2
+    run_cli("prune", *common, "--output", out, "--target-size", str(target), "--quiet")
+    return target, every
+
+
+def brute_force_choice(precision: dict, target: int) -> dict[str, str]:
+    """The per-layer schemes of least summed loss within `target`, by trying every combination of
+    report.json's `quantization.precision` tables (losses, expert bytes, fixed bytes)."""
+    import itertools
+
+    losses, sizes = precision["losses"], precision["expert_bytes"]
+    layers = sorted(losses, key=int)
+    schemes = sorted(losses[layers[0]])
+    fits = [
+        c for c in itertools.product(schemes, repeat=len(layers))
+        if precision["fixed_bytes"] + sum(sizes[lay][s] for lay, s in zip(layers, c)) <= target
+    ]  # fmt: skip
+    best = min(fits, key=lambda c: sum(losses[lay][s] for lay, s in zip(layers, c)))
+    return dict(zip(layers, best))

@@ -72,8 +72,9 @@ def predicted_at(model: Path, tmp_path: Path, sparsity: float, *flags) -> int:
         ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125),
         ("--criterion", "reap", "--method", "mixed", "--mixed-whole", 0.25, "--mixed-novice", 0.125,
          "--novice-rank", 2),  # rank-2 novices: d + 4d values each, in the plan and the bytes
+        ("--criterion", "reap", "--method", "mixed", "--width-multiple", 4),  # widths in blocks of 4
     ],  # fmt: skip
-    ids=["drop", "novice", "neurons", "tenp", "global", "mixed", "mixed-rank"],
+    ids=["drop", "novice", "neurons", "tenp", "global", "mixed", "mixed-rank", "mixed-multiple"],
 )
 def test_the_written_weights_fit_and_one_step_less_would_not(tiny_checkpoint, data, tmp_path, flags):
     # in bfloat16 the tiny model is 158,784 bytes of tensors: aim at about 75 % of its files
@@ -89,6 +90,10 @@ def test_the_written_weights_fit_and_one_step_less_would_not(tiny_checkpoint, da
         assert predicted_at(tiny_checkpoint, tmp_path, got["step_below"], *dry) == got["step_below_bytes"]
     else:
         assert got["step_below_bytes"] == got["unpruned_bytes"]
+    if "--width-multiple" in flags:
+        plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+        widths = [w for layer in plan["layers"] for w in layer["neurons"].values()]
+        assert widths and all(w % 4 == 0 for w in widths), widths
 
 
 def test_summary_model_card_and_recipe_give_the_target(tiny_checkpoint, tmp_path):

@@ -18,16 +18,22 @@ misreads a mixed checkpoint (docs/large-models.md); vLLM reads each layer's from
 
 from __future__ import annotations
 
-import itertools
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_logits_close, run_cli, save_tiny_qwen, stored_tensors, write_arithmetic
+from helpers import (
+    assert_logits_close,
+    brute_force_choice,
+    prune_auto_halfway,
+    run_cli,
+    save_tiny_qwen,
+    stored_tensors,
+    write_arithmetic,
+)
 from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
@@ -54,10 +60,7 @@ def pruned(tmp_path_factory) -> dict:
     common = [root / "model", "--data", data, "--criterion", "frequency", "--sparsity", "0.25", "--allocation", "global",
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", str(GROUP),
               "--quant-python", QUANT_PYTHON]  # fmt: skip
-    dry = run_cli("prune", *common, "--output", root / "out", "--target-size", "10MB", "--dry-run").output
-    every = {s: int(n.replace(",", "")) for s, n in re.findall(r"(w\d+a16) [\d.]+ kB \(([\d,]+) bytes\)", dry)}
-    target = (every["w4a16"] + every["w8a16"]) // 2
-    run_cli("prune", *common, "--output", root / "out", "--target-size", str(target), "--quiet")
+    target, _ = prune_auto_halfway(common, root / "out")
     out = root / "out"
     report = json.loads((out / "report.json").read_text())
     return {"root": root, "model": model, "out": out, "target": target, "report": report, "common": common}
@@ -65,17 +68,12 @@ def pruned(tmp_path_factory) -> dict:
 
 def test_the_choice_is_the_brute_force_optimum_of_the_reported_tables(pruned):
     precision = pruned["report"]["quantization"]["precision"]
-    losses, sizes = precision["losses"], precision["expert_bytes"]
-    layers = ["0", "1", "2"]
+    losses, layers = precision["losses"], ["0", "1", "2"]
     assert set(losses) == set(layers) and all(set(row) == {"w4a16", "w8a16"} for row in losses.values())
     assert len(set(pruned["report"]["removed_per_layer"].values())) > 1  # per-layer counts: the layers differ
-    fits = [
-        c for c in itertools.product(("w4a16", "w8a16"), repeat=3)
-        if precision["fixed_bytes"] + sum(sizes[lay][s] for lay, s in zip(layers, c)) <= pruned["target"]
-    ]  # fmt: skip
-    best = min(fits, key=lambda c: sum(losses[lay][s] for lay, s in zip(layers, c)))
-    assert precision["chosen"] == dict(zip(layers, best))
-    assert set(best) == {"w4a16", "w8a16"}  # the target leaves a real choice
+    best = brute_force_choice(precision, pruned["target"])
+    assert precision["chosen"] == best
+    assert set(best.values()) == {"w4a16", "w8a16"}  # the target leaves a real choice
     assert pruned["report"]["quantization"]["layer_schemes"] == precision["chosen"]
     assert precision["target_bytes"] == pruned["target"]
 

@@ -1,7 +1,8 @@
 """`prune --quantize auto:...` refused in one line, exit 2, before the weights are loaded: an
 unknown or unmodelled scheme in the list, a single scheme after `auto:`, no calibration data, no
---target-size (nothing to trade), no --sparsity (the joint choice is not implemented), a target
-even the cheapest scheme misses, a method the byte model does not price; and the dry run's bytes
+--target-size (nothing to trade), `--criterion auto` without --sparsity, a target even the
+cheapest scheme misses (also for novices, priced by what they keep), a method that narrows experts
+or keeps novices without --sparsity (the joint grid prices whole experts); and the dry run's bytes
 per scheme, which must be the one-scheme prediction of `--quantize SCHEME` for each scheme."""
 
 from __future__ import annotations
@@ -49,11 +50,19 @@ CASES = {
         True,
         "even with every layer in w4a16 the result weighs 140,184 bytes at sparsity 0.25, over the target 100,000",
     ),
-    "method": (
+    "method without a sparsity": (
         AUTO,
-        [*S, *T, "--method", "neurons"],
+        [*T, "--method", "neurons"],
         True,
         "per-layer precision prices whole experts removed with their router rows (drop, merge); the neurons method",
+    ),
+    # with --sparsity novice (neurons, tenp, mixed) plans are priced by what they keep (precision_kept.py):
+    # drop's 140,184 bytes plus, for each of the 6 novices, its fp32 vector and router row (2 x 32 x 4)
+    "novices unreachable": (
+        AUTO,
+        [*S, "--target-size", "100000", "--method", "novice"],
+        True,
+        "even with every layer in w4a16 the result weighs 141,720 bytes at sparsity 0.25, over the target 100,000",
     ),
 }
 

@@ -1,7 +1,9 @@
 """`prune --quantize` of results in moeprune's format, in the quantization environment (.venv-quant;
 skipped with the reason when absent): a tiny qwen3_moe with a global allocation (a different expert
-count per layer) quantized W4A16 by GPTQ, and a tiny deepseek_v3 with novices quantized W8A16 by
-round-to-nearest; one run per case, shared by the asserts (module-scoped: each costs ~30 s of CPU).
+count per layer) quantized W4A16 by GPTQ, a tiny deepseek_v3 with novices quantized W8A16 by
+round-to-nearest, and a uniform mixed plan of a qwen3_moe with 32-wide experts (whole, narrowed on
+the group's multiple of 16, novices) quantized W4A16 by round-to-nearest; one run per case, shared
+by the asserts (module-scoped: each costs ~30 s of CPU).
 
 What must hold: every kept expert's projections are stored as compressed-tensors codes under its
 own name and nothing of it in full precision, while the routers, lm_head and the novices are not
@@ -31,7 +33,12 @@ pytestmark = pytest.mark.quant_env
 
 QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 CASES = {
-    # family: (extra config, prune arguments); the experts are 16 wide: groups of 16
+    # family[-case]: (extra config, prune arguments); the experts are 16 wide (mixed: 32): groups of 16
+    "qwen3_moe-mixed": (
+        {"mlp_only_layers": [], "moe_intermediate_size": 32},
+        ["--method", "mixed", "--mixed-novice", "0.125", "--sparsity", "0.25", "--quantize", "w4a16",
+         "--quant-method", "rtn"],
+    ),
     "qwen3_moe": (
         {"mlp_only_layers": []},
         ["--allocation", "global", "--sparsity", "0.5", "--quantize", "w4a16", "--quant-method", "gptq"],
@@ -49,8 +56,8 @@ IDS = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 200, 31, 64]])
 def quantized(request, tmp_path_factory) -> dict:
     if not QUANT_PYTHON.is_file():
         pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
-    family = request.param
-    extra, flags = CASES[family]
+    family = request.param.split("-")[0]
+    extra, flags = CASES[request.param]
     root = tmp_path_factory.mktemp(f"quantize-moeprune-{family}")
     save_tiny_release(root / "model", family, **extra)  # deepseek_v3: with its MTP layer (model.layers.3.*)
     data = write_arithmetic(root / "calib.jsonl")
@@ -59,7 +66,8 @@ def quantized(request, tmp_path_factory) -> dict:
     dry = run_cli("prune", *common, "--dry-run").output
     predicted = int(re.search(r"predicted .*?\(([\d,]+) bytes\)", dry)[1].replace(",", ""))
     run_cli("prune", *common)
-    return {"family": family, "out": root / "out", "predicted": predicted, "scheme": flags[flags.index("--quantize") + 1]}
+    scheme, method = flags[flags.index("--quantize") + 1], flags[flags.index("--quant-method") + 1]
+    return {"case": request.param, "family": family, "out": root / "out", "predicted": predicted, "scheme": scheme, "method": method}
 
 
 def _kept(out: Path) -> dict[int, list[int]]:
@@ -78,8 +86,13 @@ def test_every_kept_expert_quantized_routers_lm_head_and_novices_not(quantized):
     assert report["format"] == "moeprune"
     kept = _kept(out)
     counts = {len(v) for v in kept.values()}
-    if quantized["family"] == "qwen3_moe":
+    if quantized["case"] == "qwen3_moe":
         assert len(counts) > 1, kept  # the global allocation kept a different count per layer
+    if quantized["case"] == "qwen3_moe-mixed":  # narrowed on the group's multiple, whole, novices
+        downs = {int(tensors[k][1]) for k in tensors if re.fullmatch(r".*experts\.\d+\.down_proj\.weight_shape", k)}
+        assert downs == {16, 32}, downs
+        layers = json.loads((out / "config.json").read_text())["moeprune"]["layers"]
+        assert all(None in entry["widths"] and 16 in entry["widths"] for entry in layers), layers
     seen = {(int(m[1]), int(m[2]), m[3]) for k in tensors if (m := EXPERT.fullmatch(k)) and m[4] == "weight_packed"}
     assert seen == {(lay, e, p) for lay, es in kept.items() for e in es for p in ("gate", "up", "down")}
     # nothing of a kept expert left in full precision (the MTP layer's stay, below)
@@ -88,6 +101,8 @@ def test_every_kept_expert_quantized_routers_lm_head_and_novices_not(quantized):
     for lay in kept:
         assert tensors[f"model.layers.{lay}.mlp.gate.weight"].dtype == torch.float32
     novices = [k for k in tensors if k.endswith("mean_output")]
+    if quantized["case"] == "qwen3_moe-mixed":
+        assert novices and all(tensors[k].dtype == torch.float32 for k in novices)
     if quantized["family"] == "deepseek_v3":
         assert len(novices) == sum(8 - len(es) for es in kept.values()) > 0
         assert all(tensors[k].dtype == torch.float32 for k in novices)
@@ -111,7 +126,7 @@ def test_bytes_as_predicted_and_the_recipe_repeats_the_quantization(quantized):
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert 0.85 * quantized["predicted"] <= written <= quantized["predicted"]
     recipe = Recipe.load(out)
-    method = "gptq" if quantized["scheme"] == "w4a16" else "rtn"
+    method = quantized["method"]
     assert recipe.quantize == {"scheme": quantized["scheme"], "method": method, "group_size": 16}
     q = json.loads((out / "report.json").read_text())["quantization"]
     if method == "gptq":  # every kept expert computed on every calibration token

@@ -64,10 +64,16 @@ CASES = {
          "--width-multiple", "4", *PY],
         "does not divide the kept expert widths 8, 12: the largest group size that divides every width is 4",
     ),
-    # the mixed method's uniform genes fix its widths (9 and 10 neurons: one neuron at a time)
+    # the mixed method's uniform genes fix its widths: on an explicit multiple of 4 the group of 16
+    # does not divide them (12 and 8 of 16)
     "mixed widths": (
+        ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "mixed", "--width-multiple", "4", *PY],
+        "does not divide the kept expert widths 8, 12: the largest group size that divides every width is 4",
+    ),
+    # by default the mixed method's widths are multiples of the group: 16-wide experts keep none narrowed
+    "mixed on the group's multiple": (
         ["--quantize", "w4a16", "--quant-group-size", "16", "--method", "mixed", *PY],
-        "does not divide the kept expert widths 9, 10: the largest group size that divides every width is 1",
+        "its 5 narrowed experts would keep 0 of 16 neurons (less than one block of 16)",
     ),
     "group size of a channel scheme": (
         ["--quantize", "fp8-dynamic", "--quant-group-size", "16", *PY],
@@ -108,7 +114,8 @@ def test_no_quantization_environment_names_the_setup_script(world, tmp_path, mon
 
 def test_searched_widths_refused_before_the_surgery(world, tmp_path, monkeypatch):
     """The widths a mixed search chooses are known only after it: the plan is refused right then,
-    before the surgery changes the model and before anything is written or quantized."""
+    before the surgery changes the model and before anything is written or quantized (an explicit
+    multiple of 4 the group of 16 does not divide; by default the widths are the group's multiples)."""
     from moeprune import api
 
     monkeypatch.setattr(run_module, "load_placed", LOAD_PLACED)  # loading is expected here
@@ -124,7 +131,7 @@ def test_searched_widths_refused_before_the_surgery(world, tmp_path, monkeypatch
         "prune", world / "model", "--output", tmp_path / "out", "--sparsity", "0.25", "--data", world / "calib.jsonl",
         "--criterion", "frequency", "--method", "mixed", "--allocation", "evo", "--search-data", search,
         "--population", "2", "--elites", "1", "--generations", "1", "--search-samples", "2",
-        "--quantize", "w4a16", "--quant-group-size", "16", *PY, ok=False,
+        "--quantize", "w4a16", "--quant-group-size", "16", "--width-multiple", "4", *PY, ok=False,
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "a group of 16 weights does not divide the kept expert width" in result.output.strip().splitlines()[-1]

@@ -17,9 +17,11 @@ Three steps, each where it is cheapest:
   (`measure_losses` with nothing masked: the allocation is already physical), the bytes of the
   experts the plan kept, and the exact choice under T.
 
-Only methods that remove whole experts with their router rows (drop, merge) are priced by the byte
-model (`precision_bytes`); the others are refused before loading. Without `--sparsity` the
-sparsity is chosen with the schemes first (job/precision_grid.py), then these steps run at it.
+Methods that remove whole experts with their router rows (drop, merge) are priced by
+`precision_bytes`; those that narrow experts or keep novices (neurons, tenp, novice, mixed) by
+what each layer keeps (job/precision_kept.py: the uniform plan's keeps before loading, the plan's
+own after the surgery), with `--sparsity` only. Without `--sparsity` the sparsity is chosen with
+the schemes first (job/precision_grid.py, drop and merge only), then these steps run at it.
 """
 
 from __future__ import annotations
@@ -32,11 +34,19 @@ from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.job.precision import budget_per_scheme, choose_schemes, measure_losses, precision_bytes
+from moeprune.job.precision_kept import (
+    KEPT_METHODS,
+    kept_precision_bytes,
+    plan_keeps,
+    planned_precision_bytes,
+    priced_here,
+)
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.schemes import QuantizeOptions, check_auto
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
+from moeprune.surgery.lowrank import plan_rank
 from moeprune.surgery.registry import EXPERTS, METHODS, method_limits
 from moeprune.surgery.sizes import WeightBytes
 
@@ -82,10 +92,12 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             options=("quantize", "criterion"),
         )
     method = METHODS.get(config.method).configured(config.options)
-    if method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons:
+    whole = not (method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons)
+    if not whole and not (config.sparsity is not None and priced_here(config)):  # job/precision_kept.py
         raise MoePruneError(
             f"per-layer precision prices whole experts removed with their router rows (drop, merge); "
-            f"{method.described(config.options)} narrows experts or keeps novices: give one scheme",
+            f"{method.described(config.options)} narrows experts or keeps novices: give one scheme"
+            + (", or --sparsity (its plan is then priced by what it keeps)" if priced_here(config) else ""),
             options=("quantize", "method"),
         )
     return replace(config, target_size=None), config.target_size
@@ -132,11 +144,14 @@ def plan_precision(
 ) -> PrecisionTarget:
     """The bytes per scheme at the sparsity (uniform split), and the refusal of an unreachable target."""
     assert options.candidates is not None and config.sparsity is not None
-    limits = method_limits(meta, config.method, config.expert_multiple, config.options)
-    removed = uniform_allocation(
-        limits.budget(config.sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
-    )
-    pb = precision_bytes(size, meta, options.candidates, options, dtype_bytes, removed)
+    if priced_here(config):  # narrowed experts or novices: the uniform plan's keeps (precision_kept.py)
+        pb = planned_precision_bytes(meta, config, options, size, dtype_bytes)
+    else:
+        limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+        removed = uniform_allocation(
+            limits.budget(config.sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
+        )
+        pb = precision_bytes(size, meta, options.candidates, options, dtype_bytes, removed)
     per = budget_per_scheme(pb, options.candidates)
     cheapest = min(per, key=lambda s: per[s])
     if per[cheapest] > target_bytes:
@@ -189,6 +204,9 @@ def choose_precision(
     removed_of = {lp.layer: len(lp.dropped) for lp in plan.layers}
     removed = [removed_of.get(layer.index, 0) for layer in meta.layers]
     pb = precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, removed)
+    if plan.method in KEPT_METHODS:  # priced exactly by what the plan keeps (precision_kept.py)
+        keeps, rank = plan_keeps(meta, plan), plan_rank(plan)
+        pb = kept_precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, keeps, rank)
     nothing = [0] * len(pruned.layers)  # the allocation is physical now: nothing left to mask
     losses = measure_losses(evaluator, pruned, nothing, target.schemes, options.group)
     scored = evaluator.num_samples

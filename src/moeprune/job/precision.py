@@ -24,11 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.packed import PACKED_PREFIX, expert_tensors, is_packed
 from moeprune.quant.fake import fake_quantize
 from moeprune.quant.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.shards.quantized_bytes import quantized_weight_bytes
@@ -36,9 +38,30 @@ from moeprune.surgery.sizes import WeightBytes
 
 
 def expert_weights(moe: MoEModel, position: int) -> dict[str, torch.nn.Parameter]:
-    """The quantized weights of MoE layer `position`'s routed experts: every matrix parameter."""
-    experts = moe.layers[position].experts
+    """The quantized weights of MoE layer `position`'s routed experts: every matrix parameter; of a
+    packed layer (per-expert widths, novices: models/packed.py) its packed expert tensors, never
+    the novices' vectors and factors (llm-compressor leaves them unquantized)."""
+    layer = moe.layers[position]
+    experts: Any = layer.experts  # a packed layer's attributes are set on the module (models/packed.py)
+    if is_packed(layer):
+        return {
+            PACKED_PREFIX + unit: getattr(experts, PACKED_PREFIX + unit) for unit in experts.moeprune_units
+        }
     return {name: p for name, p in experts.named_parameters() if p.ndim >= 2}
+
+
+def fake_expert_weight(moe: MoEModel, position: int, name: str, scheme: str, group: int) -> torch.Tensor:
+    """The fake-quantized copy of `expert_weights(moe, position)[name]`: of a packed tensor, each
+    expert's slice in its own [out, in] shape (its own width: groups along it for down), flat again."""
+    layer = moe.layers[position]
+    data = expert_weights(moe, position)[name].data
+    if not (is_packed(layer) and name.startswith(PACKED_PREFIX)):
+        return fake_quantize(data, scheme, group)
+    unit = name.removeprefix(PACKED_PREFIX)
+    experts: Any = layer.experts
+    slots = range(len(experts.moeprune_widths))
+    parts = [fake_quantize(expert_tensors(experts, s)[unit], scheme, group).reshape(-1) for s in slots]
+    return torch.cat(parts) if parts else data.clone()
 
 
 class LayerSwap:
@@ -53,8 +76,8 @@ class LayerSwap:
         key = (position, scheme)
         if key not in self.cache:
             self.cache[key] = {
-                n: fake_quantize(p.data, scheme, self.group)
-                for n, p in expert_weights(self.moe, position).items()
+                n: fake_expert_weight(self.moe, position, n, scheme, self.group)
+                for n in expert_weights(self.moe, position)
             }
         return self.cache[key]
 

@@ -39,7 +39,7 @@ from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint
 from moeprune.surgery.lowrank import Fits, moments_bytes
-from moeprune.surgery.mixed import layer_costs, mixed_options, mixed_plan
+from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 
@@ -104,7 +104,7 @@ def search_mixed(
         )
     fits = novices if rank else None
     limits = layer_limits(moe, config.expert_multiple)
-    space = MixedSpace(layer_costs(moe, limits, rank), limits.layers, sparsity)
+    space = MixedSpace(stepped_costs(moe, limits, sparsity, options), limits.layers, sparsity)
     seeds = space.seeds(limits, options)
     path = Path(runtime.state_path) if runtime.state_path is not None else None
     if runtime.resume and (path is None or not path.is_file()):

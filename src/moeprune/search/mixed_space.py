@@ -5,10 +5,13 @@ dropped, width) tuples so the fitness cache and the search state key it like dro
 
 Why the budget is exact for every candidate: a gene's whole experts, novices and drops come in
 whole units; `fill_widths` hands what they miss to the narrowed experts of every layer, one
-neuron each. A candidate is feasible when `check_genes` accepts it (super experts whole, top_k
-experts keeping weights, drops within the layer's cap and multiple: routing groups balanced as
-drop does) and the fill keeps every narrowed expert in [1, I] neurons. Mutation redraws an
-infeasible step, so every candidate the search sees meets the one budget.
+neuron each (a block of the layer's width step each under `--width-multiple`: the budget then met
+within half a block, surgery/mixed.py). A candidate is feasible when `check_genes` accepts it
+(super experts whole, top_k experts keeping weights, drops within the layer's cap and multiple:
+routing groups balanced as drop does; the width gene on the layer's step) and the fill keeps every
+narrowed expert in [step, I] neurons. Mutation redraws an infeasible step and moves widths by whole
+steps, so every candidate the search sees meets the one budget on the width multiple. The steps
+are the uniform plan's (`stepped_costs`), so the seeds, the search and the saved plan agree.
 
 Why the seeds: the first generation holds today's single-surgery recipes as genes (uniform drop,
 uniform novices (at the run's `--novice-rank`, so at its cost d + 2dR), TENP's trapezoid, uniform neurons: ENP), so the best the search returns is at
@@ -100,7 +103,7 @@ class MixedSpace:
             for offset in range(len(self.costs)):
                 pos = (step + offset) % len(self.costs)
                 c, (w, n, v, d, width) = self.costs[pos], cand[pos]
-                width = width if n else (c.width if over else 1)
+                width = width if n else (c.width if over else min(c.step, c.width))
                 if over and w > max(c.protected, 0) and w + n >= c.top_k:
                     new = (w - 1, n + 1, v, d, width)
                 elif not over and v:
@@ -136,11 +139,18 @@ class MixedSpace:
             r = min(round(s * c.experts * c.expert() / (c.expert() - c.novice)), c.experts - c.top_k)
             novices.append(LayerGene(c.experts - r, 0, r, 0, c.width))
         recipes["novice"] = novices
-        trapezoid = trapezoid_allocation([TrapezoidLayer(c.experts, c.width, _cost(c)) for c in costs], 1 - s)
-        recipes["tenp"] = [
-            LayerGene(w := max(whole, c.protected), c.experts - w, 0, 0, min(ws) if ws else c.width)
-            for c, whole, ws in zip(costs, trapezoid.important, trapezoid.widths)
-        ]
+        try:  # TENP's trapezoid on the same width steps
+            trapezoid = trapezoid_allocation(
+                [TrapezoidLayer(c.experts, c.width, _cost(c)) for c in costs],
+                1 - s,
+                steps=[c.step for c in costs],
+            )
+            recipes["tenp"] = [
+                LayerGene(w := max(whole, c.protected), c.experts - w, 0, 0, min(ws) if ws else c.width)
+                for c, whole, ws in zip(costs, trapezoid.important, trapezoid.widths)
+            ]
+        except MoePruneError:  # less than one block left to its narrowed experts
+            recipes["tenp"] = None
         for name, options in (("neurons", MixedOptions(mixed_whole=0.0)), ("uniform", uniform)):
             try:
                 recipes[name] = uniform_genes(costs, s, options)
@@ -204,9 +214,11 @@ class MixedSpace:
             return (w - 1, n + 1, v, d, start)
         if move == "narrowed>whole" and n:
             return (w + 1, n - 1, v, d, width)
-        if move == "width" and n:
-            delta = int(rng.integers(1, config.delta_max + 1)) * max(1, c.width // 16)
-            new = min(c.width, max(1, width + (delta if rng.integers(2) else -delta)))
+        if move == "width" and n:  # whole steps of the layer's width multiple
+            unit = max(c.step, c.width // 16 - c.width // 16 % c.step)
+            delta = int(rng.integers(1, config.delta_max + 1)) * unit
+            new = min(c.width, max(min(c.step, c.width), width + (delta if rng.integers(2) else -delta)))
+            new = new if new == c.width else new - new % c.step
             return (w, n, v, d, new) if new != width else None
         if move == "novice>dropped" and v >= m:
             return (w, n, v - m, d + m, width)

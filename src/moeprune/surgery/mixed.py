@@ -20,6 +20,16 @@ genes miss (at most half an expert per layer) is handed to the narrowed experts 
 the finest step any plan has. A gene set without narrowed experts (drop, novices) must meet it by
 its counts alone, or is refused in one line.
 
+Width multiples (`--width-multiple N`, surgery/widths.py; default: the group size with
+`--quantize`, else 32 where the expert width is a multiple of 32 and at least 256, else 1): every
+narrowed width is a multiple of its layer's step s_l (the full width is always allowed). The gene's
+width is on the step, and the fill hands out whole blocks of s_l neurons instead of single ones, a
+block given (or taken back) only while at least half of it is still owed: "met" is then TENP's
+sense (allocate/trapezoid.py), the kept parameters within half a block, max(s_l) / 2 neuron rows,
+of the budget (one neuron row's half at step 1, as before). Under the default step, a budget whose
+uniform genes leave less than one block falls back to step 1, as TENP does (`mixed_steps`); an
+explicit multiple is never relaxed.
+
 Points of this space (docs/surgery.md): uniform drop is `--mixed-whole 0 --mixed-width 1` (every
 kept expert at full width), uniform novices add `--mixed-novice S` at the parameter sparsity
 S (1 - n / P, n a novice's parameters; `--novice-rank R` for low-rank ones), ENP is `--mixed-whole 0` (everything narrowed), and TENP is the per-layer genes whose
@@ -41,7 +51,7 @@ from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.neurons import (
-    NeuronOptions,
+    NarrowOptions,
     check_importance,
     check_neuron_prunable,
     check_neuron_stats,
@@ -51,6 +61,7 @@ from moeprune.surgery.novice import require_stats
 from moeprune.surgery.parameters import novice_params
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes, grid_steps
+from moeprune.surgery.widths import hand_out_blocks, nearest_multiple, width_step
 
 GENES_KEY = "mixed_genes"  # plan.extra: the genes the plan was made from (a search's seed)
 
@@ -63,10 +74,10 @@ def _share(value: object, name: str, low_open: bool = False) -> None:
 
 
 @dataclass(frozen=True)
-class MixedOptions(NeuronOptions, NoviceOptions):
+class MixedOptions(NarrowOptions, NoviceOptions):
     """The uniform gene: the same shares in every MoE layer (module docstring). The neuron ranking
-    is ENP's and the novices' rank the novice method's: the same settings (one `--novice-rank`
-    flag), validated by their own classes."""
+    and width multiple are the neuron methods' and the novices' rank the novice method's: the same
+    settings (one `--width-multiple`, one `--novice-rank` flag), validated by their own classes."""
 
     mixed_whole: float | None = setting(
         None,
@@ -91,7 +102,7 @@ class MixedOptions(NeuronOptions, NoviceOptions):
     )
 
     def __post_init__(self) -> None:
-        NeuronOptions.__post_init__(self)
+        NarrowOptions.__post_init__(self)
         NoviceOptions.__post_init__(self)
         if self.mixed_whole is not None:
             _share(self.mixed_whole, "mixed_whole")
@@ -130,6 +141,11 @@ class LayerCosts:
     protected: int  # super experts: the gene keeps at least this many whole
     cap: int  # most experts the layer may drop (routing groups, super experts)
     multiple: int  # drops per layer are a multiple of this (routing groups, --expert-multiple)
+    step: int = 1  # narrowed widths are multiples of this (--width-multiple; the full width allowed)
+
+    def on_step(self, width: int) -> bool:
+        """Whether a narrowed expert may keep `width` neurons: a multiple of the step, or all."""
+        return width == self.width or width % self.step == 0
 
     def expert(self, width: int | None = None) -> int:
         return self.per_neuron * (self.width if width is None else width) + self.per_expert
@@ -140,10 +156,13 @@ class LayerCosts:
         )
 
 
-def layer_costs(moe: MoEModel, limits: LayerLimits | None = None, rank: int = 0) -> list[LayerCosts]:
+def layer_costs(
+    moe: MoEModel, limits: LayerLimits | None = None, rank: int = 0, *, steps: Sequence[int] | None = None
+) -> list[LayerCosts]:
     """The parameter costs of `moe`'s MoE layers (a meta-device model does), its novices of rank
-    `rank` (d + 2dR parameters each)."""
+    `rank` (d + 2dR parameters each), narrowed widths on `steps` (None: any width, step 1)."""
     limits = limits or layer_limits(moe)
+    steps = steps or [1] * len(moe.layers)
     out = []
     for pos, m in enumerate(moe.layers):
         cost = layer_cost(m)
@@ -151,9 +170,40 @@ def layer_costs(moe: MoEModel, limits: LayerLimits | None = None, rank: int = 0)
             LayerCosts(
                 m.num_experts, m.intermediate_size, cost.per_neuron, cost.per_expert,
                 novice_params(m.hidden_size, rank), m.top_k, len(moe.protected.get(m.index, ())), limits.caps[pos], limits.multiples[pos],
+                steps[pos],
             )
         )  # fmt: skip
     return out
+
+
+def mixed_steps(costs: Sequence[LayerCosts], sparsity: float, options: MixedOptions) -> list[int]:
+    """Each MoE layer's width step: `--width-multiple` when given (never relaxed), else the serving
+    alignment where the expert width allows it (surgery/widths.py `width_step`), falling back to
+    step 1 where the options' uniform genes leave less than one block under it (module docstring).
+    The uniform plan, the search space and the byte planning all take their steps from here."""
+    asked = options.width_multiple
+    steps = [width_step(c.width, asked) for c in costs]
+    if asked is not None or all(s == 1 for s in steps):
+        return steps
+
+    def fits(trial: list[int]) -> bool:
+        stepped = [replace(c, step=s) for c, s in zip(costs, trial)]
+        try:
+            fill_widths(stepped, uniform_genes(stepped, sparsity, options), _target(stepped, sparsity))
+        except MoePruneError:
+            return False
+        return True
+
+    ones = [1] * len(costs)
+    return ones if not fits(steps) and fits(ones) else steps
+
+
+def stepped_costs(
+    moe: MoEModel, limits: LayerLimits, sparsity: float, options: MixedOptions
+) -> list[LayerCosts]:
+    """`layer_costs` with the width steps of `mixed_steps`: what every mixed plan is made on."""
+    costs = layer_costs(moe, limits, options.novice_rank)
+    return [replace(c, step=s) for c, s in zip(costs, mixed_steps(costs, sparsity, options))]
 
 
 def check_genes(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], layers: Sequence[int]) -> None:
@@ -167,6 +217,10 @@ def check_genes(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], layers:
             raise MoePruneError(f"{where}: counts {counts} must be non-negative and add up to {c.experts}")
         if g.narrowed and not 1 <= g.width <= c.width:
             raise MoePruneError(f"{where}: narrowed experts keep {g.width} neurons, not in [1, {c.width}]")
+        if g.narrowed and not c.on_step(g.width):
+            raise MoePruneError(
+                f"{where}: narrowed experts keep {g.width} neurons, not a multiple of the width step {c.step}"
+            )
         if g.whole < c.protected:
             raise MoePruneError(
                 f"{where}: keeps {g.whole} experts whole but the layer has {c.protected} super experts"
@@ -202,20 +256,38 @@ def uniform_genes(costs: Sequence[LayerCosts], sparsity: float, options: MixedOp
             )
         if options.mixed_width is None:  # nothing dropped: the narrowed experts share what is left
             width = math.floor((left - rest * c.per_expert) / (rest * c.per_neuron)) if rest else c.width
+            if width < c.width:  # on the step: the fill hands the rest out in blocks
+                width -= width % c.step
             if rest and not 1 <= width <= c.width:
+                block = "" if c.step == 1 else f" (less than one block of {c.step})"
                 raise MoePruneError(
-                    f"MoE layer {pos}: its {rest} narrowed experts would keep {width} of {c.width} neurons; "
+                    f"MoE layer {pos}: its {rest} narrowed experts would keep {width} of {c.width} neurons{block}; "
                     + ("raise" if width < 1 else "lower")
-                    + " --mixed-whole or --mixed-novice, give a --mixed-width, or change the sparsity",
-                    options=("mixed_whole", "mixed_novice", "mixed_width", "sparsity"),
+                    + " --mixed-whole or --mixed-novice, give a --mixed-width, or change the sparsity"
+                    + ("" if c.step == 1 else " or the width multiple"),
+                    options=("mixed_whole", "mixed_novice", "mixed_width", "sparsity")
+                    + (("width_multiple",) if c.step > 1 else ()),
                 )
             genes.append(LayerGene(whole, rest, novice, 0, width))
             continue
-        width = min(c.width, max(1, round(options.mixed_width * c.width)))
+        if c.step == 1:
+            width = min(c.width, max(1, round(options.mixed_width * c.width)))
+        else:  # the nearest multiple of the step, at least one block
+            width = max(
+                nearest_multiple(options.mixed_width * c.width, c.step, c.width), min(c.step, c.width)
+            )
         narrowed = min(rest, max(0, round(left / c.expert(width))))
         dropped = rest - narrowed
         dropped -= dropped % c.multiple  # group-limited routing drops whole rounds
         narrowed = rest - dropped
+        if c.step > 1:  # no block goes below one: drop more rather than keep more than the fill can take
+            budget = keep * c.experts * c.expert() - whole * c.expert() - novice * c.novice
+            slack = c.step / (2 * len(costs))  # the layers' share of the half block the budget allows
+            while (
+                narrowed >= c.multiple
+                and narrowed * c.expert(width) - budget > (narrowed * (width - c.step) + slack) * c.per_neuron
+            ):
+                narrowed, dropped = narrowed - c.multiple, dropped + c.multiple
         if width == c.width:  # a narrowed expert at full width is a whole one
             whole, narrowed = whole + narrowed, 0
         genes.append(LayerGene(whole, narrowed, novice, dropped, width))
@@ -225,13 +297,16 @@ def uniform_genes(costs: Sequence[LayerCosts], sparsity: float, options: MixedOp
 def fill_widths(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], target: float) -> list[list[int]]:
     """Per layer, the neurons of each narrowed expert (most important first) so that the kept
     parameters are within half a neuron row of `target`: the neurons the genes miss go one each to
-    the narrowed experts, the most important of every layer first."""
+    the narrowed experts, the most important of every layer first. Layers whose costs have a width
+    step above 1 get (or give back) whole blocks of their step instead, each while at least half of
+    it is owed: within max(step) / 2 neuron rows then (module docstring)."""
     rows = {c.per_neuron for c in costs}
     if len(rows) != 1:
         raise MoePruneError(f"MoE layers disagree on parameters per neuron ({sorted(rows)})")
     row = rows.pop()
     widths = [[g.width] * g.narrowed for g in genes]
-    extra = round((target - sum(c.kept(g) for c, g in zip(costs, genes))) / row)
+    owed = (target - sum(c.kept(g) for c, g in zip(costs, genes))) / row
+    extra = round(owed)
     slots = sorted(((j, pos) for pos, g in enumerate(genes) for j in range(g.narrowed)))
     if extra and not slots:
         raise MoePruneError(
@@ -239,10 +314,18 @@ def fill_widths(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], target:
             "expert is narrowed to absorb them; give a --mixed-width below 1, or a sparsity its counts meet",
             options=("mixed_width", "sparsity"),
         )
-    if slots:
+    if slots and all(c.step == 1 for c in costs):
         base, more = divmod(extra, len(slots))
         for n, (j, pos) in enumerate(slots):
             widths[pos][j] += base + (n < more)
+    elif slots:
+        owed = hand_out_blocks(widths, slots, [(c.step, c.width) for c in costs], owed)
+        if abs(owed) > max(c.step for c in costs) / 2:
+            raise MoePruneError(
+                f"the mixed plan's narrowed experts, on their width multiple, cannot absorb the {abs(owed):.0f} "
+                "neurons its other forms miss the budget by; narrow more experts (--mixed-width) or change the shares",
+                options=("mixed_width", "mixed_whole", "sparsity", "width_multiple"),
+            )
     for pos, (c, ws) in enumerate(zip(costs, widths)):
         if ws and not (min(ws) >= 1 and max(ws) <= c.width):
             raise MoePruneError(
@@ -265,8 +348,8 @@ def mixed_options(config: PruneConfig) -> MixedOptions:
 def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
     """The uniform genes of `config` and the narrowed widths that meet its budget."""
     options = mixed_options(config)
-    costs = layer_costs(moe, layer_limits(moe, config.expert_multiple), options.novice_rank)
     sparsity = config.sparsity_value()
+    costs = stepped_costs(moe, layer_limits(moe, config.expert_multiple), sparsity, options)
     genes = uniform_genes(costs, sparsity, options)
     check_genes(costs, genes, [m.index for m in moe.layers])
     return genes, fill_widths(costs, genes, _target(costs, sparsity))
@@ -279,7 +362,7 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
     importance = options.neuron_importance
     limits = layer_limits(moe, request.expert_multiple)
-    costs = layer_costs(moe, limits, options.novice_rank)
+    costs = stepped_costs(moe, limits, sparsity, options)
     check_genes(costs, genes, limits.layers)
     require_stats(stats, "the mixed method (novices' mean outputs, neuron importance)")
     if any(g.narrowed for g in genes):
@@ -315,6 +398,7 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
         extra={
             "neuron_importance": importance,
             GENES_KEY: [asdict(g) for g in genes],
+            "width_multiple": {str(m.index): c.step for m, c in zip(moe.layers, costs)},
             "routed_parameters_target": target,
             "routed_parameters_kept": int(kept),
             "routed_parameters_total": sum(c.experts * c.expert() for c in costs),
@@ -372,7 +456,10 @@ def _mixed_steps(
 
 def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     genes, widths = planned_genes(moe, config)
+    limits, sparsity = layer_limits(moe, config.expert_multiple), config.sparsity_value()
+    steps = [c.step for c in stepped_costs(moe, limits, sparsity, mixed_options(config))]
     return {
+        "width_multiple": dict(zip([m.index for m in moe.layers], steps)),
         "mixed_genes": {m.index: asdict(g) for m, g in zip(moe.layers, genes)},
         "narrowed_neurons": {m.index: sorted(set(ws)) for m, ws in zip(moe.layers, widths)},
     }
@@ -397,7 +484,9 @@ def plan_mixed(request: PlanRequest) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
     if request.removed is not None:  # --allocation evo: the searched genes (search/mixed_search.py)
         return mixed_plan(request, [LayerGene(*g) for g in request.removed])  # type: ignore[misc]
-    costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple), options.novice_rank)
+    costs = stepped_costs(
+        request.moe, layer_limits(request.moe, request.expert_multiple), request.sparsity, options
+    )
     plan = mixed_plan(request, uniform_genes(costs, request.sparsity, options))
     plan.extra["mixed_options"] = {k: v for k, v in asdict(options).items() if k.startswith("mixed_")}
     return plan

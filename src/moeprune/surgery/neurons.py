@@ -125,7 +125,7 @@ class NarrowOptions(NeuronOptions):
 
     width_multiple: int | None = setting(
         None,
-        "neurons/tenp: every narrowed expert width is a multiple of N (the full width is always allowed) "
+        "neurons/tenp/mixed: every narrowed expert width is a multiple of N (the full width is always allowed) "
         "[default: the group size with --quantize, else 32 where the expert width allows it; surgery/widths.py].",
         minimum=1,
     )

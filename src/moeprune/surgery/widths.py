@@ -18,8 +18,9 @@ then 1, where less than one block would be left); TENP under the default step fa
 own 1 neuron the same way (surgery/tenp.py `tenp_steps`). An explicit `--width-multiple` is never
 relaxed: a budget it cannot meet is refused.
 
-Another narrowing method (mixed) can take the same rule: `width_step(width, asked, floor)` is
-the step of one layer, `nearest_multiple` rounds a target width onto it.
+`--method mixed` takes the same rule (surgery/mixed.py `mixed_steps`): `width_step(width, asked,
+floor)` is the step of one layer, `nearest_multiple` rounds a target width onto it, and
+`hand_out_blocks` hands the neurons its genes miss to the narrowed experts a block at a time.
 """
 
 from __future__ import annotations
@@ -122,3 +123,28 @@ def guarded_shared(m: MoELayer, whole: int, k: int, asked: int | None) -> tuple[
             if pos == len(tries) - 1:
                 raise
     raise AssertionError("no width step tried")  # pragma: no cover - tries is never empty
+
+
+def hand_out_blocks(
+    widths: list[list[int]], slots: list[tuple[int, int]], layers: list[tuple[int, int]], owed: float
+) -> float:
+    """Give `owed` neurons (taken back when negative) to the narrowed experts `widths[pos][j]`, a
+    block of their layer's step at a time (`layers[pos]` = (step, full width)), round-robin over
+    `slots` in order (the mixed method's most important first), each block only while at least half
+    of it is still owed (TENP's rule, allocate/trapezoid.py): a width stays a multiple of its step
+    (or the full width) and at least one block. Blocks taken back come from the least important
+    first, as the single-neuron fill does. Returns what is left owed, in neurons."""
+    sign = 1 if owed > 0 else -1
+    order = slots if sign > 0 else slots[::-1]
+    moved = True
+    while moved:
+        moved = False
+        for j, pos in order:
+            step, full = layers[pos]
+            w = widths[pos][j]
+            new = min((w // step + 1) * step, full) if sign > 0 else (w - 1) // step * step
+            if (new > w if sign > 0 else new >= step) and sign * owed >= abs(new - w) / 2:
+                widths[pos][j] = new
+                owed -= new - w
+                moved = True
+    return owed

@@ -1,0 +1,179 @@
+"""Per-layer precision (`--quantize auto:A,B --sparsity S`) for the methods that narrow experts or
+keep novices: neurons, tenp, novice and mixed. job/precision.py prices whole experts removed with
+their router rows (drop, merge); these methods keep experts of other widths and vectors instead,
+so their bytes per (layer, scheme) come from what each layer keeps (`LayerKeep`):
+
+- every expert that keeps weights, at its width w: `per_neuron * w + per_expert` in the layer's
+  scheme (shards/quantized_bytes.py: codes, scales and header entries of its three Linears);
+- every novice: its vector (rank R: d + 2dR values) in the saved dtype, whatever the scheme.
+  llm-compressor quantizes Linear modules only, and novices are parameters of the experts module,
+  not Linears (job/oneshot_layout.py), so they stay unquantized: priced outside the choice;
+- every expert dropped: its weights and its router rows gone (as job/precision.py prices drop).
+
+Everything outside the routed experts takes the base (first) scheme, as for drop. Where it is
+priced:
+
+- before loading (`planned_keeps`): the uniform plan's own widths and counts, from the structure
+  and options (the neurons method's K per layer, TENP's trapezoid, the novice method's uniform
+  split, the mixed method's uniform genes and fill). Exact for those plans; a mixed search keeps
+  the same routed parameters (within half a block) but picks its own forms, and the neurons
+  method's guarded super experts keep at most what K would: the prediction is what `--dry-run`
+  prints and what an unreachable T is refused against;
+- after the surgery (`plan_keeps`): the plan the model now has, so the choice is exact for the
+  bytes the quantized result will hold (the test checks them tensor by tensor).
+
+The stock form of the neurons method (one width everywhere) zero-pads a derived shared expert
+(surgery/neurons.py); that padding is priced like the one-scheme prediction does
+(`neuron_plan_bytes`), in the fixed part.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moeprune.allocate.basic import uniform_allocation
+from moeprune.config import PruneConfig
+from moeprune.errors import MoePruneError
+from moeprune.job.precision import PrecisionBytes, budget_per_scheme
+from moeprune.models import MoEModel
+from moeprune.plan import Plan
+from moeprune.quant.schemes import QuantizeOptions
+from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.surgery.mixed import planned_genes
+from moeprune.surgery.neurons import uniform_widths
+from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.tenp import tenp_allocation
+
+KEPT_METHODS = ("neurons", "tenp", "novice", "mixed")  # priced here (drop and merge: job/precision.py)
+
+
+@dataclass(frozen=True)
+class LayerKeep:
+    """What one MoE layer keeps of its routed experts."""
+
+    widths: tuple[int, ...]  # neurons of each expert that keeps weights (the full width: whole)
+    novices: int = 0  # experts replaced by novices (routing kept)
+    removed: int = 0  # experts dropped with their router rows
+
+
+def priced_here(config: PruneConfig) -> bool:
+    """Whether `config`'s method is priced by what its layers keep (this module)."""
+    return config.method in KEPT_METHODS
+
+
+def _rank(config: PruneConfig) -> int:
+    return int(getattr(METHODS.get(config.method).resolve_options(config.options), "novice_rank", 0) or 0)
+
+
+def planned_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
+    """The uniform plan's keeps from the structure and options alone (a meta-device model does)."""
+    sparsity = config.sparsity_value()
+    full = [m.intermediate_size for m in meta.layers]
+    counts = [m.num_experts for m in meta.layers]
+    if config.method == "neurons":
+        options = METHODS.get("neurons").resolve_options(config.options)
+        ks = uniform_widths(meta, sparsity, options.width_multiple)
+        return [LayerKeep((k,) * n) for k, n in zip(ks, counts)]
+    if config.method == "tenp":
+        alloc = tenp_allocation(meta, sparsity, METHODS.get("tenp").resolve_options(config.options))
+        return [LayerKeep((w,) * c + tuple(ws)) for w, c, ws in zip(full, alloc.important, alloc.widths)]
+    if config.method == "mixed":
+        genes, widths = planned_genes(meta, config)
+        return [
+            LayerKeep((w,) * g.whole + tuple(ws), g.novice, g.dropped)
+            for w, g, ws in zip(full, genes, widths)
+        ]
+    if config.method == "novice":
+        limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+        removed = uniform_allocation(
+            limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
+        )
+        return [LayerKeep((w,) * (n - r), r) for w, n, r in zip(full, counts, removed)]
+    raise MoePruneError(f"per-layer precision does not price the {config.method} method by its keeps")
+
+
+def plan_keeps(meta: MoEModel, plan: Plan) -> list[LayerKeep]:
+    """What each MoE layer of `meta` keeps under `plan` (a layer the plan leaves out keeps all)."""
+    by_layer = {lp.layer: lp for lp in plan.layers}
+    out = []
+    for m in meta.layers:
+        lp = by_layer.get(m.index)
+        if lp is None:
+            out.append(LayerKeep((m.intermediate_size,) * m.num_experts))
+            continue
+        novice = set(lp.novice)
+        widths = tuple(lp.neurons.get(e, m.intermediate_size) for e in lp.kept if e not in novice)
+        out.append(LayerKeep(widths, len(novice), len(lp.dropped)))
+    return out
+
+
+def kept_precision_bytes(
+    size: WeightBytes,
+    moe: MoEModel,
+    schemes: Sequence[str],
+    options: QuantizeOptions,
+    dtype_bytes: int,
+    keeps: Sequence[LayerKeep],
+    novice_rank: int = 0,
+) -> PrecisionBytes:
+    """`size` (the unpruned model's full-precision bytes) quantized with the first scheme outside
+    the routed experts and any scheme per layer inside, each layer keeping `keeps[l]` (module
+    docstring: novices unquantized, in the fixed part)."""
+    per: dict[str, WeightBytes] = {
+        s: quantized_weight_bytes(
+            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
+        )
+        for s in schemes
+    }
+    base = per[schemes[0]]
+    fixed = base.total
+    for lay, keep in zip(base.layers, keeps):
+        fixed -= lay.experts * lay.expert() + keep.removed * lay.router_row
+        fixed += keep.novices * lay.novice * (1 + 2 * novice_rank)
+    one = {w for keep in keeps for w in keep.widths}
+    if len(one) == 1 and not any(k.novices or k.removed for k in keeps):  # the stock form's padding
+        k = one.pop()
+        for lay in base.layers:
+            if lay.shared_width and k < lay.width:
+                fixed += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
+    layers = tuple(
+        {s: sum(per[s].layers[i].expert(w) for w in keep.widths) for s in schemes}
+        for i, keep in enumerate(keeps)
+    )
+    return PrecisionBytes(fixed, layers)
+
+
+def planned_precision_bytes(
+    meta: MoEModel,
+    config: PruneConfig,
+    options: QuantizeOptions,
+    size: WeightBytes,
+    dtype_bytes: int,
+) -> PrecisionBytes:
+    """Before loading: the bytes per (layer, scheme) of the config's uniform plan."""
+    assert options.candidates is not None
+    keeps = planned_keeps(meta, config)
+    return kept_precision_bytes(size, meta, options.candidates, options, dtype_bytes, keeps, _rank(config))
+
+
+def every_layer_at(
+    meta: MoEModel, config: PruneConfig, options: QuantizeOptions, size: WeightBytes, dtype_bytes: int
+) -> dict[str, int]:
+    """What `--dry-run` prints for these methods: the total with every layer at each scheme."""
+    pb = planned_precision_bytes(meta, config, options, size, dtype_bytes)
+    return budget_per_scheme(pb, options.candidates or ())
+
+
+__all__ = [
+    "KEPT_METHODS",
+    "LayerKeep",
+    "every_layer_at",
+    "kept_precision_bytes",
+    "plan_keeps",
+    "planned_keeps",
+    "planned_precision_bytes",
+    "priced_here",
+]
