@@ -25,10 +25,11 @@ from moeprune.config import PruneConfig, SearchConfig
 from moeprune.data.loading import load_data
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
-from moeprune.job.precision import budget_per_scheme, precision_bytes
-from moeprune.job.precision_evo import joint_space, search_joint
+from moeprune.job.precision import LayerSwap, budget_per_scheme, precision_bytes
+from moeprune.job.precision_evo import joint_candidate, joint_space, search_joint
 from moeprune.models import MoEModel
 from moeprune.quant.schemes import QuantizeOptions
+from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_space import PrecisionSearch
 from moeprune.shards.weight_bytes import cast_weight_bytes
@@ -122,7 +123,7 @@ def searched(tiny, tmp_path_factory) -> dict:
     )  # fmt: skip
     runtime = SearchRuntime(batch_size=4, progress=False)
     best, doc = search_joint(tiny, space, seeds, orders, data, config, runtime, 16)  # type: ignore[arg-type]
-    return {"space": space, "best": best, "doc": doc, "before": before, "seeds": seeds}
+    return {"space": space, "best": best, "doc": doc, "before": before, "seeds": seeds, "data": data, "orders": orders}
 
 
 def test_the_winner_is_under_t_and_no_worse_than_any_seed(searched):
@@ -130,6 +131,26 @@ def test_the_winner_is_under_t_and_no_worse_than_any_seed(searched):
     assert space.bytes(searched["best"]) == doc["predicted_bytes"] <= space.target
     assert all(doc["fitness_value"] >= seed["fitness_value"] for seed in doc["seeds"].values())
     assert doc["allocation"] == [r for r, _ in searched["best"]] and doc["evaluations"] > len(searched["seeds"])
+
+
+def test_the_prefix_cached_fitness_is_the_plain_forward_of_the_candidate(tiny, searched):
+    """The prefix cache is keyed by each earlier layer's (removed, scheme): a candidate resumed
+    from a cached prefix scores what the plain forward of the whole candidate scores."""
+    doc = searched["doc"]
+    assert doc["speedups"]["resume_mode"] != "plain" and doc["speedups"]["prefix_hits"] > 0
+    swap = LayerSwap(tiny, 16)
+    plain: CandidateEvaluator | None = None
+
+    def context(c):
+        return joint_candidate(plain, tiny, swap, SCHEMES, c)
+
+    plain = CandidateEvaluator(
+        tiny, searched["data"], searched["orders"], seed=42, plan_context=context,
+        runtime=SearchRuntime(batch_size=4, progress=False, fast=False),
+    )  # fmt: skip
+    for name, seed in searched["seeds"].items():
+        assert plain.evaluate(seed) == pytest.approx(doc["seeds"][name]["fitness_value"], abs=1e-6)
+    assert plain.evaluate(searched["best"]) == pytest.approx(doc["fitness_value"], abs=1e-6)
 
 
 def test_the_swaps_leave_every_weight_as_it_was(tiny, searched):
