@@ -30,6 +30,7 @@ from moeprune.job.precision_evo import joint_candidate, joint_space, search_join
 from moeprune.models import MoEModel
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.evo import EvoIO
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_space import PrecisionSearch
 from moeprune.shards.weight_bytes import cast_weight_bytes
@@ -104,6 +105,28 @@ def test_a_known_optimum_is_found_from_the_seeds(tiny):
     result = search.run()
     assert result.best == only and result.best_fitness == 0.0
     assert search.cache[richer] < 0
+
+
+def test_a_resumed_search_ends_where_an_uninterrupted_one_does(tiny, tmp_path):
+    size = _size(tiny)
+    every = budget_per_scheme(precision_bytes(size, tiny, SCHEMES, OPTIONS, 4, [0, 0, 0]), SCHEMES)
+    space = joint_space(tiny, CONFIG, OPTIONS, size, 4, (every["w4a16"] + every["w8a16"]) // 2)
+    seeds = {"seed": space.repair([(0, 0), (0, 1), (0, 0)], np.random.default_rng(0))}
+
+    def fitness(c):  # a made-up score that prefers removals late and w8a16 early
+        return float(sum(r * (i + 1) for i, (r, _) in enumerate(c)) - sum(s * (3 - i) for i, (_, s) in enumerate(c)))
+
+    def search(generations: int, state) -> PrecisionSearch:
+        config = SearchConfig(population=5, elites=2, generations=generations, seed=3)
+        return PrecisionSearch(fitness, space, seeds, config, io=EvoIO(state_path=state, progress=False))
+
+    whole = search(5, tmp_path / "whole.json").run()
+    search(2, tmp_path / "part.json").run()
+    resumed = search(5, tmp_path / "part.json").run(resume=True)
+    assert resumed.best == whole.best and [h.fitnesses for h in resumed.history] == [
+        h.fitnesses for h in whole.history
+    ]
+    assert space.feasible(whole.best) and whole.best_fitness >= fitness(seeds["seed"])
 
 
 @pytest.fixture(scope="module")
