@@ -216,6 +216,7 @@ def test_prune_keeps_the_winner_counts_and_schemes(joint):
     assert [precision["chosen"][k] for k in keys] == search["chosen_schemes"]
     assert report["quantization"]["layer_schemes"] == precision["chosen"]
     assert precision["predicted_bytes"] == search["predicted_bytes"] <= 145000
+    assert precision["fixed_bytes"] + sum(precision["expert_bytes"].values()) == precision["predicted_bytes"]
     assert all(search["fitness_value"] >= s["fitness_value"] for s in search["seeds"].values())
     assert {f"grid {r['sparsity']:.4g}" for r in precision["sparsity_grid"]} == set(search["seeds"])
     assert joint["evo"]["recipe"]["config"]["sparsity"] is None  # a rerun searches again

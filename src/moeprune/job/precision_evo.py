@@ -202,8 +202,8 @@ def joint_choice(space: PrecisionSpace, best: Joint, layers: Sequence[int], fitn
         "removed_per_layer": dict(zip(keys, (r for r, _ in best))),
         "chosen": dict(zip(keys, space.named(best))),
         "expert_bytes": dict(zip(keys, space.layer_bytes(best))),
-        "fixed_bytes": space.bytes(tuple((r, 0) for r, _ in best))
-        - sum(space.layer_bytes(tuple((r, 0) for r, _ in best))),
+        # outside the kept routed experts: the base scheme, less the removed experts' router rows
+        "fixed_bytes": space.fixed - sum(r * row for (r, _), row in zip(best, space.router_rows)),
         "predicted_bytes": space.bytes(best),
     }
 

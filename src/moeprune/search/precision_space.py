@@ -153,7 +153,8 @@ class PrecisionSpace:
         return parent
 
     def initial(self, seeds: Sequence[Joint], config: SearchConfig, rng: np.random.Generator) -> list[Joint]:
-        """The seeds (distinct, in order), then mutations of them in turn, at most P in all."""
+        """The seeds (distinct, in order, every one of them even past P), then mutations of them in
+        turn up to P in all."""
         population = list(dict.fromkeys(self.check(seed, "seed") for seed in seeds))
         tries = 0
         while len(population) < config.population and tries < 20 * config.population:
