@@ -196,6 +196,7 @@ def joint(tmp_path_factory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run_module, "quantize_folder", _stand_in)
         run_cli("prune", *common, *evo, "--output", root / "evo", "--target-size", "145000")
+        out["evo dry"] = run_cli("prune", *common, *evo, "--output", root / "d", "--target-size", "145000", "--dry-run").output
         dry = run_cli("prune", *common, "--output", root / "x", "--target-size", "10MB", "--dry-run").output
         every_w4 = int(re.search(r"sparsity 0: every layer in one scheme w4a16 ([\d,]+)", dry)[1].replace(",", ""))
         run_cli("prune", *common, "--quant-sparsity-grid", "1", "--output", root / "only",
@@ -220,6 +221,9 @@ def test_prune_keeps_the_winner_counts_and_schemes(joint):
     assert all(search["fitness_value"] >= s["fitness_value"] for s in search["seeds"].values())
     assert {f"grid {r['sparsity']:.4g}" for r in precision["sparsity_grid"]} == set(search["seeds"])
     assert joint["evo"]["recipe"]["config"]["sparsity"] is None  # a rerun searches again
+    grid = [float(x) for x in re.findall(r"grid      sparsity ([\d.]+):", joint["evo dry"])]
+    assert grid == [round(r["sparsity"], 6) for r in precision["sparsity_grid"]]
+    assert "search    evo over experts removed and scheme per MoE layer" in joint["evo dry"]
 
 
 def test_quantize_only_is_a_grid_point_and_prunes_nothing_when_chosen(joint):
