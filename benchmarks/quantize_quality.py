@@ -207,6 +207,18 @@ class Runner:
             s: int(b.replace(",", "")) for s, b in re.findall(r"(\w+) [\d.]+ \w*B \(([\d,]+) bytes\)", line)
         }
 
+    def quantize_only_predicted(self) -> int:
+        """prune --dry-run's predicted bytes of W4A16 of the whole model (the grid's sparsity-0
+        point): the least `--target-size` under which quantizing only is a candidate (the byte
+        model bounds the safetensors headers, so it lies above the bytes the driver writes)."""
+        flags = [*self.quant_flags(AUTO), "--target-size", str(10**12), "--dry-run"]
+        done = subprocess.run(
+            self.command(self.work / "dry_run", flags), capture_output=True, text=True, check=True
+        )
+        found = re.search(r"sparsity 0: every layer in one scheme w4a16 ([\d,]+)", done.stdout + done.stderr)
+        assert found is not None, done.stdout + done.stderr
+        return int(found[1].replace(",", ""))
+
     def only_flags(self, scheme: str) -> str:
         return " ".join(self.quant_flags(scheme)) + " (llm-compressor driver, no prune)"
 
@@ -244,8 +256,11 @@ def run(runner: Runner, sparsities: list[float], bf16_sparsities: list[float]) -
 def precision(runner: Runner, sparsities: list[float], only: Row) -> list[Row]:
     """The per-layer precision rows (`--quantize auto:w4a16,w8a16`): at each sparsity, a target
     halfway between the dry run's predictions with every layer's experts at w4a16 and at w8a16
-    (so the choice has bytes to spend and cannot buy every layer w8a16); then the joint grid (no
-    `--sparsity`: the sparsity chosen with the schemes) at the bytes of W4A16 of the whole model."""
+    (so the choice has bytes to spend and cannot buy every layer w8a16); then, without `--sparsity`
+    (the sparsity chosen with the schemes), the joint grid and the joint evo search (experts and
+    schemes per layer searched together, seeded with the grid, on the demo's search split and
+    search budget) at the bytes of W4A16 of the whole model on disk and at the byte model's
+    prediction of them (where quantizing only is itself a candidate)."""
     rows = []
     for s in sparsities:
         bounds = runner.every_layer_at(s)
@@ -253,8 +268,18 @@ def precision(runner: Runner, sparsities: list[float], only: Row) -> list[Row]:
         flags = ["--sparsity", str(s), "--target-size", str(target), *runner.quant_flags(AUTO)]
         budget = f"halfway: {bounds['w4a16']:,} / {bounds['w8a16']:,} predicted"
         rows.append(runner.prune(f"reap {s:.0%} + {AUTO}", flags, budget))
-    flags = ["--target-size", str(only.total_bytes), *runner.quant_flags(AUTO)]
-    rows.append(runner.prune(f"{AUTO}, sparsity chosen", flags, f"= {only.name}"))
+    settings = runner.demo.settings
+    search = [a for f in runner.demo.files("search", DOMAINS) for a in ("--search-data", f)]
+    evo = ["--allocation", "evo", *search, "--search-samples", str(settings.search_samples),
+           "--population", str(settings.population), "--elites", "4", "--generations", str(settings.generations)]  # fmt: skip
+    predicted = runner.quantize_only_predicted()
+    for target, budget, tag in (
+        (only.total_bytes, f"= {only.name}", ""),
+        (predicted, f"= {only.name}, predicted", " (predicted)"),
+    ):
+        flags = ["--target-size", str(target), *runner.quant_flags(AUTO)]
+        rows.append(runner.prune(f"{AUTO}, sparsity chosen{tag}", flags, budget))
+        rows.append(runner.prune(f"{AUTO}, evo{tag}", [*flags, *evo], budget))
     return rows
 
 

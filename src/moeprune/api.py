@@ -124,7 +124,9 @@ def prune(
     `data` (calibration) and `search_data` are files (JSONL, text, parquet, ...; FILE:WEIGHT mixes
     them) read with `tokenizer` as `options` says (samples, max_length, batch_size, seed, packing),
     or already loaded `CalibrationData`. `search_state` checkpoints an EvoESAP search every
-    generation; `run.resume` continues it.
+    generation; `run.resume` continues it. `run.removed` (experts removed per MoE layer, chosen
+    already: the joint precision search, job/precision_evo.py) replaces the allocation's counts and
+    its search; all zeros keeps every expert (the config's sparsity then only passes the checks).
     """
     options, run = options or DataOptions(), run or RunOptions()
     config = check_config(config)
@@ -193,9 +195,12 @@ def prune(
             layers=[m.index for m in moe.layers],
         )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
-    removed, search_doc, plan_scores = None, None, scores
+    search_doc, plan_scores = None, scores
     every_novice = None  # a mixed search's rank-R novices: scored by the search, saved by the plan
-    if searches(config.allocation):
+    removed: list[int] | None = None
+    if run.removed is not None:
+        removed = [int(r) for r in run.removed]
+    elif searches(config.allocation):
         assert search_set is not None  # needs.check refused a search without search data
         runtime = SearchRuntime(
             batch_size=batch_size,

@@ -50,6 +50,12 @@ CASES = {
         True,
         "even with every layer in w4a16 the result weighs 140,184 bytes at sparsity 0.25, over the target 100,000",
     ),
+    "joint evo with mixed genes": (
+        AUTO,
+        [*T, "--method", "mixed", "--allocation", "evo", "--search-data", "{calib}"],
+        True,
+        "per-layer precision prices whole experts removed with their router rows (drop, merge); the mixed",
+    ),
     "method without a sparsity": (
         AUTO,
         [*T, "--method", "neurons"],

@@ -309,6 +309,11 @@ def size_lines(plan: dict) -> list[str]:
             lines.append(
                 f"grid      sparsity {point['sparsity']:.6g}: every layer in one scheme {every} bytes"
             )
+        if plan.get("precision_grid") and plan.get("allocation") == "evo":
+            lines.append(
+                "search    evo over experts removed and scheme per MoE layer under the target, generation 0 "
+                "holding these grid points (each with its best schemes)"
+            )
         reach = "reachable" if plan["precision_reachable"] else "not reachable"
         lines.append(
             f"target    {_bytes(plan['precision_target_bytes'])} ({plan['precision_target_bytes']:,} bytes): "

@@ -52,6 +52,9 @@ class RunOptions:
     # sees the plan before any surgery and may refuse it (MoePruneError): what only the plan tells,
     # such as a searched width a quantization group does not divide, fails before the model changes
     check_plan: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+    # experts removed per MoE layer, chosen already by the caller (the joint search of experts and
+    # schemes, job/precision_evo.py): the allocation and its search are not run
+    removed: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -242,9 +242,14 @@ def precision_note(doc: dict[str, Any]) -> str:
         if len(set(doc["chosen"].values())) > 1
         else ""
     )
+    scored = (  # the joint search scores whole candidates, the fixed-split choice sums per-layer losses
+        f"summed {doc['fitness']} loss {doc['summed_loss']:.6g}"
+        if "summed_loss" in doc
+        else f"{doc['fitness']} {doc['search_fitness']:.6g} on the search data (joint search)"
+    )
     return (
         f"per-layer precision (experts of layer: scheme) {chosen}; {doc['predicted_bytes']:,} bytes predicted"
-        f"{on_disk}, target {doc['target_bytes']:,}; summed {doc['fitness']} loss {doc['summed_loss']:.6g}{mixed}"
+        f"{on_disk}, target {doc['target_bytes']:,}; {scored}{mixed}"
     )
 
 

@@ -27,6 +27,7 @@ from moeprune.criteria import score_experts
 from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
+from moeprune.job.auto_precision import JOINT_PLACEHOLDER
 from moeprune.job.precision import (
     LayerSwap,
     budget_per_scheme,
@@ -61,7 +62,10 @@ def criterion_orders(
 
 
 def uniform_split(moe: MoEModel, config: PruneConfig, sparsity: float) -> list[int]:
-    """Experts removed per MoE layer by the uniform allocation at `sparsity`."""
+    """Experts removed per MoE layer by the uniform allocation at `sparsity` (0: none, the
+    "quantize only" point)."""
+    if sparsity == 0:
+        return [0] * len(moe.layers)
     limits = method_limits(moe, config.method, config.expert_multiple, config.options)
     return uniform_allocation(limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs())
 
@@ -77,11 +81,12 @@ def sparsity_grid(
     """The grid's sparsities, ascending, each with the bytes of every layer at each scheme (its
     uniform split): `options.sparsity_grid` points from the smallest sparsity where the cheapest
     scheme fits `target` to the smallest where the most expensive one does (or the largest
-    sparsity, when none does); refused in one line when even the cheapest never fits."""
+    sparsity, when none does); refused in one line when even the cheapest never fits. Sparsity 0
+    (every expert kept, the whole model quantized) is the first point whenever it fits."""
     assert options.candidates is not None
     limits = method_limits(meta, config.method, config.expert_multiple, config.options)
     total = limits.prunable_experts
-    steps = []  # every sparsity whose budget a uniform split meets, ascending
+    steps = [0.0]  # quantize only, then every sparsity whose budget a uniform split meets, ascending
     for budget in range(1, total + 1):
         sparsity = budget / total
         try:
@@ -91,7 +96,7 @@ def sparsity_grid(
         except MoePruneError:  # past the feasible range, or a budget the per-layer limits cannot split
             continue
         steps.append(sparsity)
-    if not steps:
+    if len(steps) == 1:
         raise MoePruneError("no sparsity removes any expert here: give --sparsity", options=("sparsity",))
 
     def per_scheme(i: int) -> dict[str, int]:
@@ -126,6 +131,12 @@ def sparsity_grid(
     else:
         picked = sorted({round(cheap + k * (rich - cheap) / (points - 1)) for k in range(points)})
     return [(steps[i], per_scheme(i)) for i in picked]
+
+
+def planning_sparsity(grid: Sequence[tuple[float, Any]]) -> float:
+    """The sparsity a joint job is planned and checked at before its point is chosen: the grid's
+    first that removes experts (a config's sparsity is above 0), else the placeholder."""
+    return next((s for s, _ in grid if s > 0), JOINT_PLACEHOLDER)
 
 
 def combined_fitness(
@@ -177,4 +188,11 @@ def choose_sparsity(
     return float(grid[best]), rows
 
 
-__all__ = ["choose_sparsity", "combined_fitness", "criterion_orders", "sparsity_grid", "uniform_split"]
+__all__ = [
+    "planning_sparsity",
+    "choose_sparsity",
+    "combined_fitness",
+    "criterion_orders",
+    "sparsity_grid",
+    "uniform_split",
+]

@@ -19,7 +19,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
-from moeprune.job.precision_grid import sparsity_grid
+from moeprune.job.precision_grid import planning_sparsity, sparsity_grid
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
@@ -310,7 +310,7 @@ def prepare(request: PruneRequest) -> PruneJob:
                 meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target
             )
         )
-        config = replace(config, sparsity=grid[0][0])
+        config = replace(config, sparsity=planning_sparsity(grid))
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)

@@ -15,6 +15,7 @@ from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
 from moeprune.job.auto_precision import choose_precision, precision_note, precision_teacher, scoring_data
 from moeprune.job.evidence import Evidence, write_evidence
+from moeprune.job.precision_evo import NOTHING_REMOVED, run_joint
 from moeprune.job.precision_grid import choose_sparsity, criterion_orders
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.job.quantize import ignore_prefixes, quantize_folder
@@ -22,14 +23,13 @@ from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.schemes import check_group
 from moeprune.report.document import PRUNE
-from moeprune.report.parts import (
-    Serving,
-)
+from moeprune.report.parts import SearchSummary, Serving
 from moeprune.runtime.atomic import atomic_write_dir, output_lock
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
@@ -41,6 +41,7 @@ from moeprune.shards.rewrite import (
     rewrite_checkpoint,
     with_mtp,
 )
+from moeprune.surgery.registry import method_limits
 
 
 def prune_in_memory(request: PruneRequest) -> dict:
@@ -124,7 +125,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
-    teacher, grid_rows = None, None
+    teacher, grid_rows, removed, joint = None, None, None, None
     if job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
         assert job.quantize is not None
         pad = getattr(job.tokenizer, "pad_token_id", None)
@@ -141,7 +142,29 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
                 sparsity, grid_rows = choose_sparsity(
                     teacher, full, job.config, job.quantize, grid, p.size, p.dtype_bytes, p.target_bytes
                 )
-            job = replace(job, config=replace(job.config, sparsity=sparsity))
+            if job.config.allocation == "evo":  # counts and schemes searched together, the grid as seeds
+                teacher.release()
+                teacher = None
+                assert orders is not None
+                runtime = SearchRuntime(
+                    batch_size=data.batch_size, pad_token_id=pad, progress=progress,
+                    state_path=search_state_path(job.output), resume=job.run.resume,
+                )  # fmt: skip
+                with stage("searching the experts removed and the schemes per layer together", progress):
+                    removed, quantize, choice, joint = run_joint(
+                        full, job.config, job.quantize, p, orders, scored, grid_rows, runtime
+                    )
+                job = replace(job, quantize=quantize, precision_choice=choice)
+                sparsity = (
+                    sum(removed)
+                    / method_limits(
+                        full, job.config.method, job.config.expert_multiple, job.config.options
+                    ).prunable_experts
+                )
+            elif sparsity == 0:
+                removed = [0] * len(full.layers)
+            if sparsity > 0:  # else the planning sparsity stays: the config needs one above 0
+                job = replace(job, config=replace(job.config, sparsity=sparsity))
     result = prune(
         model,
         job.config,
@@ -149,10 +172,20 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         tokenizer=job.tokenizer,
         search_data=job.search_set,
         options=data,
-        run=replace(job.run, check_plan=_check_quantizable(job)),
+        run=replace(
+            job.run,
+            check_plan=_check_quantizable(job),
+            removed=tuple(removed) if removed is not None else None,
+        ),
         search_state=search_state_path(job.output),
     )
     timer.lap("prune")
+    if removed is not None and not any(removed):  # quantize only: nothing was pruned
+        result.report.sparsity = result.plan.sparsity = 0.0
+        log.note(NOTHING_REMOVED)
+    if joint is not None:
+        result.search = joint
+        result.report.search = SearchSummary.from_json(joint)
     moe = MoEModel(model)
     if teacher is not None:
         assert job.precision is not None and job.quantize is not None
@@ -162,6 +195,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             )
         if grid_rows is not None:
             choice["sparsity_grid"] = grid_rows
+            if removed is not None:
+                choice["no_expert_removed"] = NOTHING_REMOVED
         job = replace(job, quantize=quantize, precision_choice=choice)
         timer.lap("precision")
     report = replace(
@@ -175,7 +210,10 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         command_line=job.run.command_line,
     )
     recipe = Recipe(
-        job.config,
+        # chosen counts (the joint search, or no expert removed): the rerun searches again
+        job.config
+        if removed is None or job.precision is None
+        else replace(job.config, sparsity=None, target_size=job.precision.target_bytes),
         data,
         job.search_data,
         # a dtype --config reads back; None: the input's (a kept quantization is the default)

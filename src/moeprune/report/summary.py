@@ -230,11 +230,19 @@ def format_lines(facts: dict) -> list[str]:
     if precision:  # prune --quantize auto:...: each layer's experts in its chosen scheme
         chosen = ", ".join(f"{layer} {scheme}" for layer, scheme in precision["chosen"].items())
         grid = precision.get("sparsity_grid") or []
-        if grid:  # no --sparsity: it was chosen with the schemes
+        if grid and "search_fitness" in precision:  # the joint evo search, seeded with the grid
+            seeds = precision.get("seed_fitness") or {}
+            lines.append(
+                f"  per-layer bits  experts and schemes searched together (evo from {len(seeds)} grid seeds): "
+                f"{precision['fitness']} {precision['search_fitness']:.4g} on the search data"
+            )
+        elif grid:  # no --sparsity: it was chosen with the schemes
             tried = ", ".join(f"{row['sparsity']:.4g}" for row in grid)
             lines.append(
                 f"  per-layer bits  sparsity {facts['sparsity']:g} chosen among {tried} (best combined fitness)"
             )
+        if precision.get("no_expert_removed"):
+            lines.append(f"  per-layer bits  {precision['no_expert_removed']}")
         lines.append(
             f"  per-layer bits  experts of layer {chosen}; {_size(precision['written_bytes'])} written, "
             f"{_size(precision['predicted_bytes'])} predicted, target {_size(precision['target_bytes'])}"
