@@ -384,7 +384,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         "per layer the most important experts stay whole, the next are narrowed to their top neurons, "
         "the next become novices and the rest are dropped; one routed-parameter budget met exactly",
         PARAMETERS,
-        ("uniform", "evo"),
+        ("uniform", "evo", "gradient"),
         needs=(NEURON_STATS,),
         neurons=True,
         options=MixedOptions,
@@ -395,7 +395,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
 )
 def plan_mixed(request: PlanRequest) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
-    if request.removed is not None:  # --allocation evo: the searched genes (search/mixed_search.py)
+    if request.removed is not None:  # evo / gradient: the searched genes (search/)
         return mixed_plan(request, [LayerGene(*g) for g in request.removed])  # type: ignore[misc]
     costs = layer_costs(request.moe, layer_limits(request.moe, request.expert_multiple), options.novice_rank)
     plan = mixed_plan(request, uniform_genes(costs, request.sparsity, options))
