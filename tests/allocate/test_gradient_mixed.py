@@ -9,6 +9,7 @@ The tiny models have 2 MoE layers of 8 experts, top-2, 16 neurons, hidden 32: an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -19,6 +20,7 @@ from test_observe import calibration
 from test_search import _data
 
 from helpers import assert_logits_close, run_cli
+from moeprune.allocate.limits import layer_limits
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import LayerScores, compute_scores, get_criterion
 from moeprune.errors import MoePruneError
@@ -26,7 +28,7 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.search.form_projection import DROPPED, NOVICE, WHOLE, plan_order, project_forms
-from moeprune.search.gradient_mixed import gradient_mixed_allocation
+from moeprune.search.gradient_mixed import check_gradient_family, gradient_mixed_allocation
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.mixed import LayerCosts
 from moeprune.surgery.parameters import routed_parameters
@@ -126,8 +128,8 @@ def test_finds_the_known_best_plan():
     """Experts 0, 1 of layer 0 and 1, 4 of layer 1 output nothing (zero down_proj). At 25 % the
     best plan makes them novices (their mean output is 0: exact) and keeps the rest, less the
     4 x 32 novice parameters (1.33 neurons) shaved off one expert: ESAP ~1. The criterion's order
-    ranks the useless experts first, so the uniform plan the logits start from keeps them whole
-    and narrows 5 useful experts per layer to 9 neurons."""
+    ranks the useless experts first, so no seed finds it (the uniform plan keeps them whole and
+    narrows 5 useful experts per layer to 9 neurons); the logits start at the best seed (ENP)."""
     useless = {0: [0, 1], 1: [1, 4]}
     model = tiny_model("qwen3_moe", seed=7, vocab_size=96, num_hidden_layers=2, mlp_only_layers=[])
     with torch.no_grad():
@@ -154,7 +156,8 @@ def test_finds_the_known_best_plan():
         assert all(w >= 15 for w in forms["narrowed"].values())  # the others (nearly) whole
     assert doc["fitness_value"] > 0.999
     assert doc["uniform"]["genes"] == [[3, 5, 0, 0, 9]] * 2
-    assert doc["uniform"]["fitness_value"] < 0.95
+    assert doc["start"] == "neurons"  # the best seed on the search data: the logits' start
+    assert all(seed["fitness_value"] < 0.99 for seed in doc["seeds"].values())
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
@@ -186,7 +189,7 @@ def test_budget_and_floor_at_every_step_and_in_the_plan(trained):
             size = m.num_experts // m.n_group
             assert len({sum(e // size == g for e in lp.dropped) for g in range(m.n_group)}) == 1
     assert 5 in doc["forms"][str(moe.layers[0].index)]["whole"]  # the super expert
-    for key in ("fitness_value", "uniform", "training", "form_logits", "timings_s", "genes", "space"):
+    for key in ("fitness_value", "seeds", "start", "training", "form_logits", "timings_s", "genes", "space"):
         assert key in doc
     assert doc["allocation_method"] == "gradient" and doc["steps"] == QUICK.steps
 
@@ -209,8 +212,12 @@ def test_refusals():
     moe, stats = _observed(tiny_model("qwen3_moe"))
     with pytest.raises(MoePruneError, match="needs every expert's fit first"):
         _run(moe, stats, _config(0.5, novice_rank=2))
-    with pytest.raises(MoePruneError, match="keep more than"):  # the uniform start is out of reach
-        _run(moe, stats, _config(0.5, mixed_whole=0.9))
+    with pytest.raises(MoePruneError, match="lower .*the sparsity"):  # no recipe to start from
+        _run(moe, stats, _config(0.95))
+    # experts the hooks cannot compute form by form (LongCat's zero experts): refused, naming evo
+    moe.layers[0].spec = dataclasses.replace(moe.layers[0].spec, extra_experts=2)
+    with pytest.raises(MoePruneError, match="computes differently; use --allocation evo"):
+        check_gradient_family(moe, layer_limits(moe))
 
 
 def test_cli_writes_a_mixed_gradient_result(tiny_checkpoint, data, tmp_path):

@@ -27,12 +27,14 @@ form. Each training step:
    budget's direction (drop's sigmoid shift is the two-form case: prices 1 and 0).
 
 The budget's direction prices a narrowed expert at the mean width of the previous step's plan
-(the uniform plan's at the start). The logits start at the mixed uniform plan (`--mixed-*` shares; its form gets
-`_INIT_SPREAD`, the others 0), so the uniform recipe is the prior and the data decides. The plan
+(the start plan's at the start). The logits start at the best of the evo search's seeds on the
+search data (uniform drop, uniform novices, TENP's trapezoid, ENP, the mixed uniform plan of the
+`--mixed-*` shares; search/mixed_space.py): its form gets `_INIT_SPREAD`, the others 0, so the
+best single recipe is the prior and the data decides. The plan
 is the projection of theta itself (no noise), converted to genes and per-layer pruning orders
-under which `mixed_plan` makes exactly it; it and the uniform plan are scored with the mixed
+under which `mixed_plan` makes exactly it; it and every seed are scored with the mixed
 virtual fitness (router slicing, neuron masks, novices: what the evo search scores) and
-search.json reports both, the training curve, the forms per layer and the timings.
+search.json reports them all, the training curve, the forms per layer and the timings.
 
 Memory: one training step of the model (activations of one search batch kept for the backward,
 each routed expert's intermediate activation and three outputs per pick; the weights are frozen),
@@ -74,6 +76,7 @@ from moeprune.search.form_projection import (
     project_forms,
 )
 from moeprune.search.gradient import _batch_loss, _temperature
+from moeprune.search.mixed_space import MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import Fits
 from moeprune.surgery.mixed import (
@@ -82,14 +85,13 @@ from moeprune.surgery.mixed import (
     layer_costs,
     mixed_options,
     mixed_plan,
-    uniform_genes,
 )
 from moeprune.surgery.neurons import check_importance, check_neuron_prunable, neuron_importance
 from moeprune.surgery.novice import layer_stats, require_stats
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 
-_INIT_SPREAD = 2.0  # the uniform plan's form leads the others by this at the start
+_INIT_SPREAD = 2.0  # the start plan's form leads the others by this
 _RETRACTION_STEPS = 60
 
 
@@ -282,19 +284,21 @@ def run_gradient_mixed(
     forms = _Forms(
         moe, costs, limits, domains, check_importance(options.neuron_importance), fits if rank else None
     )
-    uniform = uniform_genes(costs, sparsity, options)  # one line when the shares cannot reach the sparsity
-    uniform_plan = mixed_plan(request, uniform)
+    # the evo search's generation 0 (search/mixed_space.py): one line when no recipe meets the budget
+    seeds = MixedSpace(costs, limits.layers, sparsity).seeds(limits, options)
+    plans: dict[tuple, Any] = {("seed", name): mixed_plan(request, as_genes(g)) for name, g in seeds.items()}
     sizes = [c.experts for c in costs]
     start = time.perf_counter()
-    plans: dict[tuple, Any] = {}
     evaluator = CandidateEvaluator(
         moe, search_data, [s.order for s in request.scores], fitness=fitness, seed=config.seed,
         runtime=replace(runtime, fast=False, candidate_context=None),
         plan_context=lambda key: virtual_plan(moe, plans[key], domains, fits if rank else None),
     )  # fmt: skip
+    values = {name: evaluator.evaluate(("seed", name)) for name in seeds}  # type: ignore[arg-type]
+    first = max(values, key=lambda name: values[name])  # the best recipe on the search data (ties: the first)
     allowed = torch.cat(forms.allowed)
     init = torch.zeros(sum(sizes), 4, dtype=torch.float64)
-    for pos, (m, lp) in enumerate(zip(moe.layers, uniform_plan.layers)):
+    for pos, (m, lp) in enumerate(zip(moe.layers, plans[("seed", first)].layers)):
         base = sum(sizes[:pos])
         where = {e: p for p, e in enumerate(m.expert_ids)}
         for e in lp.kept:
@@ -302,7 +306,7 @@ def run_gradient_mixed(
             init[base + where[e], form] = _INIT_SPREAD
         for e in lp.dropped:
             init[base + where[e], DROPPED] = _INIT_SPREAD
-    widths = [w for lp in uniform_plan.layers for w in lp.neurons.values()]
+    widths = [w for lp in plans[("seed", first)].layers for w in lp.neurons.values()]
     width = int(round(float(np.mean(widths)))) if widths else costs[0].width
     cost = _cost_table(costs, sizes, width)
     theta = _retract(init, allowed, cost, target).float().requires_grad_(True)
@@ -366,10 +370,9 @@ def run_gradient_mixed(
         request,
         scores=[LayerScores(layer=s.layer, scores=s.scores, order=o) for s, o in zip(request.scores, orders)],
     )
-    plans[(0,)], plans[(1,)] = uniform_plan, mixed_plan(chosen, plan.genes)
+    plans[("trained",)] = mixed_plan(chosen, plan.genes)
     eval_start = time.perf_counter()
-    uniform_value = evaluator.evaluate((0,))
-    value = evaluator.evaluate((1,))
+    value = evaluator.evaluate(("trained",))  # type: ignore[arg-type]
     sign = evaluator.sign
     genes = [(g.whole, g.narrowed, g.novice, g.dropped, g.width) for g in plan.genes]
     document = {
@@ -397,11 +400,22 @@ def run_gradient_mixed(
             for layer, f, ws in zip(layers, plan.forms, plan.widths)
         },
         "fitness_value": sign * value,
-        "uniform": {
-            "genes": [[g.whole, g.narrowed, g.novice, g.dropped, g.width] for g in uniform],
-            "fitness_value": sign * uniform_value,
+        "seeds": {
+            name: {"genes": [list(g) for g in genes], "fitness_value": sign * values[name]}
+            for name, genes in seeds.items()
         },
-        "evaluations": 2,
+        "start": first,
+        **(
+            {
+                "uniform": {
+                    "genes": [list(g) for g in seeds["uniform"]],
+                    "fitness_value": sign * values["uniform"],
+                }
+            }
+            if "uniform" in seeds
+            else {}
+        ),
+        "evaluations": len(seeds) + 1,
         "steps": config.steps,
         "stopped": {"reason": "steps"},
         "training": history,
