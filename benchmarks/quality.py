@@ -249,8 +249,9 @@ def main() -> None:
                     moe, crit, scores, [stats], search(), config=config, runtime=runtime, **ranked
                 )
                 print(
-                    f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f}, uniform "
-                    f"{doc['uniform']['fitness_value']:.4f}, genes {doc['genes']}, {doc['timings_s']['total']:.0f} s -->"
+                    f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f} ({doc['returned']}; "
+                    f"trained {doc['trained']['fitness_value']:.4f}, start {doc['start']}), genes {doc['genes']}, "
+                    f"{doc['timings_s']['total']:.0f} s -->"
                 )
             plan = build_plan(moe, crit, scores, config=config, stats=[stats], removed=removed)
             fits = None

@@ -154,7 +154,7 @@ def test_finds_the_known_best_plan():
         forms = doc["forms"][str(layer)]
         assert forms["novice"] == ids and not forms["dropped"]
         assert all(w >= 15 for w in forms["narrowed"].values())  # the others (nearly) whole
-    assert doc["fitness_value"] > 0.999
+    assert doc["fitness_value"] > 0.999 and doc["returned"] == "trained"
     assert doc["uniform"]["genes"] == [[3, 5, 0, 0, 9]] * 2
     assert doc["start"] == "neurons"  # the best seed on the search data: the logits' start
     assert all(seed["fitness_value"] < 0.99 for seed in doc["seeds"].values())
@@ -192,6 +192,10 @@ def test_budget_and_floor_at_every_step_and_in_the_plan(trained):
     for key in ("fitness_value", "seeds", "start", "training", "form_logits", "timings_s", "genes", "space"):
         assert key in doc
     assert doc["allocation_method"] == "gradient" and doc["steps"] == QUICK.steps
+    # the trained plan, unless the seed it started from scores higher on the search data
+    start = doc["seeds"][doc["start"]]["fitness_value"]
+    assert doc["fitness_value"] == max(doc["trained"]["fitness_value"], start)
+    assert doc["returned"] == ("trained" if doc["trained"]["fitness_value"] >= start else doc["start"])
 
 
 def test_saved_plan_is_the_scored_one(trained):

@@ -33,8 +33,13 @@ search data (uniform drop, uniform novices, TENP's trapezoid, ENP, the mixed uni
 best single recipe is the prior and the data decides. The plan
 is the projection of theta itself (no noise), converted to genes and per-layer pruning orders
 under which `mixed_plan` makes exactly it; it and every seed are scored with the mixed
-virtual fitness (router slicing, neuron masks, novices: what the evo search scores) and
-search.json reports them all, the training curve, the forms per layer and the timings.
+virtual fitness (router slicing, neuron masks, novices: what the evo search scores). It is the
+result unless the seed it started from scores higher on the search data; then that seed is (the
+result is never worse on the search data than the best single recipe, as evo's generation 0
+guarantees; the straight-through gradient is a first-order guess at a discrete switch and can
+walk away from a good start: on the DeepSeek-V3 quick demo model it did, docs/allocation.md).
+search.json says which (`returned`), holds the trained plan either way (`trained`), every seed,
+the training curve, the forms per layer and the timings.
 
 Memory: one training step of the model (activations of one search batch kept for the backward,
 each routed expert's intermediate activation and three outputs per pick; the weights are frozen),
@@ -374,7 +379,12 @@ def run_gradient_mixed(
     eval_start = time.perf_counter()
     value = evaluator.evaluate(("trained",))  # type: ignore[arg-type]
     sign = evaluator.sign
-    genes = [(g.whole, g.narrowed, g.novice, g.dropped, g.width) for g in plan.genes]
+    trained = [(g.whole, g.narrowed, g.novice, g.dropped, g.width) for g in plan.genes]
+    if value >= values[first]:  # the trained plan, unless the recipe it started from scores better
+        returned, genes, saved = "trained", trained, plans[("trained",)]
+    else:
+        returned, genes, saved = first, list(seeds[first]), plans[("seed", first)]
+        orders = [list(s.order) for s in request.scores]
     document = {
         "allocation_method": "gradient",
         "space": "mixed forms (whole, narrowed, novice, dropped) per routed expert",
@@ -386,20 +396,18 @@ def run_gradient_mixed(
         },
         "layers": layers,
         "routed_parameters_target": target,
-        "routed_parameters_kept": _kept(costs, plan),
+        "routed_parameters_kept": saved.extra["routed_parameters_kept"],
         **({"novice_rank": rank} if rank else {}),
+        "returned": returned,
         "genes": [list(g) for g in genes],
-        "narrowed_neurons": [list(ws.values()) for ws in plan.widths],
-        "forms": {
-            str(layer): {
-                "whole": [int(e) for e in np.flatnonzero(f == WHOLE)],
-                "narrowed": {str(e): w for e, w in ws.items()},
-                "novice": [int(e) for e in np.flatnonzero(f == NOVICE)],
-                "dropped": [int(e) for e in np.flatnonzero(f == DROPPED)],
-            }
-            for layer, f, ws in zip(layers, plan.forms, plan.widths)
+        "narrowed_neurons": [list(lp.neurons.values()) for lp in saved.layers],
+        "forms": _forms_of(saved),
+        "fitness_value": sign * max(value, values[first]),
+        "trained": {
+            "genes": [list(g) for g in trained],
+            "fitness_value": sign * value,
+            "forms": _forms_of(plans[("trained",)]),
         },
-        "fitness_value": sign * value,
         "seeds": {
             name: {"genes": [list(g) for g in genes], "fitness_value": sign * values[name]}
             for name, genes in seeds.items()
@@ -435,6 +443,20 @@ def run_gradient_mixed(
     if not math.isfinite(value):
         raise MoePruneError("the gradient allocation's mixed plan scored a non-finite fitness")
     return genes, orders, document
+
+
+def _forms_of(plan: Any) -> dict[str, dict[str, Any]]:
+    """Per decoder layer, the experts of each form in a mixed plan (narrowed: id -> neurons kept)."""
+    out = {}
+    for lp in plan.layers:
+        other = set(lp.novice) | set(lp.neurons)
+        out[str(lp.layer)] = {
+            "whole": sorted(int(e) for e in lp.kept if e not in other),
+            "narrowed": {str(e): int(w) for e, w in lp.neurons.items()},
+            "novice": sorted(int(e) for e in lp.novice),
+            "dropped": sorted(int(e) for e in lp.dropped),
+        }
+    return out
 
 
 def layer_dtype(layer: MoELayer) -> torch.dtype:
