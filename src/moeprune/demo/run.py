@@ -329,7 +329,7 @@ def _run_demo(
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
         "searches": [  # without the per-generation and per-step histories (search.json's)
-            {k: v for k, v in s.items() if k not in ("generations", "training", "keep_logits")}
+            {k: v for k, v in s.items() if k not in ("generations", "training", "keep_logits", "form_logits")}
             for s in search_docs
         ],
         "timing_s": {"model": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
@@ -426,7 +426,7 @@ def notice(row: dict, rows: list[dict]) -> str:
     )
     if row["allocation"] in ("global", "evo", "gradient") and base is not None:
         gain = row["esap"] - base["esap"]
-        how = {"evo": "the search", "gradient": "the trained keep logits"}.get(
+        how = {"evo": "the search", "gradient": "the trained logits"}.get(
             row["allocation"], "ranking experts across layers"
         )
         return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."
