@@ -238,7 +238,7 @@ def main() -> None:
                 seeds = {k: round(v["fitness_value"], 4) for k, v in doc.get("seeds", {}).items()}
                 print(
                     f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f}"
-                    + (f", seeds {seeds}" if seeds else "")
+                    + (f", seeds {seeds}, genes {doc['genes']}" if seeds else "")
                     + f", {doc['timings_s']['total']:.0f} s -->"
                 )
             if config.allocation == "gradient" and config.method == "mixed":  # its defaults, seed 42

@@ -345,7 +345,7 @@ def run_gradient_mixed(
                 for pos, (m, part) in enumerate(zip(moe.layers, _split(mix, sizes))):
                     state["weights"][m.index] = part
                     w = torch.tensor([hard_plan.widths[pos].get(e, width) for e in range(sizes[pos])])
-                    state["masks"][m.index] = (forms.ranks[pos] < w.unsqueeze(1)).to(layer_dtype(m))
+                    state["masks"][m.index] = (forms.ranks[pos] < w.unsqueeze(1)).to(**_placed(m))
                 optimizer.zero_grad()
                 loss = _batch_loss(evaluator, step % evaluator.batch_count, config.kl_top_k)
                 loss.backward()
@@ -459,8 +459,10 @@ def _forms_of(plan: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def layer_dtype(layer: MoELayer) -> torch.dtype:
-    return layer.down_matrix(0).dtype
+def _placed(layer: MoELayer) -> dict[str, Any]:
+    """The device and dtype of the layer's expert weights (the neuron masks are built on the CPU)."""
+    ref = layer.down_matrix(0)
+    return {"device": ref.device, "dtype": ref.dtype}
 
 
 def gradient_mixed_allocation(
