@@ -240,3 +240,75 @@ def test_cli_writes_a_mixed_gradient_result(tiny_checkpoint, data, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["allocation"] == "gradient" and report["method"] == "mixed"
     assert report["search"]["steps"] == 2
+
+
+def test_low_rank_novices_score_what_is_saved():
+    """--novice-rank 2: the allocation takes every expert's rank-2 fit (fitted once) and the returned
+    plan's fitness, evaluated afresh with its novices taken from those fits, is search.json's (the
+    forward with rank-2 novice forms is checked against the plan in the next test)."""
+    from moeprune.criteria.super_experts import protected_order
+    from moeprune.search.candidates import CandidateEvaluator
+    from moeprune.surgery.lowrank import fit_every_novice, fit_novices
+
+    moe, stats = _observed(tiny_model("qwen3_moe"))
+    every = fit_every_novice(moe, 2, [calibration((20, 17, 15, 12))], batch_size=2, progress=False)
+    config = _config(0.5, SearchConfig(steps=4, seed=3), novice_rank=2)
+    scores = compute_scores("reap", stats=stats)
+    genes, ordered, doc = gradient_mixed_allocation(
+        moe, get_criterion("reap"), scores, [stats], _data(), config=config,
+        runtime=SearchRuntime(progress=False), novices=every,
+    )  # fmt: skip
+    assert doc["novice_rank"] == 2
+    plan = build_plan(moe, get_criterion("reap"), ordered, config=config, stats=[stats], removed=genes)
+    fits = fit_novices(moe, plan, [calibration((20, 17, 15, 12))], fitted=every)
+    fresh = CandidateEvaluator(
+        moe, _data(), [s.order for s in protected_order(scores, moe.protected)], seed=3,
+        runtime=SearchRuntime(progress=False, fast=False),
+        plan_context=lambda _: virtual_plan(moe, plan, stats, fits),
+    )  # fmt: skip
+    assert fresh.evaluate((0,)) == pytest.approx(doc["fitness_value"], abs=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_training_forward_is_the_plan_where_routing_is_kept(rank):
+    """The forward the loss sees (every form computed, the hard one-hot picking one) gives the
+    logits of the saved plan's virtual form when nothing is dropped (drops keep routing in
+    training): whole, narrowed (ENP order, filled widths) and novice experts (constant, or rank-2
+    fits) alike."""
+    from moeprune.allocate.limits import layer_limits
+    from moeprune.criteria.super_experts import protected_order
+    from moeprune.search import gradient_mixed as gm
+    from moeprune.surgery.lowrank import fit_every_novice
+    from moeprune.surgery.mixed import layer_costs, mixed_plan
+    from moeprune.surgery.registry import PlanRequest
+
+    model = tiny_model("qwen3_moe")
+    moe, stats = _observed(model)
+    fits = (
+        fit_every_novice(moe, rank, [calibration((20, 17, 15, 12))], batch_size=2, progress=False)
+        if rank
+        else None
+    )
+    limits = layer_limits(moe)
+    costs = layer_costs(moe, limits, rank)
+    z = [_scores([WHOLE, WHOLE, 1, 1, 1, NOVICE, NOVICE, 1]), _scores([1, WHOLE, NOVICE, 1, 1, 1, WHOLE, 1])]
+    plan = project_forms(costs, z, 0.6 * TOTAL, limits.layers, limits.groups)  # sparsity 0.4
+    assert all(c["novice"] and c["narrowed"] and not c["dropped"] for c in plan.counts())
+    scores = protected_order(compute_scores("reap", stats=stats), moe.protected)
+    orders = [plan_order(plan, pos, z[pos], ()) for pos in range(2)]
+    request = PlanRequest(
+        moe, get_criterion("reap"), [LayerScores(s.layer, s.scores, o) for s, o in zip(scores, orders)],
+        0.4, "gradient", "mixed", stats=[stats], options=_config(0.4, novice_rank=rank).options,
+    )  # fmt: skip
+    saved = mixed_plan(request, plan.genes)
+    for lp, ws, f in zip(saved.layers, plan.widths, plan.forms):  # the same forms and widths
+        assert lp.novice == [int(e) for e in np.flatnonzero(f == NOVICE)] and lp.neurons == ws
+    with virtual_plan(moe, saved, stats, fits):
+        expected = logits(model)
+    forms = gm._Forms(moe, costs, limits, [stats], "projection", fits)
+    state = {"weights": {}, "masks": {}, "novices": {m.index: n for m, n in zip(moe.layers, forms.novices)}}
+    hard = torch.nn.functional.one_hot(torch.from_numpy(np.concatenate(plan.forms)), 4).float()
+    gm._set_state(state, moe, forms, plan, hard)
+    with gm._mixed_experts(moe, limits, state):
+        got = logits(model)
+    assert_logits_close(got, expected)

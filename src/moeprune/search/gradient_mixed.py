@@ -198,6 +198,18 @@ def _mixed_experts(moe: MoEModel, limits: LayerLimits, state: dict[str, Any]) ->
         yield
 
 
+def _set_state(
+    state: dict[str, Any], moe: MoEModel, forms: _Forms, plan: FormPlan, mix: torch.Tensor
+) -> None:
+    """What `_forward` reads for one step: each expert's form weights `mix` [N, 4] and its neuron
+    mask (its filled width when narrowed, else the plan's mean width: what narrowing it would keep)."""
+    sizes = [m.num_experts for m in moe.layers]
+    for pos, (m, part) in enumerate(zip(moe.layers, _split(mix, sizes))):
+        state["weights"][m.index] = part
+        w = torch.tensor([plan.widths[pos].get(e, plan.width) for e in range(sizes[pos])])
+        state["masks"][m.index] = (forms.ranks[pos] < w.unsqueeze(1)).to(**_placed(m))
+
+
 def _restore(module: torch.nn.Module, had_own: bool, previous) -> None:
     if had_own:
         module.forward = previous
@@ -342,10 +354,7 @@ def run_gradient_mixed(
                 soft = torch.softmax(((theta + gumbel.float()) / tau).masked_fill(~allowed, -math.inf), dim=1)
                 free = allowed.sum(1, keepdim=True) > 1
                 mix = torch.where(free, hard + soft - soft.detach(), hard)
-                for pos, (m, part) in enumerate(zip(moe.layers, _split(mix, sizes))):
-                    state["weights"][m.index] = part
-                    w = torch.tensor([hard_plan.widths[pos].get(e, width) for e in range(sizes[pos])])
-                    state["masks"][m.index] = (forms.ranks[pos] < w.unsqueeze(1)).to(**_placed(m))
+                _set_state(state, moe, forms, hard_plan, mix)
                 optimizer.zero_grad()
                 loss = _batch_loss(evaluator, step % evaluator.batch_count, config.kl_top_k)
                 loss.backward()
