@@ -43,10 +43,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from moeprune.errors import MoePruneError
+from moeprune.plan import Plan
 from moeprune.surgery.mixed import LayerCosts, LayerGene, check_genes, fill_widths
 
 WHOLE, NARROWED, NOVICE, DROPPED = range(4)
@@ -249,3 +251,17 @@ def plan_order(plan: FormPlan, pos: int, z: np.ndarray, protected: Sequence[int]
     narrowed = list(reversed(list(plan.widths[pos])))  # widths lists them most-filled first
     whole = sorted(by_form[WHOLE], key=lambda e: (z[e, WHOLE], -e))  # the most wanted last
     return by_form[DROPPED] + by_form[NOVICE] + narrowed + whole + sorted(supers)
+
+
+def forms_of_plan(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Per decoder layer, the experts of each form in a mixed plan (narrowed: id -> neurons kept)."""
+    out = {}
+    for lp in plan.layers:
+        other = set(lp.novice) | set(lp.neurons)
+        out[str(lp.layer)] = {
+            "whole": sorted(int(e) for e in lp.kept if e not in other),
+            "narrowed": {str(e): int(w) for e, w in lp.neurons.items()},
+            "novice": sorted(int(e) for e in lp.novice),
+            "dropped": sorted(int(e) for e in lp.dropped),
+        }
+    return out

@@ -77,6 +77,7 @@ from moeprune.search.form_projection import (
     NOVICE,
     WHOLE,
     FormPlan,
+    forms_of_plan,
     plan_order,
     project_forms,
 )
@@ -410,12 +411,12 @@ def run_gradient_mixed(
         "returned": returned,
         "genes": [list(g) for g in genes],
         "narrowed_neurons": [list(lp.neurons.values()) for lp in saved.layers],
-        "forms": _forms_of(saved),
+        "forms": forms_of_plan(saved),
         "fitness_value": sign * max(value, values[first]),
         "trained": {
             "genes": [list(g) for g in trained],
             "fitness_value": sign * value,
-            "forms": _forms_of(plans[("trained",)]),
+            "forms": forms_of_plan(plans[("trained",)]),
         },
         "seeds": {
             name: {"genes": [list(g) for g in genes], "fitness_value": sign * values[name]}
@@ -452,20 +453,6 @@ def run_gradient_mixed(
     if not math.isfinite(value):
         raise MoePruneError("the gradient allocation's mixed plan scored a non-finite fitness")
     return genes, orders, document
-
-
-def _forms_of(plan: Any) -> dict[str, dict[str, Any]]:
-    """Per decoder layer, the experts of each form in a mixed plan (narrowed: id -> neurons kept)."""
-    out = {}
-    for lp in plan.layers:
-        other = set(lp.novice) | set(lp.neurons)
-        out[str(lp.layer)] = {
-            "whole": sorted(int(e) for e in lp.kept if e not in other),
-            "narrowed": {str(e): int(w) for e, w in lp.neurons.items()},
-            "novice": sorted(int(e) for e in lp.novice),
-            "dropped": sorted(int(e) for e in lp.dropped),
-        }
-    return out
 
 
 def _placed(layer: MoELayer) -> dict[str, Any]:
