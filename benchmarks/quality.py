@@ -53,6 +53,7 @@ from moeprune.demo.run import DemoSettings, DomainEval
 from moeprune.demo.train import CORPUS_SUBDIR, FAMILIES, demo_spec, get_demo_model
 from moeprune.models import MoEModel
 from moeprune.observe.observer import observe
+from moeprune.search.gradient_mixed import gradient_mixed_allocation
 from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
@@ -237,8 +238,20 @@ def main() -> None:
                 seeds = {k: round(v["fitness_value"], 4) for k, v in doc.get("seeds", {}).items()}
                 print(
                     f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f}"
-                    + (f", seeds {seeds}" if seeds else "")
+                    + (f", seeds {seeds}, genes {doc['genes']}" if seeds else "")
                     + f", {doc['timings_s']['total']:.0f} s -->"
+                )
+            if config.allocation == "gradient" and config.method == "mixed":  # its defaults, seed 42
+                config = dataclasses.replace(config, search=SearchConfig(seed=42))
+                runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
+                ranked = {"novices": every_novice(rank)} if rank else {}
+                removed, scores, doc = gradient_mixed_allocation(  # type: ignore[assignment]
+                    moe, crit, scores, [stats], search(), config=config, runtime=runtime, **ranked
+                )
+                print(
+                    f"<!-- {text} {sparsity:.0%}: search fitness {doc['fitness_value']:.4f} ({doc['returned']}; "
+                    f"trained {doc['trained']['fitness_value']:.4f}, start {doc['start']}), genes {doc['genes']}, "
+                    f"{doc['timings_s']['total']:.0f} s -->"
                 )
             plan = build_plan(moe, crit, scores, config=config, stats=[stats], removed=removed)
             fits = None

@@ -11,11 +11,14 @@ the CLI on the same arguments give the same result (tested).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedModel
 
+from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import searches
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.criteria import (
@@ -49,6 +52,7 @@ from moeprune.report.parts import (
 )
 from moeprune.search.auto import choose_criterion
 from moeprune.search.gradient import gradient_allocation
+from moeprune.search.gradient_mixed import check_gradient_family, gradient_mixed_allocation
 from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
@@ -139,6 +143,8 @@ def prune(
     moe = MoEModel(model)
     check_not_packed(moe)
     check_feasible(moe, config)
+    if config.method == "mixed" and config.allocation == "gradient":  # before any data is read
+        check_gradient_family(moe, layer_limits(moe, config.expert_multiple))
     method = METHODS.get(config.method)
     auto = config.criterion == AUTO
     crit = get_criterion("reap" if auto else config.criterion)  # auto: one observation feeds every criterion
@@ -197,7 +203,7 @@ def prune(
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     search_doc, plan_scores = None, scores
     every_novice = None  # a mixed search's rank-R novices: scored by the search, saved by the plan
-    removed: list[int] | None = None
+    removed: Sequence[Any] | None = None  # drop counts, or mixed genes (one tuple per MoE layer)
     if run.removed is not None:
         removed = [int(r) for r in run.removed]
     elif searches(config.allocation):
@@ -210,17 +216,26 @@ def prune(
             resume=run.resume,
             candidate_context=method.search_context(moe, stats, config.options),
         )
-        if config.allocation == "gradient":  # chooses the experts too: its order goes to the plan
+        mixed = config.method == "mixed"  # genes per layer, not drop counts
+        if mixed and config.options.novice_rank:  # resolved: MixedOptions
+            every_novice = fit_every_novice(
+                moe,
+                config.options.novice_rank,
+                sets,
+                batch_size=batch_size,
+                pad_token_id=pad,
+                progress=progress,
+            )
+        if mixed and config.allocation == "gradient":  # forms per expert: its orders go to the plan
+            removed, plan_scores, search_doc = gradient_mixed_allocation(
+                moe, crit, scores, stats, search_set, config=config, runtime=runtime, novices=every_novice
+            )
+        elif config.allocation == "gradient":  # chooses the experts too: its order goes to the plan
             removed, plan_scores, search_doc = gradient_allocation(
                 moe, crit, scores, search_set, config=config, runtime=runtime
             )
-        elif config.method == "mixed":  # genes per layer, not drop counts
-            rank = config.options.novice_rank  # resolved: MixedOptions
-            if rank:
-                every_novice = fit_every_novice(
-                    moe, rank, sets, batch_size=batch_size, pad_token_id=pad, progress=progress
-                )
-            removed, search_doc = search_mixed(  # type: ignore[assignment]
+        elif mixed:
+            removed, search_doc = search_mixed(
                 moe, crit, scores, stats, search_set, config=config, runtime=runtime, novices=every_novice
             )
         else:

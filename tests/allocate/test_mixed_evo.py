@@ -139,7 +139,7 @@ def test_virtual_candidate_equals_physical_surgery(setup):
 
 
 def test_mixed_with_a_fixed_allocation_is_refused_in_one_line():
-    with pytest.raises(MoePruneError, match="mixed method goes with the uniform or evo allocation"):
+    with pytest.raises(MoePruneError, match="mixed method goes with the uniform or evo or gradient allocation"):
         check_config(PruneConfig("reap", 0.5, method="mixed", allocation="trapezoid"))
 
 

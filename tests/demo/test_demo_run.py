@@ -87,8 +87,9 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
 
 
 def test_demo_gradient_row_removes_what_the_search_chose(trained_moe):
-    """The full demo's gradient row: `_search` dispatches to the gradient allocation, whose counts
-    meet the demo's budget and whose re-ordered scores make the plan drop exactly its choice."""
+    """The full demo's gradient rows: `_search` dispatches to the gradient allocation, whose counts
+    meet the demo's budget and whose re-ordered scores make the plan drop exactly its choice (drop;
+    mixed: genes and orders whose plan has the forms search.json reports)."""
     from moeprune.checkpoint import load_model
     from moeprune.config import PruneConfig, SearchConfig
     from moeprune.criteria import compute_scores
@@ -113,3 +114,13 @@ def test_demo_gradient_row_removes_what_the_search_chose(trained_moe):
     assert {str(lp.layer): sorted(lp.dropped) for lp in plan.layers} == {
         k: sorted(v) for k, v in document["dropped"].items()
     }
+    # the full demo's mixed + gradient row: genes and orders that save exactly the forms it reports
+    from moeprune.observe.observer import observe
+
+    stats = observe(moe, search, batch_size=4, neurons=True, progress=False)
+    config = PruneConfig("magnitude", 0.5, allocation="gradient", method="mixed", search=SearchConfig(steps=2, seed=3))
+    genes, ordered, document = demo_run._search(moe, scores, search, config, settings, tokenizer.pad_token_id or 0, stats)
+    plan = build_plan(moe, demo_run.get_criterion("magnitude"), ordered, config=config, stats=[stats], removed=genes)
+    for lp in plan.layers:
+        forms = document["forms"][str(lp.layer)]
+        assert sorted(lp.dropped) == forms["dropped"] and sorted(lp.novice) == forms["novice"]

@@ -470,7 +470,7 @@ CASES = [
     Case(
         "mixed with a fixed allocation",
         ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--method", "mixed", "--allocation", "trapezoid"],
-        "the mixed method goes with the uniform or evo allocation, not trapezoid",
+        "the mixed method goes with the uniform or evo or gradient allocation, not trapezoid",
     ),
     Case(
         "tenp option without tenp",

@@ -1,5 +1,6 @@
 """The searched allocations, declared: `evo` finds the per-layer counts by EvoESAP on search data,
-`gradient` the experts themselves by training per-expert keep logits (search/gradient.py).
+`gradient` the experts themselves by training per-expert keep logits (search/gradient.py; mixed
+plans: per-expert form logits, search/gradient_mixed.py).
 
 Only the declaration lives here, so the allocation table, validation and `requirements()` know it
 without importing the search; the search itself (moeprune.search) evaluates candidate plans
@@ -23,9 +24,9 @@ ALLOCATIONS.add(
 ALLOCATIONS.add(
     Allocator(
         "gradient",
-        "per-expert keep logits trained with straight-through Gumbel samples against the full "
-        "model's top-k KL on teacher-forced search data; the exact budget and every per-layer "
-        "limit at every step (drop only)",
+        "per-expert keep logits (mixed: form logits) trained with straight-through Gumbel samples "
+        "against the full model's top-k KL on teacher-forced search data; the exact budget and every "
+        "per-layer limit at every step (drop and mixed)",
         needs=(SEARCH_DATA,),
     )
 )

@@ -37,6 +37,7 @@ from moeprune.runtime.atomic import atomic_write_dir, check_output_dir, write_js
 from moeprune.runtime.progress import progress_bar, stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.search.gradient import gradient_allocation
+from moeprune.search.gradient_mixed import gradient_mixed_allocation
 from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
@@ -116,13 +117,15 @@ EXTRA: tuple[tuple[str, str, str, dict | None], ...] = (
     ("reap", "uniform", "neurons", None),
     ("tenp", "trapezoid", "tenp", None),
 )
-# the searched rows: (criterion, allocation, method); the quick demo runs the first only
-# (mixed + evo under the tenp order: the best recipe on both quick demo models, docs/allocation.md)
+# the searched rows: (criterion, allocation, method); the quick demo runs the first two only
+# (mixed + evo under the tenp order: the best recipe on both quick demo models, docs/allocation.md;
+# the gradient rows train 120 steps: 20-60 s each even on the quick models, so the full demo only)
 SEARCHED = (
     ("frequency", "evo", "drop"),
     ("tenp", "evo", "mixed"),
     ("reap", "evo", "drop"),
     ("frequency", "gradient", "drop"),
+    ("tenp", "gradient", "mixed"),
 )
 
 
@@ -176,6 +179,11 @@ def _search(
     the mixed method; gradient: `moeprune prune`'s defaults."""
     runtime = SearchRuntime(batch_size=settings.batch_size, progress=False, pad_token_id=pad)
     criterion = get_criterion(config.criterion)
+    if config.allocation == "gradient" and config.method == "mixed":  # per-expert forms
+        assert stats is not None, "the mixed method narrows by the observed neuron statistics"
+        return gradient_mixed_allocation(
+            moe, criterion, scores, [stats], search, config=config, runtime=runtime
+        )
     if config.allocation == "gradient":
         return gradient_allocation(moe, criterion, scores, search, config=config, runtime=runtime)
     short = SearchConfig(population=settings.population, elites=4, generations=settings.generations, seed=42)
@@ -321,7 +329,7 @@ def _run_demo(
         "eval_samples_per_domain": settings.eval_samples,
         "rows": rows,
         "searches": [  # without the per-generation and per-step histories (search.json's)
-            {k: v for k, v in s.items() if k not in ("generations", "training", "keep_logits")}
+            {k: v for k, v in s.items() if k not in ("generations", "training", "keep_logits", "form_logits")}
             for s in search_docs
         ],
         "timing_s": {"model": round(trained_s, 1), "total": round(time.perf_counter() - start, 1)},
@@ -418,7 +426,7 @@ def notice(row: dict, rows: list[dict]) -> str:
     )
     if row["allocation"] in ("global", "evo", "gradient") and base is not None:
         gain = row["esap"] - base["esap"]
-        how = {"evo": "the search", "gradient": "the trained keep logits"}.get(
+        how = {"evo": "the search", "gradient": "the trained logits"}.get(
             row["allocation"], "ranking experts across layers"
         )
         return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."

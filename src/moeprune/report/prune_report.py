@@ -35,7 +35,8 @@ def draw_kept(
     report = as_report(report)
     rows = [row.to_json() for row in report.kept_per_layer or []]
     uniform = None
-    if search_doc is not None and "uniform" in search_doc:  # a mixed search's seeds are in search.json
+    # drop counts only: a mixed search's seeds, and the uniform genes of mixed + gradient, are in search.json
+    if search_doc is not None and "allocation" in search_doc.get("uniform", {}):
         before = [
             {"layer": r["layer"], "experts": r["experts_before"], "routed_params": r["routed_params_before"]}
             for r in rows

@@ -352,13 +352,14 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
             f"{best['method']}{than}"
         )
     for search in results.get("searches", []):
-        if "uniform" in search:  # drop counts: against the criterion's uniform plan
+        if "uniform" in search and "seeds" not in search:  # drop counts: against the criterion's uniform plan
             reference, name = search["uniform"]["fitness_value"], "uniform"
         else:  # mixed genes: against the best recipe it started from (its seeds)
             sign = 1 if search.get("higher_is_better", True) else -1
             name, seed = max(search["seeds"].items(), key=lambda item: sign * item[1]["fitness_value"])
             reference = seed["fitness_value"]
-        how = search.get("allocation_method", "mixed evo" if "seeds" in search else "evo")
+        how = search.get("allocation_method", "evo")
+        how = f"mixed {how}" if "seeds" in search else how
         lines.append(
             f"  search    {search['criterion']} {how} at {search['sparsity']:.0%}: {search['fitness']} "
             f"{search['fitness_value']:.4f} searched vs {reference:.4f} {name} on the search data"

@@ -30,9 +30,9 @@ reports both.
 Memory: one training step of the model (the activations of one search batch kept for the
 backward; the weights are frozen and get no gradient) plus the teacher cache; the logits are a
 few kilobytes. Logits are initialised from the criterion's ranking (first pruned: lowest), so the
-criterion is the prior and the data decides. Per-expert forms (mixed plans) would add one logit
-column per form and a projection that assigns forms under a byte budget; theta is kept as one
-flat vector over (layer, expert) so that the columns can be added without changing the loop.
+criterion is the prior and the data decides. Per-expert forms (mixed plans): one logit column
+per form and a projection that assigns forms under the parameter budget, search/gradient_mixed.py
+(it shares this module's loss and temperature schedule).
 """
 
 from __future__ import annotations

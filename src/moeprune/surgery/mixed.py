@@ -61,7 +61,7 @@ from moeprune.surgery.novice import require_stats
 from moeprune.surgery.parameters import novice_params
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
 from moeprune.surgery.sizes import WeightBytes, grid_steps
-from moeprune.surgery.widths import hand_out_blocks, nearest_multiple, width_step
+from moeprune.surgery.widths import check_gradient_steps, hand_out_blocks, nearest_multiple, width_step
 
 GENES_KEY = "mixed_genes"  # plan.extra: the genes the plan was made from (a search's seed)
 
@@ -458,6 +458,8 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     genes, widths = planned_genes(moe, config)
     limits, sparsity = layer_limits(moe, config.expert_multiple), config.sparsity_value()
     steps = [c.step for c in stepped_costs(moe, limits, sparsity, mixed_options(config))]
+    if config.allocation == "gradient":
+        check_gradient_steps(steps)
     return {
         "width_multiple": dict(zip([m.index for m in moe.layers], steps)),
         "mixed_genes": {m.index: asdict(g) for m, g in zip(moe.layers, genes)},
@@ -471,7 +473,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         "per layer the most important experts stay whole, the next are narrowed to their top neurons, "
         "the next become novices and the rest are dropped; one routed-parameter budget met exactly",
         PARAMETERS,
-        ("uniform", "evo"),
+        ("uniform", "evo", "gradient"),
         needs=(NEURON_STATS,),
         neurons=True,
         options=MixedOptions,
@@ -482,7 +484,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
 )
 def plan_mixed(request: PlanRequest) -> Plan:
     options: MixedOptions = request.options or MixedOptions()
-    if request.removed is not None:  # --allocation evo: the searched genes (search/mixed_search.py)
+    if request.removed is not None:  # evo / gradient: the searched genes (search/)
         return mixed_plan(request, [LayerGene(*g) for g in request.removed])  # type: ignore[misc]
     costs = stepped_costs(
         request.moe, layer_limits(request.moe, request.expert_multiple), request.sparsity, options

@@ -26,6 +26,7 @@ floor)` is the step of one layer, `nearest_multiple` rounds a target width onto 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import ExpertCost, MoELayer
@@ -148,3 +149,16 @@ def hand_out_blocks(
                 owed -= new - w
                 moved = True
     return owed
+
+
+def check_gradient_steps(steps: Sequence[int]) -> None:
+    """Refuse width steps above 1 for `--allocation gradient`: its projection (search/form_projection.py)
+    fills the narrowed experts neuron by neuron, so its plans are not on a width multiple."""
+    if any(s > 1 for s in steps):
+        raise MoePruneError(
+            f"--allocation gradient narrows mixed experts neuron by neuron, but these experts keep widths on "
+            f"a multiple of {max(steps)} (--width-multiple, the group size of --quantize, or the serving "
+            "alignment of 32 on experts at least 256 wide); give --width-multiple 1 (vLLM then pads the widths: "
+            "docs/surgery.md) or use --allocation evo",
+            options=("allocation", "width_multiple"),
+        )
