@@ -36,7 +36,7 @@ from moeprune.models.reshape import mask_experts
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoIO
+from moeprune.search.evo import EvoIO, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_space import Joint, PrecisionSearch, PrecisionSpace
 from moeprune.search.run import model_fingerprint
@@ -172,17 +172,7 @@ def search_joint(
         },
         "evaluations": result.evaluations,
         "stopped": result.stopped,
-        "generations": [
-            {
-                "generation": h.generation,
-                "best": sign * h.best,
-                "mean": sign * h.mean,
-                "fitnesses": [sign * f for f in h.fitnesses],
-                "new_evaluations": h.new_evaluations,
-                "best_candidate": [list(c) for c in cast(list[Any], h.best_allocation)],
-            }
-            for h in result.history
-        ],
+        "generations": generations_document(result.history, sign, "best_candidate"),
         **evaluator.data_summary(),
         "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
     }

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -142,8 +142,8 @@ class EvoSearch:
         io: EvoIO,
         evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None,
     ) -> None:
-        """What every search space shares (a subclass with another space calls it from its own
-        __init__: search/mixed_search.py)."""
+        """What every search space shares (SeededSearch below, for another space, calls it from its
+        __init__)."""
         self.evaluate = evaluate
         self.state_path = Path(io.state_path) if io.state_path is not None else None
         self.fingerprint = dict(io.fingerprint or {})
@@ -369,3 +369,39 @@ def _first_difference(key: str, saved: Any, now: Any) -> str:
             if saved.get(sub) != now.get(sub):
                 return _first_difference(f"{key}.{sub}", saved.get(sub), now.get(sub))
     return f"{key} (saved {saved!r}, now {now!r})"
+
+
+class SeededSearch(EvoSearch):
+    """EvoSearch over a space of its own (`space`: feasibility, seeds and mutation, e.g. mixed genes
+    or joint counts and schemes): its loop, fitness cache, checkpoint, resume and patience, with
+    generation 0 starting at the named seeds. Subclasses say what defines the space (`_space`)."""
+
+    def __init__(
+        self,
+        evaluate: Callable[[Any], float],
+        space: Any,
+        seeds: Mapping[str, Any],
+        config: SearchConfig | None = None,
+        *,
+        io: EvoIO | None = None,
+    ) -> None:
+        self.config = config or SearchConfig()
+        self.config.validate()
+        self.space, self.seeds = space, dict(seeds)
+        self._setup(evaluate, io or EvoIO(), None)
+
+
+def generations_document(history: Sequence[GenerationStats], sign: float, key: str) -> list[dict[str, Any]]:
+    """search.json's `generations` of a seeded search: fitness in the user's direction (`sign`),
+    each generation's best candidate under `key` as lists."""
+    return [
+        {
+            "generation": h.generation,
+            "best": sign * h.best,
+            "mean": sign * h.mean,
+            "fitnesses": [sign * f for f in h.fitnesses],
+            "new_evaluations": h.new_evaluations,
+            key: [list(c) for c in cast(list[Any], h.best_allocation)],
+        }
+        for h in history
+    ]

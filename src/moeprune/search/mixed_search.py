@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -25,7 +25,7 @@ import numpy as np
 
 from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import layer_limits
-from moeprune.config import PruneConfig, SearchConfig
+from moeprune.config import PruneConfig
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
@@ -34,7 +34,7 @@ from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.evo import EvoIO, EvoSearch
+from moeprune.search.evo import EvoIO, SeededSearch, generations_document
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint
@@ -46,22 +46,8 @@ from moeprune.surgery.registry import PlanRequest
 _LOG = logging.getLogger(__name__)
 
 
-class MixedSearch(EvoSearch):
+class MixedSearch(SeededSearch):
     """EvoSearch whose candidates are mixed genes; generation 0 starts with the named seeds."""
-
-    def __init__(
-        self,
-        evaluate: Callable[[Any], float],
-        space: MixedSpace,
-        seeds: Mapping[str, Genes],
-        config: SearchConfig | None = None,
-        *,
-        io: EvoIO | None = None,
-    ) -> None:
-        self.config = config or SearchConfig()
-        self.config.validate()
-        self.space, self.seeds = space, dict(seeds)
-        self._setup(evaluate, io or EvoIO(), None)
 
     def _space(self) -> dict[str, Any]:
         return {
@@ -183,17 +169,7 @@ def search_mixed(
         },
         "evaluations": result.evaluations,
         "stopped": result.stopped,
-        "generations": [
-            {
-                "generation": h.generation,
-                "best": sign * h.best,
-                "mean": sign * h.mean,
-                "fitnesses": [sign * f for f in h.fitnesses],
-                "new_evaluations": h.new_evaluations,
-                "best_genes": [list(g) for g in cast(list[Any], h.best_allocation)],
-            }
-            for h in result.history
-        ],
+        "generations": generations_document(result.history, sign, "best_genes"),
         **evaluator.data_summary(),
         "timings_s": {
             "teacher_pass": round(evaluator.teacher_seconds, 3),

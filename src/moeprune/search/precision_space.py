@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.search.evo import EvoIO, EvoSearch
+from moeprune.search.evo import SeededSearch
 
 Joint = tuple[tuple[int, int], ...]  # per MoE layer: (experts removed, index of its scheme)
 _MAX_TRIES = 64  # redraws of a mutation that gives back its parent or an infeasible candidate
@@ -165,23 +165,9 @@ class PrecisionSpace:
         return population[: max(config.population, len(dict.fromkeys(seeds)))]
 
 
-class PrecisionSearch(EvoSearch):
+class PrecisionSearch(SeededSearch):
     """EvoSearch (its loop, fitness cache, checkpoint, `--resume`, `--patience`) over joint
     candidates; generation 0 starts with the named seeds."""
-
-    def __init__(
-        self,
-        evaluate: Callable[[Any], float],
-        space: PrecisionSpace,
-        seeds: Mapping[str, Joint],
-        config: SearchConfig | None = None,
-        *,
-        io: EvoIO | None = None,
-    ) -> None:
-        self.config = config or SearchConfig()
-        self.config.validate()
-        self.space, self.seeds = space, dict(seeds)
-        self._setup(evaluate, io or EvoIO(), None)
 
     def _space(self) -> dict[str, Any]:
         return {
