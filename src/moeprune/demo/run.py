@@ -426,7 +426,7 @@ def notice(row: dict, rows: list[dict]) -> str:
     )
     if row["allocation"] in ("global", "evo", "gradient") and base is not None:
         gain = row["esap"] - base["esap"]
-        how = {"evo": "the search", "gradient": "the trained logits"}.get(
+        how = {"evo": "the search", "gradient": "training the logits"}.get(
             row["allocation"], "ranking experts across layers"
         )
         return f"{standing} at {row['sparsity']:.0%}; {how} {'gains' if gain >= 0 else 'loses'} {abs(gain):.4f} ESAP over uniform {row['criterion']}."
