@@ -50,7 +50,7 @@ def test_unread_settings_name_what_each_run_would_ignore():
     assert plain[GRADIENT_SETTINGS] == "without --allocation gradient" and plain[EVO_SETTINGS] == "without --allocation evo"
     assert order.index(GRADIENT_SETTINGS) < order.index(("search_data", SearchConfig))
     assert plain[("important_fraction", "slope")] == "without --method tenp"
-    assert plain[("neuron_importance",)] == "without --method neurons or tenp or mixed"
+    assert plain[("neuron_importance", "width_multiple")] == "without --method neurons or tenp or mixed"
     searched = unread_settings(PIPELINES.get("in-memory"), PruneConfig("reap", 0.5, allocation="evo"))
     assert not any(SearchConfig in settings for settings, _ in searched)
     assert dict(searched)[GRADIENT_SETTINGS] == "without --allocation gradient"  # --gradient-steps with evo
