@@ -111,8 +111,8 @@ def _config(sparsity: float, search: SearchConfig = QUICK, **options) -> PruneCo
     )
 
 
-def _run(moe, stats, config):
-    scores = compute_scores("reap", stats=stats)
+def _run(moe, stats, config, scores=None):
+    scores = scores or compute_scores("reap", stats=stats)
     return gradient_mixed_allocation(
         moe,
         get_criterion("reap"),
@@ -141,15 +141,7 @@ def test_finds_the_known_best_plan():
         for s in compute_scores("reap", stats=stats)
     ]
     config = _config(0.25, SearchConfig(steps=30, learning_rate=0.3, seed=1))
-    _, _, doc = gradient_mixed_allocation(
-        moe,
-        get_criterion("reap"),
-        scores,
-        [stats],
-        _data(),
-        config=config,
-        runtime=SearchRuntime(progress=False),
-    )
+    _, _, doc = _run(moe, stats, config, scores)
     for layer, ids in useless.items():
         forms = doc["forms"][str(layer)]
         assert forms["novice"] == ids and not forms["dropped"]

@@ -211,6 +211,14 @@ def _temperature(config: SearchConfig, step: int) -> float:
     return config.temperature * (config.temperature_end / config.temperature) ** frac
 
 
+def training_settings(config: SearchConfig) -> dict[str, Any]:
+    """search.json's `config` of a gradient allocation (drop or mixed): what its training read."""
+    return {
+        k: getattr(config, k)
+        for k in ("steps", "learning_rate", "temperature", "temperature_end", "kl_top_k", "seed")
+    }
+
+
 def _dropped_order(order: Sequence[int], dropped: Sequence[int]) -> list[int]:
     """`order` with the dropped experts moved first (in their own order): a count of len(dropped)
     then removes exactly them, group by group (plan_removals takes each group's earliest)."""
@@ -303,10 +311,7 @@ def run_gradient_search(
         "allocation_method": "gradient",
         "fitness": fitness,
         "higher_is_better": sign > 0,
-        "config": {
-            k: getattr(config, k)
-            for k in ("steps", "learning_rate", "temperature", "temperature_end", "kl_top_k", "seed")
-        },
+        "config": training_settings(config),
         "budget": budget,
         "layers": limits.layers,
         "num_experts": limits.num_experts,

@@ -81,7 +81,7 @@ from moeprune.search.form_projection import (
     plan_order,
     project_forms,
 )
-from moeprune.search.gradient import _batch_loss, _temperature
+from moeprune.search.gradient import _batch_loss, _temperature, training_settings
 from moeprune.search.mixed_space import MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import Fits
@@ -402,10 +402,7 @@ def run_gradient_mixed(
         "space": "mixed forms (whole, narrowed, novice, dropped) per routed expert",
         "fitness": fitness,
         "higher_is_better": sign > 0,
-        "config": {
-            k: getattr(config, k)
-            for k in ("steps", "learning_rate", "temperature", "temperature_end", "kl_top_k", "seed")
-        },
+        "config": training_settings(config),
         "layers": layers,
         "routed_parameters_target": target,
         "routed_parameters_kept": saved.extra["routed_parameters_kept"],
