@@ -204,8 +204,8 @@ def prune(
     search_doc, plan_scores = None, scores
     every_novice = None  # a mixed search's rank-R novices: scored by the search, saved by the plan
     removed: Sequence[Any] | None = None  # drop counts, or mixed genes (one tuple per MoE layer)
-    if run.removed is not None:
-        removed = [int(r) for r in run.removed]
+    if run.removed is not None:  # drop counts, or mixed genes (a tuple per layer)
+        removed = [tuple(int(x) for x in r) if isinstance(r, tuple) else int(r) for r in run.removed]
     elif searches(config.allocation):
         assert search_set is not None  # needs.check refused a search without search data
         runtime = SearchRuntime(

@@ -309,7 +309,12 @@ def size_lines(plan: dict) -> list[str]:
             lines.append(
                 f"grid      sparsity {point['sparsity']:.6g}: every layer in one scheme {every} bytes"
             )
-        if plan.get("precision_grid") and plan.get("allocation") == "evo":
+        if plan.get("precision_grid") and plan.get("allocation") == "evo" and plan.get("method") == "mixed":
+            lines.append(
+                "search    evo over mixed forms (whole, narrowed, novice, dropped, width) and scheme per MoE layer "
+                "under the target, generation 0 holding mixed's recipes at these points (each with its scheme)"
+            )
+        elif plan.get("precision_grid") and plan.get("allocation") == "evo":
             lines.append(
                 "search    evo over experts removed and scheme per MoE layer under the target, generation 0 "
                 "holding these grid points (each with its best schemes)"

@@ -20,8 +20,9 @@ Three steps, each where it is cheapest:
 Methods that remove whole experts with their router rows (drop, merge) are priced by
 `precision_bytes`; those that narrow experts or keep novices (neurons, tenp, novice, mixed) by
 what each layer keeps (job/precision_kept.py: the uniform plan's keeps before loading, the plan's
-own after the surgery), with `--sparsity` only. Without `--sparsity` the sparsity is chosen with
-the schemes first (job/precision_grid.py, drop and merge only), then these steps run at it.
+own after the surgery), with `--sparsity`. Without `--sparsity` the sparsity is chosen with the
+schemes first (job/precision_grid.py, drop and merge), then these steps run at it; the mixed method
+searches its forms and the schemes together instead (job/precision_mixed.py).
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
         )
     method = METHODS.get(config.method).configured(config.options)
     whole = not (method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons)
-    if not whole and not (config.sparsity is not None and priced_here(config)):  # job/precision_kept.py
+    joint_mixed = config.sparsity is None and config.method == "mixed"  # job/precision_mixed.py
+    if not whole and not joint_mixed and not (config.sparsity is not None and priced_here(config)):
         raise MoePruneError(
-            f"per-layer precision prices whole experts removed with their router rows (drop, merge); "
-            f"{method.described(config.options)} narrows experts or keeps novices: give one scheme"
+            f"per-layer precision prices whole experts removed with their router rows (drop, merge) and "
+            f"searches mixed forms with the schemes; {method.described(config.options)} narrows experts or keeps "
+            "novices: give one scheme"
             + (", or --sparsity (its plan is then priced by what it keeps)" if priced_here(config) else ""),
             options=("quantize", "method"),
         )

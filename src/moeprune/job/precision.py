@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from moeprune.models.packed import PACKED_PREFIX, expert_tensors, is_packed
 from moeprune.quant.fake import fake_quantize
 from moeprune.quant.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.surgery.kept_bytes import PrecisionBytes
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -113,18 +113,6 @@ def measure_losses(
         losses.append(row)
     evaluator.prefix_cache.clear()
     return losses
-
-
-@dataclass(frozen=True)
-class PrecisionBytes:
-    """Bytes of a per-layer choice: `fixed` outside the routed experts (base scheme), and per
-    layer and scheme the kept experts' bytes."""
-
-    fixed: int
-    layers: tuple[dict[str, int], ...]
-
-    def total(self, choice: Sequence[str]) -> int:
-        return self.fixed + sum(layer[s] for layer, s in zip(self.layers, choice))
 
 
 def precision_bytes(

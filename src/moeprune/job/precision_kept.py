@@ -29,9 +29,7 @@ The stock form of the neurons method (one width everywhere) zero-pads a derived 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
@@ -41,6 +39,7 @@ from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.surgery.kept_bytes import LayerKeep, kept_bytes
 from moeprune.surgery.mixed import planned_genes
 from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.registry import METHODS, method_limits
@@ -48,15 +47,6 @@ from moeprune.surgery.sizes import WeightBytes
 from moeprune.surgery.tenp import tenp_allocation
 
 KEPT_METHODS = ("neurons", "tenp", "novice", "mixed")  # priced here (drop and merge: job/precision.py)
-
-
-@dataclass(frozen=True)
-class LayerKeep:
-    """What one MoE layer keeps of its routed experts."""
-
-    widths: tuple[int, ...]  # neurons of each expert that keeps weights (the full width: whole)
-    novices: int = 0  # experts replaced by novices (routing kept)
-    removed: int = 0  # experts dropped with their router rows
 
 
 def priced_here(config: PruneConfig) -> bool:
@@ -110,6 +100,18 @@ def plan_keeps(meta: MoEModel, plan: Plan) -> list[LayerKeep]:
     return out
 
 
+def scheme_bytes(
+    size: WeightBytes, moe: MoEModel, schemes: Sequence[str], options: QuantizeOptions, dtype_bytes: int
+) -> dict[str, WeightBytes]:
+    """`size` (the unpruned model's full-precision bytes) quantized with each scheme everywhere."""
+    return {
+        s: quantized_weight_bytes(
+            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
+        )
+        for s in schemes
+    }
+
+
 def kept_precision_bytes(
     size: WeightBytes,
     moe: MoEModel,
@@ -120,30 +122,8 @@ def kept_precision_bytes(
     novice_rank: int = 0,
 ) -> PrecisionBytes:
     """`size` (the unpruned model's full-precision bytes) quantized with the first scheme outside
-    the routed experts and any scheme per layer inside, each layer keeping `keeps[l]` (module
-    docstring: novices unquantized, in the fixed part)."""
-    per: dict[str, WeightBytes] = {
-        s: quantized_weight_bytes(
-            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
-        )
-        for s in schemes
-    }
-    base = per[schemes[0]]
-    fixed = base.total
-    for lay, keep in zip(base.layers, keeps):
-        fixed -= lay.experts * lay.expert() + keep.removed * lay.router_row
-        fixed += keep.novices * lay.novice * (1 + 2 * novice_rank)
-    one = {w for keep in keeps for w in keep.widths}
-    if len(one) == 1 and not any(k.novices or k.removed for k in keeps):  # the stock form's padding
-        k = one.pop()
-        for lay in base.layers:
-            if lay.shared_width and k < lay.width:
-                fixed += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
-    layers = tuple(
-        {s: sum(per[s].layers[i].expert(w) for w in keep.widths) for s in schemes}
-        for i, keep in enumerate(keeps)
-    )
-    return PrecisionBytes(fixed, layers)
+    the routed experts and any scheme per layer inside, each layer keeping `keeps[l]`."""
+    return kept_bytes(scheme_bytes(size, moe, schemes, options, dtype_bytes), keeps, novice_rank)
 
 
 def planned_precision_bytes(
@@ -171,9 +151,11 @@ __all__ = [
     "KEPT_METHODS",
     "LayerKeep",
     "every_layer_at",
+    "kept_bytes",
     "kept_precision_bytes",
     "plan_keeps",
     "planned_keeps",
     "planned_precision_bytes",
     "priced_here",
+    "scheme_bytes",
 ]

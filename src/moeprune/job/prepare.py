@@ -20,6 +20,7 @@ from moeprune.data.loading import CalibrationData, calibration_sets, load_data, 
 from moeprune.errors import DataError, MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
 from moeprune.job.precision_grid import planning_sparsity, sparsity_grid
+from moeprune.job.precision_mixed import mixed_joint_grid
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
@@ -305,10 +306,9 @@ def prepare(request: PruneRequest) -> PruneJob:
     if quantize is not None and quantize.joint and quantize.budget is not None:
         element = torch.empty((), dtype=save_dtype).element_size()
         target = parse_target_size(quantize.budget)
+        joint_grid = mixed_joint_grid if config.method == "mixed" else sparsity_grid
         grid = tuple(
-            sparsity_grid(
-                meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target
-            )
+            joint_grid(meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target)
         )
         config = replace(config, sparsity=planning_sparsity(grid))
     if config.target_size is None:

@@ -17,6 +17,7 @@ from moeprune.job.auto_precision import choose_precision, precision_note, precis
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.precision_evo import NOTHING_REMOVED, run_joint
 from moeprune.job.precision_grid import choose_sparsity, criterion_orders
+from moeprune.job.precision_mixed import run_joint_mixed
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.job.quantize import ignore_prefixes, quantize_folder
 from moeprune.models import MoEModel
@@ -119,6 +120,75 @@ def _quantize_recipe(job: PruneJob) -> dict | None:
     return out
 
 
+def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> tuple[PruneJob, list, dict]:
+    """The mixed method's forms and schemes searched together (job/precision_mixed.py): the job at
+    the winner's sparsity and schemes, its genes for `prune`, and search.json. A winner that keeps
+    every expert whole is the "quantize only" point: pruned as drop with nothing removed."""
+    assert job.precision is not None and job.quantize is not None
+    runtime = SearchRuntime(
+        batch_size=job.data.batch_size, pad_token_id=getattr(job.tokenizer, "pad_token_id", None),
+        progress=progress, state_path=search_state_path(job.output), resume=job.run.resume,
+    )  # fmt: skip
+    scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
+    with stage("searching the mixed forms and the schemes per layer together", progress):
+        genes, config, quantize, choice, document = run_joint_mixed(
+            full, job.config, job.quantize, job.precision, job.calibration, scored, runtime
+        )
+    if any(g[1] or g[2] or g[3] for g in genes):
+        return replace(job, config=config, quantize=quantize, precision_choice=choice), genes, document
+    choice["no_expert_removed"] = NOTHING_REMOVED
+    whole = replace(config, method="drop", options=None)
+    job = replace(job, config=whole, quantize=quantize, precision_choice=choice)
+    return job, [0] * len(genes), document
+
+
+def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> tuple:
+    """Per-layer precision's teacher on the full model before the surgery; without --sparsity the
+    grid of uniform splits chooses the sparsity, and with evo the joint search the counts too:
+    (the job at that sparsity, the teacher or None, the grid's rows, the removals, search.json)."""
+    assert job.precision is not None and job.quantize is not None
+    data, p, quantize = job.data, job.precision, job.quantize
+    teacher, grid_rows, removed, joint = None, None, None, None
+    pad = getattr(job.tokenizer, "pad_token_id", None)
+    orders = None
+    if quantize.joint:  # the grid masks experts in the criterion's order
+        orders = criterion_orders(full, job.config, job.calibration, data.batch_size, pad or 0, progress)
+    with stage("teacher pass of the per-layer precision scores", progress):
+        scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
+        teacher = precision_teacher(full, scored, job.config, data.batch_size, pad, progress, orders)
+    if quantize.joint:
+        with stage("choosing the sparsity with the schemes (a grid of uniform splits)", progress):
+            grid = [s for s, _ in p.grid]
+            sparsity, grid_rows = choose_sparsity(
+                teacher, full, job.config, quantize, grid, p.size, p.dtype_bytes, p.target_bytes
+            )
+        if job.config.allocation == "evo":  # counts and schemes searched together, the grid as seeds
+            assert teacher is not None
+            teacher.release()
+            teacher = None
+            assert orders is not None
+            runtime = SearchRuntime(
+                batch_size=data.batch_size, pad_token_id=pad, progress=progress,
+                state_path=search_state_path(job.output), resume=job.run.resume,
+            )  # fmt: skip
+            with stage("searching the experts removed and the schemes per layer together", progress):
+                removed, quantize, choice, joint = run_joint(
+                    full, job.config, quantize, p, orders, scored, grid_rows, runtime
+                )
+            job = replace(job, quantize=quantize, precision_choice=choice)
+            sparsity = (
+                sum(removed)
+                / method_limits(
+                    full, job.config.method, job.config.expert_multiple, job.config.options
+                ).prunable_experts
+            )
+        elif sparsity == 0:
+            removed = [0] * len(full.layers)
+        if sparsity > 0:  # else the planning sparsity stays: the config needs one above 0
+            job = replace(job, config=replace(job.config, sparsity=sparsity))
+    return job, teacher, grid_rows, removed, joint
+
+
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
     with stage(f"loading {job.model_path}", progress), transformers_bars_off():
@@ -126,45 +196,11 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer.lap("load")
     data = job.data
     teacher, grid_rows, removed, joint = None, None, None, None
-    if job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
-        assert job.quantize is not None
-        pad = getattr(job.tokenizer, "pad_token_id", None)
-        full, orders = MoEModel(model), None
-        if job.quantize.joint:  # the grid masks experts in the criterion's order
-            orders = criterion_orders(full, job.config, job.calibration, data.batch_size, pad or 0, progress)
-        with stage("teacher pass of the per-layer precision scores", progress):
-            scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
-            teacher = precision_teacher(full, scored, job.config, data.batch_size, pad, progress, orders)
-        if job.quantize.joint:
-            with stage("choosing the sparsity with the schemes (a grid of uniform splits)", progress):
-                p = job.precision
-                grid = [s for s, _ in p.grid]
-                sparsity, grid_rows = choose_sparsity(
-                    teacher, full, job.config, job.quantize, grid, p.size, p.dtype_bytes, p.target_bytes
-                )
-            if job.config.allocation == "evo":  # counts and schemes searched together, the grid as seeds
-                teacher.release()
-                teacher = None
-                assert orders is not None
-                runtime = SearchRuntime(
-                    batch_size=data.batch_size, pad_token_id=pad, progress=progress,
-                    state_path=search_state_path(job.output), resume=job.run.resume,
-                )  # fmt: skip
-                with stage("searching the experts removed and the schemes per layer together", progress):
-                    removed, quantize, choice, joint = run_joint(
-                        full, job.config, job.quantize, p, orders, scored, grid_rows, runtime
-                    )
-                job = replace(job, quantize=quantize, precision_choice=choice)
-                sparsity = (
-                    sum(removed)
-                    / method_limits(
-                        full, job.config.method, job.config.expert_multiple, job.config.options
-                    ).prunable_experts
-                )
-            elif sparsity == 0:
-                removed = [0] * len(full.layers)
-            if sparsity > 0:  # else the planning sparsity stays: the config needs one above 0
-                job = replace(job, config=replace(job.config, sparsity=sparsity))
+    joint_mixed = job.quantize is not None and job.quantize.joint and job.config.method == "mixed"
+    if job.precision is not None and joint_mixed:
+        job, removed, joint = _joint_mixed(job, MoEModel(model), progress)  # forms and schemes together
+    elif job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
+        job, teacher, grid_rows, removed, joint = _precision_teacher(job, MoEModel(model), progress)
     result = prune(
         model,
         job.config,

@@ -44,7 +44,7 @@ from moeprune.surgery.mixed import (
 
 Genes = tuple[tuple[int, int, int, int, int], ...]  # per MoE layer: astuple(LayerGene)
 _MAX_STEP_TRIES = 64  # redraws of one infeasible step before the offspring is its parent
-_MOVES = ("whole>narrowed", "narrowed>whole", "width", "novice>dropped", "dropped>novice",
+MOVES = ("whole>narrowed", "narrowed>whole", "width", "novice>dropped", "dropped>novice",
           "narrowed>novice", "novice>narrowed", "narrowed>dropped", "dropped>narrowed")  # fmt: skip
 
 
@@ -192,7 +192,7 @@ class MixedSpace:
         for _ in range(tau):
             for _ in range(_MAX_STEP_TRIES):
                 pos = int(rng.integers(len(child)))
-                step = self._step(child[pos], self.costs[pos], str(rng.choice(_MOVES)), config, rng)
+                step = self.step(child[pos], self.costs[pos], str(rng.choice(MOVES)), config, rng)
                 if step is None:
                     continue
                 trial = child[:pos] + (step,) + child[pos + 1 :]
@@ -204,7 +204,7 @@ class MixedSpace:
         return self.canonical(child)
 
     @staticmethod
-    def _step(
+    def step(
         g: tuple[int, ...], c: LayerCosts, move: str, config: SearchConfig, rng: np.random.Generator
     ) -> tuple[int, int, int, int, int] | None:
         w, n, v, d, width = g
