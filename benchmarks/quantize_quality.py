@@ -259,8 +259,9 @@ def precision(runner: Runner, sparsities: list[float], only: Row) -> list[Row]:
     (so the choice has bytes to spend and cannot buy every layer w8a16); then, without `--sparsity`
     (the sparsity chosen with the schemes), the joint grid and the joint evo search (experts and
     schemes per layer searched together, seeded with the grid, on the demo's search split and
-    search budget) at the bytes of W4A16 of the whole model on disk and at the byte model's
-    prediction of them (where quantizing only is itself a candidate)."""
+    search budget), and the joint mixed search (each layer's mixed forms and scheme together) at the
+    bytes of W4A16 of the whole model on disk and at the byte model's prediction of them (where
+    quantizing only is itself a candidate)."""
     rows = []
     for s in sparsities:
         bounds = runner.every_layer_at(s)
@@ -280,6 +281,8 @@ def precision(runner: Runner, sparsities: list[float], only: Row) -> list[Row]:
         flags = ["--target-size", str(target), *runner.quant_flags(AUTO)]
         rows.append(runner.prune(f"{AUTO}, sparsity chosen{tag}", flags, budget))
         rows.append(runner.prune(f"{AUTO}, evo{tag}", [*flags, *evo], budget))
+        mixed = ["--method", "mixed", *evo]  # forms (whole, narrowed, novice, dropped) and schemes together
+        rows.append(runner.prune(f"{AUTO}, mixed evo{tag}", [*flags, *mixed], budget))
     return rows
 
 

@@ -171,16 +171,19 @@ def prune(
         routed_parameters(moe),
         kept_per_layer(moe),
     )
-    crit, scores, stats = score_experts(
-        moe,
-        crit.name,
-        sets,
-        batch_size=batch_size,
-        pad_token_id=pad,
-        seed=config.seed,
-        progress=progress,
-        neurons=method.neurons,
-    )
+    if run.observed is not None:  # the caller's pass over the same model and data (job/run.py)
+        crit, scores, stats = run.observed
+    else:
+        crit, scores, stats = score_experts(
+            moe,
+            crit.name,
+            sets,
+            batch_size=batch_size,
+            pad_token_id=pad,
+            seed=config.seed,
+            progress=progress,
+            neurons=method.neurons,
+        )
     found = guard_super_experts(moe, config, stats)  # refuses a budget only removing one could meet
     auto_table = None
     if auto:

@@ -22,6 +22,7 @@ import torch
 
 from helpers import run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.config import PruneConfig, SearchConfig
+from moeprune.criteria import scoring
 from moeprune.data.loading import load_data
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
@@ -192,10 +193,18 @@ def joint(tmp_path_factory) -> dict:
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", "16",
               "--quant-python", sys.executable, "--quiet"]  # fmt: skip
     evo = ["--search-data", data, "--allocation", "evo", "--population", "4", "--elites", "2", "--generations", "3", "--seed", "0"]
-    out = {}
+    out: dict = {"passes": []}
+    observe = scoring.observe_distributed
+
+    def counted(*args, **kwargs):
+        out["passes"].append(1)
+        return observe(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(scoring, "observe_distributed", counted)
         run_cli("prune", *common, *evo, "--output", root / "evo", "--target-size", "145000")
+        patch.setattr(scoring, "observe_distributed", observe)
         out["evo dry"] = run_cli("prune", *common, *evo, "--output", root / "d", "--target-size", "145000", "--dry-run").output
         dry = run_cli("prune", *common, "--output", root / "x", "--target-size", "10MB", "--dry-run").output
         every_w4 = int(re.search(r"sparsity 0: every layer in one scheme w4a16 ([\d,]+)", dry)[1].replace(",", ""))
@@ -224,6 +233,7 @@ def test_prune_keeps_the_winner_counts_and_schemes(joint):
     grid = [float(x) for x in re.findall(r"grid      sparsity ([\d.]+):", joint["evo dry"])]
     assert grid == [round(r["sparsity"], 6) for r in precision["sparsity_grid"]]
     assert "search    evo over experts removed and scheme per MoE layer" in joint["evo dry"]
+    assert len(joint["passes"]) == 1  # prune reuses the grid's observation of the full model
 
 
 def test_quantize_only_is_a_grid_point_and_prunes_nothing_when_chosen(joint):

@@ -12,6 +12,7 @@ joint search cannot run is refused in one line before loading.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -22,6 +23,7 @@ import torch
 from helpers import run_cli, write_arithmetic
 from moeprune.allocate.limits import layer_limits
 from moeprune.config import SearchConfig
+from moeprune.criteria import scoring
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
 from moeprune.job.precision_kept import kept_precision_bytes, scheme_bytes
@@ -126,8 +128,16 @@ def joint(tmp_path_factory) -> dict:
            "--generations", "4", "--seed", "0"]  # fmt: skip
     target = _halfway(moe, size)
     out: dict = {"common": common, "evo": evo, "root": root, "target": target}
+    passes = []
+    observe = scoring.observe_distributed
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return observe(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(scoring, "observe_distributed", counted)
         out["dry"] = run_cli(
             "prune", *common, *evo, "--output", root / "d", "--target-size", str(target), "--dry-run"
         ).output
@@ -135,7 +145,7 @@ def joint(tmp_path_factory) -> dict:
     folder = root / "evo"
     out.update({k: json.loads((folder / f"{k}.json").read_text()) for k in ("report", "search", "recipe")})
     out["plan"] = Plan.load(folder / "plan.json")
-    out["priced"] = (moe, size)
+    out["priced"], out["passes"] = (moe, size), len(passes)
     return out
 
 
@@ -160,17 +170,15 @@ def test_prune_keeps_the_winner_genes_widths_and_schemes(joint):
     assert joint["recipe"]["config"]["sparsity"] is None  # a rerun searches again
     assert "search    evo over mixed forms" in joint["dry"]
     assert any(name.startswith("quantize only w4a16") for name in search["seeds"])  # it fits T
+    assert joint["passes"] == 1  # prune reuses the search's observation of the full model
 
 
 def test_a_winner_that_keeps_every_expert_whole_is_quantize_only(joint, monkeypatch):
     """The "quantize only" point of the joint mixed search is pruned as nothing removed."""
     real = run_module.run_joint_mixed
 
-    def whole(full, config, quantize, target, calibration, data, runtime):
-        genes, pruned, options, choice, document = real(
-            full, config, quantize, target, calibration, data, runtime
-        )
-        return [(8, 0, 0, 0, 64)] * 3, config, options, choice, document
+    def whole(*args):
+        return dataclasses.replace(real(*args), genes=[(8, 0, 0, 0, 64)] * 3)
 
     monkeypatch.setattr(run_module, "run_joint_mixed", whole)
     monkeypatch.setattr(run_module, "quantize_folder", _stand_in)

@@ -57,6 +57,9 @@ class RunOptions:
     # dropped, width) tuple per MoE layer (job/precision_mixed.py): the allocation and its search
     # are not run
     removed: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
+    # (criterion, scores, statistics) of this model on this calibration data, observed already by the
+    # caller (the joint precision searches observe the full model before `prune`): not observed again
+    observed: Any = field(default=None, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- the recipe

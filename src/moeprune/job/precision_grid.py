@@ -39,7 +39,7 @@ from moeprune.models import MoEModel
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.surgery.planning import guard_super_experts
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import METHODS, method_limits
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -50,15 +50,18 @@ def criterion_orders(
     batch_size: int,
     pad: int,
     progress: bool,
-) -> list[list[int]]:
+) -> tuple[list[list[int]], tuple]:
     """Each MoE layer's pruning order under the configured criterion (observed on the calibration
-    data as prune does), the guarded super experts last: what the grid's uniform splits remove."""
-    _, scores, stats = score_experts(
+    data as prune does), the guarded super experts last: what the grid's uniform splits remove; and
+    the observation itself, (criterion, scores, statistics), which `prune` then reuses
+    (`RunOptions.observed`) instead of a second pass over the same data."""
+    observed = score_experts(
         moe, config.criterion, list(calibration), batch_size=batch_size, pad_token_id=pad,
-        seed=config.seed, progress=progress,
+        seed=config.seed, progress=progress, neurons=METHODS.get(config.method).neurons,
     )  # fmt: skip
+    _, scores, stats = observed
     guard_super_experts(moe, config, stats)
-    return [list(s.order) for s in protected_order(scores, moe.protected)]
+    return [list(s.order) for s in protected_order(scores, moe.protected)], observed
 
 
 def uniform_split(moe: MoEModel, config: PruneConfig, sparsity: float) -> list[int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -90,10 +90,13 @@ def mixed_joint_grid(
     check_joint_mixed(config)
     schemes = tuple(options.candidates or ())
 
+    refusals: list[str] = []
+
     def every_layer_at(sparsity: float) -> dict[str, int] | None:
         try:
             keeps = planned_keeps(meta, replace(config, sparsity=sparsity))
-        except MoePruneError:  # the shares cannot reach this sparsity
+        except MoePruneError as error:  # the shares cannot reach this sparsity
+            refusals.append(str(error))
             return None
         return budget_per_scheme(
             kept_precision_bytes(size, meta, schemes, options, dtype_bytes, keeps), schemes
@@ -113,6 +116,12 @@ def mixed_joint_grid(
             points[sparsity] = cast(dict[str, int], every_layer_at(sparsity))
         elif steps and (closest is None or steps[-1][1] < closest[2]):
             closest = (steps[-1][0], scheme, steps[-1][1])
+    if not points and closest is None:
+        raise MoePruneError(
+            f"no mixed plan exists at any sparsity here, so the forms cannot be searched with the schemes: "
+            f"{refusals[-1] if refusals else 'no sparsity is plannable'}",
+            options=("target_size", "quantize", "method"),
+        )
     if not points:
         where = (
             f": with every layer in {closest[1]} at sparsity {closest[0]:g} it weighs {closest[2]:,} bytes"
@@ -177,6 +186,18 @@ def _candidate(
         yield
 
 
+@dataclass(frozen=True)
+class JointMixed:
+    """The joint mixed search's answer: what `prune` then runs."""
+
+    genes: list[tuple[int, int, int, int, int]]  # the winner's, one tuple per MoE layer
+    config: PruneConfig  # at the sparsity the genes keep, on the width steps searched
+    quantize: QuantizeOptions  # with the chosen `layer_schemes`
+    choice: dict[str, Any]  # report.json's `quantization.precision`
+    search: dict[str, Any]  # search.json
+    observed: tuple  # (criterion, scores, statistics) of the full model: prune reuses them
+
+
 def run_joint_mixed(
     full: MoEModel,
     config: PruneConfig,
@@ -185,19 +206,16 @@ def run_joint_mixed(
     calibration: Sequence[CalibrationData],
     data: CalibrationData,
     runtime: SearchRuntime,
-) -> tuple[
-    list[tuple[int, int, int, int, int]], PruneConfig, QuantizeOptions, dict[str, Any], dict[str, Any]
-]:
-    """The joint search on the full model: the winner's mixed genes (one tuple per MoE layer), the
-    config to prune them at (its sparsity, the width steps searched on), the options with the chosen
-    `layer_schemes`, report.json's choice and search.json."""
+) -> JointMixed:
+    """The joint search on the full model (module docstring)."""
     check_joint_mixed(config)
     fitness = check_fitness(config.search.fitness)
     pad = runtime.pad_token_id or 0
-    crit, scores, stats = score_experts(
+    observed = score_experts(
         full, config.criterion, list(calibration), batch_size=runtime.batch_size, pad_token_id=pad,
         seed=config.seed, progress=runtime.progress, neurons=True,
     )  # fmt: skip
+    crit, scores, stats = observed
     guard_super_experts(full, config, stats)
     options = mixed_options(config)
     limits = layer_limits(full, config.expert_multiple)
@@ -258,13 +276,8 @@ def run_joint_mixed(
     choice["seed_fitness"] = {name: row["fitness_value"] for name, row in document["seeds"].items()}
     genes = [(w, n, v, d, width) for w, n, v, d, width, _ in best]
     pruned = replace(config, sparsity=space.sparsity(best)) if space.sparsity(best) > 0 else config
-    return (
-        genes,
-        pruned,
-        replace(quantize, layer_schemes=dict(zip(layers, space.named(best)))),
-        choice,
-        document,
-    )
+    schemes = replace(quantize, layer_schemes=dict(zip(layers, space.named(best))))
+    return JointMixed(genes, pruned, schemes, choice, document, observed)
 
 
 def _document(
@@ -328,4 +341,4 @@ def _choice(
     }
 
 
-__all__ = ["check_joint_mixed", "mixed_joint_grid", "run_joint_mixed"]
+__all__ = ["JointMixed", "check_joint_mixed", "mixed_joint_grid", "run_joint_mixed"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from moeprune import __version__
 from moeprune.api import prune
@@ -30,6 +31,7 @@ from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.runtime.progress import stage, transformers_bars_off
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
@@ -120,10 +122,23 @@ def _quantize_recipe(job: PruneJob) -> dict | None:
     return out
 
 
-def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> tuple[PruneJob, list, dict]:
-    """The mixed method's forms and schemes searched together (job/precision_mixed.py): the job at
-    the winner's sparsity and schemes, its genes for `prune`, and search.json. A winner that keeps
-    every expert whole is the "quantize only" point: pruned as drop with nothing removed."""
+@dataclass
+class _BeforePrune:
+    """What per-layer precision decides on the full model before `prune`: the job (at the chosen
+    sparsity and schemes), the teacher of the fixed-split choice, the grid's rows, the removals or
+    mixed genes chosen already, search.json, and the observation `prune` reuses."""
+
+    job: PruneJob
+    teacher: CandidateEvaluator | None = None
+    grid_rows: list[dict[str, Any]] | None = None
+    removed: list[Any] | None = None
+    joint: dict[str, Any] | None = None
+    observed: tuple | None = None
+
+
+def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
+    """The mixed method's forms and schemes searched together (job/precision_mixed.py). A winner
+    that keeps every expert whole is the "quantize only" point: pruned as drop with nothing removed."""
     assert job.precision is not None and job.quantize is not None
     runtime = SearchRuntime(
         batch_size=job.data.batch_size, pad_token_id=getattr(job.tokenizer, "pad_token_id", None),
@@ -131,18 +146,16 @@ def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> tuple[PruneJo
     )  # fmt: skip
     scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
     with stage("searching the mixed forms and the schemes per layer together", progress):
-        genes, config, quantize, choice, document = run_joint_mixed(
-            full, job.config, job.quantize, job.precision, job.calibration, scored, runtime
-        )
-    if any(g[1] or g[2] or g[3] for g in genes):
-        return replace(job, config=config, quantize=quantize, precision_choice=choice), genes, document
-    choice["no_expert_removed"] = NOTHING_REMOVED
-    whole = replace(config, method="drop", options=None)
-    job = replace(job, config=whole, quantize=quantize, precision_choice=choice)
-    return job, [0] * len(genes), document
+        won = run_joint_mixed(full, job.config, job.quantize, job.precision, job.calibration, scored, runtime)
+    job = replace(job, config=won.config, quantize=won.quantize, precision_choice=won.choice)
+    if any(g[1] or g[2] or g[3] for g in won.genes):
+        return _BeforePrune(job, removed=list(won.genes), joint=won.search, observed=won.observed)
+    won.choice["no_expert_removed"] = NOTHING_REMOVED
+    job = replace(job, config=replace(won.config, method="drop", options=None))
+    return _BeforePrune(job, removed=[0] * len(won.genes), joint=won.search, observed=won.observed)
 
 
-def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> tuple:
+def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
     """Per-layer precision's teacher on the full model before the surgery; without --sparsity the
     grid of uniform splits chooses the sparsity, and with evo the joint search the counts too:
     (the job at that sparsity, the teacher or None, the grid's rows, the removals, search.json)."""
@@ -151,8 +164,11 @@ def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> tuple:
     teacher, grid_rows, removed, joint = None, None, None, None
     pad = getattr(job.tokenizer, "pad_token_id", None)
     orders = None
+    observed = None
     if quantize.joint:  # the grid masks experts in the criterion's order
-        orders = criterion_orders(full, job.config, job.calibration, data.batch_size, pad or 0, progress)
+        orders, observed = criterion_orders(
+            full, job.config, job.calibration, data.batch_size, pad or 0, progress
+        )
     with stage("teacher pass of the per-layer precision scores", progress):
         scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
         teacher = precision_teacher(full, scored, job.config, data.batch_size, pad, progress, orders)
@@ -186,7 +202,7 @@ def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> tuple:
             removed = [0] * len(full.layers)
         if sparsity > 0:  # else the planning sparsity stays: the config needs one above 0
             job = replace(job, config=replace(job.config, sparsity=sparsity))
-    return job, teacher, grid_rows, removed, joint
+    return _BeforePrune(job, teacher, grid_rows, removed, joint, observed)
 
 
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
@@ -195,12 +211,19 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
-    teacher, grid_rows, removed, joint = None, None, None, None
+    before = _BeforePrune(job)
     joint_mixed = job.quantize is not None and job.quantize.joint and job.config.method == "mixed"
     if job.precision is not None and joint_mixed:
-        job, removed, joint = _joint_mixed(job, MoEModel(model), progress)  # forms and schemes together
+        before = _joint_mixed(job, MoEModel(model), progress)  # forms and schemes together
     elif job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery
-        job, teacher, grid_rows, removed, joint = _precision_teacher(job, MoEModel(model), progress)
+        before = _precision_teacher(job, MoEModel(model), progress)
+    job, teacher, grid_rows, removed, joint = (
+        before.job,
+        before.teacher,
+        before.grid_rows,
+        before.removed,
+        before.joint,
+    )
     result = prune(
         model,
         job.config,
@@ -212,6 +235,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             job.run,
             check_plan=_check_quantizable(job),
             removed=tuple(removed) if removed is not None else None,
+            observed=before.observed,
         ),
         search_state=search_state_path(job.output),
     )
