@@ -320,9 +320,15 @@ def size_lines(plan: dict) -> list[str]:
                 "holding these grid points (each with its best schemes)"
             )
         reach = "reachable" if plan["precision_reachable"] else "not reachable"
+        searched = plan.get("precision_grid") and plan.get("allocation") == "evo"
+        when = (
+            "searched with the experts under it"
+            if searched
+            else "chosen under it once the experts are pruned"
+        )
         lines.append(
             f"target    {_bytes(plan['precision_target_bytes'])} ({plan['precision_target_bytes']:,} bytes): "
-            f"{reach}; each layer's scheme is chosen under it once the experts are pruned"
+            f"{reach}; each layer's scheme is {when}"
         )
     return lines
 
