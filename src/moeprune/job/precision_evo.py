@@ -19,27 +19,24 @@ copies hold every routed expert once per scheme in memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, cast
 
 from moeprune.allocate.fitness import check_fitness
 from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData
-from moeprune.errors import MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget
 from moeprune.job.precision import LayerSwap, precision_bytes
 from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
 from moeprune.quant.schemes import QuantizeOptions
-from moeprune.runtime.distributed import rank_and_world
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoIO, generations_document
+from moeprune.search.evo import EvoResult, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_space import Joint, PrecisionSearch, PrecisionSpace
-from moeprune.search.run import model_fingerprint
+from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.registry import method_limits
 from moeprune.surgery.sizes import WeightBytes
 
@@ -109,21 +106,7 @@ def search_joint(
 ) -> tuple[Joint, dict[str, Any]]:
     """The best candidate on the search data, and search.json."""
     fitness = check_fitness(config.search.fitness)
-    rank, _ = rank_and_world()
-    path = Path(runtime.state_path) if runtime.state_path is not None else None
-    if runtime.resume and (path is None or not path.is_file()):
-        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
     swap = LayerSwap(moe, group)
-    evaluator: CandidateEvaluator | None = None
-
-    def context(candidate: Joint):
-        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
-        return joint_candidate(evaluator, moe, swap, space.schemes, candidate)
-
-    def evaluate(candidate: Any) -> float:
-        assert evaluator is not None
-        return evaluator.evaluate(candidate)
-
     fingerprint = {
         "model": model_fingerprint(moe),
         "criterion": config.criterion,
@@ -133,51 +116,60 @@ def search_joint(
         "fitness": fitness,
         "search_data": data.fingerprint,
     }
-    search = PrecisionSearch(
-        evaluate, space, seeds, config.search,
-        # under torchrun every rank runs the same search; rank 0 alone writes its state
-        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
-                 write_state=rank == 0),
+    result, search, evaluator = run_seeded_search(
+        lambda evaluate, io: PrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        moe, data, orders, fingerprint=fingerprint, runtime=runtime,
+        plan_context=lambda e, c: joint_candidate(e, moe, swap, space.schemes, c),
     )  # fmt: skip
-    evaluator = CandidateEvaluator(
-        moe, data, orders, fitness=fitness, seed=config.search.seed,
-        runtime=replace(runtime, candidate_context=None), plan_context=context,
-    )  # fmt: skip
-    result = search.run(resume=runtime.resume)
-    sign = evaluator.sign
     best = cast(Joint, result.best)
-    cache = cast(dict[Any, float], search.cache)
     document = {
-        "fitness": fitness,
-        "higher_is_better": sign > 0,
         "space": "experts removed and scheme per MoE layer, under the target bytes",
         "schemes": list(space.schemes),
         "target_bytes": space.target,
+        **joint_document(space, seeds, cast(dict[Any, float], search.cache), result, config, evaluator,
+                         lambda c: {"allocation": [r for r, _ in c]}),
+    }  # fmt: skip
+    evaluator.release()
+    return best, document
+
+
+def joint_document(
+    space: Any,
+    seeds: dict[str, Any],
+    cache: dict[Any, float],
+    result: EvoResult,
+    config: PruneConfig,
+    evaluator: CandidateEvaluator,
+    layout: Callable[[Any], dict[str, Any]],
+) -> dict[str, Any]:
+    """search.json's part that the joint searches of schemes share (experts removed, or mixed
+    genes, with the schemes): the winner and every seed as `layout` describes a candidate, with its
+    schemes, predicted bytes and fitness (in the user's direction), the settings and the generations."""
+    sign = evaluator.sign
+
+    def row(candidate: Any, fitness: float) -> dict[str, Any]:
+        return {
+            **layout(candidate),
+            "chosen_schemes": space.named(candidate),
+            "predicted_bytes": space.bytes(candidate),
+            "fitness_value": sign * fitness,
+        }
+
+    return {
+        "fitness": evaluator.fitness,
+        "higher_is_better": sign > 0,
         "config": {
             k: getattr(config.search, k)
             for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
         },
-        "allocation": [r for r, _ in best],
-        "chosen_schemes": space.named(best),
-        "predicted_bytes": space.bytes(best),
-        "fitness_value": sign * result.best_fitness,
-        "seeds": {
-            name: {
-                "allocation": [r for r, _ in c],
-                "schemes": space.named(c),
-                "predicted_bytes": space.bytes(c),
-                "fitness_value": sign * cache[c],
-            }
-            for name, c in seeds.items()
-        },
+        **row(result.best, result.best_fitness),
+        "seeds": {name: row(c, cache[c]) for name, c in seeds.items()},
         "evaluations": result.evaluations,
         "stopped": result.stopped,
         "generations": generations_document(result.history, sign, "best_candidate"),
         **evaluator.data_summary(),
         "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
     }
-    evaluator.release()
-    return best, document
 
 
 def joint_choice(space: PrecisionSpace, best: Joint, layers: Sequence[int], fitness: str) -> dict[str, Any]:
@@ -237,6 +229,7 @@ def run_joint(
 
 __all__ = [
     "NOTHING_REMOVED",
+    "joint_document",
     "grid_seeds",
     "joint_candidate",
     "joint_choice",

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -42,16 +41,16 @@ from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget
 from moeprune.job.precision import LayerSwap, budget_per_scheme
+from moeprune.job.precision_evo import joint_document
 from moeprune.job.precision_kept import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.models import MoEModel
 from moeprune.quant.schemes import QuantizeOptions
-from moeprune.runtime.distributed import rank_and_world
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoIO, generations_document
+from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
-from moeprune.search.run import model_fingerprint
+from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.plans import virtual_plan
@@ -236,16 +235,6 @@ def run_joint_mixed(
         expert_multiple=config.expert_multiple, options=options,
     )  # fmt: skip
     swap = LayerSwap(full, quantize.group)
-    rank, _ = rank_and_world()
-    path = Path(runtime.state_path) if runtime.state_path is not None else None
-    if runtime.resume and (path is None or not path.is_file()):
-        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
-    evaluator: CandidateEvaluator | None = None
-
-    def evaluate(candidate: Any) -> float:
-        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
-        return evaluator.evaluate(candidate)
-
     fingerprint = {
         "model": model_fingerprint(full),
         "criterion": crit.name,
@@ -256,21 +245,14 @@ def run_joint_mixed(
         "calibration": [s.data_fingerprint for s in stats],
         "search_data": data.fingerprint,
     }
-    search = MixedPrecisionSearch(
-        evaluate, space, seeds, config.search,
-        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
-                 write_state=rank == 0),
+    result, search, evaluator = run_seeded_search(
+        lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        full, data, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
+        plan_context=lambda _, c: _candidate(full, request, space, swap, c),
     )  # fmt: skip
-    evaluator = CandidateEvaluator(
-        full, data, [s.order for s in ordered], fitness=fitness, seed=config.search.seed,
-        runtime=replace(runtime, candidate_context=None),
-        plan_context=lambda c: _candidate(full, request, space, swap, c),
-    )  # fmt: skip
-    result = search.run(resume=runtime.resume)
-    sign = evaluator.sign
     best = cast(JointGenes, result.best)
     cache = cast(dict[Any, float], search.cache)
-    document = _document(space, seeds, cache, result, sign, config, evaluator)
+    document = _document(space, seeds, cache, result, config, evaluator)
     evaluator.release()
     choice = _choice(space, best, fitness, document)
     choice["seed_fitness"] = {name: row["fitness_value"] for name, row in document["seeds"].items()}
@@ -284,42 +266,20 @@ def _document(
     space: MixedPrecisionSpace,
     seeds: dict[str, JointGenes],
     cache: dict[Any, float],
-    result: Any,
-    sign: float,
+    result: EvoResult,
     config: PruneConfig,
     evaluator: CandidateEvaluator,
 ) -> dict[str, Any]:
-    """search.json of the joint mixed search (`result`: EvoSearch's, its best the winner)."""
+    """search.json of the joint mixed search."""
     best = cast(JointGenes, result.best)
     return {
-        "fitness": evaluator.fitness,
-        "higher_is_better": sign > 0,
-        "space": "mixed genes (whole, narrowed, novice, dropped, width) and scheme per MoE layer, under the "
-        "target bytes",
+        "space": "mixed genes (whole, narrowed, novice, dropped, width) and scheme per MoE layer, under "
+        "the target bytes",
         **space.describe(),
-        "config": {
-            k: getattr(config.search, k)
-            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
-        },
-        "genes": [list(g[:5]) for g in best],
-        "chosen_schemes": space.named(best),
-        "predicted_bytes": space.bytes(best),
         "sparsity": space.sparsity(best),
-        "fitness_value": sign * result.best_fitness,
-        "seeds": {
-            name: {
-                "genes": [list(g[:5]) for g in c],
-                "schemes": space.named(c),
-                "predicted_bytes": space.bytes(c),
-                "fitness_value": sign * cache[c],
-            }
-            for name, c in seeds.items()
-        },
-        "evaluations": result.evaluations,
-        "stopped": result.stopped,
-        "generations": generations_document(result.history, sign, "best_candidate"),
-        **evaluator.data_summary(),
-        "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
+        **joint_document(
+            space, seeds, cache, result, config, evaluator, lambda c: {"genes": [list(g[:5]) for g in c]}
+        ),
     }
 
 

@@ -390,6 +390,13 @@ class SeededSearch(EvoSearch):
         self.space, self.seeds = space, dict(seeds)
         self._setup(evaluate, io or EvoIO(), None)
 
+    def _initial(self, rng: np.random.Generator) -> list[Any]:
+        """Generation 0: the space's seeds first, then its mutants of them."""
+        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
+
+    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
+        return self.space.mutate(parent, self.config, rng)
+
 
 def generations_document(history: Sequence[GenerationStats], sign: float, key: str) -> list[dict[str, Any]]:
     """search.json's `generations` of a seeded search: fitness in the user's direction (`sign`),

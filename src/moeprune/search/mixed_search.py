@@ -14,14 +14,9 @@ final plan takes the same fits (`fit_novices(..., fitted=novices)`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
 from typing import Any, cast
-
-import numpy as np
 
 from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import layer_limits
@@ -33,17 +28,14 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.distributed import rank_and_world
-from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.evo import EvoIO, SeededSearch, generations_document
+from moeprune.search.evo import SeededSearch, generations_document
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
-from moeprune.search.run import model_fingerprint
+from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, moments_bytes
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
-
-_LOG = logging.getLogger(__name__)
 
 
 class MixedSearch(SeededSearch):
@@ -55,12 +47,6 @@ class MixedSearch(SeededSearch):
             "layers": self.space.layers,
             "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
         }
-
-    def _initial(self, rng: np.random.Generator) -> list[Any]:
-        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
-
-    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
-        return self.space.mutate(parent, self.config, rng)
 
 
 def search_mixed(
@@ -92,9 +78,6 @@ def search_mixed(
     limits = layer_limits(moe, config.expert_multiple)
     space = MixedSpace(stepped_costs(moe, limits, sparsity, options), limits.layers, sparsity)
     seeds = space.seeds(limits, options)
-    path = Path(runtime.state_path) if runtime.state_path is not None else None
-    if runtime.resume and (path is None or not path.is_file()):
-        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
     ordered = protected_order(scores, moe.protected)  # super experts last: dropped never, whole first
     request = PlanRequest(
         moe, criterion, ordered, sparsity, "evo", "mixed", stats=stats,
@@ -102,14 +85,8 @@ def search_mixed(
     )  # fmt: skip
     domains = request.domains
 
-    def plan_context(candidate: Genes):
+    def plan_context(_, candidate: Genes):
         return virtual_plan(moe, mixed_plan(request, as_genes(candidate)), domains, fits)
-
-    evaluator: CandidateEvaluator | None = None
-
-    def evaluate(candidate: Genes) -> float:
-        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
-        return evaluator.evaluate(candidate)  # type: ignore[arg-type]
 
     fingerprint = {
         "model": model_fingerprint(moe),
@@ -121,21 +98,12 @@ def search_mixed(
         "fitness": fitness,
         "search_data": search_set.fingerprint,
     }
-    search = MixedSearch(
-        evaluate, space, seeds, search_config,
-        # under torchrun every rank runs the same search (not split yet); rank 0 alone writes its state
-        io=EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
-                 write_state=rank == 0),
-    )  # fmt: skip
-    if search_set.text_only:
-        _LOG.warning(TEXT_ONLY_NOTE)
     start = time.perf_counter()
-    evaluator = CandidateEvaluator(
-        moe, search_set, [s.order for s in ordered], fitness=fitness, seed=search_config.seed,
-        runtime=replace(runtime, candidate_context=None), plan_context=plan_context,
-        prefix_key=space.prefix_key,
+    result, search, evaluator = run_seeded_search(
+        lambda evaluate, io: MixedSearch(evaluate, space, seeds, search_config, io=io),
+        moe, search_set, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
+        plan_context=plan_context, prefix_key=space.prefix_key,
     )  # fmt: skip
-    result = search.run(resume=runtime.resume)
     seconds = time.perf_counter() - start
     sign = evaluator.sign
     best = cast(Genes, result.best)  # EvoSearch keys candidates as tuples: here, of genes

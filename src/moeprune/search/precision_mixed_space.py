@@ -220,11 +220,5 @@ class MixedPrecisionSearch(SeededSearch):
             "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
         }
 
-    def _initial(self, rng: np.random.Generator) -> list[Any]:
-        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
-
-    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
-        return self.space.mutate(parent, self.config, rng)
-
 
 __all__ = ["Gene", "JointGenes", "MixedPrecisionSearch", "MixedPrecisionSpace"]

@@ -175,11 +175,5 @@ class PrecisionSearch(SeededSearch):
             "seeds": {k: [list(c) for c in v] for k, v in self.seeds.items()},
         }
 
-    def _initial(self, rng: np.random.Generator) -> list[Any]:
-        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
-
-    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
-        return self.space.mutate(parent, self.config, rng)
-
 
 __all__ = ["Joint", "PrecisionSearch", "PrecisionSpace"]

@@ -41,7 +41,7 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch
+from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, SeededSearch
 from moeprune.search.options import SearchRuntime
 
 _LOG = logging.getLogger(__name__)
@@ -356,3 +356,47 @@ def search_allocation(
         runtime=runtime,
         expert_multiple=config.expert_multiple,
     )
+
+
+def run_seeded_search(
+    make_search: Callable[[Callable[[Any], float], EvoIO], SeededSearch],
+    moe: MoEModel,
+    search_set: CalibrationData,
+    orders: Sequence[Sequence[int]],
+    *,
+    fingerprint: dict[str, Any],
+    runtime: SearchRuntime,
+    plan_context: Callable[[CandidateEvaluator, Any], Any],
+    prefix_key: Callable[[Any], tuple] | None = None,
+) -> tuple[EvoResult, SeededSearch, CandidateEvaluator]:
+    """EvoESAP over a space of its own (mixed genes, joint counts or genes with schemes): the
+    search `make_search(evaluate, io)` builds (a SeededSearch over its space and seeds), each
+    candidate applied by `plan_context(evaluator, candidate)` and scored by one
+    `CandidateEvaluator` on `search_set`, its state checkpointed at `runtime.state_path` (rank 0
+    writes it; every rank runs the same search). Returns the result, the search (its fitness
+    cache) and the evaluator, not released: the caller reads its summary, then releases it."""
+    rank, _ = rank_and_world()
+    path = Path(runtime.state_path) if runtime.state_path is not None else None
+    if runtime.resume and (path is None or not path.is_file()):
+        raise MoePruneError(f"cannot resume: no search state at {path}; run without resume")
+    evaluator: CandidateEvaluator | None = None
+
+    def evaluate(candidate: Any) -> float:
+        assert evaluator is not None, "a candidate evaluated before the evaluator was built"
+        return evaluator.evaluate(candidate)
+
+    def context(candidate: Any):
+        assert evaluator is not None, "a candidate applied before the evaluator was built"
+        return plan_context(evaluator, candidate)
+
+    io = EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
+               write_state=rank == 0)  # fmt: skip
+    search = make_search(evaluate, io)
+    if search_set.text_only:
+        _LOG.warning(TEXT_ONLY_NOTE)
+    config = search.config
+    evaluator = CandidateEvaluator(
+        moe, search_set, orders, fitness=check_fitness(config.fitness), seed=config.seed,
+        runtime=replace(runtime, candidate_context=None), plan_context=context, prefix_key=prefix_key,
+    )  # fmt: skip
+    return search.run(resume=runtime.resume), search, evaluator
