@@ -189,6 +189,8 @@ def test_a_winner_that_keeps_every_expert_whole_is_quantize_only(joint, monkeypa
     assert report["sparsity"] == 0.0 and set(report["removed_per_layer"].values()) == {0}
     assert "no expert removed" in report["quantization"]["precision"]["no_expert_removed"]
     assert report["parameters_after"] == report["parameters_before"]
+    recipe = json.loads((root / "only" / "recipe.json").read_text())["config"]
+    assert recipe["method"] == "mixed" and recipe["sparsity"] is None  # a rerun searches the forms again
 
 
 @pytest.mark.parametrize(

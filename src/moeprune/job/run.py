@@ -211,7 +211,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     data = job.data
-    before = _BeforePrune(job)
+    asked, before = job.config, _BeforePrune(job)
     joint_mixed = job.quantize is not None and job.quantize.joint and job.config.method == "mixed"
     if job.precision is not None and joint_mixed:
         before = _joint_mixed(job, MoEModel(model), progress)  # forms and schemes together
@@ -270,10 +270,10 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         command_line=job.run.command_line,
     )
     recipe = Recipe(
-        # chosen counts (the joint search, or no expert removed): the rerun searches again
+        # chosen counts or genes (a joint search, or no expert removed): the rerun, as asked, searches again
         job.config
         if removed is None or job.precision is None
-        else replace(job.config, sparsity=None, target_size=job.precision.target_bytes),
+        else replace(asked, sparsity=None, target_size=job.precision.target_bytes),
         data,
         job.search_data,
         # a dtype --config reads back; None: the input's (a kept quantization is the default)
