@@ -205,7 +205,7 @@ def prune(
         )
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     search_doc, plan_scores = None, scores
-    every_novice = None  # a mixed search's rank-R novices: scored by the search, saved by the plan
+    every_novice = run.novices  # a mixed search's rank-R novices: scored by the search, saved by the plan
     removed: Sequence[Any] | None = None  # drop counts, or mixed genes (one tuple per MoE layer)
     if run.removed is not None:  # drop counts, or mixed genes (a tuple per layer)
         removed = [tuple(int(x) for x in r) if isinstance(r, tuple) else int(r) for r in run.removed]

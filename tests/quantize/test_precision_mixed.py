@@ -193,11 +193,32 @@ def test_a_winner_that_keeps_every_expert_whole_is_quantize_only(joint, monkeypa
     assert recipe["method"] == "mixed" and recipe["sparsity"] is None  # a rerun searches the forms again
 
 
+def test_rank_r_novices_are_searched_priced_and_saved(joint):
+    """With --novice-rank 1 every expert is fitted once; the winner's novices are priced with their
+    factors (d + 2d values each) and saved at rank 1."""
+    root = joint["root"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "quantize_folder", _stand_in)
+        run_cli("prune", *joint["common"], *joint["evo"], "--novice-rank", "1", "--output", root / "rank",
+                "--target-size", str(joint["target"]))  # fmt: skip
+    search = json.loads((root / "rank" / "search.json").read_text())
+    plan = Plan.load(root / "rank" / "plan.json")
+    assert search["novice_rank"] == 1 and plan.extra.get("novice_rank") == 1
+    moe, size = joint["priced"]
+    keeps = [
+        LayerKeep((64,) * (len(lp.kept) - len(lp.novice) - len(lp.neurons)) + tuple(lp.neurons.values()),
+                  len(lp.novice), len(lp.dropped))
+        for lp in plan.layers
+    ]  # fmt: skip
+    table = kept_precision_bytes(size, moe, SCHEMES, OPTIONS, 4, keeps, novice_rank=1)
+    assert table.total(search["chosen_schemes"]) == search["predicted_bytes"] <= joint["target"]
+    assert all(s["predicted_bytes"] <= joint["target"] for s in search["seeds"].values())
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
         (["--allocation", "uniform"], "give --allocation evo"),
-        (["--search-data", "DATA", "--allocation", "evo", "--novice-rank", "2"], "drop --novice-rank"),
         (
             ["--search-data", "DATA", "--allocation", "evo", "--target-size", "1000"],
             "no mixed plan the shares reach fits",

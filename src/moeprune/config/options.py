@@ -60,6 +60,9 @@ class RunOptions:
     # (criterion, scores, statistics) of this model on this calibration data, observed already by the
     # caller (the joint precision searches observe the full model before `prune`): not observed again
     observed: Any = field(default=None, repr=False, compare=False)
+    # every routed expert's rank-R novice fit, made already by the caller (the joint mixed search):
+    # the plan's novices are taken from it, not fitted again
+    novices: Any = field(default=None, repr=False, compare=False)
 
 
 # ----------------------------------------------------------------------------- the recipe

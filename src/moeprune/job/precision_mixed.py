@@ -20,7 +20,8 @@ After loading (`run_joint_mixed`), on the full-precision model:
    along its kept neurons in the result: the search's scores approximate that layer's rounding, the
    bytes are exact.
 The winner's genes go to `prune` (`RunOptions.removed`) at that sparsity, its schemes to
-llm-compressor. Novices are rank 0 (mean outputs) here: `--novice-rank` is refused in one line.
+llm-compressor. With `--novice-rank R` every routed expert is fitted once as a rank-R novice first
+(surgery/lowrank.py `fit_every_novice`): candidates score, and the result saves, those fits.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
 from moeprune.search.precision_mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
 from moeprune.search.run import model_fingerprint, run_seeded_search
+from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.plans import virtual_plan
@@ -60,18 +62,11 @@ from moeprune.surgery.sizes import WeightBytes, grid_steps
 
 def check_joint_mixed(config: PruneConfig) -> None:
     """What the joint mixed search cannot run, refused in one line before loading."""
-    options = mixed_options(config)
     if config.allocation != "evo":
         raise MoePruneError(
             "--method mixed with auto: and no --sparsity searches the forms and the schemes together: give "
             "--allocation evo, or --sparsity (its plan is then priced by what it keeps)",
             options=("allocation", "sparsity", "quantize"),
-        )
-    if options.novice_rank:
-        raise MoePruneError(
-            "the joint search of mixed forms and schemes scores mean-output novices: drop --novice-rank, or "
-            "give --sparsity (rank-R novices are then fitted for the searched plan)",
-            options=("novice_rank", "sparsity"),
         )
 
 
@@ -174,12 +169,18 @@ def _seeds(
 
 @contextmanager
 def _candidate(
-    moe: MoEModel, request: PlanRequest, space: MixedPrecisionSpace, swap: LayerSwap, candidate: JointGenes
+    moe: MoEModel,
+    request: PlanRequest,
+    space: MixedPrecisionSpace,
+    swap: LayerSwap,
+    candidate: JointGenes,
+    fits: Fits | None,
 ) -> Iterator[None]:
-    """The candidate applied virtually: its mixed plan, each layer's experts in its scheme."""
+    """The candidate applied virtually: its mixed plan (rank-R novices from `fits`), each layer's
+    experts in its scheme."""
     plan = mixed_plan(replace(request, sparsity=space.sparsity(candidate)), space.genes(candidate))
     with ExitStack() as stack:
-        stack.enter_context(virtual_plan(moe, plan, request.domains))
+        stack.enter_context(virtual_plan(moe, plan, request.domains, fits))
         for position, scheme in enumerate(space.named(candidate)):
             stack.enter_context(swap.quantized(position, scheme))
         yield
@@ -195,6 +196,7 @@ class JointMixed:
     choice: dict[str, Any]  # report.json's `quantization.precision`
     search: dict[str, Any]  # search.json
     observed: tuple  # (criterion, scores, statistics) of the full model: prune reuses them
+    novices: Fits | None = None  # with --novice-rank R, every routed expert's rank-R fit: prune saves them
 
 
 def run_joint_mixed(
@@ -217,6 +219,12 @@ def run_joint_mixed(
     crit, scores, stats = observed
     guard_super_experts(full, config, stats)
     options = mixed_options(config)
+    fits = None
+    if options.novice_rank:  # every expert fitted once: candidates score the novices they would save
+        fits = fit_every_novice(
+            full, options.novice_rank, list(calibration), batch_size=runtime.batch_size, pad_token_id=pad,
+            progress=runtime.progress,
+        )  # fmt: skip
     limits = layer_limits(full, config.expert_multiple)
     grid = list(target.grid)
     costs = stepped_costs(full, limits, grid[0][0], options)
@@ -226,7 +234,7 @@ def run_joint_mixed(
         config = replace(config, options=options)
     per = scheme_bytes(target.size, full, target.schemes, quantize, target.dtype_bytes)
     layers = tuple(m.index for m in full.layers)
-    space = MixedPrecisionSpace(tuple(costs), layers, per, target.target_bytes)
+    space = MixedPrecisionSpace(tuple(costs), layers, per, target.target_bytes, options.novice_rank)
     rng = np.random.default_rng(config.search.seed)
     seeds = _seeds(space, full, config, grid, rng)
     ordered = protected_order(scores, full.protected)
@@ -248,7 +256,7 @@ def run_joint_mixed(
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
         full, data, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
-        plan_context=lambda _, c: _candidate(full, request, space, swap, c),
+        plan_context=lambda _, c: _candidate(full, request, space, swap, c, fits),
     )  # fmt: skip
     best = cast(JointGenes, result.best)
     cache = cast(dict[Any, float], search.cache)
@@ -259,7 +267,7 @@ def run_joint_mixed(
     genes = [(w, n, v, d, width) for w, n, v, d, width, _ in best]
     pruned = replace(config, sparsity=space.sparsity(best)) if space.sparsity(best) > 0 else config
     schemes = replace(quantize, layer_schemes=dict(zip(layers, space.named(best))))
-    return JointMixed(genes, pruned, schemes, choice, document, observed)
+    return JointMixed(genes, pruned, schemes, choice, document, observed, fits)
 
 
 def _document(

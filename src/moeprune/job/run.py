@@ -134,6 +134,7 @@ class _BeforePrune:
     removed: list[Any] | None = None
     joint: dict[str, Any] | None = None
     observed: tuple | None = None
+    novices: Any = None  # the joint mixed search's rank-R fits of every routed expert
 
 
 def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
@@ -149,7 +150,9 @@ def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
         won = run_joint_mixed(full, job.config, job.quantize, job.precision, job.calibration, scored, runtime)
     job = replace(job, config=won.config, quantize=won.quantize, precision_choice=won.choice)
     if any(g[1] or g[2] or g[3] for g in won.genes):
-        return _BeforePrune(job, removed=list(won.genes), joint=won.search, observed=won.observed)
+        return _BeforePrune(
+            job, removed=list(won.genes), joint=won.search, observed=won.observed, novices=won.novices
+        )
     won.choice["no_expert_removed"] = NOTHING_REMOVED
     job = replace(job, config=replace(won.config, method="drop", options=None))
     return _BeforePrune(job, removed=[0] * len(won.genes), joint=won.search, observed=won.observed)
@@ -236,6 +239,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             check_plan=_check_quantizable(job),
             removed=tuple(removed) if removed is not None else None,
             observed=before.observed,
+            novices=before.novices,
         ),
         search_state=search_state_path(job.output),
     )
