@@ -153,3 +153,26 @@ def test_dry_run_without_a_sparsity_prints_the_grid_it_will_try(world, tmp_path)
     assert int(re.search(r"predicted .*?\(([\d,]+) bytes\)", below)[1].replace(",", "")) > 123500
     assert "sparsity " + str(grid[0][0]) in out and not (tmp_path / "o").exists()
 
+
+def test_joint_evo_refused_when_its_copies_do_not_fit_in_memory(world, tmp_path, monkeypatch):
+    """The joint evo search holds every routed expert's fake-quantized copy per scheme beside the
+    model (job/joint_memory.py): 3 layers x 8 experts x 3 x 32 x 16 fp32 weights x 2 schemes =
+    294,912 bytes, printed by the dry run; with less memory than copies plus model, one line."""
+    from moeprune.job.joint_memory import model_bytes
+    from moeprune.models import MoEModel
+    from moeprune.surgery import lowrank
+
+    model = MoEModel(tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer()), num_hidden_layers=3, mlp_only_layers=[]))
+    need = 294_912 + model_bytes(model, torch.float32)
+    flags = [*T, "--allocation", "evo", "--search-data", world / "calib.jsonl", "--device", "cpu"]
+    monkeypatch.setattr(lowrank, "physical_memory", lambda: need)
+    out = _prune(world, tmp_path / "out", AUTO, *flags, "--dry-run").output
+    line = next(x for x in out.splitlines() if x.startswith("memory"))
+    assert "(294,912 bytes, 2 schemes)" in line and f"of {need / 1e3:.2f} kB of RAM" in line, line
+    monkeypatch.setattr(lowrank, "physical_memory", lambda: need - 1)
+    result = _prune(world, tmp_path / "out", AUTO, *flags, ok=False)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "holds every routed expert's fake-quantized copy once per scheme" in lines[0]
+    assert "(294,912 bytes)" in lines[0] and "give --sparsity" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
