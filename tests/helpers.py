@@ -63,6 +63,36 @@ def stored_tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
+def header_entries(folder, prefix: str, skip: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(count, bytes) of the safetensors header entries whose names start with `prefix` (and end
+    with none of `skip`), each as written (`,"name":{...}` with the comma before it)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    count = size = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name.startswith(prefix) and not name.endswith(skip or ("\0",)):
+                count += 1
+                size += len(f',"{name}":' + json.dumps(entry, separators=(",", ":")))
+    return count, size
+
+
+def assert_expert_header_bound(
+    predicted: int, stored: int, folder, prefix: str, digits: int = 6, skip: tuple[str, ...] = ()
+) -> None:
+    """The byte model's bytes of a layer's experts (shards/quantized_bytes.py) are their tensors'
+    plus a bound on their header entries: at least the entries written, and over them by at most
+    the offsets' digits (each of the two offsets an entry has `digits` digits at most, 1 at least)."""
+    count, written = header_entries(folder, prefix, skip)
+    gap = predicted - stored - written
+    assert 0 <= gap <= count * 2 * (digits - 1), (prefix, predicted, stored, written, count)
+
+
 def raw_bytes(t: torch.Tensor) -> bytes:
     """A tensor's bytes as stored: compares fp8 and packed codes byte for byte (-0 differs from +0)."""
     return t.contiguous().view(torch.uint8).numpy().tobytes()

@@ -20,7 +20,7 @@ from moeprune.job import run as run_module
 
 pytestmark = pytest.mark.integration
 
-TARGET = "145000"
+TARGET = "127300"  # the grid 5/24 .. 9/24: all-w4a16 fits from 5/24, all-w8a16 from 9/24
 
 
 def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
@@ -51,7 +51,7 @@ def test_the_sparsity_kept_is_the_grid_point_of_best_combined_fitness(joint):
     precision = joint["report"]["quantization"]["precision"]
     rows = precision["sparsity_grid"]
     dry = [float(s) for s in re.findall(r"grid      sparsity ([\d.]+):", joint["dry"])]
-    assert [round(r["sparsity"], 6) for r in rows] == dry and len(rows) == 4
+    assert [float(f"{r['sparsity']:.6g}") for r in rows] == dry and len(rows) == 4  # as printed
     best = max(rows, key=lambda r: r["fitness"])
     assert joint["report"]["sparsity"] == best["sparsity"] == joint["recipe"]["config"]["sparsity"]
     assert all(r["predicted_bytes"] <= int(TARGET) for r in rows)

@@ -20,11 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import brute_force_choice, prune_auto_halfway, stored_tensors, write_arithmetic
+from helpers import (
+    assert_expert_header_bound,
+    brute_force_choice,
+    header_entries,
+    prune_auto_halfway,
+    stored_tensors,
+    write_arithmetic,
+)
 from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
-from moeprune.shards.quantized_bytes import HEADER_ENTRY
 
 pytestmark = pytest.mark.quant_env
 
@@ -80,9 +86,10 @@ def test_each_layer_weighs_its_prediction_and_novices_stay_unquantized(pruned):
         assert bool(novices) == (pruned["case"] == "mixed")
         widths |= {int(tensors[k][1]) for k in experts if k.endswith("down_proj.weight_shape")}
         stored = sum(tensors[k].nbytes for k in experts)
-        name = f"{prefix}8.gate_proj.weight_packed"  # the byte model's bound on a name
-        allowance = len(holders) * 3 * 3 * (len(name) + 16 + HEADER_ENTRY)
-        assert stored + allowance == precision["expert_bytes"][layer][scheme], (layer, scheme)
+        assert header_entries(out, prefix, ("mean_output",))[0] == len(holders) * 3 * 3
+        assert_expert_header_bound(
+            precision["expert_bytes"][layer][scheme], stored, out, prefix, skip=("mean_output",)
+        )
     assert widths == ({16, 32} if pruned["case"] == "mixed" else {16}), widths  # on the group's multiple
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert written == precision["written_bytes"] <= precision["predicted_bytes"] <= pruned["target"]

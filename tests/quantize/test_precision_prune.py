@@ -26,8 +26,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import (
+    assert_expert_header_bound,
     assert_logits_close,
     brute_force_choice,
+    header_entries,
     prune_auto_halfway,
     run_cli,
     save_tiny_qwen,
@@ -40,7 +42,7 @@ from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.models.reshape import mask_experts
 from moeprune.quant.fake import fake_quantize
-from moeprune.shards.quantized_bytes import HEADER_ENTRY, ignored
+from moeprune.shards.quantized_bytes import ignored
 
 pytestmark = pytest.mark.quant_env
 
@@ -87,9 +89,8 @@ def test_each_layer_is_stored_in_its_scheme_and_weighs_the_prediction(pruned):
         packed = tensors[f"{prefix}0.down_proj.weight_packed"]  # int32 codes: 8 int4 or 4 int8 a word
         assert packed.dtype == torch.int32 and packed.shape[1] * 32 // BITS[scheme] == 16, (layer, scheme)
         stored = sum(t.nbytes for k, t in tensors.items() if k.startswith(prefix))
-        name = f"{prefix}8.gate_proj.weight_packed"  # the byte model's bound on a name
-        allowance = kept * 3 * 3 * (len(name) + 16 + HEADER_ENTRY)
-        assert stored + allowance == precision["expert_bytes"][layer][scheme], (layer, scheme)
+        assert header_entries(out, prefix)[0] == kept * 3 * 3
+        assert_expert_header_bound(precision["expert_bytes"][layer][scheme], stored, out, prefix)
     q = tensors["model.layers.0.self_attn.q_proj.weight_packed"]  # outside the experts: the base, int4
     assert q.shape[1] * 8 == int(tensors["model.layers.0.self_attn.q_proj.weight_shape"][1])
     assert tensors["lm_head.weight"].dtype == torch.float32

@@ -41,7 +41,7 @@ CASES = {
     ),
     "joint unreachable": (
         AUTO,
-        ["--target-size", "100000"],
+        ["--target-size", "80000"],
         True,
         "even with every layer in w4a16 at sparsity 0.75 the result weighs",
     ),
@@ -49,7 +49,7 @@ CASES = {
         AUTO,
         [*S, "--target-size", "100000"],
         True,
-        "even with every layer in w4a16 the result weighs 140,184 bytes at sparsity 0.25, over the target 100,000",
+        "even with every layer in w4a16 the result weighs 122,735 bytes at sparsity 0.25, over the target 100,000",
     ),
     "joint evo with mixed genes": (
         AUTO,
@@ -65,12 +65,12 @@ CASES = {
         "per-layer precision prices whole experts removed with their router rows (drop, merge) and searches mixed",
     ),
     # with --sparsity novice (neurons, tenp, mixed) plans are priced by what they keep (precision_kept.py):
-    # drop's 140,184 bytes plus, for each of the 6 novices, its fp32 vector and router row (2 x 32 x 4)
+    # drop's 122,735 bytes plus, for each of the 6 novices, its fp32 vector and router row (2 x 32 x 4)
     "novices unreachable": (
         AUTO,
         [*S, "--target-size", "100000", "--method", "novice"],
         True,
-        "even with every layer in w4a16 the result weighs 141,720 bytes at sparsity 0.25, over the target 100,000",
+        "even with every layer in w4a16 the result weighs 124,271 bytes at sparsity 0.25, over the target 100,000",
     ),
 }
 
@@ -143,14 +143,38 @@ def test_dry_run_prints_each_schemes_bytes_and_whether_the_target_is_reachable(w
 def test_dry_run_without_a_sparsity_prints_the_grid_it_will_try(world, tmp_path):
     """The grid runs from the smallest sparsity where every layer in w4a16 fits to the smallest
     where every layer in w8a16 does: at 0.25 (2 experts off each layer) the all-w4a16 result fits
-    the target below, at 0.5 the all-w8a16 one does, and one step below each does not."""
-    out = _prune(world, tmp_path / "o", AUTO, "--target-size", "141000", "--dry-run").output
+    the target below, at 11/24 the all-w8a16 one does, and one step below each does not."""
+    out = _prune(world, tmp_path / "o", AUTO, "--target-size", "123500", "--dry-run").output
     grid = [
         (float(s), int(a.replace(",", "")), int(b.replace(",", "")))
         for s, a, b in re.findall(r"grid      sparsity ([\d.]+): every layer in one scheme w4a16 ([\d,]+), w8a16 ([\d,]+)", out)
     ]
     assert len(grid) == 4 and [g[0] for g in grid] == sorted(g[0] for g in grid)
-    assert grid[0][1] <= 141000 and grid[-1][2] <= 141000 and grid[-2][2] > 141000
+    assert grid[0][1] <= 123500 and grid[-1][2] <= 123500 and grid[-2][2] > 123500
     below = _prune(world, tmp_path / "o", "w4a16", "--sparsity", str(grid[0][0] - 1 / 24), "--dry-run").output
-    assert int(re.search(r"predicted .*?\(([\d,]+) bytes\)", below)[1].replace(",", "")) > 141000
+    assert int(re.search(r"predicted .*?\(([\d,]+) bytes\)", below)[1].replace(",", "")) > 123500
     assert "sparsity " + str(grid[0][0]) in out and not (tmp_path / "o").exists()
+
+
+def test_joint_evo_refused_when_its_copies_do_not_fit_in_memory(world, tmp_path, monkeypatch):
+    """The joint evo search holds every routed expert's fake-quantized copy per scheme beside the
+    model (job/joint_memory.py): 3 layers x 8 experts x 3 x 32 x 16 fp32 weights x 2 schemes =
+    294,912 bytes, printed by the dry run; with less memory than copies plus model, one line."""
+    from moeprune.job.joint_memory import model_bytes
+    from moeprune.models import MoEModel
+    from moeprune.surgery import lowrank
+
+    model = MoEModel(tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer()), num_hidden_layers=3, mlp_only_layers=[]))
+    need = 294_912 + model_bytes(model, torch.float32)
+    flags = [*T, "--allocation", "evo", "--search-data", world / "calib.jsonl", "--device", "cpu"]
+    monkeypatch.setattr(lowrank, "physical_memory", lambda: need)
+    out = _prune(world, tmp_path / "out", AUTO, *flags, "--dry-run").output
+    line = next(x for x in out.splitlines() if x.startswith("memory"))
+    assert "(294,912 bytes, 2 schemes)" in line and f"of {need / 1e3:.2f} kB of RAM" in line, line
+    monkeypatch.setattr(lowrank, "physical_memory", lambda: need - 1)
+    result = _prune(world, tmp_path / "out", AUTO, *flags, ok=False)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "holds every routed expert's fake-quantized copy once per scheme" in lines[0]
+    assert "(294,912 bytes)" in lines[0] and "give --sparsity" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

@@ -139,7 +139,15 @@ def test_each_quantized_linear_weighs_what_the_byte_model_says(quantized):
         assert stored == scheme.linear_bytes(rows, inputs, 16, 4), name
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert written <= quantized["predicted"]  # the plan bounds the file (headers included)
-    assert written >= 0.85 * quantized["predicted"]  # and is not a loose bound
+    # and is a tight one: over by the header offsets' digits (shards/quantized_bytes.py), and for
+    # deepseek_v3 by the MTP layer's experts its prune removes (the byte model keeps them whole)
+    slack = 0.01 * written
+    if quantized["family"] == "deepseek_v3":
+        mtp = "model.layers.3.mlp.experts."
+        source = stored_tensors(quantized["root"] / "model")
+        slack += sum(t.nbytes for k, t in source.items() if k.startswith(mtp))
+        slack -= sum(t.nbytes for k, t in tensors.items() if k.startswith(mtp))
+    assert quantized["predicted"] - written <= slack, (quantized["predicted"], written)
     if quantized["target"] is not None:
         report = json.loads((out / "report.json").read_text())
         assert written <= quantized["target"]

@@ -319,6 +319,22 @@ def size_lines(plan: dict) -> list[str]:
                 "search    evo over experts removed and scheme per MoE layer under the target, generation 0 "
                 "holding these grid points (each with its best schemes)"
             )
+        if plan.get("joint_copies_bytes") is not None:
+            copies, model, memory = (
+                plan["joint_copies_bytes"],
+                plan["joint_model_bytes"],
+                plan["joint_memory_bytes"],
+            )
+            room = (
+                f", of {_bytes(memory)} of RAM"
+                if memory is not None
+                else " (on the accelerator: not checked)"
+            )
+            lines.append(
+                f"memory    the search holds every routed expert's fake-quantized copy per scheme: "
+                f"{_bytes(copies)} ({copies:,} bytes, {plan['joint_copies_schemes']} schemes) beside the "
+                f"{_bytes(model)} model{room}"
+            )
         reach = "reachable" if plan["precision_reachable"] else "not reachable"
         searched = plan.get("precision_grid") and plan.get("allocation") == "evo"
         when = (

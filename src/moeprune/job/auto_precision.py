@@ -34,6 +34,7 @@ from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
+from moeprune.job.joint_memory import JointMemory
 from moeprune.job.precision import budget_per_scheme, choose_schemes, measure_losses, precision_bytes
 from moeprune.job.precision_kept import (
     KEPT_METHODS,
@@ -122,6 +123,7 @@ class PrecisionTarget:
     every_layer_at: dict[str, int]
     # no --sparsity: the sparsities tried for the joint choice, each with every_layer_at (precision_grid.py)
     grid: tuple[tuple[float, dict[str, int]], ...] = ()
+    memory: JointMemory | None = None  # the joint evo search's copies and model (job/joint_memory.py)
 
     def describe(self) -> dict[str, Any]:
         """The dry run's facts."""
@@ -133,6 +135,8 @@ class PrecisionTarget:
         }
         if self.grid:
             out["precision_grid"] = [{"sparsity": s, "every_layer_at": dict(per)} for s, per in self.grid]
+        if self.memory is not None:
+            out.update(self.memory.describe())
         return out
 
 

@@ -19,6 +19,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
+from moeprune.job.joint_memory import check_joint_memory
 from moeprune.job.precision_grid import planning_sparsity, sparsity_grid
 from moeprune.job.precision_mixed import mixed_joint_grid
 from moeprune.models import MoEModel
@@ -327,6 +328,7 @@ def prepare(request: PruneRequest) -> PruneJob:
         precision = plan_precision(
             meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget), grid
         )
+        precision = replace(precision, memory=check_joint_memory(meta, config, quantize, placement))
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too

@@ -30,10 +30,11 @@ from moeprune.models.packed import layer_cost
 from moeprune.quant import quantization_of
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.surgery.neurons import shared_multiplier
-from moeprune.surgery.sizes import LayerBytes, WeightBytes
+from moeprune.surgery.sizes import LayerBytes, SavedTensors, WeightBytes
 
 HEADER_SLACK = 8  # bytes per tensor a result's header may add to the input's (longer offsets, dtype names)
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtypes a save casts, and their sizes
+_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def _nbytes(t: StoredTensor) -> int:
@@ -75,9 +76,17 @@ def _shared(moe: MoEModel, layer: MoELayer) -> tuple[int, int]:
 def cast_weight_bytes(path: str | Path, moe: MoEModel, dtype: torch.dtype) -> WeightBytes:
     """The checkpoint's weights with every floating tensor saved as `dtype` (the in-memory pipeline)."""
     size = torch.empty((), dtype=dtype).element_size()
-    total = header_bound(Path(path))  # the result's headers name at most these tensors
-    for t in stored_tensors(Path(path)).values():
+    header = header_bound(Path(path))  # the result's headers name at most these tensors
+    total = header
+    tensors = stored_tensors(Path(path))
+    for t in tensors.values():
         total += math.prod(t.shape) * size if t.dtype in _FLOATS else _nbytes(t)
+    name = _NAMES.get(dtype, "F8_E4M3")  # another dtype: a name at least as long
+    saved = SavedTensors(
+        header,
+        len({t.file for t in tensors.values()}),
+        tuple((k, name if t.dtype in _FLOATS else t.dtype, t.shape) for k, t in tensors.items()),
+    )
     layers = []
     for m in moe.layers:
         cost = layer_cost(m)
@@ -94,7 +103,7 @@ def cast_weight_bytes(path: str | Path, moe: MoEModel, dtype: torch.dtype) -> We
                 shared_per_neuron=shared_per_neuron * size,
             )
         )
-    return WeightBytes(str(dtype).removeprefix("torch."), total, tuple(layers))
+    return WeightBytes(str(dtype).removeprefix("torch."), total, tuple(layers), saved=saved)
 
 
 def stored_weight_bytes(layout: CheckpointLayout) -> WeightBytes:

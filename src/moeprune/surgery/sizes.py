@@ -28,6 +28,17 @@ class LayerBytes:
 
 
 @dataclass(frozen=True)
+class SavedTensors:
+    """The input's tensors as the result saves them (name, safetensors dtype, shape) and the part of
+    `WeightBytes.total` that bounds their headers: a byte model that renames tensors (quantization,
+    shards/quantized_bytes.py) counts the result's headers afresh from these instead of that bound."""
+
+    header: int  # the bytes of `total` that are the headers' bound
+    files: int
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
 class WeightBytes:
     """The unpruned model's weights in the output's format, and what each MoE layer's parts weigh."""
 
@@ -35,6 +46,7 @@ class WeightBytes:
     total: int  # bytes of every tensor the result is saved with, before pruning
     layers: tuple[LayerBytes, ...]
     linear_neurons: bool = True  # False: an expert's bytes are not linear in its width (fp8 blocks)
+    saved: SavedTensors | None = None  # the tensors behind `total` (None: a hand-made size)
 
 
 GRID_STEP = 1e-4  # the grid a continuous sparsity (TENP, mixed) is solved on
