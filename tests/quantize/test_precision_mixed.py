@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_cli, write_arithmetic
+from helpers import run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.allocate.limits import layer_limits
 from moeprune.config import SearchConfig
 from moeprune.criteria import scoring
@@ -213,6 +213,24 @@ def test_rank_r_novices_are_searched_priced_and_saved(joint):
     table = kept_precision_bytes(size, moe, SCHEMES, OPTIONS, 4, keeps, novice_rank=1)
     assert table.total(search["chosen_schemes"]) == search["predicted_bytes"] <= joint["target"]
     assert all(s["predicted_bytes"] <= joint["target"] for s in search["seeds"].values())
+
+
+def test_experts_one_width_step_wide_are_searched_as_whole_novice_or_dropped(tmp_path):
+    """16-wide experts on the group of 16 cannot be narrowed: the uniform mixed plan exists at no
+    sparsity, and the search runs from mixed's drop and novice recipes instead."""
+    save_tiny_qwen(tmp_path / "model")
+    data = write_arithmetic(tmp_path / "calib.jsonl")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(run_module, "quantize_folder", _stand_in)
+        run_cli("prune", tmp_path / "model", "--data", data, "--search-data", data, "--criterion", "frequency",
+                "--method", "mixed", "--allocation", "evo", "--population", "4", "--elites", "2",
+                "--generations", "2", "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn",
+                "--quant-group-size", "16", "--quant-python", sys.executable, "--quiet",
+                "--target-size", "127300", "--output", tmp_path / "out")  # fmt: skip
+    search = json.loads((tmp_path / "out" / "search.json").read_text())
+    assert all(n == 0 for _, n, _, _, _ in search["genes"])
+    assert any(v or d for _, _, v, d, _ in search["genes"]) and search["predicted_bytes"] <= 127300
+    assert {name.split()[0] for name in search["seeds"]} <= {"drop", "novice", "quantize"}
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ unknown or unmodelled scheme in the list, a single scheme after `auto:`, no cali
 --target-size (nothing to trade), `--criterion auto` without --sparsity, a target even the
 cheapest scheme misses (also for novices, priced by what they keep), a method that narrows experts
 or keeps novices without --sparsity (the joint grid prices whole experts; mixed searches its forms
-with the schemes, refused where no mixed plan exists); and the dry run's bytes
+with the schemes: tests/quantize/test_precision_mixed.py); and the dry run's bytes
 per scheme, which must be the one-scheme prediction of `--quantize SCHEME` for each scheme."""
 
 from __future__ import annotations
@@ -50,13 +50,6 @@ CASES = {
         [*S, "--target-size", "100000"],
         True,
         "even with every layer in w4a16 the result weighs 122,735 bytes at sparsity 0.25, over the target 100,000",
-    ),
-    "joint evo with mixed genes": (
-        AUTO,
-        [*T, "--method", "mixed", "--allocation", "evo", "--search-data", "{calib}"],
-        True,
-        # 16-wide experts on the group of 16 cannot be narrowed: no mixed plan to search from
-        "no mixed plan exists at any sparsity here, so the forms cannot be searched with the schemes",
     ),
     "method without a sparsity": (
         AUTO,

@@ -77,12 +77,16 @@ def planned_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
             for w, g, ws in zip(full, genes, widths)
         ]
     if config.method == "novice":
-        limits = method_limits(meta, config.method, config.expert_multiple, config.options)
-        removed = uniform_allocation(
-            limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
-        )
-        return [LayerKeep((w,) * (n - r), r) for w, n, r in zip(full, counts, removed)]
+        return [LayerKeep((w,) * (n - r), r) for w, n, r in zip(full, counts, _uniform(meta, config))]
     raise MoePruneError(f"per-layer precision does not price the {config.method} method by its keeps")
+
+
+def _uniform(meta: MoEModel, config: PruneConfig) -> list[int]:
+    """Experts per MoE layer the uniform allocation takes out at the config's sparsity."""
+    limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+    return uniform_allocation(
+        limits.budget(config.sparsity_value()), limits.num_experts, limits.top_k, **limits.as_kwargs()
+    )
 
 
 def plan_keeps(meta: MoEModel, plan: Plan) -> list[LayerKeep]:

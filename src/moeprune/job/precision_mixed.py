@@ -79,8 +79,10 @@ def mixed_joint_grid(
     target: int,
 ) -> list[tuple[float, dict[str, int]]]:
     """Per scheme, the smallest sparsity (on surgery/sizes.py's grid) at which the uniform mixed plan
-    with that scheme everywhere fits `target`, with the bytes of every layer at each scheme there;
-    ascending, one point per distinct sparsity. Refused in one line when no scheme ever fits."""
+    with that scheme everywhere fits `target` (where the shares cannot narrow, e.g. experts one width
+    step wide, mixed's uniform drop recipe: job/precision_kept.py `planned_keeps`), with the bytes of
+    every layer at each scheme there; ascending, one point per distinct sparsity. Refused in one line
+    when no scheme ever fits."""
     check_joint_mixed(config)
     schemes = tuple(options.candidates or ())
 
@@ -147,15 +149,17 @@ def _seeds(
         if space.feasible(whole):
             out[f"quantize only {scheme}"] = whole
     for sparsity, per in grid:
-        try:
-            recipes = MixedSpace(list(space.costs), list(space.layers), sparsity).seeds(limits, options)
-        except MoePruneError:
-            continue
+        recipes = MixedSpace(list(space.costs), list(space.layers), sparsity).recipes(limits, options)
         for s, scheme in enumerate(space.schemes):
             if per[scheme] > space.target:
                 continue
             for name, genes in recipes.items():
-                joint = tuple((*g, s) for g in genes)
+                if genes is None:
+                    continue
+                joint = tuple(
+                    (g.whole, g.narrowed, g.novice, g.dropped, g.width if g.narrowed else c.width, s)
+                    for g, c in zip(genes, space.costs)
+                )
                 fixed = space.repair(joint, rng)
                 if fixed is not None and fixed not in out.values():
                     out[f"{name} {scheme} @{sparsity:.4g}"] = fixed

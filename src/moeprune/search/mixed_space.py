@@ -122,6 +122,21 @@ class MixedSpace:
     def seeds(self, limits: LayerLimits, uniform: MixedOptions) -> dict[str, Genes]:
         """Today's single-surgery recipes as genes (module docstring), by name; a recipe the budget
         or the layers' limits rule out is left out (search.json lists the seeds it kept)."""
+        out: dict[str, Genes] = {}
+        for name, genes in self.recipes(limits, uniform).items():
+            cand = self.repair(genes) if genes is not None else None
+            if cand is not None and cand not in out.values():
+                out[name] = cand
+        if not out:
+            raise MoePruneError(
+                f"no mixed recipe meets sparsity {self.sparsity} within the layers' limits; lower the sparsity",
+                options=("sparsity",),
+            )
+        return out
+
+    def recipes(self, limits: LayerLimits, uniform: MixedOptions) -> dict[str, list[LayerGene] | None]:
+        """The recipes' genes as each recipe makes them at the sparsity, before the budget's repair
+        (None: the recipe cannot reach it)."""
         costs, s = self.costs, self.sparsity
         recipes: dict[str, list[LayerGene] | None] = {}
         try:
@@ -156,17 +171,7 @@ class MixedSpace:
                 recipes[name] = uniform_genes(costs, s, options)
             except MoePruneError:
                 recipes[name] = None
-        out: dict[str, Genes] = {}
-        for name, genes in recipes.items():
-            cand = self.repair(genes) if genes is not None else None
-            if cand is not None and cand not in out.values():
-                out[name] = cand
-        if not out:
-            raise MoePruneError(
-                f"no mixed recipe meets sparsity {s} within the layers' limits; lower the sparsity",
-                options=("sparsity",),
-            )
-        return out
+        return recipes
 
     # -- mutation -------------------------------------------------------------------------------
     def initial(self, seeds: Sequence[Genes], config: SearchConfig, rng: np.random.Generator) -> list[Genes]:

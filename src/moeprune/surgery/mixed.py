@@ -42,8 +42,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from moeprune.allocate.basic import plan_removals
+from moeprune.allocate.basic import plan_removals, uniform_allocation
 from moeprune.allocate.limits import LayerLimits, layer_limits
+from moeprune.allocate.registry import searches
 from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -346,13 +347,25 @@ def mixed_options(config: PruneConfig) -> MixedOptions:
 
 
 def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
-    """The uniform genes of `config` and the narrowed widths that meet its budget."""
+    """The uniform genes of `config` and the narrowed widths that meet its budget. Where the shares
+    cannot reach the sparsity (e.g. experts one width step wide cannot be narrowed) a search (evo,
+    gradient) still runs from mixed's other recipes (search/mixed_space.py): its plan is then
+    planned, sized and priced as the uniform drop recipe, nothing narrowed."""
     options = mixed_options(config)
     sparsity = config.sparsity_value()
-    costs = stepped_costs(moe, layer_limits(moe, config.expert_multiple), sparsity, options)
-    genes = uniform_genes(costs, sparsity, options)
-    check_genes(costs, genes, [m.index for m in moe.layers])
-    return genes, fill_widths(costs, genes, _target(costs, sparsity))
+    limits = layer_limits(moe, config.expert_multiple)
+    costs = stepped_costs(moe, limits, sparsity, options)
+    try:
+        genes = uniform_genes(costs, sparsity, options)
+        check_genes(costs, genes, [m.index for m in moe.layers])
+        return genes, fill_widths(costs, genes, _target(costs, sparsity))
+    except MoePruneError:
+        if not searches(config.allocation):
+            raise
+    removed = uniform_allocation(
+        limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
+    )
+    return [LayerGene(c.experts - r, 0, 0, r, c.width) for c, r in zip(costs, removed)], [[] for _ in costs]
 
 
 def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
@@ -455,11 +468,13 @@ def _mixed_steps(
 
 
 def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
-    genes, widths = planned_genes(moe, config)
+    """The uniform genes at the config's sparsity (`planned_genes`: a search the shares cannot
+    reach is planned as the drop recipe)."""
     limits, sparsity = layer_limits(moe, config.expert_multiple), config.sparsity_value()
     steps = [c.step for c in stepped_costs(moe, limits, sparsity, mixed_options(config))]
     if config.allocation == "gradient":
         check_gradient_steps(steps)
+    genes, widths = planned_genes(moe, config)
     return {
         "width_multiple": dict(zip([m.index for m in moe.layers], steps)),
         "mixed_genes": {m.index: asdict(g) for m, g in zip(moe.layers, genes)},
