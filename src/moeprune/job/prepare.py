@@ -33,6 +33,7 @@ from moeprune.report.parts import (
 from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
+from moeprune.search.mixed_search import check_mixed_seeds
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.quantized_bytes import quantized_dims, quantized_weight_bytes
@@ -318,6 +319,8 @@ def prepare(request: PruneRequest) -> PruneJob:
     layer_budget = check_feasible(meta, config)
     if config.method == "mixed" and searches(config.allocation):
         check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
+        if quantize is None or not quantize.joint:  # the joint search seeds in bytes (precision_mixed.py)
+            check_mixed_seeds(meta, config)
     kept_widths = planned_widths(layer_budget, config)
     if quantize is not None and kept_widths:  # the widths a neuron method keeps, known now
         check_group(quantize, quantized_dims(meta), kept_widths)  # the largest group named divides all

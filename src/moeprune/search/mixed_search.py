@@ -49,6 +49,16 @@ class MixedSearch(SeededSearch):
         }
 
 
+def check_mixed_seeds(moe: MoEModel, config: PruneConfig) -> None:
+    """Refuse, before loading, a sparsity that no mixed recipe meets within the layers' limits (the
+    search's seeds: a meta-device model does). The uniform shares alone may miss it (experts one
+    width step wide cannot be narrowed): the search then starts from the recipes that do."""
+    options = mixed_options(config)
+    sparsity = config.sparsity_value()
+    limits = layer_limits(moe, config.expert_multiple)
+    MixedSpace(stepped_costs(moe, limits, sparsity, options), limits.layers, sparsity).seeds(limits, options)
+
+
 def search_mixed(
     moe: MoEModel,
     criterion: Criterion,

@@ -50,6 +50,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.genes import LayerCosts, LayerGene, check_genes
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.neurons import (
     NarrowOptions,
@@ -118,45 +119,6 @@ class MixedOptions(NarrowOptions, NoviceOptions):
             )
 
 
-@dataclass(frozen=True)
-class LayerGene:
-    """One MoE layer of a mixed plan: experts per form and the narrowed experts' neurons."""
-
-    whole: int
-    narrowed: int
-    novice: int
-    dropped: int
-    width: int  # neurons each narrowed expert keeps before the budget's fill (fill_widths)
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """What one MoE layer's parts hold, in parameters (or any linear unit)."""
-
-    experts: int
-    width: int  # neurons of a whole expert
-    per_neuron: int
-    per_expert: int
-    novice: int  # a novice's vector
-    top_k: int
-    protected: int  # super experts: the gene keeps at least this many whole
-    cap: int  # most experts the layer may drop (routing groups, super experts)
-    multiple: int  # drops per layer are a multiple of this (routing groups, --expert-multiple)
-    step: int = 1  # narrowed widths are multiples of this (--width-multiple; the full width allowed)
-
-    def on_step(self, width: int) -> bool:
-        """Whether a narrowed expert may keep `width` neurons: a multiple of the step, or all."""
-        return width == self.width or width % self.step == 0
-
-    def expert(self, width: int | None = None) -> int:
-        return self.per_neuron * (self.width if width is None else width) + self.per_expert
-
-    def kept(self, gene: LayerGene) -> int:
-        return (
-            gene.whole * self.expert() + gene.narrowed * self.expert(gene.width) + gene.novice * self.novice
-        )
-
-
 def layer_costs(
     moe: MoEModel, limits: LayerLimits | None = None, rank: int = 0, *, steps: Sequence[int] | None = None
 ) -> list[LayerCosts]:
@@ -205,35 +167,6 @@ def stepped_costs(
     """`layer_costs` with the width steps of `mixed_steps`: what every mixed plan is made on."""
     costs = layer_costs(moe, limits, options.novice_rank)
     return [replace(c, step=s) for c, s in zip(costs, mixed_steps(costs, sparsity, options))]
-
-
-def check_genes(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], layers: Sequence[int]) -> None:
-    """One line naming the layer when a gene breaks a form's rule (what a search must respect)."""
-    if len(genes) != len(costs):
-        raise MoePruneError(f"{len(genes)} mixed genes for {len(costs)} MoE layers")
-    for index, c, g in zip(layers, costs, genes):
-        where = f"mixed gene of layer {index}"
-        counts = (g.whole, g.narrowed, g.novice, g.dropped)
-        if min(counts) < 0 or sum(counts) != c.experts:
-            raise MoePruneError(f"{where}: counts {counts} must be non-negative and add up to {c.experts}")
-        if g.narrowed and not 1 <= g.width <= c.width:
-            raise MoePruneError(f"{where}: narrowed experts keep {g.width} neurons, not in [1, {c.width}]")
-        if g.narrowed and not c.on_step(g.width):
-            raise MoePruneError(
-                f"{where}: narrowed experts keep {g.width} neurons, not a multiple of the width step {c.step}"
-            )
-        if g.whole < c.protected:
-            raise MoePruneError(
-                f"{where}: keeps {g.whole} experts whole but the layer has {c.protected} super experts"
-            )
-        if g.whole + g.narrowed < c.top_k:
-            raise MoePruneError(
-                f"{where}: {g.whole + g.narrowed} experts keep weights, fewer than top_k {c.top_k}"
-            )
-        if g.dropped > c.cap or g.dropped % c.multiple:
-            raise MoePruneError(
-                f"{where}: drops {g.dropped} experts; at most {c.cap}, in multiples of {c.multiple}"
-            )
 
 
 def uniform_genes(costs: Sequence[LayerCosts], sparsity: float, options: MixedOptions) -> list[LayerGene]:
