@@ -5,6 +5,8 @@ each expert on exactly the tokens routed to it and can (a) report each expert's 
 output to an observer, (b) substitute a novice (a constant vector, or a low-rank affine map of
 the expert's input), (c) mask intermediate neurons.
 Swapping an instance's `forward` touches no weights and is undone on exit.
+Where torch has a grouped product for the layer (models/grouped.py), every expert of a call runs in
+two grouped products without a host synchronisation; elsewhere, one expert at a time.
 """
 
 from __future__ import annotations
