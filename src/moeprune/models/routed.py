@@ -5,6 +5,8 @@ each expert on exactly the tokens routed to it and can (a) report each expert's 
 output to an observer, (b) substitute a novice (a constant vector, or a low-rank affine map of
 the expert's input), (c) mask intermediate neurons.
 Swapping an instance's `forward` touches no weights and is undone on exit.
+Where torch has a grouped product for the layer (models/grouped.py), every expert of a call runs in
+two grouped products without a host synchronisation; elsewhere, one expert at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
+from moeprune.models.grouped import expert_offsets, grouped_expert_forward, grouped_supported
 from moeprune.models.lowrank import LowRankNovice, novice_output
 
 
@@ -47,6 +50,9 @@ class RoutedOptions:
     neuron_masks: Mapping[int, Mapping[int, torch.Tensor]] = field(
         default_factory=dict
     )  # layer -> expert -> [I]
+    # Run a layer's experts as two grouped products where torch can (models/grouped.py); False
+    # keeps the per-expert loop everywhere (the reference the grouped form is tested against).
+    grouped: bool = True
 
 
 def routed_compute(
@@ -57,6 +63,9 @@ def routed_compute(
     Indices past the weighted experts select extra experts without weights (LongCat-Flash's zero
     experts): the experts module's own code computes them, and they are never reported to the
     observer, so no statistic of a weighted expert counts a token routed to one."""
+    if options.grouped and not options.novices.get(layer.index) and grouped_supported(layer, hidden):
+        assert isinstance(layer, MoELayer)  # grouped_supported says so
+        return _grouped_compute(layer, hidden, index, weights, options)
     tokens, top_k = index.shape
     out = torch.zeros_like(hidden, dtype=torch.float32)  # top-k sums in fp32, as transformers' kernels do
     flat = index.reshape(-1)
@@ -96,6 +105,39 @@ def routed_compute(
     if on_layer is not None and parts:
         on_layer(layer, _gather(parts, index, order))
     return out.to(hidden.dtype)
+
+
+def _grouped_compute(
+    layer: MoELayer, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, options: RoutedOptions
+) -> torch.Tensor:
+    """The per-expert loop above as one sort and two grouped products, with no host
+    synchronisation: the same rows in the same order (stable sort by expert id), the same
+    per-expert products, the same fp32 top-k sum (index_add_ in expert order per token)."""
+    top_k = index.shape[1]
+    ids, order = torch.sort(index.reshape(-1), stable=True)
+    rows = order // top_k
+    x = hidden[rows]
+    g = weights.reshape(-1)[order]
+    x_in = x * g.unsqueeze(1).to(x.dtype) if layer.spec.weight_on_input else x
+    masks = options.neuron_masks.get(layer.index)
+    mask_rows = _mask_rows(layer, masks, x)[ids] if masks else None
+    y, m = grouped_expert_forward(layer, x_in, ids, expert_offsets(ids, layer.num_experts), mask_rows)
+    contribution = y if layer.spec.weight_on_input else y * g.unsqueeze(1).to(y.dtype)
+    out = torch.zeros_like(hidden, dtype=torch.float32)
+    out.index_add_(0, rows, contribution.to(out.dtype))
+    if options.on_layer is not None:
+        want_m = options.need_intermediate
+        options.on_layer(layer, RoutedRows(rows, ids, x, y, g, m if want_m else None))
+    return out.to(hidden.dtype)
+
+
+def _mask_rows(layer: MoELayer, masks: Mapping[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """[E, I] neuron masks of every expert (ones where an expert has none): x 1 is exact, so
+    unmasked experts keep their activations bit for bit."""
+    width = next(iter(masks.values())).shape[-1]
+    table = torch.ones(layer.num_experts, width, dtype=like.dtype, device=like.device)
+    table[list(masks)] = torch.stack([masks[e].to(like.device, like.dtype) for e in masks])
+    return table
 
 
 def _extra_expert(layer: MoELayer, x: torch.Tensor, expert: int, g: torch.Tensor) -> torch.Tensor:

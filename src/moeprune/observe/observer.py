@@ -8,16 +8,32 @@ weights are the ones the router returned, never recomputed.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
+from moeprune.observe.neurons import NeuronRows, neuron_sums
 from moeprune.observe.stats import F64, PROBE_TOKENS, ExpertStats, LayerStats
 from moeprune.runtime.device import input_device
 from moeprune.runtime.finite import NonFiniteError, all_finite, kind, locate_nonfinite
 from moeprune.runtime.progress import progress_bar
+
+
+@dataclass
+class _Screen:
+    """One layer call's finiteness, decided on the device (`finite`) and explained on the host
+    only when it failed (the per-row tensors the statistics computed anyway)."""
+
+    layer: int
+    finite: torch.Tensor  # 0-d bool
+    keep: torch.Tensor  # [N] bool, not padding
+    experts: torch.Tensor  # [N]
+    in_norms: torch.Tensor
+    weights: torch.Tensor
+    out_norms: torch.Tensor
 
 
 class _Accumulator:
@@ -25,6 +41,9 @@ class _Accumulator:
 
     Per-token terms are computed in fp32 or fp64 and every sum is accumulated in fp64; moments
     merge per batch with Chan's exact parallel update; the per-expert output maximum is a max.
+    Nothing here reads a GPU value back to the host: padding rows are summed into one bin past the
+    experts and dropped (a boolean selection would wait for the GPU), and finiteness is checked once
+    per batch (`check_finite`), naming the same layer and culprit as a check per layer would.
     """
 
     def __init__(self, moe: MoEModel, neurons: bool):
@@ -35,91 +54,98 @@ class _Accumulator:
         }
         self.valid: torch.Tensor | None = None  # [B*L] bool, set per batch
         self._valid_on: dict[torch.device, torch.Tensor] = {}  # copies for layers on other GPUs
+        self._screens: list[_Screen] = []  # layer calls since the last check_finite()
 
     def set_valid(self, valid: torch.Tensor) -> None:
+        self.check_finite()  # a caller that forgot to check the previous batch still stops on it
         self.valid, self._valid_on = valid, {valid.device: valid}
+
+    def check_finite(self) -> None:
+        """Raise the error of the first layer call since the last check that received or produced
+        NaN/inf (one host synchronisation; the explanation is computed only after a failure)."""
+        screens, self._screens = self._screens, []
+        if not screens:
+            return
+        device = screens[0].finite.device
+        if bool(torch.stack([s.finite.to(device) for s in screens]).all()):
+            return
+        for s in screens:
+            keep = s.keep
+            _check_finite(s.layer, s.experts[keep], s.in_norms[keep], s.weights[keep], s.out_norms[keep])
 
     def __call__(self, layer: MoELayer, routed: RoutedRows) -> None:
         device = routed.rows.device
         if device not in self._valid_on:  # accelerate split the model: this layer is on another GPU
             assert self.valid is not None, "set_valid() comes before every batch"
             self._valid_on[device] = self.valid.to(device)
-        keep = self._valid_on[device][routed.rows]
-        ids, x, y, g, m = routed.experts, routed.inputs, routed.outputs, routed.weights, routed.intermediate
-        if not bool(keep.all()):
-            ids, x, y, g = ids[keep], x[keep], y[keep], g[keep]
-            m = m[keep] if m is not None else None
-        if ids.numel() == 0:
+        if routed.rows.numel() == 0:
             return
+        keep = self._valid_on[device][routed.rows]
         stats = self.stats[layer.index]
-        if stats.count.device != ids.device:
-            stats.to(ids.device)
+        if stats.count.device != device:
+            stats.to(device)
         n_experts = stats.num_experts
+        ids = torch.where(keep, routed.experts, n_experts)  # padding: the bin past the experts
+        x, y, g, m = routed.inputs, routed.outputs, routed.weights, routed.intermediate
         y32, x32 = y.float(), x.float()
         norms, in_norms = y32.norm(dim=1), x32.norm(dim=1)
-        _check_finite(layer.index, ids, in_norms, g, norms)
         cos = (x32 * y32).sum(1) / (in_norms * norms).clamp_min(1e-30)
         g64, norms64 = g.to(F64), norms.to(F64)
 
-        def segment(values: torch.Tensor) -> torch.Tensor:
-            shape = (n_experts, *values.shape[1:])
-            return torch.zeros(shape, dtype=F64, device=values.device).index_add_(0, ids, values.to(F64))
+        # Every segment sum of this call in one fp64 buffer (one allocation, each column summed in
+        # the same order as alone): the per-token scalars, then sum y, sum y^2 and sum g y.
+        # in_norms is summed only to screen finiteness: a sum is finite iff every term is.
+        gn = g64 * norms64
+        columns = (torch.ones_like(g64), g64, norms64, gn, gn * (1 - cos.to(F64)), in_norms.to(F64))
+        y64 = y32.to(F64)
+        d, gated = y64.shape[1], stats.gated_sum is not None
+        buffer = torch.zeros(n_experts + 1, 6 + (3 if gated else 2) * d, dtype=F64, device=device)
+        buffer[:, :6].index_add_(0, ids, torch.stack(columns, dim=1))
+        buffer[:, 6 : 6 + d].index_add_(0, ids, y64)
+        buffer[:, 6 + d : 6 + 2 * d].index_add_(0, ids, y64.square())
+        if gated:
+            buffer[:, 6 + 2 * d :].index_add_(0, ids, y64 * g64.unsqueeze(1))
+        sums = buffer[:n_experts]  # the spare bin (padding) dropped
+        scalars = sums[:, :6]
+        self._screens.append(
+            _Screen(
+                layer.index, torch.isfinite(scalars[:, 1:]).all(), keep, routed.experts, in_norms, g, norms
+            )
+        )
+        counts, weight_sum, norm_sum, weighted_norm_sum, tenp_sum, _ = scalars.unbind(1)
 
         # Per-batch moments from fp64 sums, merged into the running mean/M2 with Chan's update.
-        y64 = y32.to(F64)
-        counts = segment(torch.ones_like(g64))
         seen = counts > 0
-        batch_mean = segment(y64) / counts.clamp_min(1).unsqueeze(1)
-        batch_m2 = (segment(y64.square()) - counts.unsqueeze(1) * batch_mean.square()).clamp_min(0)
+        batch_mean = sums[:, 6 : 6 + d] / counts.clamp_min(1).unsqueeze(1)
+        batch_m2 = (sums[:, 6 + d : 6 + 2 * d] - counts.unsqueeze(1) * batch_mean.square()).clamp_min(0)
         n_a = stats.count
         n_ab = n_a + counts
         delta = batch_mean - stats.mean
-        ratio = torch.where(seen, counts / n_ab.clamp_min(1), torch.zeros_like(counts))
+        ratio = torch.where(seen, counts / n_ab.clamp_min(1), 0.0)
         stats.mean += delta * ratio.unsqueeze(1)
         stats.m2 += torch.where(
             seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0
         )
         stats.count += counts
-        stats.weight_sum += segment(g64)
-        stats.norm_sum += segment(norms64)
-        stats.weighted_norm_sum += segment(g64 * norms64)
+        stats.weight_sum += weight_sum
+        stats.norm_sum += norm_sum
+        stats.weighted_norm_sum += weighted_norm_sum
         if stats.gated_sum is not None:
-            stats.gated_sum += segment(y64 * g64.unsqueeze(1))
-        if stats.probe is not None and stats.probe.shape[0] < PROBE_TOKENS:
-            _probe(stats, routed.rows[keep] if not bool(keep.all()) else routed.rows, x)
-        stats.tenp_sum += segment(g64 * norms64 * (1 - cos.to(F64)))
+            stats.gated_sum += sums[:, 6 + 2 * d :]
+        if stats.probe is not None and stats.probe.shape[0] < PROBE_TOKENS:  # the first batches only
+            _probe(stats, routed.rows[keep], x[keep])
+        stats.tenp_sum += tenp_sum
         # Super-expert statistic: the largest |output element| per expert, a max (no rounding:
         # fp32 values are exact in fp64), so batches, ranks and domains merge exactly.
-        absmax = torch.zeros(n_experts, dtype=F64, device=ids.device).scatter_reduce_(
+        absmax = torch.zeros(n_experts + 1, dtype=F64, device=device).scatter_reduce_(
             0, ids, y32.abs().amax(1).to(F64), reduce="amax"
-        )
+        )[:n_experts]
         if stats.output_absmax is None:
             stats.output_absmax = absmax
         else:
             torch.maximum(stats.output_absmax, absmax, out=stats.output_absmax)
         if self.neurons and m is not None:
-            self._neurons(layer, stats, ids, y32, m.float(), norms)
-
-    @staticmethod
-    def _neurons(layer: MoELayer, stats: LayerStats, ids, y, m, norms) -> None:
-        """Neuron k's share y_k = W_down[:, k] m_k: projection <y_k, y>/(||y||+eps) and ||y_k||.
-
-        Per-token terms in fp32 (an fp64 matmul here would cost as much as the expert itself),
-        summed into fp64 accumulators; rows arrive grouped by expert.
-        """
-        proj_sum, l2_sum = stats.neuron_proj_sum, stats.neuron_l2_sum
-        assert proj_sum is not None and l2_sum is not None, "LayerStats.zeros(neurons=True) allocates both"
-        bounds = torch.bincount(ids, minlength=stats.num_experts).tolist()
-        start = 0
-        for expert, n in enumerate(bounds):
-            if n == 0:
-                continue
-            sl = slice(start, start + n)
-            start += n
-            down = layer.down_matrix(expert).float()  # [d, I]
-            projection = m[sl] * (y[sl] @ down) / (norms[sl].unsqueeze(1) + 1e-8)
-            proj_sum[expert] += projection.sum(0, dtype=F64)
-            l2_sum[expert] += (m[sl].abs() * down.norm(dim=0)).sum(0, dtype=F64)
+            neuron_sums(layer, stats, NeuronRows(routed.experts, ids, keep, y32, m.float(), norms))
 
 
 def _probe(stats: LayerStats, rows: torch.Tensor, x: torch.Tensor) -> None:
@@ -177,8 +203,9 @@ def observe(
             for batch in progress_bar(batches, total=total, desc="observe", unit="batch", enabled=progress):
                 mask = batch.attention_mask.to(device)
                 acc.set_valid(mask.reshape(-1).bool())
-                tokens += int(mask.sum())
+                tokens += int(batch.attention_mask.sum())  # counted on the host: no wait for the GPU
                 model(input_ids=batch.input_ids.to(device), attention_mask=mask, use_cache=False)
+                acc.check_finite()
     except NonFiniteError as exc:
         raise _located(exc, model, batch) from None
     layers = [acc.stats[m.index].to("cpu") for m in moe.layers]

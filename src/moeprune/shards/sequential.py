@@ -437,6 +437,7 @@ def _observe_layers(run: _Pass, moe: MoEModel, store: _BatchStore, neurons: bool
                 acc.set_valid(item.valid)
                 try:
                     out = _run_layer(layer, item, index)
+                    acc.check_finite()
                 except NonFiniteError as exc:
                     name = first_nonfinite_output(layer, partial(_run_layer, layer, item, index))
                     where = f"decoder layer {index} ({_prefix(model, layer)}{name})" if name else ""
