@@ -175,7 +175,10 @@ def test_low_rank_novice_fits_its_tokens_better():
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text", "gpt_oss"])
 def test_saved_low_rank_novices_reload_exactly_and_with_stock_transformers(family, tmp_path):
     """moeprune's loader and stock transformers (trust_remote_code, the saved modeling files)
-    give the virtual form's logits exactly; config.json records the rank."""
+    give the virtual form's logits; config.json records the rank. Within 1e-5, not bit for bit: the
+    virtual form runs the experts in the stacked layout, the saved one in its packed layout, and
+    the CPU's matmul kernels block the two shapes differently (on an AVX-512 Xeon, llama4_text and
+    gpt_oss differ by 9.5e-7 and 1.2e-7 on logits of order 1; a wrong novice moves them by 1e-1)."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -189,6 +192,6 @@ def test_saved_low_rank_novices_reload_exactly_and_with_stock_transformers(famil
     assert moeprune.save_pretrained(model, tmp_path) == "moeprune"
     layers = json.loads((tmp_path / "config.json").read_text())["moeprune"]["layers"]
     assert {entry.get("novice_rank") for entry in layers if entry["novice"]} == {3}
-    assert (_logits(moeprune.load_pretrained(tmp_path)) - virtual).abs().max() == 0
+    assert (_logits(moeprune.load_pretrained(tmp_path)) - virtual).abs().max() <= 1e-5
     stock = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
-    assert (_logits(stock) - virtual).abs().max() == 0
+    assert (_logits(stock) - virtual).abs().max() <= 1e-5
