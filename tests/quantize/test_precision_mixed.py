@@ -26,7 +26,7 @@ from moeprune.config import SearchConfig
 from moeprune.criteria import scoring
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
-from moeprune.job.precision_kept import kept_precision_bytes, scheme_bytes
+from moeprune.job.precision_kept import kept_precision_bytes, plan_keeps, scheme_bytes
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
@@ -160,11 +160,7 @@ def test_prune_keeps_the_winner_genes_widths_and_schemes(joint):
         assert len(lp.dropped) == d and len(lp.novice) == v and len(lp.kept) == w + n + v
         assert sorted(lp.neurons.values()) == [width] * n  # the genes' widths, no fill moved them
     moe, size = joint["priced"]
-    keeps = [
-        LayerKeep((64,) * (len(lp.kept) - len(lp.novice) - len(lp.neurons)) + tuple(lp.neurons.values()),
-                  len(lp.novice), len(lp.dropped))
-        for lp in plan.layers
-    ]  # fmt: skip
+    keeps = plan_keeps(moe, plan)  # what the saved plan keeps, read from the plan alone
     table = kept_precision_bytes(size, moe, SCHEMES, OPTIONS, 4, keeps)
     assert table.total(search["chosen_schemes"]) == search["predicted_bytes"]
     assert joint["recipe"]["config"]["sparsity"] is None  # a rerun searches again
@@ -205,11 +201,7 @@ def test_rank_r_novices_are_searched_priced_and_saved(joint):
     plan = Plan.load(root / "rank" / "plan.json")
     assert search["novice_rank"] == 1 and plan.extra.get("novice_rank") == 1
     moe, size = joint["priced"]
-    keeps = [
-        LayerKeep((64,) * (len(lp.kept) - len(lp.novice) - len(lp.neurons)) + tuple(lp.neurons.values()),
-                  len(lp.novice), len(lp.dropped))
-        for lp in plan.layers
-    ]  # fmt: skip
+    keeps = plan_keeps(moe, plan)  # what the saved plan keeps, read from the plan alone
     table = kept_precision_bytes(size, moe, SCHEMES, OPTIONS, 4, keeps, novice_rank=1)
     assert table.total(search["chosen_schemes"]) == search["predicted_bytes"] <= joint["target"]
     assert all(s["predicted_bytes"] <= joint["target"] for s in search["seeds"].values())
