@@ -47,7 +47,7 @@ def draw_kept(
             hidden_sizes,
             novices=METHODS.get(report.method).keeps_routing or report.reroute == "none",
         )
-    what = f"{report.criterion}, {report.allocation}, {report.method}, sparsity {report.sparsity}"
+    what = f"{report.criterion}, {report.allocation}, {report.method}, sparsity {report.sparsity:.4g}"
     named = {"searched": rows, "uniform": uniform} if uniform is not None else {"this result": rows}
     return plot_kept(path, named, expert_unit=expert_unit, title=f"kept per layer ({what})")
 
