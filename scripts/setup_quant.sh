@@ -5,7 +5,7 @@
 #      editable and without extras, as a user installs it (torch pinned first, so pip takes the CPU
 #      wheel and never pulls a multi-GB CUDA build);
 #   2. .venv-quant made by that install's own `moeprune setup quantize --path .venv-quant`: the
-#      command a pip user runs, whose installs and pins live in src/moeprune/quant/environment.py
+#      command a pip user runs, whose installs and pins live in src/moeprune/quantize/environment.py
 #      (llm-compressor with transformers and compressed-tensors pinned; kept apart from .venv and
 #      .venv-vllm because llmcompressor pins transformers 5.15-5.17 and compressed-tensors 0.19);
 #   3. moeprune editable (no extras) into .venv-quant, constrained to what is now installed, so it
@@ -38,7 +38,7 @@ fi
 # 2. and 3. .venv-quant
 VENV=.venv-quant
 STAMP=$VENV/.moeprune-quant-editable
-WANT=$(cat scripts/setup_quant.sh pyproject.toml src/moeprune/quant/environment.py | sha256sum | cut -d' ' -f1)
+WANT=$(cat scripts/setup_quant.sh pyproject.toml src/moeprune/quantize/environment.py | sha256sum | cut -d' ' -f1)
 if [ "${FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi

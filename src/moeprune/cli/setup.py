@@ -1,7 +1,7 @@
 """`moeprune setup quantize`: make the quantization environment from the installed package.
 
 `prune --quantize` runs llm-compressor in an environment of its own (its pins conflict with
-moeprune's: quant/environment.py says why). A clone has scripts/setup_quant.sh; a pip install has
+moeprune's: quantize/environment.py says why). A clone has scripts/setup_quant.sh; a pip install has
 only this command, which makes the same environment and records where it is, so that `prune
 --quantize` finds it from any folder without `--quant-python`.
 """
@@ -15,8 +15,8 @@ import click
 
 from moeprune.cli.main import main
 from moeprune.errors import MoePruneError
-from moeprune.quant.environment import PINS, make_environment
-from moeprune.quant.schemes import record_quant_python
+from moeprune.quantize.environment import PINS, make_environment
+from moeprune.quantize.schemes import record_quant_python
 from moeprune.runtime.cache import cache_root
 
 
