@@ -58,7 +58,7 @@ def test_held_out_choice_by_hand():
     - y = (1, 1 + h1): nothing the fit learnt holds (error 1 + b^2): the constant mean stays, and
       the unshrunk fit's error is 1 + 4 = 5 times the constant's."""
     fit = Moments.of(H, Y)
-    novice, check = choose_novice(fit, _held(torch.tensor([[2.0, 1], [0, 1]], dtype=F64)), fit, 2)
+    novice, check = choose_novice(fit, [_held(torch.tensor([[2.0, 1], [0, 1]], dtype=F64))], fit, 2)
     assert (check.chosen_rank, check.ridge) == (1, 1.0)
     assert check.held_out == pytest.approx(0.0, abs=1e-12)
     assert check.calibration == pytest.approx(0.4, abs=1e-12)
@@ -66,12 +66,29 @@ def test_held_out_choice_by_hand():
     assert novice.rank == 2 and torch.allclose(
         novice(torch.tensor([[1.0, 3]], dtype=F64)), torch.tensor([[2.0, 1]], dtype=F64)
     )
-    novice, check = choose_novice(fit, _held(torch.tensor([[1.0, 2], [1, 0]], dtype=F64)), fit, 2)
+    novice, check = choose_novice(fit, [_held(torch.tensor([[1.0, 2], [1, 0]], dtype=F64))], fit, 2)
     assert (check.chosen_rank, check.ridge, check.held_out) == (0, None, 1.0)
     assert check.unshrunk == pytest.approx(5.0, abs=1e-5)
     assert torch.equal(novice.constant, fit.mean_y) and novice.u.abs().max() == 0
-    _, unseen = choose_novice(fit, None, fit, 2)  # no held-out token reached it: the constant
+    _, unseen = choose_novice(fit, [], fit, 2)  # no held-out token reached it: the constant
     assert (unseen.chosen_rank, unseen.held_out, unseen.unshrunk) == (0, None, None)
+
+
+def test_a_fit_worse_on_one_source_is_not_taken():
+    """Two held-out sources: on A (4 tokens, y = (1 + 2 h1, 1)) the least-squares fit is exact, on B
+    (2 tokens, y = (1, 1 + h1)) every fit that uses h1 errs 1 + b^2 against the constant's 1.
+    Pooled, the fit wins (A's gain outweighs B's loss); per source it is worse on B, so the
+    constant stays."""
+    fit = Moments.of(H, Y)
+    a = Moments.of(torch.cat((H[[0, 2]], H[[0, 2]])), torch.tensor([[3.0, 1], [-1, 1]] * 2, dtype=F64))
+    b = _held(torch.tensor([[1.0, 2], [1, 0]], dtype=F64))
+    pooled = Moments.zeros(2)
+    pooled.merge(a)
+    pooled.merge(b)
+    assert choose_novice(fit, [pooled], fit, 2)[1].chosen_rank > 0
+    novice, check = choose_novice(fit, [a, b], fit, 2)
+    assert (check.chosen_rank, check.held_tokens, check.held_out) == (0, 6, 1.0)
+    assert torch.equal(novice.constant, fit.mean_y)
 
 
 def _direct_error(novice, h: torch.Tensor, y: torch.Tensor) -> float:
@@ -94,7 +111,7 @@ def test_held_out_error_from_moments_is_the_tokens_and_the_best_of_the_grid():
     y_held = h_held @ (0.5 * w).T + 0.3 + torch.randn(30, d, generator=g, dtype=F64)
     fit, held = Moments.of(h_fit, y_fit), Moments.of(h_held, y_held)
     whole = Moments.of(torch.cat((h_fit, h_held)), torch.cat((y_fit, y_held)))
-    novice, check = choose_novice(fit, held, whole, rank)
+    novice, check = choose_novice(fit, [held], whole, rank)
     constant = _direct_error(lambda x: whole.mean_y.expand(x.shape[0], -1), h_held, y_held)
     assert check.held_out == pytest.approx(_direct_error(novice, h_held, y_held) / constant, rel=1e-9)
     assert check.chosen_rank > 0 and check.held_out < 1

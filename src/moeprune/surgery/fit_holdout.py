@@ -18,7 +18,9 @@ some fit is strictly below it, so no novice is worse there than the constant one
 
 Held-out tokens: the search data's tokens routed to the expert when search data is given (the fit
 then uses every calibration token), else every HOLD_OUT-th calibration sample (the fit uses the
-others). The saved novice is mu + B (h - hbar) with mu, hbar the means over all routed calibration
+others). Each source of held-out samples (data file: a domain) is checked on its own, and a fit
+worse than the constant on any of them is not taken: a fit that helps code at prose's expense
+stays out. Among the others the smallest error over all held-out tokens wins. The saved novice is mu + B (h - hbar) with mu, hbar the means over all routed calibration
 tokens, so its constant part, and the fallback, is MoNE's exact mean; only B comes from the fit
 tokens. Its mean squared error on a token set with means mu', hbar', population covariances
 Sigma', C' and S' = mean ||y - mu'||^2 follows from the set's moments alone:
@@ -139,26 +141,30 @@ class FitCheck:
 
 
 def choose_novice(
-    fit: Moments, held: Moments | None, whole: Moments, rank: int, *, layer: int = 0, expert: int = 0
+    fit: Moments, held: Sequence[Moments], whole: Moments, rank: int, *, layer: int = 0, expert: int = 0
 ) -> tuple[LowRankNovice, FitCheck]:
     """The rank-`rank` novice (zero-padded) whose B, fitted on `fit`, has the smallest squared error
-    on `held` among RIDGES x ranks 0..rank, with mu, hbar from `whole` (all routed calibration
-    tokens); the constant mean when nothing beats it there or no held-out token reached it."""
+    on the held-out tokens among RIDGES x ranks 0..rank, with mu, hbar from `whole` (all routed
+    calibration tokens). `held`: the held-out tokens' moments per source (data file or domain); a
+    fit worse than the constant on any source is not taken, so the constant mean stays when nothing
+    beats it on every source, or no held-out token reached the expert."""
     mu, hbar = whole.mean_y.to(F64), whole.mean_h.to(F64)
     factors = ridge_factors(fit, rank, RIDGES)
+    sources = [m for m in held if m.count > 0]
+    total = sum(m.count for m in sources)
+    base = sum(m.count * _terms(factors[0][0], factors[0][1], mu, hbar, m)[0] for m in sources) / (total or 1)
     best: tuple[float, int, int] = (0.0, 0, 0)  # (held-out change, ridge index, rank): the constant
     unshrunk = None
-    if held is not None and held.count > 0:
-        for i, (u, v) in enumerate(factors):
-            base, gains = _terms(u, v, mu, hbar, held)
-            prefix = torch.cumsum(gains, 0)
-            if i == 0:
-                unshrunk = _relative(base, gains, u.shape[1])
-            if prefix.numel() and float(prefix.min()) < best[0]:
-                best = (float(prefix.min()), i, int(prefix.argmin()) + 1)
+    for i, (u, v) in enumerate(factors if sources else []):
+        prefixes = torch.stack([torch.cumsum(_terms(u, v, mu, hbar, m)[1], 0) for m in sources])
+        pooled = (prefixes * torch.tensor([m.count for m in sources], dtype=F64)[:, None]).sum(0) / total
+        if i == 0:
+            unshrunk = (base + float(pooled[-1] if pooled.numel() else 0.0)) / base if base > 0 else 1.0
+        allowed = pooled.masked_fill(~(prefixes <= 0).all(0), float("inf"))  # no source worse than constant
+        if allowed.numel() and float(allowed.min()) < best[0]:
+            best = (float(allowed.min()), i, int(allowed.argmin()) + 1)
     change, index, r = best
     u, v = (factors[index][0][:, :r], factors[index][1][:, :r]) if r else (mu.new_zeros(mu.numel(), 0),) * 2
-    base_held = _terms(u, v, mu, hbar, held)[0] if held is not None and held.count > 0 else 0.0
     check = FitCheck(
         layer=layer,
         expert=expert,
@@ -167,11 +173,9 @@ def choose_novice(
         chosen_rank=r,
         ridge=RIDGES[index] if r else None,
         tokens=int(whole.count),
-        held_tokens=int(held.count) if held is not None else 0,
+        held_tokens=int(total),
         calibration=_relative(*_terms(u, v, mu, hbar, fit), r) if fit.count > 0 else 1.0,
-        held_out=(base_held + change) / base_held
-        if base_held > 0
-        else (1.0 if unshrunk is not None else None),
+        held_out=((base + change) / base if base > 0 else 1.0) if sources else None,
         unshrunk=unshrunk,
     )
     return LowRankNovice(mu - u @ (v.T @ hbar), u, v.clone()).padded(rank), check
@@ -192,6 +196,15 @@ class FitChecks:
     def source(self) -> str:
         """Where the held-out tokens come from, in words (the report says it)."""
         return "the search data" if self.data is not None else f"every {HOLD_OUT}th calibration sample"
+
+    @staticmethod
+    def by_source(sets: Sequence[CalibrationData]) -> list[CalibrationData]:
+        """One set per source (data file) of the held-out samples: each is checked on its own."""
+        out = []
+        for data in sets:
+            for source in dict.fromkeys(s.source for s in data.samples):
+                out.append(replace(data, samples=[s for s in data.samples if s.source == source]))
+        return out
 
     @staticmethod
     def split(sets: Sequence[CalibrationData]) -> tuple[list[CalibrationData], list[CalibrationData]]:

@@ -190,19 +190,24 @@ def _fit(
             moe, data, targets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
         )
 
-    held: LayerMoments | None = None
+    held: list[LayerMoments] | None = None  # per held-out source
     if not checks.shrink:
         fit = whole = moments_of(sets)
     elif checks.data is not None:  # the fit takes every calibration token
         fit = whole = moments_of(sets)
-        held = moments_of([checks.data])
+        held = [moments_of([part]) for part in checks.by_source([checks.data])]
     else:
         fit_sets, held_sets = checks.split(sets)
-        fit, held = moments_of(fit_sets), moments_of(held_sets) if held_sets else {}
-        whole = {i: {p: _merged(m, held.get(i, {}).get(p)) for p, m in by.items()} for i, by in fit.items()}
-        for i, by in held.items():  # experts only held-out tokens reached
-            for p, m in by.items():
-                whole.setdefault(i, {}).setdefault(p, _merged(m, None))
+        fit = moments_of(fit_sets)
+        held = [moments_of([part]) for part in checks.by_source(held_sets)]
+        whole = {
+            i: {p: _merged(m, [h.get(i, {}).get(p) for h in held]) for p, m in by.items()}
+            for i, by in fit.items()
+        }
+        for i, p in {(i, p) for h in held for i, by in h.items() for p in by}:  # only held-out tokens reached
+            whole.setdefault(i, {}).setdefault(
+                p, _merged(Moments.zeros(moe.layer(i).hidden_size), [h.get(i, {}).get(p) for h in held])
+            )
     out: Fits = {}
     for index, positions in targets.items():
         layer = moe.layer(index)
@@ -215,21 +220,20 @@ def _fit(
                 novice = fit_lowrank(m, rank)
             else:
                 all_tokens = whole.get(index, {}).get(p) or zeros
-                novice, check = choose_novice(
-                    m, held.get(index, {}).get(p), all_tokens, rank, layer=index, expert=ids[p]
-                )
+                mine = [h[index][p] for h in held if p in h.get(index, {})]
+                novice, check = choose_novice(m, mine, all_tokens, rank, layer=index, expert=ids[p])
                 checks.found[(index, ids[p])] = check
             fitted[ids[p]] = novice.to(device=ref.device, dtype=ref.dtype)
         out[index] = fitted
     return out
 
 
-def _merged(first: Moments, second: Moments | None) -> Moments:
-    """A new Moments over both token sets (Chan's update; neither argument changes)."""
+def _merged(first: Moments, others: Sequence[Moments | None]) -> Moments:
+    """A new Moments over all the token sets (Chan's update; no argument changes)."""
     out = Moments.zeros(first.mean_h.numel())
-    out.merge(first)
-    if second is not None:
-        out.merge(second)
+    for part in (first, *others):
+        if part is not None:
+            out.merge(part)
     return out
 
 
