@@ -11,9 +11,11 @@ at most R fitted in closed form over the expert's routed calibration tokens (for
 - stored as factors U = U_R [d, R], V = B*^T U_R [d, R] and the constant c = mu - U V^T hbar, so
   the novice outputs c + U (V^T h): d + 2 d R parameters.
 
-Ridge: Sigma + lambda I with lambda = RIDGE x trace(Sigma) / d, so an expert with few tokens (or
-inputs confined to a subspace, Sigma singular) still has a unique fit; it shrinks B by a relative
-1e-6 where Sigma is well conditioned, and sends directions with no input variance to zero.
+Ridge: Sigma + lambda I with lambda = alpha x trace(Sigma) / d. Saved novices take the alpha and
+the rank r <= R that do best on held-out tokens, never worse there than the constant mu
+(surgery/fit_holdout.py: ridge and reduced-rank regression together, the choice, the report's
+checks); `fit_lowrank` is one fit at one alpha (RIDGE = 1e-6: a unique fit even where Sigma is
+singular, directions with no input variance sent to zero, B shrunk by a relative 1e-6 elsewhere).
 Few tokens: n tokens give at most n - 1 independent centred inputs, so an expert fits at rank
 min(R, n - 1) and is zero-padded to R (the zero columns add nothing); with one token it is its
 constant mu, and an expert no token reached has mu = 0 and B = 0, as a rank-0 novice.
