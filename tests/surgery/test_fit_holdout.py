@@ -23,6 +23,7 @@ from moeprune.models.factory import tiny_model
 from moeprune.observe.moments import Moments
 from moeprune.observe.observer import observe
 from moeprune.report.parts import NoviceFits
+from moeprune.report.summary import novice_fit_lines
 from moeprune.surgery.fit_holdout import RIDGES, FitChecks, choose_novice, ridge_factors
 from moeprune.surgery.lowrank import RANK_KEY, fit_novices, plan_checks
 from moeprune.surgery.planning import build_plan
@@ -157,6 +158,13 @@ def test_too_few_tokens_are_named_in_one_line(caplog):
     part = NoviceFits.of(found, checks.source)
     assert part.too_few == [c.warning() for c in found if c.too_few] and len(part.too_few) == len(named)
     assert NoviceFits.from_json(part.to_json()) == part
+    lines = novice_fit_lines(part.to_json(), shown=2)  # the console summary: averages, then the names
+    constant = sum(c.chosen_rank == 0 for c in found)
+    assert (
+        lines[0].startswith("  novice fits     rank 1: ")
+        and f"{constant} of {len(found)} kept constant" in lines[0]
+    )
+    assert lines[1:3] == [f"  too few tokens  {line}" for line in part.too_few[:2]]
 
 
 def test_rank_r_novices_fitted_on_code_never_below_constant_on_prose(trained_moe):
