@@ -45,6 +45,7 @@ from moeprune.report.parts import (
     DataSummary,
     KeptRow,
     LayerShape,
+    NoviceFits,
     ParameterCounts,
     SearchSummary,
     Serving,
@@ -58,7 +59,8 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_allocation
 from moeprune.serve.vllm.layout import SERVED_FAMILIES, refusal
 from moeprune.surgery import METHODS
-from moeprune.surgery.lowrank import fit_every_novice, fit_novices, plan_rank
+from moeprune.surgery.fit_holdout import FitChecks
+from moeprune.surgery.lowrank import fit_every_novice, fit_novices, plan_checks, plan_rank
 from moeprune.surgery.parameters import (
     describe_layers,
     kept_per_layer,
@@ -206,6 +208,7 @@ def prune(
     fingerprint = sets[0].fingerprint if len(sets) == 1 else ",".join(d.fingerprint for d in sets)
     search_doc, plan_scores = None, scores
     every_novice = run.novices  # a mixed search's rank-R novices: scored by the search, saved by the plan
+    checks = FitChecks(data=search_set)  # low-rank fits: checked on the search data, or held-back calibration
     removed: Sequence[Any] | None = None  # drop counts, or mixed genes (one tuple per MoE layer)
     if run.removed is not None:  # drop counts, or mixed genes (a tuple per layer)
         removed = [tuple(int(x) for x in r) if isinstance(r, tuple) else int(r) for r in run.removed]
@@ -228,6 +231,7 @@ def prune(
                 batch_size=batch_size,
                 pad_token_id=pad,
                 progress=progress,
+                checks=checks,
             )
         if mixed and config.allocation == "gradient":  # forms per expert: its orders go to the plan
             removed, plan_scores, search_doc = gradient_mixed_allocation(
@@ -251,8 +255,9 @@ def prune(
     if run.check_plan is not None:  # a caller's refusal of the plan, before the model is changed
         run.check_plan(plan)
     fits = fit_novices(
-        moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice
-    )
+        moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice,
+        checks=checks,
+    )  # fmt: skip
     surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)
     report = PruneReport(
         criterion=crit.name,
@@ -289,4 +294,6 @@ def prune(
         report.criterion_auto = CriterionAuto(config.search.fitness, crit.name, auto_table)
     if search_doc is not None:
         report.search = SearchSummary.from_json(search_doc)
+    if plan_checks(plan, checks.found):
+        report.novice_fits = NoviceFits.of(plan_checks(plan, checks.found), checks.source)
     return PruneResult(model, plan, crit, scores, stats, report, search_doc, sets)

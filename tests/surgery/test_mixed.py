@@ -243,8 +243,9 @@ def test_an_all_expert_fit_is_refused_only_when_one_layer_exceeds_memory():
 
 
 def test_every_novice_fitted_in_passes_that_fit_memory_equals_one_pass(monkeypatch):
-    """Memory for one layer's moments: one calibration pass per MoE layer, giving the very fits
-    (bit for bit) of the single pass; memory for both layers: one pass."""
+    """Memory for one layer's moments: one calibration pass per MoE layer (each observing the fit
+    share, then the held-out share of the samples), giving the very fits (bit for bit) of the
+    single pass; memory for both layers: one pass."""
     from moeprune.surgery import lowrank
 
     moe = MoEModel(tiny_model("qwen3_moe"))
@@ -261,7 +262,7 @@ def test_every_novice_fitted_in_passes_that_fit_memory_equals_one_pass(monkeypat
         lowrank, "observe_moments", lambda m, s, t, **k: calls.append(sorted(t)) or observe(m, s, t, **k)
     )
     split = lowrank.fit_every_novice(moe, 3, [data], batch_size=2, progress=False, memory=one_layer)
-    assert calls == [[i] for i in layers]
+    assert calls == [[i] for i in layers for _share in ("fit", "held out")]
     assert whole.keys() == split.keys() and all(whole[i].keys() == split[i].keys() for i in whole)
     for i in whole:
         for e, fit in whole[i].items():

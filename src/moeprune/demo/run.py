@@ -41,6 +41,7 @@ from moeprune.search.gradient_mixed import gradient_mixed_allocation
 from moeprune.search.mixed_search import search_mixed
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
+from moeprune.surgery.fit_holdout import FitChecks
 from moeprune.surgery.lowrank import fit_novices, plan_rank
 from moeprune.surgery.parameters import plan_kept_rows, plan_routed_parameters, routed_parameters
 from moeprune.surgery.planning import build_plan, guard_super_experts
@@ -297,10 +298,16 @@ def _run_demo(
             stats=[stats],
             removed=removed,
         )
-        fits = (  # low-rank novices: fitted by a second pass over the calibration data
+        fits = (  # low-rank novices: fitted by a second pass, checked on the search data as prune does
             fit_novices(
-                moe, plan, [calibration], batch_size=settings.batch_size, pad_token_id=pad, progress=False
-            )
+                moe,
+                plan,
+                [calibration],
+                batch_size=settings.batch_size,
+                pad_token_id=pad,
+                progress=False,
+                checks=FitChecks(data=search),
+            )  # fmt: skip
             if plan_rank(plan)
             else None
         )

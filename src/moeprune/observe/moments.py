@@ -38,6 +38,7 @@ class Moments:
     mean_y: torch.Tensor  # [d]
     c_hh: torch.Tensor  # [d, d] sum_t (h_t - hbar)(h_t - hbar)^T
     c_yh: torch.Tensor  # [d, d] sum_t (y_t - mu)(h_t - hbar)^T
+    yy: float = 0.0  # sum_t ||y_t - mu||^2: the constant novice's squared error (held-out checks)
 
     @classmethod
     def zeros(cls, d: int, device: torch.device | str = "cpu") -> Moments:
@@ -52,7 +53,7 @@ class Moments:
         h64, y64 = h.to(F64), y.to(F64)
         mh, my = h64.mean(0), y64.mean(0)
         hc, yc = h64 - mh, y64 - my
-        return cls(float(h.shape[0]), mh, my, hc.T @ hc, yc.T @ hc)
+        return cls(float(h.shape[0]), mh, my, hc.T @ hc, yc.T @ hc, float(yc.square().sum()))
 
     def merge(self, other: Moments) -> None:
         """Chan's update: exact for any split of the tokens (up to rounding)."""
@@ -60,7 +61,7 @@ class Moments:
             return
         if self.count == 0:
             self.count, self.mean_h, self.mean_y = other.count, other.mean_h.clone(), other.mean_y.clone()
-            self.c_hh, self.c_yh = other.c_hh.clone(), other.c_yh.clone()
+            self.c_hh, self.c_yh, self.yy = other.c_hh.clone(), other.c_yh.clone(), other.yy
             return
         n_a, n_b = self.count, other.count
         n = n_a + n_b
@@ -69,6 +70,7 @@ class Moments:
         scale = n_a * n_b / n
         self.c_hh += other.c_hh.to(self.c_hh.device) + scale * torch.outer(dh, dh)
         self.c_yh += other.c_yh.to(self.c_yh.device) + scale * torch.outer(dy, dh)
+        self.yy += other.yy + scale * float(dy.square().sum())
         self.mean_h += dh * (n_b / n)
         self.mean_y += dy * (n_b / n)
         self.count = n
@@ -80,6 +82,7 @@ class Moments:
             self.mean_y.to(device),
             self.c_hh.to(device),
             self.c_yh.to(device),
+            self.yy,
         )
 
 

@@ -25,6 +25,7 @@ from moeprune.report.parts import (
     DiskBytes,
     KeptRow,
     LayerShape,
+    NoviceFits,
     ParameterCounts,
     Part,
     SearchSummary,
@@ -87,6 +88,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "serving": _part(Serving),
     "criterion_auto": _part(CriterionAuto),
     "search": _part(SearchSummary),
+    "novice_fits": _part(NoviceFits),
     "disk_bytes": _part(DiskBytes),
     "target": _part(TargetSize),
     "serve_check": _part(ServeCheck),
@@ -147,6 +149,7 @@ class PruneReport:
     serving: Serving | None = None
     criterion_auto: CriterionAuto | None = None
     search: SearchSummary | None = None
+    novice_fits: NoviceFits | None = None  # low-rank novices: calibration beside held-out fit errors
     # how it was saved
     save_dtype: str | None = None
     command_line: str | None = None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 if TYPE_CHECKING:
     from moeprune.data.loading import CalibrationData
     from moeprune.observe.stats import ExpertStats
+    from moeprune.surgery.fit_holdout import FitCheck
 
 _P = TypeVar("_P", bound="Part")
 
@@ -211,6 +212,46 @@ class SearchSummary(Part):
     stopped: SearchStop | None = None
     teacher_cache: dict[str, Any] | None = None
     notes: list[str] | None = None
+
+
+@dataclass
+class NoviceFits(Part):
+    """`novice_fits`: low-rank novices checked on tokens they were not fitted on (surgery/
+    fit_holdout.py). Per MoE layer, the saved novices' squared error relative to constant novices'
+    (1: no better; token-weighted over the layer's novices) on the calibration tokens they were
+    fitted on beside the held-out tokens, and the held-out error the unshrunk rank-R fit would have
+    had, so overfitting shows; how many kept only their constant; each novice with too few routed
+    tokens for its parameters in one line."""
+
+    rank: int | None = None
+    held_out: str | None = None  # where the held-out tokens came from
+    layers: list[dict[str, Any]] | None = None
+    too_few: list[str] | None = None
+
+    @classmethod
+    def of(cls, checks: Sequence[FitCheck], source: str) -> NoviceFits:
+        rows = []
+        for layer in sorted({c.layer for c in checks}):
+            mine = [c for c in checks if c.layer == layer]
+            held = [c for c in mine if c.held_out is not None]
+            rows.append(
+                {
+                    "layer": layer,
+                    "novices": len(mine),
+                    "constant": sum(c.chosen_rank == 0 for c in mine),
+                    "calibration": _weighted([(c.calibration, c.tokens) for c in mine]),
+                    "held_out": _weighted([(c.held_out, c.held_tokens) for c in held]),
+                    "unshrunk_held_out": _weighted([(c.unshrunk, c.held_tokens) for c in held]),
+                }
+            )
+        too_few = [c.warning() for c in checks if c.too_few]
+        return cls(max((c.rank for c in checks), default=0), source, rows, too_few or None)
+
+
+def _weighted(pairs: Sequence[tuple[float | None, int]]) -> float | None:
+    """The weight-averaged value (None: no weight, or no value)."""
+    total = sum(w for v, w in pairs if v is not None)
+    return round(sum(v * w for v, w in pairs if v is not None) / total, 6) if total else None
 
 
 @dataclass

@@ -97,6 +97,7 @@ def report_markdown(report: PruneReport | Mapping, folder: str | Path) -> str:
             for row in auto.table
         ]
         out.append("")
+    out += _novice_fits_table(report)
     notes = list(report.release_layers or []) + list(report.unseen_experts or [])
     notes += list((report.search and report.search.notes) or [])
     notes += list(report.data.notes or [])
@@ -133,3 +134,31 @@ def _kept_table(report: PruneReport) -> list[str]:
             f"{r.routed_params_before:,} | {r.routed_params_after:,} | {kept:.1%} |"
         )
     return [*out, ""]
+
+
+def _novice_fits_table(report: PruneReport) -> list[str]:
+    """report.md's per-layer table of low-rank novices' errors, calibration beside held-out."""
+    fits = report.novice_fits
+    if not fits or not fits.layers:
+        return []
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    out = [
+        "## Novice fits",
+        "",
+        f"Rank-{fits.rank} novices: squared error relative to the constant novice's (1: no better), on "
+        f"the calibration tokens they were fitted on and on held-out tokens ({fits.held_out}); the "
+        "unshrunk column is the held-out error of the least-squares rank-R fit without the held-out "
+        "choice of ridge and rank. Calibration far below held-out is overfitting.",
+        "",
+        "| layer | novices | kept constant | calibration | held out | unshrunk held out |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in fits.layers:
+        out.append(
+            f"| {r['layer']} | {r['novices']} | {r['constant']} | {cell(r['calibration'])} | "
+            f"{cell(r['held_out'])} | {cell(r['unshrunk_held_out'])} |"
+        )
+    return [*out, "", *[f"- too few tokens: {line}" for line in fits.too_few or []], ""]

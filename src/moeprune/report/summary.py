@@ -139,6 +139,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "super_experts": report.super_experts,
         "super_experts_note": report.super_experts_note,
         "precision": (report.quantization or {}).get("precision"),
+        "novice_fits": report.novice_fits.to_json() if report.novice_fits else None,
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -190,6 +191,7 @@ def format_lines(facts: dict) -> list[str]:
             f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
             f"{search.get('baseline', 'uniform')} ({gain:+.4g}); {how}"
         )
+    lines += novice_fit_lines(facts.get("novice_fits"))
     if facts["unseen_experts"]:
         where = "; ".join(
             f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()
@@ -267,6 +269,31 @@ def format_lines(facts: dict) -> list[str]:
     for kind, names in (facts.get("files") or {}).items():
         if names:
             lines.append(f"    {kind:<14}{', '.join(names)}")
+    return lines
+
+
+def novice_fit_lines(fits: dict | None, shown: int = 5) -> list[str]:
+    """Low-rank novices' errors relative to constant ones, calibration beside held-out tokens
+    (averaged over the layers' novices), and the first `shown` novices with too few tokens."""
+    if not fits:
+        return []
+    rows = fits.get("layers") or []
+
+    def mean(key: str) -> str:
+        pairs = [(r[key], r["novices"]) for r in rows if r.get(key) is not None]
+        total = sum(n for _, n in pairs)
+        return f"{sum(v * n for v, n in pairs) / total:.3g}" if total else "-"
+
+    novices, constant = sum(r["novices"] for r in rows), sum(r["constant"] for r in rows)
+    lines = [
+        f"  novice fits     rank {fits.get('rank')}: error / constant novice's {mean('calibration')} on "
+        f"calibration vs {mean('held_out')} held out ({fits.get('held_out')}; unshrunk fit "
+        f"{mean('unshrunk_held_out')}); {constant} of {novices} kept constant"
+    ]
+    few = fits.get("too_few") or []
+    lines += [f"  too few tokens  {line}" for line in few[:shown]]
+    if len(few) > shown:
+        lines.append(f"  too few tokens  and {len(few) - shown} more (report.json: novice_fits.too_few)")
     return lines
 
 

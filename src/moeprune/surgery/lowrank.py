@@ -11,9 +11,11 @@ at most R fitted in closed form over the expert's routed calibration tokens (for
 - stored as factors U = U_R [d, R], V = B*^T U_R [d, R] and the constant c = mu - U V^T hbar, so
   the novice outputs c + U (V^T h): d + 2 d R parameters.
 
-Ridge: Sigma + lambda I with lambda = RIDGE x trace(Sigma) / d, so an expert with few tokens (or
-inputs confined to a subspace, Sigma singular) still has a unique fit; it shrinks B by a relative
-1e-6 where Sigma is well conditioned, and sends directions with no input variance to zero.
+Ridge: Sigma + lambda I with lambda = alpha x trace(Sigma) / d. Saved novices take the alpha and
+the rank r <= R that do best on held-out tokens, never worse there than the constant mu
+(surgery/fit_holdout.py: ridge and reduced-rank regression together, the choice, the report's
+checks); `fit_lowrank` is one fit at one alpha (RIDGE = 1e-6: a unique fit even where Sigma is
+singular, directions with no input variance sent to zero, B shrunk by a relative 1e-6 elsewhere).
 Few tokens: n tokens give at most n - 1 independent centred inputs, so an expert fits at rank
 min(R, n - 1) and is zero-padded to R (the zero columns add nothing); with one token it is its
 constant mu, and an expert no token reached has mu = 0 and B = 0, as a rank-0 novice.
@@ -41,9 +43,10 @@ from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.models.lowrank import LowRankNovice
-from moeprune.observe.moments import Moments, observe_moments
+from moeprune.observe.moments import LayerMoments, Moments, observe_moments
 from moeprune.observe.stats import F64
 from moeprune.plan import Plan
+from moeprune.surgery.fit_holdout import FitCheck, FitChecks, choose_novice, ridge_factors
 
 _LOG = logging.getLogger(__name__)
 
@@ -86,26 +89,12 @@ class NoviceOptions:
 
 
 def fit_lowrank(moments: Moments, rank: int, ridge: float = RIDGE) -> LowRankNovice:
-    """The rank-`rank` least-squares novice of one expert (fp64), zero-padded to `rank` when its
-    tokens support a lower rank only (module docstring)."""
-    d = moments.mean_h.numel()
-    n = moments.count
+    """The rank-`rank` least-squares novice of one expert (fp64) at one ridge strength, zero-padded
+    to `rank` when its tokens support a lower rank only (module docstring); no held-out check
+    (`fit_holdout.choose_novice` is what `fit_novices` saves)."""
+    u, v = ridge_factors(moments, rank, (ridge,))[0]
     mean_h, mean_y = moments.mean_h.to(F64), moments.mean_y.to(F64)
-    usable = max(0, min(rank, int(n) - 1, d))
-    if usable == 0:
-        zeros = mean_y.new_zeros(d, rank)
-        return LowRankNovice(mean_y.clone(), zeros, zeros.clone())
-    sigma = moments.c_hh.to(F64) / n
-    cov = moments.c_yh.to(F64) / n
-    lam = ridge * float(torch.trace(sigma)) / d
-    evals, q = torch.linalg.eigh(sigma + lam * torch.eye(d, dtype=F64))
-    evals = evals.clamp_min(torch.finfo(F64).tiny)
-    whitened = cov @ q @ torch.diag(evals.rsqrt()) @ q.T  # C Sigma^-1/2
-    left = torch.linalg.svd(whitened, full_matrices=False).U[:, :usable]
-    full = cov @ q @ torch.diag(1 / evals) @ q.T  # B* = C Sigma^-1
-    u, v = left, full.T @ left
-    constant = mean_y - u @ (v.T @ mean_h)
-    return LowRankNovice(constant, u, v).padded(rank)
+    return LowRankNovice(mean_y - u @ (v.T @ mean_h), u, v).padded(rank)
 
 
 def plan_rank(plan: Plan) -> int:
@@ -182,11 +171,14 @@ def _fit(
     rank: int,
     sets: Sequence[CalibrationData],
     *,
+    checks: FitChecks,
     batch_size: int,
     pad_token_id: int,
     progress: bool,
 ) -> Fits:
-    """The experts at `targets` ({decoder layer: positions}) fitted at `rank`, keyed by original id."""
+    """The experts at `targets` ({decoder layer: positions}) fitted at `rank`, keyed by original id:
+    ridge and rank chosen on held-out tokens as `checks` says, each expert's check put in
+    `checks.found` (surgery/fit_holdout.py)."""
     targets = {i: list(p) for i, p in targets.items() if p}
     if not targets:
         return {}
@@ -194,19 +186,56 @@ def _fit(
         raise MoePruneError(
             "low-rank novices need calibration data (a second pass fits them)", options=("data",)
         )
-    moments = observe_moments(
-        moe, sets, targets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
-    )
+
+    def moments_of(data: Sequence[CalibrationData]) -> LayerMoments:
+        return observe_moments(
+            moe, data, targets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
+        )
+
+    held: list[LayerMoments] | None = None  # per held-out source
+    if not checks.shrink:
+        fit = whole = moments_of(sets)
+    elif checks.data is not None:  # the fit takes every calibration token
+        fit = whole = moments_of(sets)
+        held = [moments_of([part]) for part in checks.by_source([checks.data])]
+    else:
+        fit_sets, held_sets = checks.split(sets)
+        fit = moments_of(fit_sets)
+        held = [moments_of([part]) for part in checks.by_source(held_sets)]
+        whole = {
+            i: {p: _merged(m, [h.get(i, {}).get(p) for h in held]) for p, m in by.items()}
+            for i, by in fit.items()
+        }
+        for i, p in {(i, p) for h in held for i, by in h.items() for p in by}:  # only held-out tokens reached
+            whole.setdefault(i, {}).setdefault(
+                p, _merged(Moments.zeros(moe.layer(i).hidden_size), [h.get(i, {}).get(p) for h in held])
+            )
     out: Fits = {}
     for index, positions in targets.items():
         layer = moe.layer(index)
         ref = cast(torch.Tensor, layer.experts.down_proj)
-        ids = layer.expert_ids
+        ids, zeros = layer.expert_ids, Moments.zeros(layer.hidden_size)
         fitted = {}
         for p in positions:
-            m = moments.get(index, {}).get(p) or Moments.zeros(layer.hidden_size)
-            fitted[ids[p]] = fit_lowrank(m, rank).to(device=ref.device, dtype=ref.dtype)
+            m = fit.get(index, {}).get(p) or zeros
+            if held is None:
+                novice = fit_lowrank(m, rank)
+            else:
+                all_tokens = whole.get(index, {}).get(p) or zeros
+                mine = [h[index][p] for h in held if p in h.get(index, {})]
+                novice, check = choose_novice(m, mine, all_tokens, rank, layer=index, expert=ids[p])
+                checks.found[(index, ids[p])] = check
+            fitted[ids[p]] = novice.to(device=ref.device, dtype=ref.dtype)
         out[index] = fitted
+    return out
+
+
+def _merged(first: Moments, others: Sequence[Moments | None]) -> Moments:
+    """A new Moments over all the token sets (Chan's update; no argument changes)."""
+    out = Moments.zeros(first.mean_h.numel())
+    for part in (first, *others):
+        if part is not None:
+            out.merge(part)
     return out
 
 
@@ -219,13 +248,15 @@ def fit_every_novice(
     pad_token_id: int = 0,
     progress: bool = True,
     memory: int | None = None,
+    checks: FitChecks | None = None,
 ) -> Fits:
     """Every routed expert of every MoE layer fitted as a rank-`rank` novice: what a mixed search
     gives its candidates' novices, so it scores the novices that will be saved. The moments take
     16 d^2 bytes per routed expert; the layers are fitted in as few calibration passes as keep each
     pass's moments within `memory` bytes (default: half the memory available, `moments_memory`),
     one pass where all fit. A pass's fits do not depend on which other layers it observes, so the
-    passes give the very fits one pass would (tested)."""
+    passes give the very fits one pass would (tested). `checks`: as `fit_novices`'s (every
+    expert's check goes into `checks.found`)."""
     targets = {m.index: list(range(m.num_experts)) for m in moe.layers}
     passes = layer_passes(moe, moments_memory() if memory is None else memory)
     _LOG.info(
@@ -241,6 +272,7 @@ def fit_every_novice(
                 {i: targets[i] for i in layers},
                 rank,
                 sets,
+                checks=checks or FitChecks(),
                 batch_size=batch_size,
                 pad_token_id=pad_token_id,
                 progress=progress,
@@ -258,9 +290,14 @@ def fit_novices(
     pad_token_id: int = 0,
     progress: bool = True,
     fitted: Fits | None = None,
+    checks: FitChecks | None = None,
 ) -> Fits:
     """The plan's novices fitted at its rank ({decoder layer: {original expert id: novice}}, in
     the model's dtype) from a second pass over the calibration sets; {} for a rank-0 plan.
+    Each novice's ridge and rank are chosen on held-out tokens (surgery/fit_holdout.py): those
+    of `checks.data` (the search data), else of every HOLD_OUT-th calibration sample; its check
+    goes into `checks.found`, and a novice with too few routed tokens for its parameters is named
+    in a warning. `checks.shrink` False: the unchecked least-squares fit (as before the checks).
     `fitted`: every expert already fitted at that rank (`fit_every_novice`, a mixed search's): the
     plan's novices are taken from it, the very ones the search scored, and no pass runs."""
     rank = plan_rank(plan)
@@ -271,10 +308,12 @@ def fit_novices(
         if lp.novice:
             where = {orig: pos for pos, orig in enumerate(moe.layer(lp.layer).expert_ids)}
             targets[lp.layer] = [where[e] for e in lp.novice]
+    checks = checks or FitChecks()
     if fitted is None:
-        return _fit(
-            moe, targets, rank, sets, batch_size=batch_size, pad_token_id=pad_token_id, progress=progress
-        )
+        fitted = _fit(
+            moe, targets, rank, sets, checks=checks,
+            batch_size=batch_size, pad_token_id=pad_token_id, progress=progress,
+        )  # fmt: skip
     out: Fits = {}
     for lp in plan.layers:
         if not lp.novice:
@@ -287,4 +326,12 @@ def fit_novices(
                 "fit every expert at the plan's rank (fit_every_novice) or let fit_novices fit them"
             )
         out[lp.layer] = {e: have[e] for e in lp.novice}
+    for check in plan_checks(plan, checks.found):
+        if check.too_few:
+            _LOG.warning("too few tokens for a low-rank novice: %s", check.warning())
     return out
+
+
+def plan_checks(plan: Plan, checks: Mapping[tuple[int, int], FitCheck]) -> list[FitCheck]:
+    """The held-out checks of the plan's novices, in layer and expert order (those `checks` has)."""
+    return [checks[(lp.layer, e)] for lp in plan.layers for e in sorted(lp.novice) if (lp.layer, e) in checks]
