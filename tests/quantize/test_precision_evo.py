@@ -30,7 +30,7 @@ from moeprune.models import MoEModel
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme, precision_bytes
 from moeprune.quantize.evo import joint_candidate, joint_space, search_joint
 from moeprune.quantize.evo_space import PrecisionSearch
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoIO
 from moeprune.search.options import SearchRuntime

@@ -31,7 +31,7 @@ from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
 from moeprune.quantize.keeps import kept_precision_bytes, plan_keeps, scheme_bytes
 from moeprune.quantize.mixed_space import _GROW, MixedPrecisionSpace
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.tables import LayerKeep
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from moeprune.surgery.mixed import MixedOptions, stepped_costs

@@ -25,9 +25,9 @@ from moeprune.quant.support import quantization_of
 from moeprune.quantize.grid import planning_sparsity, sparsity_grid
 from moeprune.quantize.memory import check_joint_memory
 from moeprune.quantize.mixed import mixed_joint_grid
+from moeprune.quantize.options import QuantizeOptions, check_group, check_quantize
 from moeprune.quantize.per_layer import PrecisionTarget, plan_precision, resolve_auto
 from moeprune.quantize.pricing import quantized_dims, quantized_weight_bytes
-from moeprune.quantize.schemes import QuantizeOptions, check_group, check_quantize
 from moeprune.report.parts import (
     TargetSize,
 )

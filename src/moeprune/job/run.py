@@ -22,8 +22,8 @@ from moeprune.quantize.evo import NOTHING_REMOVED, run_joint
 from moeprune.quantize.grid import choose_sparsity, criterion_orders
 from moeprune.quantize.mixed import run_joint_mixed
 from moeprune.quantize.oneshot import ignore_prefixes, quantize_folder
+from moeprune.quantize.options import check_group
 from moeprune.quantize.per_layer import choose_precision, precision_note, precision_teacher, scoring_data
-from moeprune.quantize.schemes import check_group
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import SearchSummary, Serving
 from moeprune.runtime.atomic import atomic_write_dir, output_lock

@@ -25,6 +25,7 @@ experts swapped for fake-quantized copies. quant/ keeps the reading of quantized
 
 from __future__ import annotations
 
-from moeprune.quantize.schemes import SCHEMES, QuantizeOptions, Scheme
+from moeprune.quantize.options import QuantizeOptions
+from moeprune.quantize.schemes import SCHEMES, Scheme
 
 __all__ = ["SCHEMES", "QuantizeOptions", "Scheme"]

@@ -31,8 +31,8 @@ from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
 from moeprune.quantize.choice import LayerSwap, precision_bytes
 from moeprune.quantize.evo_space import Joint, PrecisionSearch, PrecisionSpace
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult, generations_document
 from moeprune.search.options import SearchRuntime

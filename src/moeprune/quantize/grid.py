@@ -35,8 +35,8 @@ from moeprune.quantize.choice import (
     measure_losses,
     precision_bytes,
 )
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.registry import METHODS, method_limits

@@ -45,8 +45,8 @@ from moeprune.quantize.choice import LayerSwap, budget_per_scheme
 from moeprune.quantize.evo import joint_document
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
