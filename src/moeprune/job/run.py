@@ -18,6 +18,7 @@ from moeprune.job.prepare import PruneJob, PruneRequest, prepare
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quantize.stage import (
+    Asked,
     BeforePrune,
     Saved,
     after_prune,
@@ -70,12 +71,17 @@ def run_job(job: PruneJob) -> dict:
         return _run(job, log, job.run.progress)
 
 
-def _search_runtime(job: PruneJob, progress: bool) -> SearchRuntime:
-    """How the quantize stage's searches run (batch, padding, the search's state for --resume)."""
-    return SearchRuntime(
-        batch_size=job.data.batch_size, pad_token_id=getattr(job.tokenizer, "pad_token_id", None),
-        progress=progress, state_path=search_state_path(job.output), resume=job.run.resume,
-    )  # fmt: skip
+def _asked(job: PruneJob, progress: bool) -> Asked:
+    """What the quantize stage's before-prune step reads of the job (its searches' runtime: batch,
+    padding, the search's state for --resume)."""
+    runtime = SearchRuntime(
+        batch_size=job.data.batch_size,
+        pad_token_id=getattr(job.tokenizer, "pad_token_id", None),
+        progress=progress,
+        state_path=search_state_path(job.output),
+        resume=job.run.resume,
+    )
+    return Asked(job.config, job.quantize, job.precision, job.calibration, job.search_set, runtime)
 
 
 @dataclass
@@ -211,15 +217,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
     asked, full = job.config, MoEModel(model)
-    before = before_prune(
-        full,
-        job.config,
-        job.quantize,
-        job.precision,
-        job.calibration,
-        job.search_set,
-        _search_runtime(job, progress),
-    )
+    before = before_prune(full, _asked(job, progress))
     job = replace(job, config=before.config, quantize=before.quantize, precision_choice=before.choice)
     result = prune(
         model,

@@ -56,9 +56,15 @@ def criterion_orders(
     the observation itself, (criterion, scores, statistics), which `prune` then reuses
     (`RunOptions.observed`) instead of a second pass over the same data."""
     observed = score_experts(
-        moe, config.criterion, list(calibration), batch_size=batch_size, pad_token_id=pad,
-        seed=config.seed, progress=progress, neurons=METHODS.get(config.method).neurons,
-    )  # fmt: skip
+        moe,
+        config.criterion,
+        list(calibration),
+        batch_size=batch_size,
+        pad_token_id=pad,
+        seed=config.seed,
+        progress=progress,
+        neurons=METHODS.get(config.method).neurons,
+    )
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)
     return [list(s.order) for s in protected_order(scores, moe.protected)], observed

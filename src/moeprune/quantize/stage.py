@@ -165,37 +165,43 @@ class BeforePrune:
         return {"removed": removed, "observed": self.observed, "novices": self.novices}
 
 
-def before_prune(
-    full: MoEModel,
-    config: PruneConfig,
-    quantize: QuantizeOptions | None,
-    target: PrecisionTarget | None,
-    calibration: list[CalibrationData],
-    search_set: CalibrationData | None,
-    runtime: SearchRuntime,
-) -> BeforePrune:
+@dataclass(frozen=True)
+class Asked:
+    """What per-layer schemes' work before `prune` reads of the job: the config and options as
+    checked, the target planned before loading, the data, and how its searches run."""
+
+    config: PruneConfig
+    quantize: QuantizeOptions | None
+    target: PrecisionTarget | None
+    calibration: list[CalibrationData]
+    search_set: CalibrationData | None
+    runtime: SearchRuntime
+
+    def scored(self) -> CalibrationData:
+        """The data the choice scores on (the search data, else the first calibration samples)."""
+        return scoring_data(self.search_set, self.calibration, self.config.search.samples)
+
+
+def before_prune(full: MoEModel, asked: Asked) -> BeforePrune:
     """Per-layer schemes' work on the full model before the surgery (nothing without `auto:`)."""
+    quantize, target = asked.quantize, asked.target
     if quantize is None or target is None:
-        return BeforePrune(config, quantize)
-    if quantize.joint and _searches_forms(config):
-        return _joint_forms(full, config, quantize, target, calibration, search_set, runtime)
-    return _teacher(full, config, quantize, target, calibration, search_set, runtime)
+        return BeforePrune(asked.config, quantize)
+    if quantize.joint and _searches_forms(asked.config):
+        return _joint_forms(full, asked, quantize, target)
+    return _teacher(full, asked, quantize, target)
 
 
 def _joint_forms(
-    full: MoEModel,
-    config: PruneConfig,
-    quantize: QuantizeOptions,
-    target: PrecisionTarget,
-    calibration: list[CalibrationData],
-    search_set: CalibrationData | None,
-    runtime: SearchRuntime,
+    full: MoEModel, asked: Asked, quantize: QuantizeOptions, target: PrecisionTarget
 ) -> BeforePrune:
     """The mixed method's forms and schemes searched together (mixed.py). A winner that keeps
     every expert whole is the "quantize only" point: pruned as drop with nothing removed."""
-    scored = scoring_data(search_set, calibration, config.search.samples)
+    runtime = asked.runtime
     with stage("searching the mixed forms and the schemes per layer together", runtime.progress):
-        won = run_joint_mixed(full, config, quantize, target, calibration, scored, runtime)
+        won = run_joint_mixed(
+            full, asked.config, quantize, target, asked.calibration, asked.scored(), runtime
+        )
     found = BeforePrune(
         won.config, won.quantize, won.choice, search=won.search, observed=won.observed, novices=won.novices
     )
@@ -206,24 +212,17 @@ def _joint_forms(
     return replace(found, config=drop, removed=[0] * len(won.genes), novices=None)
 
 
-def _teacher(
-    full: MoEModel,
-    config: PruneConfig,
-    quantize: QuantizeOptions,
-    target: PrecisionTarget,
-    calibration: list[CalibrationData],
-    search_set: CalibrationData | None,
-    runtime: SearchRuntime,
-) -> BeforePrune:
+def _teacher(full: MoEModel, asked: Asked, quantize: QuantizeOptions, target: PrecisionTarget) -> BeforePrune:
     """The fixed-split choice's teacher on the full model; without `--sparsity` the grid of
     uniform splits chooses the sparsity, and with evo the joint search the counts too."""
-    progress, pad = runtime.progress, runtime.pad_token_id
+    config, runtime = asked.config, asked.runtime
+    progress, pad, batch = runtime.progress, runtime.pad_token_id, runtime.batch_size
     orders, observed = None, None
     if quantize.joint:  # the grid masks experts in the criterion's order
-        orders, observed = criterion_orders(full, config, calibration, runtime.batch_size, pad or 0, progress)
+        orders, observed = criterion_orders(full, config, asked.calibration, batch, pad or 0, progress)
     with stage("teacher pass of the per-layer precision scores", progress):
-        scored = scoring_data(search_set, calibration, config.search.samples)
-        teacher = precision_teacher(full, scored, config, runtime.batch_size, pad, progress, orders)
+        scored = asked.scored()
+        teacher = precision_teacher(full, scored, config, batch, pad, progress, orders)
     if not quantize.joint:
         return BeforePrune(config, quantize, teacher=teacher)
     with stage("choosing the sparsity with the schemes (a grid of uniform splits)", progress):
@@ -362,6 +361,7 @@ def quantize_saved(
 
 
 __all__ = [
+    "Asked",
     "BeforePrune",
     "Saved",
     "after_prune",
