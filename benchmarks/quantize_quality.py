@@ -42,7 +42,7 @@ from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import FAMILIES
 from moeprune.errors import MoePruneError
 from moeprune.quantize.oneshot import quantize_folder
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from quality import Demo, load_demo
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from moeprune.quantize.oneshot import quantize_folder
+from moeprune.quantize.options import DEFAULT_PYTHON, QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.schemes import DEFAULT_PYTHON, SCHEMES, QuantizeOptions
+from moeprune.quantize.schemes import SCHEMES
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from quality import load_demo
 

@@ -29,9 +29,9 @@ STAGES = (
     ("evaluate",),
     ("report",),
     ("shards",),  # byte-level work on the shards: layer-by-layer observation, streamed scores, rewrites
-    ("quantize",),  # the result quantized (llm-compressor) and the per-layer scheme choice: its joint
-    # searches are EvoESAP spaces (after search), its oneshot runs through evaluate's driver runner
     ("api",),  # the one verb on a loaded model
+    ("quantize",),  # the result quantized (llm-compressor) and the per-layer scheme choice, before and
+    # after `prune`: its joint searches are EvoESAP spaces, its byte model reads the shards' layout
     ("job", "demo"),  # the file-level jobs around it: both pipelines, their evidence, scoring; the demo
     ("cli", "__main__"),
 )

@@ -27,8 +27,8 @@ from moeprune.quantize.choice import (
     precision_bytes,
 )
 from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.sizes import WeightBytes

@@ -13,7 +13,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.quantize.memory import check_joint_memory, joint_copies_bytes, model_bytes
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.runtime.device import Placement
 
 pytestmark = pytest.mark.unit

@@ -21,8 +21,8 @@ from moeprune.models.packed import NOVICE_PARAM, expert_tensors, is_packed
 from moeprune.quantize.choice import LayerSwap, expert_weights, precision_bytes
 from moeprune.quantize.fake import fake_quantize
 from moeprune.quantize.keeps import LayerKeep, kept_precision_bytes, plan_keeps, planned_keeps
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.surgery.mixed import mixed_plan_bytes, planned_genes
 from moeprune.surgery.neurons import neuron_plan_bytes, uniform_widths
 from moeprune.surgery.planning import check_config

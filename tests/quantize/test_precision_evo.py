@@ -25,12 +25,12 @@ from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import scoring
 from moeprune.data.loading import load_data
 from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.job import run as run_module
 from moeprune.models import MoEModel
+from moeprune.quantize import stage as stage_module
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme, precision_bytes
 from moeprune.quantize.evo import joint_candidate, joint_space, search_joint
 from moeprune.quantize.evo_space import PrecisionSearch
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoIO
 from moeprune.search.options import SearchRuntime
@@ -201,7 +201,7 @@ def joint(tmp_path_factory) -> dict:
         return observe(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", _stand_in)
         patch.setattr(scoring, "observe_distributed", counted)
         run_cli("prune", *common, *evo, "--output", root / "evo", "--target-size", "127300")
         patch.setattr(scoring, "observe_distributed", observe)

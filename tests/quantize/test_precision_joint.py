@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from helpers import run_cli, save_tiny_qwen, write_arithmetic
-from moeprune.job import run as run_module
+from moeprune.quantize import stage as stage_module
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def joint(tmp_path_factory) -> dict:
             "--quant-group-size", "16", "--quant-python", sys.executable, "--quiet"]  # fmt: skip
     dry = run_cli(*args, "--dry-run").output
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", _stand_in)
         run_cli(*args)
     report = json.loads((root / "out" / "report.json").read_text())
     recipe = json.loads((root / "out" / "recipe.json").read_text())

@@ -25,13 +25,13 @@ from moeprune.allocate.limits import layer_limits
 from moeprune.config import SearchConfig
 from moeprune.criteria import scoring
 from moeprune.data.tokenizer import byte_tokenizer
-from moeprune.job import run as run_module
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
+from moeprune.quantize import stage as stage_module
 from moeprune.quantize.keeps import kept_precision_bytes, plan_keeps, scheme_bytes
 from moeprune.quantize.mixed_space import _GROW, MixedPrecisionSpace
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.tables import LayerKeep
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from moeprune.surgery.mixed import MixedOptions, stepped_costs
@@ -136,7 +136,7 @@ def joint(tmp_path_factory) -> dict:
         return observe(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", _stand_in)
         patch.setattr(scoring, "observe_distributed", counted)
         out["dry"] = run_cli(
             "prune", *common, *evo, "--output", root / "d", "--target-size", str(target), "--dry-run"
@@ -171,13 +171,13 @@ def test_prune_keeps_the_winner_genes_widths_and_schemes(joint):
 
 def test_a_winner_that_keeps_every_expert_whole_is_quantize_only(joint, monkeypatch):
     """The "quantize only" point of the joint mixed search is pruned as nothing removed."""
-    real = run_module.run_joint_mixed
+    real = stage_module.run_joint_mixed
 
     def whole(*args):
         return dataclasses.replace(real(*args), genes=[(8, 0, 0, 0, 64)] * 3)
 
-    monkeypatch.setattr(run_module, "run_joint_mixed", whole)
-    monkeypatch.setattr(run_module, "quantize_folder", _stand_in)
+    monkeypatch.setattr(stage_module, "run_joint_mixed", whole)
+    monkeypatch.setattr(stage_module, "quantize_folder", _stand_in)
     root = joint["root"]
     run_cli("prune", *joint["common"], *joint["evo"], "--generations", "1", "--output", root / "only",
             "--target-size", str(joint["target"]))  # fmt: skip
@@ -194,7 +194,7 @@ def test_rank_r_novices_are_searched_priced_and_saved(joint):
     factors (d + 2d values each) and saved at rank 1."""
     root = joint["root"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", _stand_in)
         run_cli("prune", *joint["common"], *joint["evo"], "--novice-rank", "1", "--output", root / "rank",
                 "--target-size", str(joint["target"]))  # fmt: skip
     search = json.loads((root / "rank" / "search.json").read_text())
@@ -213,7 +213,7 @@ def test_experts_one_width_step_wide_are_searched_as_whole_novice_or_dropped(tmp
     save_tiny_qwen(tmp_path / "model")
     data = write_arithmetic(tmp_path / "calib.jsonl")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(run_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", _stand_in)
         run_cli("prune", tmp_path / "model", "--data", data, "--search-data", data, "--criterion", "frequency",
                 "--method", "mixed", "--allocation", "evo", "--population", "4", "--elites", "2",
                 "--generations", "2", "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn",

@@ -27,8 +27,9 @@ from moeprune.quant.compressed import WeightScheme, dequantize_float, dequantize
 from moeprune.quantize.choice import precision_bytes
 from moeprune.quantize.fake import fake_quantize
 from moeprune.quantize.oneshot import quantize_folder
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import ignored
-from moeprune.quantize.schemes import SCHEMES, QuantizeOptions
+from moeprune.quantize.schemes import SCHEMES
 from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.quant_env

@@ -11,8 +11,9 @@ import torch
 
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import entry_bytes, linear_tensors, quantized_weight_bytes
-from moeprune.quantize.schemes import SCHEMES, QuantizeOptions
+from moeprune.quantize.schemes import SCHEMES
 from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.unit

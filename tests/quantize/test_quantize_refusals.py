@@ -13,6 +13,7 @@ import pytest
 from helpers import run_cli, save_tiny_qwen
 from moeprune.job import run as run_module
 from moeprune.quant.testing import save_compressed_checkpoint
+from moeprune.quantize import stage as stage_module
 
 pytestmark = pytest.mark.integration
 LOAD_PLACED = run_module.load_placed
@@ -126,7 +127,7 @@ def test_searched_widths_refused_before_the_surgery(world, tmp_path, monkeypatch
         raise AssertionError("the surgery ran before the refusal")
 
     monkeypatch.setattr(api, "fit_novices", no_surgery)
-    monkeypatch.setattr(run_module, "quantize_folder", no_surgery)
+    monkeypatch.setattr(stage_module, "quantize_folder", no_surgery)
     search = tmp_path / "search.jsonl"
     search.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "answer": f" {2 * i}"}) + "\n" for i in range(2)))
     result = run_cli(

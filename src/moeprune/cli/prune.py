@@ -29,8 +29,8 @@ from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
 from moeprune.job.pipelines import PIPELINES, PruneRequest, prune_checkpoint, unread_settings
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE
-from moeprune.quantize.schemes import DEFAULT_GROUP, DEFAULT_PYTHON, SCHEMES, SETUP, QuantizeOptions
-from moeprune.quantize.schemes import METHODS as QUANT_METHODS
+from moeprune.quantize.options import DEFAULT_GROUP, DEFAULT_PYTHON, SETUP, QuantizeOptions
+from moeprune.quantize.schemes import QUANT_METHODS, SCHEMES, taking_group
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS
@@ -158,13 +158,13 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     type=click.Choice(list(QUANT_METHODS)),
     default="gptq",
     show_default=True,
-    help="--quantize: gptq (calibrated on the prune's data, every kept expert reached) or rtn (round to nearest).",
+    help=f"--quantize: {' or '.join(f'{m.name} ({m.help})' for m in QUANT_METHODS.values())}.",
 )
 @click.option(
     "--quant-group-size",
     type=int,
     default=None,
-    help=f"--quantize w4a16/w8a16: weights sharing one scale [default: {DEFAULT_GROUP}].",
+    help=f"--quantize {'/'.join(taking_group())}: weights sharing one scale [default: {DEFAULT_GROUP}].",
 )
 @click.option(
     "--quant-sparsity-grid",

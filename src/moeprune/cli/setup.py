@@ -16,7 +16,7 @@ import click
 from moeprune.cli.main import main
 from moeprune.errors import MoePruneError
 from moeprune.quantize.environment import PINS, make_environment
-from moeprune.quantize.schemes import record_quant_python
+from moeprune.quantize.options import record_quant_python
 from moeprune.runtime.cache import cache_root
 
 

@@ -4,10 +4,13 @@
   the pipelines by name (in-memory, no-load), each declaring what it supports;
 - `prepare` (prepare.py): every check of a `PruneRequest` that needs no weights, in seconds: the
   config, the file headers, the model on the meta device, the data tokenized, the sizes planned
-  (and a size target solved), what the result's format will be (a quantized input's kept);
-- `prune_in_memory` / `run_job` (run.py): the in-memory pipeline: load, `moeprune.api.prune`, save
-  the result (written from the input's bytes when a quantization is kept);
-- `prune_without_loading` (no_load.py): the no-load pipeline, the shards rewritten one by one;
+  (and a size target solved), what the result's format will be (a quantized input's kept), and
+  the quantize stage's checks and plans before loading (quantize/stage.py);
+- `prune_in_memory` / `run_job` (run.py): the in-memory pipeline: load, the quantize stage's
+  before-prune step, `moeprune.api.prune`, its after-prune step, save the result (quantized by
+  llm-compressor when asked; written from the input's bytes when a quantization is kept);
+- `prune_without_loading` (no_load.py): the no-load pipeline, the shards rewritten one by one (it
+  quantizes nothing: a quantize request is refused before anything is read);
 - evidence.py: the files beside every result, one writer for both pipelines;
 - `prepare_score` / `score_loaded` (score.py): `moeprune score` on the loaded model.
 """

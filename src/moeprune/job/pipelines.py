@@ -58,6 +58,8 @@ class Pipeline:
     auto_criterion: bool = True  # can it choose the criterion itself (it evaluates plans on a loaded model)
     why_limited: str = ""  # why the limits above, for the refusal
     unread: tuple[tuple[tuple[Setting, ...], str], ...] = ()  # settings it never reads, and why
+    # whether it runs the quantize stage's steps (quantize/stage.py): llm-compressor loads the result
+    quantizes: bool = False
     fn: Callable[[PruneRequest], dict] | None = None
 
     def check(self, config: PruneConfig) -> None:
@@ -125,9 +127,10 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
     config, quantize = resolve_auto(request.config, request.quantize, bool(request.data.sources))
     config = check_config(config)  # names, numbers and combinations; the allocation resolved
     pipeline_spec.check(config)
-    if request.quantize is not None and name != "in-memory":
+    if request.quantize is not None and not pipeline_spec.quantizes:
+        which = " or ".join(p.name for p in PIPELINES if p.quantizes)
         raise MoePruneError(
-            f"quantizing runs on the in-memory pipeline (llm-compressor loads the pruned model); the {name} "
+            f"quantizing runs on the {which} pipeline (llm-compressor loads the pruned model); the {name} "
             "pipeline copies the input's shards: prune in memory, or without quantizing",
             options=("quantize", "pipeline"),
         )
@@ -139,6 +142,7 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
     Pipeline(
         "in-memory",
         help="load the model, observe, search, cut and save (the default)",
+        quantizes=True,
         unread=(
             (
                 ("activations_dir",),

@@ -22,12 +22,10 @@ from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
 from moeprune.quant.support import quantization_of
-from moeprune.quantize.grid import planning_sparsity, sparsity_grid
-from moeprune.quantize.memory import check_joint_memory
-from moeprune.quantize.mixed import mixed_joint_grid
-from moeprune.quantize.per_layer import PrecisionTarget, plan_precision, resolve_auto
-from moeprune.quantize.pricing import quantized_dims, quantized_weight_bytes
-from moeprune.quantize.schemes import QuantizeOptions, check_group, check_quantize
+from moeprune.quantize.options import QuantizeOptions
+from moeprune.quantize.per_layer import PrecisionTarget, resolve_auto
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.stage import check_groups, check_input, check_kept_widths, plan_grid, plan_target
 from moeprune.report.parts import (
     TargetSize,
 )
@@ -262,7 +260,6 @@ def prepare(request: PruneRequest) -> PruneJob:
     overwrite, resume, trust_remote_code = run.overwrite, run.resume, run.trust_remote_code
     # auto:'s target is its budget, not a solved sparsity
     config, quantize = resolve_auto(config, request.quantize, bool(data.sources))
-    names = quantize.candidates if quantize is not None else None
     config = check_config(config)
     if data.sequential:
         raise MoePruneError(
@@ -275,13 +272,8 @@ def prepare(request: PruneRequest) -> PruneJob:
     model_config = load_config(
         checked, trust_remote_code
     )  # damaged, dense or unsupported: before anything else
-    quant_python = None
-    if quantize is not None:  # before the input's own format is looked at: it must be full precision
-        fmt = check_quantized(checked)
-        quant_python = check_quantize(
-            quantize, bool(data.sources), quantization_of(read_config_dict(checked)) if fmt else None
-        )
-        config = _quantized_widths(config, quantize)
+    # before the input's own format is looked at: a quantize request needs a full-precision input
+    config, quant_python = check_input(config, quantize, checked, bool(data.sources))
     kept_quantization = _kept_quantization(checked, config, save)
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
@@ -295,24 +287,15 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
-    for scheme in names or ((quantize.scheme,) if quantize is not None else ()):
-        assert quantize is not None
-        check_group(quantize.of(scheme), quantized_dims(meta), [m.intermediate_size for m in meta.layers])
+    check_groups(quantize, meta)
     stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
     save_dtype = (
         resolve_dtype(save.dtype)
         if save.dtype and kept_quantization is None
         else (stored if isinstance(stored, torch.dtype) else torch.float32)
     )
-    grid: tuple = ()  # auto: without --sparsity: the sparsities tried, the job planned at the first
-    if quantize is not None and quantize.joint and quantize.budget is not None:
-        element = torch.empty((), dtype=save_dtype).element_size()
-        target = parse_target_size(quantize.budget)
-        joint_grid = mixed_joint_grid if config.method == "mixed" else sparsity_grid
-        grid = tuple(
-            joint_grid(meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target)
-        )
-        config = replace(config, sparsity=planning_sparsity(grid))
+    # auto: without --sparsity: the sparsities tried, the job planned at the first
+    config, grid = plan_grid(meta, config, quantize, checked, save_dtype)
     if config.target_size is None:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
@@ -321,17 +304,8 @@ def prepare(request: PruneRequest) -> PruneJob:
         check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
         if quantize is None or not quantize.joint:  # the joint search seeds in bytes (quantize/mixed.py)
             check_mixed_seeds(meta, config)
-    kept_widths = planned_widths(layer_budget, config)
-    if quantize is not None and kept_widths:  # the widths a neuron method keeps, known now
-        check_group(quantize, quantized_dims(meta), kept_widths)  # the largest group named divides all
-    precision = None
-    if quantize is not None and quantize.budget is not None:  # the bytes per scheme; T reachable?
-        full = cast_weight_bytes(checked, meta, save_dtype)
-        dtype_bytes = torch.empty((), dtype=save_dtype).element_size()
-        precision = plan_precision(
-            meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget), grid
-        )
-        precision = replace(precision, memory=check_joint_memory(meta, config, quantize, placement))
+    check_kept_widths(quantize, meta, planned_widths(layer_budget, config))  # a neuron method's, known now
+    precision = plan_target(meta, config, quantize, checked, save_dtype, grid, placement)  # T reachable?
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
@@ -418,16 +392,6 @@ def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
     if "narrowed_neurons" in layer_budget and not searches(config.allocation):
         return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
     return []
-
-
-def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneConfig:
-    """A neuron method's default width multiple under a grouped scheme is the group size, so every
-    kept width is quantized in whole groups (surgery/widths.py); an explicit one is kept (the
-    group check below refuses it when the group does not divide a kept width)."""
-    options = config.options
-    if getattr(options, "width_multiple", False) is None and quantize.spec.grouped:
-        return check_config(replace(config, options=replace(options, width_multiple=quantize.group)))
-    return config
 
 
 def _stock_plan(config: PruneConfig) -> bool:

@@ -5,7 +5,10 @@ A stage after search/: the joint choices of schemes with expert counts or mixed 
 spaces, and every candidate is scored through surgery's reversible masks with its layers'
 experts swapped for fake-quantized copies. quant/ keeps the reading of quantized inputs.
 
-- schemes.py      the schemes, `QuantizeOptions` and the checks that need no weights
+- schemes.py      the schemes and methods as data: one registered record each (how to add one)
+- options.py      `QuantizeOptions` and the checks that need no weights
+- stage.py        the stage's steps as the pipelines call them: before loading, before and after
+                  `prune`, after saving
 - fake.py         round-to-nearest fake quantization: llm-compressor's numbers, bit for bit
 - pricing.py      the bytes of a quantized result from the model's structure (no weight read)
 - tables.py       byte tables per (layer, scheme) from what each layer keeps: pure arithmetic
@@ -27,6 +30,7 @@ experts swapped for fake-quantized copies. quant/ keeps the reading of quantized
 
 from __future__ import annotations
 
-from moeprune.quantize.schemes import SCHEMES, QuantizeOptions, Scheme
+from moeprune.quantize.options import QuantizeOptions
+from moeprune.quantize.schemes import SCHEMES, Scheme
 
 __all__ = ["SCHEMES", "QuantizeOptions", "Scheme"]

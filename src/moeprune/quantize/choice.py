@@ -31,8 +31,8 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.packed import PACKED_PREFIX, expert_tensors, is_packed
 from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.options import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.quantize.tables import PrecisionBytes
 from moeprune.surgery.sizes import WeightBytes
 

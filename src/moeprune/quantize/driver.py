@@ -7,8 +7,10 @@ file quantizes it there. It imports llm-compressor, transformers and the standar
 never moeprune.
 
 SPEC (JSON): {"model": folder of the pruned, full-precision model, "output": folder to save the
-quantized model in, "scheme": w4a16 | w8a16 | fp8-dynamic | nvfp4a16, "method": gptq | rtn,
-"group_size": N, "samples": [[token ids], ...] (none: round-to-nearest without data),
+quantized model in, "scheme": the base scheme's name, "schemes": {name: its llm-compressor
+arguments, {"preset": P} or {"weights": QuantizationArgs keywords}} for every scheme used,
+"method": the method's name, "modifier": its modifier as "module:Class", "pipeline": the calibration
+pipeline it runs with data, "group_size": N, "samples": [[token ids], ...] (none: without data),
 "ignore": [module names or "re:" patterns], "max_shard_size": as save_pretrained takes it,
 optionally "layer_schemes": {decoder layer index: scheme of its routed experts} (per-layer precision),
 "moeprune": whether the folder is in moeprune's format (layout.py quantizes that one)}.
@@ -45,22 +47,23 @@ count_own_tokens, per_layer_experts, write_compressed = (
 )
 
 
-def _scheme(spec: dict):
-    """llm-compressor's modifier keywords for the scheme: explicit config groups for the integer
-    schemes (their group size is the user's), the library's presets for the float ones."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+def _config_group(args: dict, targets: list[str]):
+    """One scheme's config group from its record's arguments (quantize/schemes.py
+    `Scheme.llm_compressor`): the library's preset, or explicit weight arguments."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 
-    name = spec["scheme"]
-    if name in ("w4a16", "w8a16"):
-        weights = QuantizationArgs(
-            num_bits=4 if name == "w4a16" else 8,
-            type="int",
-            symmetric=True,
-            strategy="group",
-            group_size=spec["group_size"],
-        )
-        return {"config_groups": {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}}
-    return {"targets": ["Linear"], "scheme": {"fp8-dynamic": "FP8_DYNAMIC", "nvfp4a16": "NVFP4A16"}[name]}
+    if "preset" in args:
+        return preset_name_to_scheme(args["preset"], targets)
+    return QuantizationScheme(targets=targets, weights=QuantizationArgs(**args["weights"]))
+
+
+def _scheme(spec: dict):
+    """llm-compressor's modifier keywords for one scheme everywhere: a preset as the modifier's
+    `scheme`, explicit weight arguments as a config group (their group size is the user's)."""
+    args = spec["schemes"][spec["scheme"]]
+    if "preset" in args:
+        return {"targets": ["Linear"], "scheme": args["preset"]}
+    return {"config_groups": {"group_0": _config_group(args, ["Linear"])}}
 
 
 def _layer_schemes(spec: dict):
@@ -68,24 +71,21 @@ def _layer_schemes(spec: dict):
     index to the scheme of its routed experts; every other Linear takes spec["scheme"]. One config
     group per scheme; the experts' groups target their linearized projections by name, and
     compressed-tensors gives a name pattern precedence over the class target "Linear"."""
-    from compressed_tensors.quantization import preset_name_to_scheme
-
-    def scheme(name: str, targets: list[str]):
-        one = _scheme({**spec, "scheme": name})
-        if "config_groups" in one:
-            group = one["config_groups"]["group_0"]
-            return group.model_copy(update={"targets": targets})
-        return preset_name_to_scheme(one["scheme"], targets)
-
     by_scheme: dict[str, list[str]] = defaultdict(list)
     for layer, name in sorted(spec["layer_schemes"].items(), key=lambda item: int(item[0])):
         if name != spec["scheme"]:
             by_scheme[name].append(str(layer))
-    groups = {"group_0": scheme(spec["scheme"], ["Linear"])}
+    groups = {"group_0": _config_group(spec["schemes"][spec["scheme"]], ["Linear"])}
     for i, (name, layers) in enumerate(sorted(by_scheme.items()), start=1):
         pattern = rf"re:.*layers\.({'|'.join(layers)})\.mlp\.experts\.\d+\.(gate|up|down)_proj$"
-        groups[f"group_{i}"] = scheme(name, [pattern])
+        groups[f"group_{i}"] = _config_group(spec["schemes"][name], [pattern])
     return {"config_groups": groups}
+
+
+def _modifier(spec: dict):
+    """The method's modifier class, named `module:Class` by its record."""
+    module, name = spec["modifier"].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _count_expert_tokens(model) -> dict:
@@ -114,8 +114,6 @@ def main() -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modeling.moe.linearize import linearize_moe
-    from llmcompressor.modifiers.gptq import GPTQModifier
-    from llmcompressor.modifiers.quantization import QuantizationModifier
 
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
@@ -129,8 +127,7 @@ def main() -> None:
     own = per_layer_experts(model) if moeprune else {}
     linearize_moe(model)  # done here (not inside oneshot) so that the experts can be hooked
     counts = _count_expert_tokens(model) | count_own_tokens(own)
-    modifier = GPTQModifier if spec["method"] == "gptq" else QuantizationModifier
-    recipe = modifier(
+    recipe = _modifier(spec)(
         ignore=spec["ignore"], **(_layer_schemes(spec) if spec.get("layer_schemes") else _scheme(spec))
     )
     samples = spec["samples"]
@@ -149,7 +146,7 @@ def main() -> None:
         recipe=recipe,
         moe_calibrate_all_experts=True,
         trust_remote_code_model=moeprune,
-        pipeline="datafree" if not samples else "basic" if spec["method"] == "rtn" else "sequential",
+        pipeline=spec["pipeline"] if samples else "datafree",
         **data,
     )
     if moeprune:

@@ -31,8 +31,8 @@ from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
 from moeprune.quantize.choice import LayerSwap, precision_bytes
 from moeprune.quantize.evo_space import Joint, PrecisionSearch, PrecisionSpace
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult, generations_document
 from moeprune.search.options import SearchRuntime
@@ -64,9 +64,15 @@ def joint_space(
         per_expert.append(tuple(none.layers[layer][s] - one.layers[layer][s] for s in schemes))
     limits = method_limits(meta, config.method, config.expert_multiple, config.options)
     return PrecisionSpace(
-        schemes, none.fixed, tuple(rows), tuple(m.num_experts for m in meta.layers), tuple(per_expert),
-        tuple(limits.caps), tuple(limits.multiples), int(target),
-    )  # fmt: skip
+        schemes,
+        none.fixed,
+        tuple(rows),
+        tuple(m.num_experts for m in meta.layers),
+        tuple(per_expert),
+        tuple(limits.caps),
+        tuple(limits.multiples),
+        int(target),
+    )
 
 
 def grid_seeds(
@@ -118,17 +124,28 @@ def search_joint(
     }
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: PrecisionSearch(evaluate, space, seeds, config.search, io=io),
-        moe, data, orders, fingerprint=fingerprint, runtime=runtime,
+        moe,
+        data,
+        orders,
+        fingerprint=fingerprint,
+        runtime=runtime,
         plan_context=lambda e, c: joint_candidate(e, moe, swap, space.schemes, c),
-    )  # fmt: skip
+    )
     best = cast(Joint, result.best)
     document = {
         "space": "experts removed and scheme per MoE layer, under the target bytes",
         "schemes": list(space.schemes),
         "target_bytes": space.target,
-        **joint_document(space, seeds, cast(dict[Any, float], search.cache), result, config, evaluator,
-                         lambda c: {"allocation": [r for r, _ in c]}),
-    }  # fmt: skip
+        **joint_document(
+            space,
+            seeds,
+            cast(dict[Any, float], search.cache),
+            result,
+            config,
+            evaluator,
+            lambda c: {"allocation": [r for r, _ in c]},
+        ),
+    }
     evaluator.release()
     return best, document
 

@@ -102,8 +102,8 @@ class PrecisionSpace:
     # -- repair, mutation, the first generation ---------------------------------------------------
     def repair(self, candidate: Sequence[Sequence[int]], rng: np.random.Generator) -> Joint | None:
         """Within the limits and under T (module docstring), or None when no removal gets it there."""
-        r = [min(max(int(c[0]), 0), self.top(i)) // self.multiples[i] * self.multiples[i]
-             for i, c in enumerate(candidate)]  # fmt: skip
+        m = self.multiples
+        r = [min(max(int(c[0]), 0), self.top(i)) // m[i] * m[i] for i, c in enumerate(candidate)]
         s = [int(c[1]) for c in candidate]
 
         def total() -> int:

@@ -35,8 +35,8 @@ from moeprune.quantize.choice import (
     measure_losses,
     precision_bytes,
 )
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.registry import METHODS, method_limits
@@ -56,9 +56,15 @@ def criterion_orders(
     the observation itself, (criterion, scores, statistics), which `prune` then reuses
     (`RunOptions.observed`) instead of a second pass over the same data."""
     observed = score_experts(
-        moe, config.criterion, list(calibration), batch_size=batch_size, pad_token_id=pad,
-        seed=config.seed, progress=progress, neurons=METHODS.get(config.method).neurons,
-    )  # fmt: skip
+        moe,
+        config.criterion,
+        list(calibration),
+        batch_size=batch_size,
+        pad_token_id=pad,
+        seed=config.seed,
+        progress=progress,
+        neurons=METHODS.get(config.method).neurons,
+    )
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)
     return [list(s.order) for s in protected_order(scores, moe.protected)], observed

@@ -37,8 +37,8 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quantize.choice import PrecisionBytes, budget_per_scheme
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.quantize.tables import LayerKeep, kept_bytes
 from moeprune.surgery.mixed import planned_genes
 from moeprune.surgery.neurons import uniform_widths

@@ -20,7 +20,7 @@ from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.quantize.choice import expert_weights
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.runtime.device import Placement
 from moeprune.surgery import lowrank
 

@@ -45,8 +45,8 @@ from moeprune.quantize.choice import LayerSwap, budget_per_scheme
 from moeprune.quantize.evo import joint_document
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
-from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
@@ -217,18 +217,28 @@ def run_joint_mixed(
     fitness = check_fitness(config.search.fitness)
     pad = runtime.pad_token_id or 0
     observed = score_experts(
-        full, config.criterion, list(calibration), batch_size=runtime.batch_size, pad_token_id=pad,
-        seed=config.seed, progress=runtime.progress, neurons=True,
-    )  # fmt: skip
+        full,
+        config.criterion,
+        list(calibration),
+        batch_size=runtime.batch_size,
+        pad_token_id=pad,
+        seed=config.seed,
+        progress=runtime.progress,
+        neurons=True,
+    )
     crit, scores, stats = observed
     guard_super_experts(full, config, stats)
     options = mixed_options(config)
     fits = None
     if options.novice_rank:  # every expert fitted once: candidates score the novices they would save
         fits = fit_every_novice(
-            full, options.novice_rank, list(calibration), batch_size=runtime.batch_size, pad_token_id=pad,
+            full,
+            options.novice_rank,
+            list(calibration),
+            batch_size=runtime.batch_size,
+            pad_token_id=pad,
             progress=runtime.progress,
-        )  # fmt: skip
+        )
     limits = layer_limits(full, config.expert_multiple)
     grid = list(target.grid)
     costs = stepped_costs(full, limits, grid[0][0], options)
@@ -243,9 +253,16 @@ def run_joint_mixed(
     seeds = _seeds(space, full, config, grid, rng)
     ordered = protected_order(scores, full.protected)
     request = PlanRequest(
-        full, crit, ordered, grid[0][0], "evo", "mixed", stats=stats,
-        expert_multiple=config.expert_multiple, options=options,
-    )  # fmt: skip
+        full,
+        crit,
+        ordered,
+        grid[0][0],
+        "evo",
+        "mixed",
+        stats=stats,
+        expert_multiple=config.expert_multiple,
+        options=options,
+    )
     swap = LayerSwap(full, quantize.group)
     fingerprint = {
         "model": model_fingerprint(full),
@@ -259,9 +276,13 @@ def run_joint_mixed(
     }
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
-        full, data, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
+        full,
+        data,
+        [s.order for s in ordered],
+        fingerprint=fingerprint,
+        runtime=runtime,
         plan_context=lambda _, c: _candidate(full, request, space, swap, c, fits),
-    )  # fmt: skip
+    )
     best = cast(JointGenes, result.best)
     cache = cast(dict[Any, float], search.cache)
     document = _document(space, seeds, cache, result, config, evaluator)

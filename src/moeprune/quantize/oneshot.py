@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.evaluate.driver import run_driver
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import IGNORE
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.schemes import QUANT_METHODS, SCHEMES
 
 DRIVER = Path(__file__).with_name("driver.py")
 TIMEOUT_S = 24 * 3600.0  # a real model's GPTQ takes hours; the tiny ones of the tests, a minute
@@ -38,11 +39,16 @@ def quantize_folder(
     and rewritten by names, see layout.py); returns what report.json records: the scheme, the library versions and the
     calibration tokens each kept expert computed on."""
     work = folder / ".moeprune-quantized"
+    used = {options.scheme, *(options.layer_schemes or {}).values()}
+    method = QUANT_METHODS[options.method]
     spec = {
         "model": str(folder),
         "output": str(work),
         "scheme": options.scheme,
+        "schemes": {name: SCHEMES[name].llm_compressor(options.of(name).group) for name in sorted(used)},
         "method": options.method,
+        "modifier": method.modifier,
+        "pipeline": method.pipeline,
         "group_size": options.group,
         "samples": samples,
         "ignore": list(IGNORE),

@@ -45,7 +45,7 @@ from moeprune.quantize.keeps import (
     priced_here,
 )
 from moeprune.quantize.memory import JointMemory
-from moeprune.quantize.schemes import QuantizeOptions, check_auto
+from moeprune.quantize.options import QuantizeOptions, check_auto
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import plan_rank

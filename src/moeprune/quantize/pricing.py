@@ -1,6 +1,6 @@
 """The bytes a `--quantize` result will have, from the model's structure alone (no weight read).
 
-`moeprune.quantize.schemes` says what one quantized Linear weighs; this module applies it to a model:
+A scheme's record (schemes.py) says what one quantized Linear weighs; this module applies it to a model:
 every Linear llm-compressor quantizes (attention, dense and shared MLPs, each routed expert's
 projections) is replaced by its codes and scales, and everything it leaves alone (embeddings,
 norms, the routers, lm_head, biases) keeps the size it has in the saved dtype. The result is a
@@ -30,7 +30,7 @@ from torch import nn
 
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
-from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.options import QuantizeOptions
 from moeprune.surgery.sizes import LayerBytes, WeightBytes
 
 # what llm-compressor is told to leave alone: lm_head and the routers (a router is an nn.Linear in
@@ -59,21 +59,9 @@ def linear_tensors(
     options: QuantizeOptions, out: int, inputs: int, dtype: str
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """(suffix, dtype, shape) of the tensors compressed-tensors stores for one quantized Linear weight
-    [out, inputs] (symmetric schemes: no zero point); their bytes are `Scheme.linear_bytes`."""
-    scheme, group = options.spec, options.group
-    if scheme.name == "fp8-dynamic":
-        return [("weight", "F8_E4M3", (out, inputs)), ("weight_scale", dtype, (out, 1))]
-    if scheme.name == "nvfp4a16":
-        return [
-            ("weight_packed", "U8", (out, inputs // 2)),
-            ("weight_scale", "F8_E4M3", (out, inputs // group)),
-            ("weight_global_scale", "F32", (1,)),
-        ]
-    return [  # pack-quantized: int32 words of 32 / bits codes
-        ("weight_packed", "I32", (out, inputs * scheme.bits // 32)),
-        ("weight_scale", dtype, (out, inputs // group)),
-        ("weight_shape", "I64", (2,)),
-    ]
+    [out, inputs], from the scheme's record (symmetric schemes: no zero point); their bytes are
+    `Scheme.linear_bytes`."""
+    return options.spec.tensors(out, inputs, options.group, dtype)
 
 
 def linear_entries(
@@ -117,8 +105,8 @@ def quantized_weight_bytes(
     """`size` (the model's weights saved with `dtype_bytes` a value, unpruned) after quantization
     with `options`: the tensors' bytes exact, the headers counted afresh (module docstring)."""
     scheme, group = options.spec, options.group
-    scale = scheme.scale_bytes if scheme.scale_bytes is not None else dtype_bytes
-    extra = scheme.shape_bytes + scheme.global_scale_bytes  # per Linear
+    scale = scheme.scale_bytes(dtype_bytes)
+    extra = scheme.extra_bytes  # per Linear
     saved = size.saved
     total = size.total - (saved.header if saved else 0)  # the tensors' bytes
     # no offset in any file exceeds the unquantized tensors' bytes: nor those of a result with any

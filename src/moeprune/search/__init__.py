@@ -10,6 +10,12 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - run.py         the resumable driver (search_allocation, run_evo_search)
 - mixed_space.py `--method mixed --allocation evo`: per-layer genes, the seeds, mutation, the exact budget
 - mixed_search.py its search (EvoSearch over genes) and driver (search_mixed)
+- gradient.py    `--allocation gradient`: per-expert keep logits trained against the full model
+- gradient_mixed.py  its mixed plans: per-expert form logits (whole, narrowed, novice, dropped)
+- form_projection.py  the exact budget for per-expert forms, from one score per (expert, form)
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
 - options.py     SearchRuntime: how a search runs, none of which changes its result
+
+The joint searches of quantization schemes with counts or forms are spaces of the quantize
+stage (quantize/evo_space.py, quantize/mixed_space.py), which runs them through this driver.
 """

@@ -8,9 +8,14 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - tenp.py      TENP's whole experts plus neuron-pruned ones
 - merge.py     removed experts merged into kept ones (REAM-style); merging.py its arithmetic
 - mixed.py     whole, narrowed, novice and dropped experts in one layer, under one budget
+- genes.py     a mixed gene and its rules (`LayerGene`, `LayerCosts`, `check_genes`)
+- lowrank.py   low-rank novices (`--novice-rank R`), fitted in closed form
+- widths.py    the widths a narrowed expert may keep (`--width-multiple`), super experts' neighbours
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
 - parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
+- sizes.py     what the parts of a model weigh in the saved format: the vocabulary of size planning
+- target_size.py  the bytes a prune will write, and the sparsity a `--target-size` asks for
 """
 
 from __future__ import annotations
