@@ -10,6 +10,8 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - mixed.py     whole, narrowed, novice and dropped experts in one layer, under one budget
 - genes.py     a mixed gene and its rules (`LayerGene`, `LayerCosts`, `check_genes`)
 - lowrank.py   low-rank novices (`--novice-rank R`), fitted in closed form
+- fit_holdout.py  fits that hold: ridge strength and rank of each low-rank novice chosen on held-out
+  tokens, never worse there than the constant novice
 - widths.py    the widths a narrowed expert may keep (`--width-multiple`), super experts' neighbours
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
