@@ -46,10 +46,12 @@ from moeprune.report.parts import (
     KeptRow,
     LayerShape,
     ParameterCounts,
+    Repair,
     SearchSummary,
     Serving,
     Surgery,
 )
+from moeprune.repair import apply_repaired
 from moeprune.search.auto import choose_criterion
 from moeprune.search.gradient import gradient_allocation
 from moeprune.search.gradient_mixed import check_gradient_family, gradient_mixed_allocation
@@ -67,7 +69,6 @@ from moeprune.surgery.parameters import (
     served_parameters,
 )
 from moeprune.surgery.planning import (
-    apply_plan,
     build_plan,
     check_config,
     check_feasible,
@@ -253,7 +254,18 @@ def prune(
     fits = fit_novices(
         moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice
     )
-    surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)
+    surgery, repaired = apply_repaired(  # --repair: distilled toward the full model after the cut
+        moe,
+        plan,
+        stats,
+        fits if plan_rank(plan) else None,
+        config=config,
+        sets=sets,
+        search=search_set,
+        batch_size=batch_size,
+        pad=pad,
+        progress=progress,
+    )
     report = PruneReport(
         criterion=crit.name,
         prune_first=crit.prune_first,
@@ -278,6 +290,7 @@ def prune(
         super_experts=as_report(found) if found is not None else None,
         super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
+        repair=Repair.from_json(repaired) if repaired is not None else None,
     )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin
         report.serving = (

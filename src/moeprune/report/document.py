@@ -27,6 +27,7 @@ from moeprune.report.parts import (
     LayerShape,
     ParameterCounts,
     Part,
+    Repair,
     SearchSummary,
     ServeCheck,
     Serving,
@@ -87,6 +88,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "serving": _part(Serving),
     "criterion_auto": _part(CriterionAuto),
     "search": _part(SearchSummary),
+    "repair": _part(Repair),
     "disk_bytes": _part(DiskBytes),
     "target": _part(TargetSize),
     "serve_check": _part(ServeCheck),
@@ -147,6 +149,7 @@ class PruneReport:
     serving: Serving | None = None
     criterion_auto: CriterionAuto | None = None
     search: SearchSummary | None = None
+    repair: Repair | None = None  # --repair: what it trained, the held-out fitness before and after
     # how it was saved
     save_dtype: str | None = None
     command_line: str | None = None
