@@ -19,7 +19,6 @@ import time
 from contextlib import nullcontext
 
 import torch
-from quality import load_demo, parse_row  # benchmarks/quality.py: the demo and its rows
 
 from moeprune.api import prune
 from moeprune.config import RepairConfig, SearchConfig
@@ -28,10 +27,13 @@ from moeprune.demo.train import FAMILIES
 from moeprune.models import MoEModel
 from moeprune.repair import prepare_repair, run_repair
 from moeprune.surgery.planning import apply_plan
+from quality import load_demo, parse_row  # benchmarks/quality.py: the demo and its rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("rows", nargs="+", help="criterion/allocation/method[/key=value,...]")
     parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     parser.add_argument("--quick", action="store_true", help="the quick demo model and settings")
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=RepairConfig.steps)
     parser.add_argument("--lr", type=float, default=RepairConfig.learning_rate)
     parser.add_argument("--parts", default=RepairConfig.parts)
+    parser.add_argument("--eval-every", type=int, default=RepairConfig.eval_every)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = load_demo(args.family, args.quick, threads=args.threads)
@@ -48,7 +51,9 @@ def main() -> None:
     calibration = demo.data("train", DOMAINS, settings.calibration_samples)
     search = demo.data("search", DOMAINS, settings.search_samples)
     evals = demo.evals()
-    repair = RepairConfig(enabled=True, steps=args.steps, learning_rate=args.lr, parts=args.parts)
+    repair = RepairConfig(
+        enabled=True, steps=args.steps, learning_rate=args.lr, parts=args.parts, eval_every=args.eval_every
+    )
     head = ["row", "sparsity", "repair", *[f"NLL {d}" for d in DOMAINS], "ESAP", "held-out search ESAP", "s"]
     print(f"model {demo.model_dir} ({args.family}{', quick' if args.quick else ''})")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -63,7 +68,14 @@ def main() -> None:
             plain = copy.deepcopy(full)
             result = prune(plain, config, data=calibration, search_data=search, tokenizer=demo.tokenizer)
             pruned_s = time.perf_counter() - start
-            _print(text, sparsity, "no", {d: e.score(nullcontext, plain) for d, e in evals.items()}, None, pruned_s)
+            _print(
+                text,
+                sparsity,
+                "no",
+                {d: e.score(nullcontext, plain) for d, e in evals.items()},
+                None,
+                pruned_s,
+            )
             start = time.perf_counter()
             repaired = MoEModel(copy.deepcopy(full))
             data = prepare_repair(
@@ -81,7 +93,9 @@ def main() -> None:
             )
 
 
-def _print(name: str, sparsity: float, repaired: str, metrics: dict, held: str | None, seconds: float) -> None:
+def _print(
+    name: str, sparsity: float, repaired: str, metrics: dict, held: str | None, seconds: float
+) -> None:
     esap = sum(m["esap"] for m in metrics.values()) / len(metrics)
     cells = [name, f"{sparsity:.0%}", repaired, *[f"{metrics[d]['nll']:.3f}" for d in DOMAINS], f"{esap:.4f}"]
     print("| " + " | ".join([*cells, held or "", f"{seconds:.0f}"]) + " |", flush=True)

@@ -39,6 +39,7 @@ from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
+from moeprune.repair import apply_repaired
 from moeprune.report.document import PruneReport
 from moeprune.report.parts import (
     CriterionAuto,
@@ -51,7 +52,6 @@ from moeprune.report.parts import (
     Serving,
     Surgery,
 )
-from moeprune.repair import apply_repaired
 from moeprune.search.auto import choose_criterion
 from moeprune.search.gradient import gradient_allocation
 from moeprune.search.gradient_mixed import check_gradient_family, gradient_mixed_allocation
@@ -262,9 +262,7 @@ def prune(
         config=config,
         sets=sets,
         search=search_set,
-        batch_size=batch_size,
-        pad=pad,
-        progress=progress,
+        runtime=SearchRuntime(batch_size=batch_size, pad_token_id=pad, progress=progress),
     )
     report = PruneReport(
         criterion=crit.name,

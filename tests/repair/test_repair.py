@@ -80,7 +80,9 @@ def test_a_router_scaled_by_three_is_scaled_back(calibration):
             for m in moe.layers:
                 m.router.weight.mul_(3.0)
 
-    summary = _repair(moe, calibration, sharpen, parts="routers", steps=150, learning_rate=0.05, eval_every=25)
+    summary = _repair(
+        moe, calibration, sharpen, parts="routers", steps=150, learning_rate=0.05, eval_every=25
+    )
     assert summary["kept"] and summary["after"] > summary["before"] + 0.05
     scales = []
     for layer, before in zip(moe.layers, original):

@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
-from helpers import run_cli, stock_from_pretrained, stored_tensors
 
 import moeprune
+from helpers import run_cli, stock_from_pretrained, stored_tensors
 from moeprune.checkpoint import load_model
 from moeprune.config import DataOptions, PruneConfig, RepairConfig, RunOptions
 
@@ -38,7 +38,9 @@ def outputs(tiny_checkpoint, data, tmp_path_factory):
 def test_repaired_drop_stays_stock_with_the_plain_drops_tensors(outputs):
     plain, repaired = outputs
     report = json.loads((repaired / "report.json").read_text())
-    assert report["format"] == "stock" and "moeprune" not in json.loads((repaired / "config.json").read_text())
+    assert report["format"] == "stock" and "moeprune" not in json.loads(
+        (repaired / "config.json").read_text()
+    )
     before, after = stored_tensors(plain), stored_tensors(repaired)
     assert {n: t.shape for n, t in before.items()} == {n: t.shape for n, t in after.items()}
     experts = [n for n in before if ".experts." in n]

@@ -18,9 +18,9 @@ from moeprune.config.options import (
     SearchConfig,
     setting,
 )
-from moeprune.config.repair import REPAIR_PARTS, RepairConfig
 from moeprune.config.recipe import RECIPE_FILE, RECIPE_FORMAT, RECIPE_VERSION, Recipe
 from moeprune.config.registry import CALIBRATION, NEURON_STATS, SEARCH_DATA, WEIGHTS, Registry
+from moeprune.config.repair import REPAIR_PARTS, RepairConfig
 from moeprune.config.sizes import parse_bytes, parse_target_size
 
 __all__ = [

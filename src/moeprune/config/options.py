@@ -283,7 +283,9 @@ class PruneConfig:
         search, repair = data.get("search", {}), data.get("repair", {})
         for name, part in (("search", search), ("repair", repair)):
             if not isinstance(part, dict):
-                raise MoePruneError(f"the config's {name!r} must be an object, got {part!r}", options=("config",))
+                raise MoePruneError(
+                    f"the config's {name!r} must be an object, got {part!r}", options=("config",)
+                )
         options = data.get("options") or {}
         if not isinstance(options, dict):
             raise MoePruneError(

@@ -38,7 +38,7 @@ class RepairConfig:
         200, "repair: training steps at most (one calibration batch each).", flag="--repair-steps", minimum=1
     )
     learning_rate: float = setting(
-        3e-3,
+        1e-2,
         "repair: Adam's learning rate on the trained tensors.",
         flag="--repair-lr",
         minimum=0,
@@ -52,7 +52,7 @@ class RepairConfig:
         minimum=0,
     )
     eval_every: int = setting(
-        20,
+        10,
         "repair: steps between two fitness evaluations on the held-out tokens.",
         flag="--repair-eval-every",
         minimum=1,

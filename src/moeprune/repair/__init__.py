@@ -18,6 +18,7 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.repair.parts import REPAIR_PART_REGISTRY, collect
 from moeprune.repair.train import RepairData, prepare_repair, run_repair
+from moeprune.search.options import SearchRuntime
 from moeprune.surgery.planning import apply_plan
 from moeprune.surgery.plans import Fits
 
@@ -33,13 +34,11 @@ def apply_repaired(
     config: PruneConfig,
     sets: Sequence[CalibrationData],
     search: CalibrationData | None,
-    batch_size: int,
-    pad: int,
-    progress: bool,
+    runtime: SearchRuntime,
 ) -> tuple[dict, dict[str, Any] | None]:
     """Surgery of `plan` (`apply_plan`) and, with `config.repair.enabled`, the repair after it: the
     full model's distributions are taken before the cut. Returns what surgery did and the report's
-    `repair` part (None without repair)."""
+    `repair` part (None without repair). `runtime`: batch size, padding and progress."""
     if not config.repair.enabled:
         return apply_plan(moe, plan, stats, fits), None
     data = prepare_repair(
@@ -49,8 +48,8 @@ def apply_repaired(
         search,
         fitness=config.search.fitness,
         seed=config.seed,
-        batch_size=batch_size,
-        pad=pad,
+        batch_size=runtime.batch_size,
+        pad=runtime.pad_token_id or 0,
     )
     surgery = apply_plan(moe, plan, stats, fits)
-    return surgery, run_repair(moe, config.repair, data, progress=progress)
+    return surgery, run_repair(moe, config.repair, data, progress=runtime.progress)

@@ -89,7 +89,9 @@ def _gains(moe: MoEModel) -> list[Trained]:
     for layer in moe.layers:
         if layer.fixed or not gain_capable(layer):
             continue
-        gain = torch.ones((), dtype=torch.float32, device=layer.experts.down_proj.device)
+        down = layer.experts.down_proj
+        assert isinstance(down, torch.Tensor)  # gain_capable
+        gain = torch.ones((), dtype=torch.float32, device=down.device)
         found.append(Trained(f"layers.{layer.index}.routed_gain", "gains", gain, gain_of=layer))
     return found
 
@@ -117,7 +119,9 @@ def _norms(moe: MoEModel) -> list[Trained]:
                 continue
             if id(weight) not in seen:
                 seen.add(id(weight))
-                found.append(Trained(f"{_module_name(moe.model, stack[i])}.{child_name}.weight", "norms", weight))
+                found.append(
+                    Trained(f"{_module_name(moe.model, stack[i])}.{child_name}.weight", "norms", weight)
+                )
     return found
 
 

@@ -106,7 +106,7 @@ def held_out_teacher(
 ) -> HeldOut:
     """The full model's distributions at the held-out answer positions (ids: set and sample)."""
     device = input_device(moe.model)
-    batches = [
+    batches: list[tuple[list[Hashable], Batch]] = [
         ([(s, int(i)) for i in b.sample_index.tolist()], b.to(device))
         for s, data in enumerate(sets)
         for b in data.batches(batch_size, pad)

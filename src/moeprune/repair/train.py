@@ -29,10 +29,16 @@ from moeprune.allocate.fitness import higher_is_better
 from moeprune.config import RepairConfig
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
-from moeprune.runtime.progress import progress_bar
 from moeprune.repair.parts import Trained, applied_gains, collect, fold_gains, unfold_gains
-from moeprune.repair.teacher import HeldOut, TrainBatch, held_out_fitness, held_out_teacher
-from moeprune.repair.teacher import split_held_out, training_teacher
+from moeprune.repair.teacher import (
+    HeldOut,
+    TrainBatch,
+    held_out_fitness,
+    held_out_teacher,
+    split_held_out,
+    training_teacher,
+)
+from moeprune.runtime.progress import progress_bar
 
 
 @dataclass
@@ -81,9 +87,7 @@ class _State:
 
     @classmethod
     def of(cls, trained: list[Trained]) -> _State:
-        masters = [
-            t.tensor if t.gain_of is not None else t.tensor.detach().float().clone() for t in trained
-        ]
+        masters = [t.tensor if t.gain_of is not None else t.tensor.detach().float().clone() for t in trained]
         for m in masters:
             m.requires_grad_(True)
         return cls(trained, masters, [t.tensor.detach().clone() for t in trained])
@@ -138,7 +142,9 @@ def _summary(state: _State, data: RepairData, config: RepairConfig) -> dict[str,
     }
 
 
-def run_repair(moe: MoEModel, config: RepairConfig, data: RepairData, *, progress: bool = True) -> dict[str, Any]:
+def run_repair(
+    moe: MoEModel, config: RepairConfig, data: RepairData, *, progress: bool = True
+) -> dict[str, Any]:
     """Train the pruned model's small tensors toward the full model (in place); returns the report's
     `repair` part: what was trained, the held-out fitness before and after, whether it was kept."""
     start = time.perf_counter()
@@ -161,7 +167,9 @@ def run_repair(moe: MoEModel, config: RepairConfig, data: RepairData, *, progres
                 batch = data.train[(step - 1) % len(data.train)]
                 optimizer.zero_grad()
                 logits = moe.model(
-                    input_ids=batch.batch.input_ids, attention_mask=batch.batch.attention_mask, use_cache=False
+                    input_ids=batch.batch.input_ids,
+                    attention_mask=batch.batch.attention_mask,
+                    use_cache=False,
                 ).logits
                 loss = batch.loss(logits)
                 loss.backward()
