@@ -49,6 +49,10 @@ def test_repaired_drop_stays_stock_with_the_plain_drops_tensors(outputs):
     assert any(n.endswith("mlp.gate.weight") for n in changed), "no router was trained"
     # routers, norms, and the down projections a folded gain scaled: nothing else
     assert all(n.endswith(("mlp.gate.weight", "norm.weight", "down_proj.weight")) for n in changed), changed
+    for layer in {n.split(".experts.")[0] for n in experts}:  # a layer's down projections: one gain each
+        downs = [n for n in experts if n.startswith(layer + ".") and "down_proj" in n]
+        ratios = torch.cat([(after[n] / before[n]).flatten() for n in downs])
+        assert torch.allclose(ratios, ratios[0].expand_as(ratios), rtol=1e-5), layer
     part = report["repair"]
     assert part["kept"] and part["after"] > part["before"] and part["fitness"] == "esap"
     assert {row["part"] for row in part["trained"]} == {"routers", "gains", "norms"}
