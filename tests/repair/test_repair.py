@@ -195,3 +195,16 @@ def test_impossible_repair_settings_are_one_line(settings, word):
     with pytest.raises(MoePruneError, match=word) as caught:
         RepairConfig(enabled=True, **settings)
     assert "\n" not in str(caught.value)
+
+
+def test_recipes_keep_repair_only_when_it_ran():
+    from moeprune.config import PruneConfig
+
+    repaired = PruneConfig("reap", 0.5, repair=RepairConfig(enabled=True, steps=7, parts="routers,norms"))
+    document = repaired.to_dict()
+    assert document["repair"]["steps"] == 7 and PruneConfig.from_dict(document) == repaired
+    assert "repair" not in PruneConfig("reap", 0.5).to_dict()  # recipes without it keep their keys
+    from moeprune.errors import MoePruneError
+
+    with pytest.raises(MoePruneError, match="unknown keys"):
+        PruneConfig.from_dict({**document, "repair": {"enabled": True, "stepz": 3}})

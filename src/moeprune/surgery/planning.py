@@ -233,6 +233,8 @@ def check_config(config: PruneConfig) -> PruneConfig:
         )
     if searches(allocation) or config.criterion == AUTO:
         check_search(config.search)
+    if config.repair.enabled:  # a RepairConfig checks itself when made; one changed since, here
+        config.repair.validate()
     resolved = replace(config, allocation=allocation, options=method.resolve_options(config.options))
     resolved.resolved = True
     return resolved
