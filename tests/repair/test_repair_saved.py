@@ -79,3 +79,10 @@ def test_the_api_repairs_as_the_cli_and_its_save_reloads_exactly(tiny_checkpoint
     moeprune.save_pretrained(model, tmp_path / "api")
     assert torch.equal(_logits(stock_from_pretrained(tmp_path / "api")), _logits(model))
     assert torch.equal(_logits(model), _logits(moeprune.load_pretrained(repaired)))  # the CLI's result
+
+
+def test_the_dry_run_says_what_repair_will_train(tiny_checkpoint, data, tmp_path):
+    result = run_cli("prune", tiny_checkpoint, "--output", tmp_path / "out", *PRUNE, *REPAIR, "--data", data,
+                     "--dry-run")  # fmt: skip
+    line = next(x for x in result.output.splitlines() if x.startswith("repair"))
+    assert "routers, gains, novices, norms; at most 30 steps (lr 0.01" in line and not (tmp_path / "out").exists()

@@ -382,6 +382,8 @@ def format_plan_of_work(plan: dict) -> str:
         lines.append(
             f"search    {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
         )
+    if plan.get("repair"):
+        lines.append(f"repair    after surgery: {plan['repair']}")
     lines.append(
         f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}"
     )

@@ -79,6 +79,13 @@ class RepairConfig:
     def part_names(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.parts.split(",") if p.strip())
 
+    def to_plan(self) -> str:
+        """The dry run's line: what repair will train and how it stops."""
+        return (
+            f"{', '.join(self.part_names)}; at most {self.steps} steps (lr {self.learning_rate:g}, top-"
+            f"{self.kl_top_k or 'all'} KL), held-out fitness every {self.eval_every}, patience {self.patience}"
+        )
+
     def validate(self) -> None:
         """Impossible settings are one line naming the parameter, before any model runs."""
         if not isinstance(self.enabled, bool):

@@ -209,6 +209,7 @@ class PruneJob:
             **self.layer_budget,
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
+            **({"repair": self.config.repair.to_plan()} if self.config.repair.enabled else {}),
             "output": str(self.output),
             "save_dtype": self.saved_as,
             "resume": self.run.resume,
