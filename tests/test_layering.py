@@ -26,6 +26,7 @@ STAGES = (
     ("allocate",),  # budgets, the allocations' declarations, the search's fitnesses
     ("surgery",),
     ("search",),  # EvoESAP evaluates candidate plans through surgery's masks, saves its state atomically
+    ("repair",),  # distils the pruned model toward the full one with the searches' fitness and teacher
     ("evaluate",),
     ("report",),
     ("shards",),  # byte-level work on the shards: layer-by-layer observation, streamed scores, rewrites

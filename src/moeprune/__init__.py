@@ -22,6 +22,7 @@ _LAZY = {
     "PruneResult": "moeprune.api",
     "PruneConfig": "moeprune.config",
     "SearchConfig": "moeprune.config",
+    "RepairConfig": "moeprune.config",
     "DataOptions": "moeprune.config",
     "SaveOptions": "moeprune.config",
     "RunOptions": "moeprune.config",

@@ -39,6 +39,7 @@ from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
+from moeprune.repair import apply_repaired
 from moeprune.report.document import PruneReport
 from moeprune.report.parts import (
     CriterionAuto,
@@ -47,6 +48,7 @@ from moeprune.report.parts import (
     LayerShape,
     NoviceFits,
     ParameterCounts,
+    Repair,
     SearchSummary,
     Serving,
     Surgery,
@@ -69,7 +71,6 @@ from moeprune.surgery.parameters import (
     served_parameters,
 )
 from moeprune.surgery.planning import (
-    apply_plan,
     build_plan,
     check_config,
     check_feasible,
@@ -258,7 +259,16 @@ def prune(
         moe, plan, sets, batch_size=batch_size, pad_token_id=pad, progress=progress, fitted=every_novice,
         checks=checks,
     )  # fmt: skip
-    surgery = apply_plan(moe, plan, stats, fits if plan_rank(plan) else None)
+    surgery, repaired = apply_repaired(  # --repair: distilled toward the full model after the cut
+        moe,
+        plan,
+        stats,
+        fits if plan_rank(plan) else None,
+        config=config,
+        sets=sets,
+        search=search_set,
+        runtime=SearchRuntime(batch_size=batch_size, pad_token_id=pad, progress=progress),
+    )
     report = PruneReport(
         criterion=crit.name,
         prune_first=crit.prune_first,
@@ -283,6 +293,7 @@ def prune(
         super_experts=as_report(found) if found is not None else None,
         super_experts_note=guard_note(found, config.allow_super_experts, config.method),
         scores=scores_document(crit, scores, stats),
+        repair=Repair.from_json(repaired) if repaired is not None else None,
     )
     if surgery.get("form") == "packed" or not moe.is_uniform():  # moeprune's format: vLLM needs the plugin
         report.serving = (

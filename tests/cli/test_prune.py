@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from moeprune.checkpoint.files import tensor_bytes
 from moeprune.cli.main import main
 from moeprune.cli.options import SettingOption, option_name
-from moeprune.config import PruneConfig
+from moeprune.config import PruneConfig, RepairConfig
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.errors import MoePruneError
 from moeprune.job import PruneRequest, prune_checkpoint
@@ -196,9 +196,9 @@ def test_every_option_that_sets_a_prune_config_field_is_made_from_that_field():
     params = main.commands["prune"].params
     settings = [f for f in fields(PruneConfig) if "help" in f.metadata]
     assert {f.name for f in settings} == {
-        f.name for f in fields(PruneConfig) if f.init and f.name not in ("search", "options")
+        f.name for f in fields(PruneConfig) if f.init and f.name not in ("search", "repair", "options")
     }
-    for setting in settings:
+    for setting in settings + [f for f in fields(RepairConfig) if "help" in f.metadata]:  # --repair's too
         flag = setting.metadata["flag"] or "--" + setting.name.replace("_", "-")
         same = [p for p in params if p.name == option_name(setting) or flag in p.opts]
         assert len(same) == 1, (setting.name, same)

@@ -98,6 +98,13 @@ def _parent_is_a_file(world: World) -> None:
     (world.root / "file").write_text("not a folder")
 
 
+def _fp8_input(world: World) -> None:
+    """The world's model saved again as a block-scaled FP8 checkpoint (in place)."""
+    from moeprune.quant.testing import save_fp8_checkpoint
+
+    save_fp8_checkpoint(moeprune.load_pretrained(world.model), world.model)
+
+
 def _drop_tensor(fragment: str) -> Callable[[World], None]:
     def edit(world: World) -> None:
         def remove(tensors: dict) -> None:
@@ -518,6 +525,27 @@ CASES = [
         "novice rank with another method",
         ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--novice-rank", "2"],
         "--novice-rank has no effect without --method novice",
+    ),
+    Case(
+        "repair without calibration data",
+        ["prune", "{model}", "--output", "{root}/out", "--criterion", "aimer", "--sparsity", "0.25", "--repair"],
+        "--repair (it distils on the calibration tokens) needs calibration data",
+    ),
+    Case(
+        "repair without loading",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--repair", "--no-load"],
+        "repair trains the loaded model and the no-load pipeline never loads it",
+    ),
+    Case(
+        "repair of a quantized input kept quantized",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--repair"],
+        "is quantized and the result keeps its format",
+        setup=lambda world: _fp8_input(world),
+    ),
+    Case(
+        "repair setting without --repair",
+        ["prune", "{model}", "--output", "{root}/out", *PRUNE, "--repair-steps", "5"],
+        "--repair-steps has no effect without --repair",
     ),
     Case(
         "bad shard size",

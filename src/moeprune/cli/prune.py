@@ -24,7 +24,7 @@ from moeprune.cli.options import (
     setting_help,
     settings_of,
 )
-from moeprune.config import PruneConfig, Recipe, RunOptions, SaveOptions, SearchConfig
+from moeprune.config import PruneConfig, Recipe, RepairConfig, RunOptions, SaveOptions, SearchConfig
 from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
 from moeprune.job.pipelines import PIPELINES, PruneRequest, prune_checkpoint, unread_settings
@@ -59,7 +59,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     if path is None:
         return None
     recipe = Recipe.load(path)  # unknown or mistyped keys: an error naming them
-    defaults = options_of(recipe.config) | options_of(recipe.config.search)
+    defaults = options_of(recipe.config) | options_of(recipe.config.search) | options_of(recipe.config.repair)
     own = recipe.config.options
     defaults.update(own if isinstance(own, dict) else options_of(own) if own is not None else {})
     data = recipe.data
@@ -114,6 +114,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     is_flag=True,
     help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
 )
+@config_options(RepairConfig)
 @field_options(settings_of(PruneConfig, "expert_multiple", "allow_super_experts"))
 @click.option(
     "--save-dtype",
@@ -208,10 +209,12 @@ def prune(model: str, output: str, **options) -> None:
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
     search = config_from_options(SearchConfig, options)
+    repair = config_from_options(RepairConfig, options)
     config = config_from_options(  # a copy of the options: --seed seeds the data, too
         PruneConfig,
         dict(options),
         search=search,
+        repair=repair,
         options={name: value for name, value in own.items() if name in method.knobs} or None,
     )
     pipeline = PIPELINES.get("no-load" if options["no_load"] else options["pipeline"])
@@ -380,6 +383,8 @@ def format_plan_of_work(plan: dict) -> str:
         lines.append(
             f"search    {', '.join(data['sources'])}: {data['samples']} samples, {data['tokens']} tokens"
         )
+    if plan.get("repair"):
+        lines.append(f"repair    after surgery: {plan['repair']}")
     lines.append(
         f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}"
     )

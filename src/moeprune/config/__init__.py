@@ -20,6 +20,7 @@ from moeprune.config.options import (
 )
 from moeprune.config.recipe import RECIPE_FILE, RECIPE_FORMAT, RECIPE_VERSION, Recipe
 from moeprune.config.registry import CALIBRATION, NEURON_STATS, SEARCH_DATA, WEIGHTS, Registry
+from moeprune.config.repair import REPAIR_PARTS, RepairConfig
 from moeprune.config.sizes import parse_bytes, parse_target_size
 
 __all__ = [
@@ -28,12 +29,14 @@ __all__ = [
     "RECIPE_FILE",
     "RECIPE_FORMAT",
     "RECIPE_VERSION",
+    "REPAIR_PARTS",
     "SEARCH_DATA",
     "WEIGHTS",
     "DataOptions",
     "PruneConfig",
     "Recipe",
     "Registry",
+    "RepairConfig",
     "RunOptions",
     "SaveOptions",
     "SearchConfig",

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from moeprune.config.fields import setting
+from moeprune.config.repair import RepairConfig
 from moeprune.errors import MoePruneError
 
 
@@ -77,24 +79,6 @@ def _check_type(value: Any, kinds: tuple[type, ...], where: str) -> None:
 
 
 _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {}  # field name -> (types, optional), filled below
-
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    flag: str | None = None,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    open_bounds: bool = False,
-    choices: Sequence[str] | None = None,
-    metavar: str | None = None,
-) -> Any:
-    """A config field that carries its command-line help, flag, bounds (`open_bounds`: both
-    excluded), choices and metavar, so the CLI's options, their --help and the docs' CLI reference
-    are made from the field (cli/options.py). `default=MISSING`: a required field and option."""
-    metadata = {"help": help, "flag": flag, "min": minimum, "max": maximum, "open": open_bounds}
-    return field(default=default, metadata=metadata | {"choices": choices, "metavar": metavar})
 
 
 @dataclass
@@ -261,6 +245,8 @@ class PruneConfig:
         "activations, found in the calibration data; removing them can collapse the model). By default they "
         "are kept and a sparsity only their removal could meet is refused.",
     )
+    # --repair: distil the pruned model toward the full one, training small tensors (moeprune.repair)
+    repair: RepairConfig = field(default_factory=RepairConfig)
     # set by check_config on the copy it returns: names resolved, options an object; never by hand
     resolved: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -284,6 +270,8 @@ class PruneConfig:
             del out["options"]
         if not out["allow_super_experts"]:  # recipes of guarded runs keep the keys they always had
             del out["allow_super_experts"]
+        if not self.repair.enabled:  # and recipes without --repair too
+            del out["repair"]
         return out
 
     @classmethod
@@ -292,9 +280,12 @@ class PruneConfig:
         error naming them, never silently ignored."""
         if not isinstance(data, dict):
             raise MoePruneError(f"a prune config is a JSON object, got {type(data).__name__}")
-        search = data.get("search", {})
-        if not isinstance(search, dict):
-            raise MoePruneError(f"the config's 'search' must be an object, got {search!r}")
+        search, repair = data.get("search", {}), data.get("repair", {})
+        for name, part in (("search", search), ("repair", repair)):
+            if not isinstance(part, dict):
+                raise MoePruneError(
+                    f"the config's {name!r} must be an object, got {part!r}", options=("config",)
+                )
         options = data.get("options") or {}
         if not isinstance(options, dict):
             raise MoePruneError(
@@ -304,12 +295,17 @@ class PruneConfig:
         for key, default in _FORMER_OPTION_KEYS.items():  # recipes written before options were nested
             if key in data and data[key] != default:
                 options.setdefault(key, data[key])
-        flat = {k: v for k, v in data.items() if k not in ("search", "options", *_FORMER_OPTION_KEYS)}
+        nested = ("search", "repair", "options", *_FORMER_OPTION_KEYS)
+        flat = {k: v for k, v in data.items() if k not in nested}
         values = _read(cls, flat, "config")
         values["options"] = options or None
         if values.get("sparsity") is None and values.get("target_size") is None:
             raise MoePruneError("config lacks sparsity (or target_size, which solves it)")
-        return cls(**values, search=SearchConfig(**_read(SearchConfig, search, "config.search")))
+        return cls(
+            **values,
+            search=SearchConfig(**_read(SearchConfig, search, "config.search")),
+            repair=RepairConfig(**_read(RepairConfig, repair, "config.repair")),
+        )
 
 
 # Method settings recipe.json held as top-level config keys before they moved into `options`, with
@@ -317,11 +313,14 @@ class PruneConfig:
 _FORMER_OPTION_KEYS = {"neuron_importance": "projection", "important_fraction": None, "slope": 0.5}
 
 
+_NESTED = ("search", "repair", "options", "resolved")  # PruneConfig's fields that are no JSON scalar
+
+
 def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name: f for f in fields(cls) if f.name not in ("search", "options", "resolved")}
+    known = {f.name: f for f in fields(cls) if f.name not in _NESTED}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        also = ", search, options" if cls is PruneConfig else ""  # read separately
+        also = ", search, repair, options" if cls is PruneConfig else ""  # read separately
         raise MoePruneError(
             f"{where} has unknown keys {unknown}; remove them or use the known ones: "
             f"{', '.join(known)}{also}",
@@ -342,9 +341,9 @@ def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
 def _field_types() -> None:
     """The JSON type of each field, from the annotations (`int | None` is an optional int)."""
     names = {"str": str, "float": float, "int": int, "bool": bool}
-    for cls in (SearchConfig, PruneConfig):
+    for cls in (SearchConfig, RepairConfig, PruneConfig):
         for f in fields(cls):
-            if f.name in ("search", "options", "resolved"):
+            if f.name in _NESTED:
                 continue
             parts = [part.strip() for part in str(f.type).split("|")]
             kinds = tuple(names[part] for part in parts if part != "None")

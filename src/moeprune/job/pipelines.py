@@ -17,12 +17,12 @@ pipeline by name; it holds no rule of its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from moeprune.allocate.registry import ALLOCATIONS, Allocator
-from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, SearchConfig
+from moeprune.config import DataOptions, PruneConfig, Registry, RepairConfig, RunOptions, SearchConfig
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.criteria.super_experts import found_in, guard_document
 from moeprune.errors import MoePruneError
@@ -47,6 +47,11 @@ GRADIENT_SETTINGS = (
     "gradient_kl_top_k",
 )
 
+# repair's own settings besides --repair itself (read only with it)
+REPAIR_SETTINGS = tuple(
+    f.metadata["flag"].lstrip("-").replace("-", "_") for f in fields(RepairConfig) if f.name != "enabled"
+)
+
 
 @dataclass(frozen=True)
 class Pipeline:
@@ -56,6 +61,7 @@ class Pipeline:
     # which (method, allocation) pairs it runs, from what the registries say of them; None: every pair
     supports: Callable[[Method, Allocator], bool] | None = None
     auto_criterion: bool = True  # can it choose the criterion itself (it evaluates plans on a loaded model)
+    repairs: bool = True  # can it run --repair (it trains a loaded model)
     why_limited: str = ""  # why the limits above, for the refusal
     unread: tuple[tuple[tuple[Setting, ...], str], ...] = ()  # settings it never reads, and why
     # whether it runs the quantize stage's steps (quantize/stage.py): llm-compressor loads the result
@@ -69,6 +75,12 @@ class Pipeline:
             raise MoePruneError(
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
                 options=("criterion", "pipeline"),
+            )
+        if config.repair.enabled and not self.repairs:
+            raise MoePruneError(
+                f"repair trains the loaded model and the {self.name} pipeline never loads it; prune in "
+                "memory to repair, or leave out repair",
+                options=("repair", "pipeline"),
             )
         method = METHODS.get(config.method)
         if self.supports is not None and not self.supports(
@@ -109,7 +121,9 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
         unread.append((GRADIENT_SETTINGS, "without --allocation gradient"))
     if allocation != "evo":
         unread.append((EVO_SETTINGS, "without --allocation evo"))
-    if not needs.search:
+    if not config.repair.enabled:
+        unread.append((REPAIR_SETTINGS, "without --repair"))
+    if not needs.reads_search(True):  # repair reads search data too, when it is given
         unread.append(
             (("search_data", SearchConfig), "without --allocation evo or gradient or --criterion auto")
         )
@@ -166,6 +180,7 @@ def _in_memory(request: PruneRequest) -> dict:
             or (method.one_width and allocation.fixed)
         ),
         auto_criterion=False,
+        repairs=False,
         why_limited="it never runs the loaded model: no search, no per-layer neuron widths",
         unread=(
             (

@@ -207,6 +207,7 @@ class PruneJob:
             **self.layer_budget,
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
+            **({"repair": self.config.repair.to_plan()} if self.config.repair.enabled else {}),
             "output": str(self.output),
             "save_dtype": self.saved_as,
             "resume": self.run.resume,
@@ -275,6 +276,13 @@ def prepare(request: PruneRequest) -> PruneJob:
     # before the input's own format is looked at: a quantize request needs a full-precision input
     config, quant_python = check_input(config, quantize, checked, bool(data.sources))
     kept_quantization = _kept_quantization(checked, config, save)
+    if kept_quantization is not None and config.repair.enabled:
+        raise MoePruneError(
+            f"{model_path} is quantized and the result keeps its format, written from the input's bytes: "
+            "repair's trained tensors would not reach it; repair a full-precision model, or save this one "
+            "dequantized with --save-dtype bf16",
+            options=("repair", "save_dtype"),
+        )
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
@@ -309,11 +317,12 @@ def prepare(request: PruneRequest) -> PruneJob:
     parse_size(save.max_shard_size)
     tokenizer, calibration, search_set = None, [], None
     reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
-    if reads_calibration or needs.search:
+    reads_search = needs.reads_search(bool(search_data))  # repair's held-out tokens when given
+    if reads_calibration or reads_search:
         tokenizer = require_tokenizer(checked, tokenizer_path, trust_remote_code)
         if reads_calibration:
             calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
-        if needs.search:
+        if reads_search:
             search_set = load_data(
                 list(search_data),
                 tokenizer,

@@ -28,6 +28,7 @@ from moeprune.report.parts import (
     NoviceFits,
     ParameterCounts,
     Part,
+    Repair,
     SearchSummary,
     ServeCheck,
     Serving,
@@ -89,6 +90,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "criterion_auto": _part(CriterionAuto),
     "search": _part(SearchSummary),
     "novice_fits": _part(NoviceFits),
+    "repair": _part(Repair),
     "disk_bytes": _part(DiskBytes),
     "target": _part(TargetSize),
     "serve_check": _part(ServeCheck),
@@ -150,6 +152,7 @@ class PruneReport:
     criterion_auto: CriterionAuto | None = None
     search: SearchSummary | None = None
     novice_fits: NoviceFits | None = None  # low-rank novices: calibration beside held-out fit errors
+    repair: Repair | None = None  # --repair: what it trained, the held-out fitness before and after
     # how it was saved
     save_dtype: str | None = None
     command_line: str | None = None

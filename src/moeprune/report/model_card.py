@@ -152,6 +152,8 @@ def measured(report: PruneReport) -> list[str]:
             f"{uniform.fitness_value if uniform.fitness_value is not None else float('nan'):.4f} "
             f"({_or_dash(search.evaluations)} candidates evaluated)."
         )
+    if report.repair:
+        lines.append(f"- Repair (distilled toward the full model after the cut): {report.repair.line()}.")
     auto = report.criterion_auto
     if auto:
         ranked = sorted(auto.table, key=lambda r: r.get(auto.fitness) or 0, reverse=True)

@@ -178,6 +178,42 @@ class CriterionAuto(Part):
 
 
 @dataclass
+class Repair(Part):
+    """`repair`: what `--repair` trained (per part: tensors and parameters; tensors no gradient
+    reached), the held-out fitness before and after, and whether the repaired tensors were kept."""
+
+    parts: list[str] | None = None
+    trained: list[dict[str, Any]] | None = None  # {"part", "tensors", "parameters"}
+    no_gradient: list[str] | None = None  # selection-only tensors (a correction bias): left as they were
+    fitness: str | None = None
+    held_out: str | None = None  # "search data" or "held-back calibration samples"
+    held_out_samples: int | None = None
+    calibration_positions: int | None = None
+    before: float | None = None
+    after: float | None = None
+    kept: bool | None = None
+    best_step: int | None = None
+    steps_run: int | None = None
+    loss_first: float | None = None
+    loss_last: float | None = None
+    history: list[dict[str, float]] | None = None
+    seconds: dict[str, float] | None = None
+
+    def line(self) -> str:
+        """One sentence: what was trained and the held-out fitness before and after."""
+        trained = ", ".join(f"{r['part']} ({r['parameters']:,} parameters)" for r in self.trained or [])
+        outcome = (
+            f"kept (best at step {self.best_step} of {self.steps_run})"
+            if self.kept
+            else f"not kept: no step of {self.steps_run} beat the unrepaired model there"
+        )
+        return (
+            f"trained {trained or 'nothing'}; {self.fitness} on the {self.held_out} "
+            f"{self.before:.4f} before, {self.after:.4f} after; {outcome}"
+        )
+
+
+@dataclass
 class SearchUniform(Part):
     """The uniform allocation a search is measured against, and its fitness."""
 

@@ -114,6 +114,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "sparsity_unit": report.sparsity_unit or "experts",
         "auto": _auto(report),
         "search": _search(report),
+        "repair": report.repair.line() if report.repair else None,
         "unseen_experts": sum(len(ids) for ids in report.unseen.values()),
         "unseen_per_layer": report.unseen,
         "parameters": _counts(before, after, "total"),
@@ -192,6 +193,8 @@ def format_lines(facts: dict) -> list[str]:
             f"{search.get('baseline', 'uniform')} ({gain:+.4g}); {how}"
         )
     lines += novice_fit_lines(facts.get("novice_fits"))
+    if facts.get("repair"):
+        lines.append(f"  repair          {facts['repair']}")
     if facts["unseen_experts"]:
         where = "; ".join(
             f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in facts["unseen_per_layer"].items()

@@ -140,6 +140,12 @@ class Requirements:
     neuron_stats: bool  # the calibration pass also records each neuron's share of the expert output
     per_domain: bool  # calibration files are kept apart (TENP's per-domain normalisation)
     other_knobs: dict[str, tuple[str, ...]]  # "neurons or tenp" -> the settings only those methods read
+    repair: bool = False  # --repair: trains on the calibration data, stops early on search data when given
+
+    def reads_search(self, given: bool) -> bool:
+        """Whether the search data is read: when something needs it, and by repair when it is given
+        (its held-out tokens; without them repair holds back a share of the calibration data)."""
+        return bool(self.search) or (self.repair and given)
 
     def reads_calibration(self, given: bool) -> bool:
         """Whether the calibration data is read: when something needs it, and whenever it is given,
@@ -170,6 +176,8 @@ def requirements(config: PruneConfig) -> Requirements:
         calibration = "criterion auto"
     else:
         calibration = f"criterion {criterion.name!r}" if criterion.needs_data else None
+    if calibration is None and config.repair.enabled:
+        calibration = "--repair (it distils on the calibration tokens)"
     if searches(config.allocation):
         search: str | None = (
             "the gradient allocation" if config.allocation == "gradient" else "an EvoESAP search"
@@ -191,6 +199,7 @@ def requirements(config: PruneConfig) -> Requirements:
         method.neurons,
         criterion.per_domain,
         others,
+        config.repair.enabled,
     )
 
 
@@ -224,6 +233,8 @@ def check_config(config: PruneConfig) -> PruneConfig:
         )
     if searches(allocation) or config.criterion == AUTO:
         check_search(config.search)
+    if config.repair.enabled:  # a RepairConfig checks itself when made; one changed since, here
+        config.repair.validate()
     resolved = replace(config, allocation=allocation, options=method.resolve_options(config.options))
     resolved.resolved = True
     return resolved
