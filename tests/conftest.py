@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 # importable by name, as the workers started in subprocesses also arrange (tests_on_path).
 TESTS = Path(__file__).resolve().parent
 QUANT_PYTHON = TESTS.parent / ".venv-quant" / "bin" / "python"
+VLLM_PYTHON = TESTS.parent / ".venv-vllm" / "bin" / "python"
 sys.path[:0] = [str(TESTS), *(str(p) for p in sorted(TESTS.iterdir()) if p.is_dir() and not p.name.startswith((".", "_")))]
 
 
@@ -66,6 +67,21 @@ def quant_python() -> Iterator[Path]:
     from shared_python import shared_python
 
     with shared_python(QUANT_PYTHON, preload=("torch", "transformers", "datasets", "llmcompressor")) as python:
+        yield python
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_python() -> Iterator[Path]:
+    """vLLM's environment's Python (.venv-vllm) for `--vllm-python` and the serving drivers, shared:
+    one warm process per test worker runs in turn the drivers of the serving tests that assert
+    nothing of a fresh process (shared_python.py), so vLLM's imports (about 20 s of CPU) are paid
+    once. Tests that check what a vLLM process imported, patch vLLM before its import, time its
+    start-up or end on a refused start (which may leave state behind) start .venv-vllm's own."""
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh", pytrace=False)
+    from shared_python import shared_python
+
+    with shared_python(VLLM_PYTHON, preload=("torch", "transformers", "vllm", "vllm.entrypoints.llm")) as python:
         yield python
 
 

@@ -60,10 +60,13 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _run(request: dict) -> int:
-    """One driver run, as `python DRIVER SPEC OUT` would run it in a fresh process."""
+def _run(request: dict, started_with: dict[str, str]) -> int:
+    """One driver run, as `python DRIVER SPEC OUT` would run it in a fresh process. Its environment
+    is the stand-in's: variables of the server's own start that the stand-in lacks are removed,
+    the stand-in's set; what the libraries set for themselves since (vLLM does) stays."""
     argv, folder = request["argv"], os.path.dirname(os.path.abspath(request["argv"][0]))
-    os.environ.clear()
+    for name in set(started_with) - set(request["env"]):
+        os.environ.pop(name, None)
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     path, modules = list(sys.path), set(sys.modules)
@@ -103,6 +106,7 @@ def serve(address: str, preload: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
+    started_with = dict(os.environ)
     for name in preload:
         with contextlib.suppress(Exception):  # a failing import is the driver's to report
             importlib.import_module(name)
@@ -112,7 +116,7 @@ def serve(address: str, preload: list[str]) -> None:
             request = json.loads(_read_line(conn) or b"{}")
             if not request or request.get("stop"):
                 return
-            conn.sendall(json.dumps({"code": _run(request)}).encode() + b"\n")
+            conn.sendall(json.dumps({"code": _run(request, started_with)}).encode() + b"\n")
 
 
 def _connect(address: str, wait_s: float = 120.0) -> socket.socket:
