@@ -60,15 +60,16 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _run(request: dict, started_with: dict[str, str]) -> int:
+def _run(request: dict, given: set[str]) -> int:
     """One driver run, as `python DRIVER SPEC OUT` would run it in a fresh process. Its environment
-    is the stand-in's: variables of the server's own start that the stand-in lacks are removed,
-    the stand-in's set; what the libraries set for themselves since (vLLM does) stays."""
-    argv, folder = request["argv"], os.path.dirname(os.path.abspath(request["argv"][0]))
-    for name in set(started_with) - set(request["env"]):
+    is the stand-in's: what the server started with or an earlier stand-in gave (`given`) and this
+    one lacks is removed; what the libraries and drivers set for themselves (vLLM does) stays."""
+    for name in given - set(request["env"]):
         os.environ.pop(name, None)
     os.environ.update(request["env"])
+    given |= set(request["env"])
     os.chdir(request["cwd"])
+    argv, folder = request["argv"], os.path.dirname(os.path.abspath(request["argv"][0]))
     path, modules = list(sys.path), set(sys.modules)
     sys.argv, sys.path[0:0] = list(argv), [folder]
     sys.stdout.flush()
@@ -106,7 +107,7 @@ def serve(address: str, preload: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    started_with = dict(os.environ)
+    given = set(os.environ)
     for name in preload:
         with contextlib.suppress(Exception):  # a failing import is the driver's to report
             importlib.import_module(name)
@@ -116,7 +117,7 @@ def serve(address: str, preload: list[str]) -> None:
             request = json.loads(_read_line(conn) or b"{}")
             if not request or request.get("stop"):
                 return
-            conn.sendall(json.dumps({"code": _run(request, started_with)}).encode() + b"\n")
+            conn.sendall(json.dumps({"code": _run(request, given)}).encode() + b"\n")
 
 
 def _connect(address: str, wait_s: float = 120.0) -> socket.socket:

@@ -6,7 +6,8 @@ teardown), while a fixture it uses is set up (a module's or the session's traine
 models, built before the test itself), or while its module is imported (parameters enumerated from
 the installed families), one of these happens:
 
-- a transformers model or config is built (`PreTrainedModel.__init__`, `PretrainedConfig.__init__`:
+- a transformers model or config is built (`PreTrainedModel.__init__`, `PretrainedConfig.__init__`
+  or, where configs are dataclasses, its `__post_init__`:
   every model made, loaded, converted or rebuilt from a config, moeprune's own modeling classes
   included, since they derive from transformers');
 - moeprune's family code (`moeprune.models`) answers from one of its caches (the families of the
@@ -102,7 +103,9 @@ def _count_transformers() -> None:
     import moeprune.models as family_code
 
     for cls in (transformers.PreTrainedModel, transformers.PretrainedConfig):
-        cls.__init__ = _counted(cls.__init__)
+        for method in ("__init__", "__post_init__"):  # configs: dataclasses on newer transformers
+            if method in vars(cls):
+                setattr(cls, method, _counted(vars(cls)[method]))
     names = [info.name for info in pkgutil.walk_packages(family_code.__path__, "moeprune.models.")]
     count_caches([importlib.import_module(name) for name in names])
     subprocess.Popen.__init__ = _popen(subprocess.Popen.__init__)
