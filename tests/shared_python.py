@@ -184,4 +184,5 @@ def shared_python(real: Path, preload: tuple[str, ...] = ()) -> Iterator[Path]:
 
 
 if __name__ == "__main__":
+    del sys.path[0]  # tests/ (this file's folder): a driver's run sees its own folder there instead
     serve(sys.argv[1], sys.argv[2:])
