@@ -33,7 +33,8 @@ def test_driver_runs_share_one_process_and_see_a_fresh_one(tmp_path):
         (tmp_path / name / "driver.py").write_text(DRIVER)
         (tmp_path / name / "neighbour.py").write_text(f"VALUE, FAIL = {name!r}, {name == 'b'}\n")
     (tmp_path / "spec.json").write_text('{"n": 1}')
-    with shared_python(sys.executable) as python:
+    base = os.path.realpath(sys.executable)  # the interpreter itself: the server needs the standard library only
+    with shared_python(base) as python:
         runs = []
         for run in ("1", "2"):
             done = subprocess.run([str(python), "a/driver.py", "spec.json", f"out{run}.json"], cwd=tmp_path,
@@ -50,4 +51,4 @@ def test_driver_runs_share_one_process_and_see_a_fresh_one(tmp_path):
     # b's neighbour.py, not a's cached one: the driver's folder is its own first, as in a new process
     assert failed.returncode == 1 and failed.stdout == "out None\nerr\nthe spec said fail\n"
     assert not (tmp_path / "out3.json").exists()
-    assert real[0] == sys.executable and int(real[1]) != runs[0]["pid"]
+    assert real[0] == base and int(real[1]) != runs[0]["pid"]
