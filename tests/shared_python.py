@@ -103,16 +103,23 @@ def _run(request: dict, given: set[str]) -> int:
 
 def serve(address: str, preload: list[str]) -> None:
     """The server's loop: listen first (requests queue while the libraries import), then one
-    request at a time until a `stop`."""
+    request at a time until a `stop`, or until the process that started it is gone."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
-    given = set(os.environ)
+    given, parent = set(os.environ), os.getppid()
     for name in preload:
         with contextlib.suppress(Exception):  # a failing import is the driver's to report
             importlib.import_module(name)
+    listener.settimeout(5.0)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the tests that started it are gone (killed): so is it
+                os._exit(0)
+            continue
+        conn.settimeout(None)
         with conn:
             request = json.loads(_read_line(conn) or b"{}")
             if not request or request.get("stop"):

@@ -33,7 +33,9 @@ def test_driver_runs_share_one_process_and_see_a_fresh_one(tmp_path):
         (tmp_path / name / "driver.py").write_text(DRIVER)
         (tmp_path / name / "neighbour.py").write_text(f"VALUE, FAIL = {name!r}, {name == 'b'}\n")
     (tmp_path / "spec.json").write_text('{"n": 1}')
-    base = os.path.realpath(sys.executable)  # the interpreter itself: the server needs the standard library only
+    base = os.path.realpath(
+        sys.executable
+    )  # the interpreter itself: the server needs the standard library only
     with shared_python(base) as python:
         runs = []
         for run in ("1", "2"):

@@ -86,7 +86,10 @@ def test_plain():
 
 def _pytest(folder: Path, variable: str, record: Path) -> str:
     env = {**os.environ, variable: str(record)}
-    env.pop("MOEPRUNE_TRANSFORMERS_RECORD" if variable.endswith("SELECT") else "MOEPRUNE_TRANSFORMERS_SELECT", None)
+    env.pop(
+        "MOEPRUNE_TRANSFORMERS_RECORD" if variable.endswith("SELECT") else "MOEPRUNE_TRANSFORMERS_SELECT",
+        None,
+    )
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a.py", "test_b.py",
                            "test_c.py"], cwd=folder, env=env, capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

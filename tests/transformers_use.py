@@ -87,7 +87,9 @@ def _popen(start):
     def popen(self, args, *rest, **kwargs):
         if not isinstance(args, (str, bytes, os.PathLike)):
             args = list(args)
-        program = os.fsdecode(args if isinstance(args, (str, bytes, os.PathLike)) else args[0] if args else "")
+        program = os.fsdecode(
+            args if isinstance(args, (str, bytes, os.PathLike)) else args[0] if args else ""
+        )
         if os.path.abspath(program) == os.path.abspath(sys.executable):  # this Python, not another venv's
             _uses[0] += 1
         start(self, args, *rest, **kwargs)
