@@ -31,13 +31,22 @@ cat "$quant_log" && rm -f "$quant_log"
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
 # on CI's two cores. (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose
 # node ids it no longer rewrites.) MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
-workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile)
-.venv/bin/python -m pytest "${workers[@]}" "$@"
-echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)'))"
-# Only the folders whose behaviour depends on transformers' model classes run again: families,
-# loading and saving, shards, quantized formats, surgery, observation, serving without vLLM and the
-# end-to-end commands. Formulas, allocation, search, reports, the demo and torchrun code read no
-# model class of transformers, so a second run of them tests nothing new (it cost CI 8 minutes).
-# (the modules that drive .venv-vllm's vLLM in a subprocess, marked vllm, ran in the first pass)
-.venv-vllm/bin/python -m pytest "${workers[@]}" tests/models tests/checkpoint tests/shards tests/quant tests/surgery \
-  tests/observe tests/serve tests/e2e tests/test_pipelines.py -m "not vllm" "$@"
+# Each pass ends with its 25 slowest tests (setup, call or teardown), for whoever keeps CI's time.
+workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --durations=25)
+record=$(mktemp -d "${TMPDIR:-/tmp}/moeprune-transformers.XXXXXX")
+trap 'rm -rf "$record"' EXIT
+MOEPRUNE_TRANSFORMERS_RECORD="$record" .venv/bin/python -m pytest "${workers[@]}" "$@"
+# The second pass, on the lowest supported transformers, runs again exactly the tests whose
+# behaviour depends on the transformers version: those that run transformers' model code, as the
+# first pass recorded them (tests/transformers_use.py): a test during which (or during whose
+# fixtures, or whose module's import) a transformers model or config is built, moeprune's family
+# code answers from caches computed from them, or this Python starts another of itself. Formulas,
+# allocations, plans, codecs on plain tensors, reports read from disk and refusals before loading
+# compute the same on any transformers and run once. The vllm and quant_env tiers run once too: their
+# engines already run in .venv-vllm and .venv-quant, at those environments' own transformers.
+mapfile -t modules < <(cat "$record"/*.txt | cut -d: -f1 | sort -u)
+echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)')):" \
+  "the tests of ${#modules[@]} modules that ran its model code"
+if [ "${#modules[@]}" -gt 0 ]; then
+  MOEPRUNE_TRANSFORMERS_SELECT="$record" .venv-vllm/bin/python -m pytest "${workers[@]}" "${modules[@]}" "$@"
+fi

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ torch.set_num_threads(1)
 # by module name (helpers.py here; `from test_observe import calibration`), so every folder is
 # importable by name, as the workers started in subprocesses also arrange (tests_on_path).
 TESTS = Path(__file__).resolve().parent
+QUANT_PYTHON = TESTS.parent / ".venv-quant" / "bin" / "python"
+VLLM_PYTHON = TESTS.parent / ".venv-vllm" / "bin" / "python"
 sys.path[:0] = [str(TESTS), *(str(p) for p in sorted(TESTS.iterdir()) if p.is_dir() and not p.name.startswith((".", "_")))]
 
 
@@ -53,6 +56,35 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def quant_python() -> Iterator[Path]:
+    """The quantization environment's Python (.venv-quant) for `--quant-python`, shared: one warm
+    process per test worker runs the oneshot driver of every quant_env test in turn
+    (shared_python.py), so llm-compressor's imports (about 12 s on 2 cores) are paid once, not once
+    per quantized folder. Skipped, naming the setup script, where the environment is absent."""
+    if not QUANT_PYTHON.is_file():
+        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+    from shared_python import shared_python
+
+    with shared_python(QUANT_PYTHON, preload=("torch", "transformers", "datasets", "llmcompressor")) as python:
+        yield python
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_python() -> Iterator[Path]:
+    """vLLM's environment's Python (.venv-vllm) for `--vllm-python` and the serving drivers, shared:
+    one warm process per test worker runs in turn the drivers of the serving tests that assert
+    nothing of a fresh process (shared_python.py), so vLLM's imports (about 20 s of CPU) are paid
+    once. Tests that check what a vLLM process imported, patch vLLM before its import, time its
+    start-up or end on a refused start (which may leave state behind) start .venv-vllm's own."""
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh", pytrace=False)
+    from shared_python import shared_python
+
+    with shared_python(VLLM_PYTHON, preload=("torch", "transformers", "vllm", "vllm.entrypoints.llm")) as python:
+        yield python
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """A small calibration JSONL: prompt/answer pairs and text-only code records."""
@@ -63,6 +95,14 @@ def data(tmp_path_factory) -> Path:
     rows += [{"text": "def add(a, b):\n    return a + b\n" * (1 + i % 3)} for i in range(6)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def pytest_configure(config) -> None:
+    """scripts/test.sh's record of the tests that run transformers' model code (first pass) and
+    their selection (second pass): transformers_use.py."""
+    import transformers_use
+
+    transformers_use.register(config)
 
 
 TIERS = ("unit", "integration", "vllm", "quant_env", "distributed")

@@ -8,7 +8,6 @@ model predicted for its scheme and kept experts, and the file is within the pred
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,13 +23,10 @@ from helpers import (
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 BITS = {"w4a16": 4, "w8a16": 8}
 
 
-def test_the_winner_is_written_in_its_schemes_at_the_predicted_bytes(tmp_path):
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def test_the_winner_is_written_in_its_schemes_at_the_predicted_bytes(tmp_path, quant_python):
     torch.manual_seed(0)
     save_tiny_qwen(tmp_path / "model")
     data = write_arithmetic(tmp_path / "calib.jsonl")
@@ -38,7 +34,7 @@ def test_the_winner_is_written_in_its_schemes_at_the_predicted_bytes(tmp_path):
     run_cli("prune", tmp_path / "model", "--output", tmp_path / "out", "--data", data, "--search-data", data,
             "--criterion", "frequency", "--allocation", "evo", "--population", "4", "--elites", "2",
             "--generations", "2", "--target-size", str(target), "--quantize", "auto:w4a16,w8a16",
-            "--quant-method", "rtn", "--quant-group-size", "16", "--quant-python", QUANT_PYTHON, "--quiet")  # fmt: skip
+            "--quant-method", "rtn", "--quant-group-size", "16", "--quant-python", quant_python, "--quiet")  # fmt: skip
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
     search = json.loads((out / "search.json").read_text())

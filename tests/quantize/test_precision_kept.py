@@ -15,7 +15,6 @@ is within the predicted bytes and T.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +33,6 @@ from moeprune.models.factory import tiny_model
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 GROUP, LAYERS = 16, ("0", "1", "2")
 CASES = {
     "mixed": ["--method", "mixed", "--mixed-novice", "0.125", "--sparsity", "0.25"],
@@ -43,9 +41,7 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def pruned(request, tmp_path_factory) -> dict:
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def pruned(request, tmp_path_factory, quant_python) -> dict:
     root = tmp_path_factory.mktemp(f"precision-kept-{request.param}")
     tokenizer = byte_tokenizer()
     model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[],
@@ -55,7 +51,7 @@ def pruned(request, tmp_path_factory) -> dict:
     data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--data", data, "--criterion", "frequency", *CASES[request.param],
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", str(GROUP),
-              "--quant-python", QUANT_PYTHON]  # fmt: skip
+              "--quant-python", quant_python]  # fmt: skip
     target, every = prune_auto_halfway(common, root / "out")
     out = root / "out"
     report = json.loads((out / "report.json").read_text())

@@ -9,7 +9,6 @@ is within the prediction and T, and moeprune's loader reads it back."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +24,10 @@ from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 BITS = {"w4a16": 4, "w8a16": 8}
 
 
-def test_the_winner_forms_and_schemes_are_written_at_the_predicted_bytes(tmp_path):
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def test_the_winner_forms_and_schemes_are_written_at_the_predicted_bytes(tmp_path, quant_python):
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
     model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[],
@@ -48,7 +44,7 @@ def test_the_winner_forms_and_schemes_are_written_at_the_predicted_bytes(tmp_pat
     run_cli("prune", tmp_path / "model", "--output", tmp_path / "out", "--data", data, "--search-data", data,
             "--criterion", "frequency", "--method", "mixed", "--allocation", "evo", "--population", "6",
             "--elites", "2", "--generations", "3", "--target-size", str(target), "--quantize", "auto:w4a16,w8a16",
-            "--quant-method", "rtn", "--quant-group-size", "16", "--quant-python", QUANT_PYTHON, "--quiet")  # fmt: skip
+            "--quant-method", "rtn", "--quant-group-size", "16", "--quant-python", quant_python, "--quiet")  # fmt: skip
     out = tmp_path / "out"
     report = json.loads((out / "report.json").read_text())
     search = json.loads((out / "search.json").read_text())

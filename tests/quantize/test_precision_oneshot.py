@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,23 +33,20 @@ from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 CHOICE = {0: "w4a16", 1: "w8a16", 2: "fp8-dynamic"}
 GROUP = 16
 SAMPLES = [[5, 17, 9, 3, 42, 7, 8, 20], [1, 2, 3, 4, 5, 6, 7, 8]]  # RTN's pipeline still runs a batch
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory) -> dict:
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def quantized(tmp_path_factory, quant_python) -> dict:
     root = tmp_path_factory.mktemp("precision")
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[])
     model.save_pretrained(root / "model")
     shutil.copytree(root / "model", root / "out")
     options = QuantizeOptions("w8a16", "rtn", GROUP, layer_schemes=CHOICE)
-    report = quantize_folder(str(QUANT_PYTHON), root / "out", options, SAMPLES, "5GB")
+    report = quantize_folder(str(quant_python), root / "out", options, SAMPLES, "5GB")
     moe = MoEModel(model)
     size = cast_weight_bytes(root / "model", moe, torch.float32)
     predicted = precision_bytes(size, moe, ["w8a16", "w4a16", "fp8-dynamic"], options, 4, [0, 0, 0])

@@ -19,7 +19,6 @@ misreads a mixed checkpoint (docs/large-models.md); vLLM reads each layer's from
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,22 +45,19 @@ from moeprune.quantize.pricing import ignored
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 GROUP = 16
 BITS = {"w4a16": 4, "w8a16": 8}
 
 
 @pytest.fixture(scope="module")
-def pruned(tmp_path_factory) -> dict:
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def pruned(tmp_path_factory, quant_python) -> dict:
     root = tmp_path_factory.mktemp("precision-prune")
     torch.manual_seed(0)
     model, _ = save_tiny_qwen(root / "model")
     data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--data", data, "--criterion", "frequency", "--sparsity", "0.25", "--allocation", "global",
               "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn", "--quant-group-size", str(GROUP),
-              "--quant-python", QUANT_PYTHON]  # fmt: skip
+              "--quant-python", quant_python]  # fmt: skip
     target, _ = prune_auto_halfway(common, root / "out")
     out = root / "out"
     report = json.loads((out / "report.json").read_text())
@@ -103,7 +99,7 @@ def test_each_layer_is_stored_in_its_scheme_and_weighs_the_prediction(pruned):
     assert "per-layer bits  experts of layer" in (out / "report.md").read_text()
 
 
-def test_recipe_repeats_auto_with_its_target_and_sparsity(pruned, tmp_path):
+def test_recipe_repeats_auto_with_its_target_and_sparsity(pruned, tmp_path, quant_python):
     recipe = json.loads((pruned["out"] / "recipe.json").read_text())
     chosen = pruned["report"]["quantization"]["precision"]["chosen"]
     assert recipe["quantize"] == {
@@ -112,7 +108,7 @@ def test_recipe_repeats_auto_with_its_target_and_sparsity(pruned, tmp_path):
     }  # fmt: skip
     assert recipe["config"]["sparsity"] == 0.25
     again = run_cli("prune", pruned["root"] / "model", "--config", pruned["out"] / "recipe.json",
-                    "--output", tmp_path / "again", "--quant-python", QUANT_PYTHON, "--dry-run").output  # fmt: skip
+                    "--output", tmp_path / "again", "--quant-python", quant_python, "--dry-run").output  # fmt: skip
     assert f"({pruned['target']:,} bytes): reachable" in again and "sparsity 0.25 of experts" in again
 
 

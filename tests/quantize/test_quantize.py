@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +35,6 @@ from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 FAMILIES = {
     # family: (extra config, prune arguments); the experts are 16 wide: groups of 16
     "qwen3_moe": ({"mlp_only_layers": []}, ["--quantize", "w4a16", "--quant-group-size", "16"]),
@@ -45,22 +43,16 @@ FAMILIES = {
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(\w+)")
 
 
-def _need_env() -> None:
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def quantized(request, tmp_path_factory) -> dict:
+def quantized(request, tmp_path_factory, quant_python) -> dict:
     """A tiny model of the family, its dry-run plan and its quantized prune (a --target-size for
     qwen3_moe, a sparsity for deepseek_v3)."""
-    _need_env()
     family = request.param
     extra, flags = FAMILIES[family]
     root = tmp_path_factory.mktemp(f"quantize-{family}")
     save_tiny_release(root / "model", family, **extra)  # deepseek_v3: with its MTP layer (model.layers.3.*)
     data = write_arithmetic(root / "calib.jsonl")
-    common = [root / "model", "--data", data, "--criterion", "frequency", *flags, "--quant-python", QUANT_PYTHON]
+    common = [root / "model", "--data", data, "--criterion", "frequency", *flags, "--quant-python", quant_python]
     if family == "qwen3_moe":  # the target between the 4- and the 5-expert plans' quantized sizes
         sizes = {}
         for sparsity in ("0.375", "0.5"):

@@ -31,7 +31,6 @@ from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 CASES = {
     # family[-case]: (extra config, prune arguments); the experts are 16 wide (mixed: 32): groups of 16
     "qwen3_moe-mixed": (
@@ -53,16 +52,14 @@ IDS = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 200, 31, 64]])
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def quantized(request, tmp_path_factory) -> dict:
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
+def quantized(request, tmp_path_factory, quant_python) -> dict:
     family = request.param.split("-")[0]
     extra, flags = CASES[request.param]
     root = tmp_path_factory.mktemp(f"quantize-moeprune-{family}")
     save_tiny_release(root / "model", family, **extra)  # deepseek_v3: with its MTP layer (model.layers.3.*)
     data = write_arithmetic(root / "calib.jsonl")
     common = [root / "model", "--output", root / "out", "--data", data, "--criterion", "frequency", *flags]
-    common += ["--quant-group-size", "16", "--quant-python", QUANT_PYTHON]
+    common += ["--quant-group-size", "16", "--quant-python", quant_python]
     dry = run_cli("prune", *common, "--dry-run").output
     predicted = int(re.search(r"predicted .*?\(([\d,]+) bytes\)", dry)[1].replace(",", ""))
     run_cli("prune", *common)

@@ -44,23 +44,20 @@ from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 
-QUANT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-quant" / "bin" / "python"
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(\w+)")
 PARTS = ("weight_packed", "weight_scale", "weight_global_scale")
 IDS = torch.tensor([[5, 17, 99, 3, 42, 7, 8, 200, 31, 64]])
 
 
 @pytest.fixture(scope="module")
-def nvfp4(tmp_path_factory) -> Path:
+def nvfp4(tmp_path_factory, quant_python) -> Path:
     """A tiny qwen3_moe (experts 16 wide: one nvfp4 group) pruned to 4 of 8 experts per layer and
     quantized to nvfp4a16."""
-    if not QUANT_PYTHON.is_file():
-        pytest.skip(f"no quantization environment ({QUANT_PYTHON} absent): run scripts/setup_quant.sh")
     root = tmp_path_factory.mktemp("nvfp4")
     save_tiny_qwen(root / "model")
     data = write_arithmetic(root / "calib.jsonl")
     run_cli("prune", root / "model", "--data", data, "--criterion", "frequency", "--sparsity", "0.5",
-            "--quantize", "nvfp4a16", "--quant-python", QUANT_PYTHON, "--output", root / "out", "--quiet")  # fmt: skip
+            "--quantize", "nvfp4a16", "--quant-python", quant_python, "--output", root / "out", "--quiet")  # fmt: skip
     return root / "out"
 
 

@@ -2,8 +2,9 @@
 the first differing prompt and token, where it does not.
 
 The command runs here (.venv) as a user runs it, in a subprocess, with `--vllm-python` pointing at
-.venv-vllm (vLLM's CPU build with moeprune beside it), once per output: four vLLM start-ups in
-all (and a fifth process that loads two models in vLLM posing as an untested release). Tiny OLMoE models as in test_serve_vllm.py: a stock result (drop, timed against its base
+.venv-vllm (vLLM's CPU build with moeprune beside it), once per output: four serve-checks, whose
+vLLM drivers run in turn in one warm .venv-vllm process (conftest.py's shared_vllm_python), and a
+process of its own that loads two models in vLLM posing as an untested release. Tiny OLMoE models as in test_serve_vllm.py: a stock result (drop, timed against its base
 with --reference), per-layer expert counts (global) and per-expert widths (TENP), both in
 moeprune's format through the plugin.
 
@@ -42,10 +43,9 @@ SMALL_KV_CACHE = "kv_cache_memory_bytes=67108864"  # the CPU build's default res
 
 
 @pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh", pytrace=False)
-    return VLLM_PYTHON
+def vllm_python(shared_vllm_python) -> Path:
+    """.venv-vllm's Python as serve-check is given it: the shared one (conftest.py)."""
+    return shared_vllm_python
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,8 @@ if __name__ == "__main__":
 def test_an_untested_vllm_refuses_moeprune_models_and_serves_stock_ones(made, vllm_python, tmp_path):
     """In real vLLM, told it is 0.33.0: the stock result still loads (vLLM loads the plugin in every
     run), the moeprune-format one is refused with the one sentence, also logged at start-up."""
-    (tmp_path / "untested.py").write_text(UNTESTED)
-    done = subprocess.run([str(vllm_python), str(tmp_path / "untested.py"), str(made["drop"]), str(made["global"])],
+    (tmp_path / "untested.py").write_text(UNTESTED)  # a fresh process: vLLM told its version before the plugin loads
+    done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "untested.py"), str(made["drop"]), str(made["global"])],
                           capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
     log = "\n".join(
         line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("RESULT ")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_serve_check import SMALL_KV_CACHE, VLLM_PYTHON, _check, base_model, prune_with
+from test_serve_check import SMALL_KV_CACHE, _check, base_model, prune_with
 
 from moeprune.config import PruneConfig
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
@@ -30,13 +30,11 @@ def merged(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("allocation", ["uniform", "global"])
-def test_vllm_serves_merge_results_like_moeprune(merged, allocation):
+def test_vllm_serves_merge_results_like_moeprune(merged, allocation, shared_vllm_python):
     config = json.loads((merged[allocation] / "config.json").read_text())
     assert ("moeprune" in config) == (allocation == "global")  # stock where a drop is
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh", pytrace=False)
     done = subprocess.run([sys.executable, "-m", "moeprune", "serve-check", str(merged[allocation]),
-                           "--vllm-python", str(VLLM_PYTHON), "--vllm-option", SMALL_KV_CACHE,
+                           "--vllm-python", str(shared_vllm_python), "--vllm-option", SMALL_KV_CACHE,
                            "--prompts", str(merged["prompts"]), "--new-tokens", "12"],
                           capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

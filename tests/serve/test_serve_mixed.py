@@ -3,7 +3,8 @@ build through the plugin as moeprune's loader computes them, at the size the iss
 
 Tiny Qwen3-MoE and DeepSeek-V3 models (test_serve_vllm.py's), pruned with `--method mixed` at 70 %
 of routed parameters, the Qwen3-MoE one also with rank-2 novices (`--novice-rank 2`: low-rank novices
-beside narrowed and dropped experts in one layer). One subprocess of `.venv-vllm` serves both (test_serve_vllm.py's driver):
+beside narrowed and dropped experts in one layer). The warm `.venv-vllm` process of conftest.py's
+shared_vllm_python serves all three in one driver run (test_serve_vllm.py's driver):
 greedy tokens equal `moeprune.load_pretrained`'s (a differing token only at a tie of its logits),
 top-5 logprobs within LOGPROB_ATOL, and vLLM holds what the checkpoint stores plus the zero
 neurons padding each width group (served_parameter_count), at most 1.05x the stored parameters.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_serve_lowrank import _compare
-from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
+from test_serve_vllm import (
     DRIVER,
     LOGPROB_ATOL,
     NEW_TOKENS,
@@ -27,7 +28,6 @@ from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
     _stored,
     code_calibration,
     drive_vllm,
-    vllm_python,
 )
 
 import moeprune
@@ -69,10 +69,10 @@ def results(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, results, tmp_path_factory) -> dict:  # noqa: F811
+def served(shared_vllm_python, results, tmp_path_factory) -> dict:
     spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS,
             "models": [[str(results[c]), VLLM_OPTIONS.get(_family(c), {})] for c in CASES], "refuse": []}  # fmt: skip
-    return drive_vllm(vllm_python, tmp_path_factory.mktemp("vllm_mixed"), spec, DRIVER)
+    return drive_vllm(shared_vllm_python, tmp_path_factory.mktemp("vllm_mixed"), spec, DRIVER)
 
 
 @pytest.mark.parametrize("case", CASES)
