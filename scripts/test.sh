@@ -36,15 +36,22 @@ workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --durations=25)
 record=$(mktemp -d "${TMPDIR:-/tmp}/moeprune-transformers.XXXXXX")
 trap 'rm -rf "$record"' EXIT
 MOEPRUNE_TRANSFORMERS_RECORD="$record" .venv/bin/python -m pytest "${workers[@]}" "$@"
-# The second pass, on the lowest supported transformers, runs again exactly the tests whose
-# behaviour depends on the transformers version: those that run transformers' model code, as the
-# first pass recorded them (tests/transformers_use.py): a test during which (or during whose
-# fixtures, or whose module's import) a transformers model or config is built, moeprune's family
-# code answers from caches computed from them, or this Python starts another of itself. Formulas,
-# allocations, plans, codecs on plain tensors, reports read from disk and refusals before loading
-# compute the same on any transformers and run once. The vllm and quant_env tiers run once too: their
-# engines already run in .venv-vllm and .venv-quant, at those environments' own transformers.
-mapfile -t modules < <(cat "$record"/*.txt | cut -d: -f1 | sort -u)
+# The second pass, on the lowest supported transformers, runs again the tests whose behaviour
+# depends on the transformers version. Two filters, both needed:
+#  - the stages whose code reads transformers' model classes: families and their discovery, loading
+#    and saving, shards, quantized formats, surgery, observation, repair, serving without vLLM, the
+#    speculative-decoding caches, the end-to-end commands. Formulas, allocations, searches, reports
+#    and the demo read no model class: a second run of them tests nothing new (it cost CI 8 minutes);
+#  - within them, the tests that ran transformers' model code, as the first pass recorded them
+#    (tests/transformers_use.py): a test during which (or during whose fixtures, or whose module's
+#    import) a transformers model or config is built, moeprune's family code answers from caches
+#    computed from them, or this Python starts another of itself. Codecs on plain tensors, plans
+#    and refusals before loading compute the same on any transformers and run once.
+# The vllm and quant_env tiers run once: their engines already run in .venv-vllm and .venv-quant,
+# at those environments' own transformers.
+stages="tests/models/ tests/checkpoint/ tests/shards/ tests/quant/ tests/surgery/ tests/observe/ tests/repair/
+  tests/serve/ tests/e2e/ tests/evaluate/test_speculative.py tests/test_pipelines.py"
+mapfile -t modules < <(cat "$record"/*.txt | cut -d: -f1 | sort -u | grep -F "$(printf '%s\n' $stages)")
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)')):" \
   "the tests of ${#modules[@]} modules that ran its model code"
 if [ "${#modules[@]}" -gt 0 ]; then
