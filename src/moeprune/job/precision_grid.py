@@ -38,8 +38,8 @@ from moeprune.job.precision import (
 from moeprune.models import MoEModel
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.surgery.planning import guard_super_experts
-from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.planning import guard_super_experts, requirements
+from moeprune.surgery.registry import method_limits
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -57,7 +57,7 @@ def criterion_orders(
     (`RunOptions.observed`) instead of a second pass over the same data."""
     observed = score_experts(
         moe, config.criterion, list(calibration), batch_size=batch_size, pad_token_id=pad,
-        seed=config.seed, progress=progress, neurons=METHODS.get(config.method).neurons,
+        seed=config.seed, progress=progress, statistics=requirements(config).statistics,
     )  # fmt: skip
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)

@@ -45,6 +45,7 @@ from moeprune.job.precision import LayerSwap, budget_per_scheme
 from moeprune.job.precision_evo import joint_document
 from moeprune.job.precision_kept import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.models import MoEModel
+from moeprune.observe.kinds import Statistic
 from moeprune.quant.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult
@@ -54,7 +55,7 @@ from moeprune.search.precision_mixed_space import JointGenes, MixedPrecisionSear
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
-from moeprune.surgery.planning import guard_super_experts
+from moeprune.surgery.planning import guard_super_experts, requirements
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 from moeprune.surgery.sizes import WeightBytes, grid_steps
@@ -218,7 +219,8 @@ def run_joint_mixed(
     pad = runtime.pad_token_id or 0
     observed = score_experts(
         full, config.criterion, list(calibration), batch_size=runtime.batch_size, pad_token_id=pad,
-        seed=config.seed, progress=runtime.progress, neurons=True,
+        seed=config.seed, progress=runtime.progress,
+        statistics=requirements(config).statistics | {Statistic.NEURONS},
     )  # fmt: skip
     crit, scores, stats = observed
     guard_super_experts(full, config, stats)
