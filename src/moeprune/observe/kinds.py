@@ -26,12 +26,18 @@ from enum import Enum
 
 
 class Statistic(Enum):
-    TENP = "tenp_sum"
-    MOMENTS = "moments"
-    MAXIMA = "output_absmax"
-    GATED_OUTPUTS = "gated_sum"
-    PROBE = "probe"
-    NEURONS = "neurons"
+    """A kind of statistic; its value names the LayerStats fields it fills (None when not asked)."""
+
+    TENP = ("tenp_sum",)
+    MOMENTS = ("mean", "m2")
+    MAXIMA = ("output_absmax",)
+    GATED_OUTPUTS = ("gated_sum",)
+    PROBE = ("probe",)
+    NEURONS = ("neuron_proj_sum", "neuron_l2_sum")
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self.value
 
 
 Statistics = frozenset[Statistic]
