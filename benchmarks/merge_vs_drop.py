@@ -49,17 +49,14 @@ def main() -> None:
 
     def data(split: str, domains, samples: int):
         files = [str(corpus / f"{d}_{split}.jsonl") for d in domains]
-        return load_data(
-            files, tokenizer, num_samples=samples, max_length=settings.max_length, seed=settings.seed
-        )
+        return load_data(files, tokenizer, num_samples=samples, max_length=settings.max_length, seed=settings.seed)
 
     stats = observe(
         moe, data("train", DOMAINS, settings.calibration_samples), batch_size=settings.batch_size,
         pad_token_id=pad, progress=False,
     )  # fmt: skip
     evals = {
-        d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad)
-        for d in DOMAINS
+        d: DomainEval(moe, data("eval", [d], settings.eval_samples), settings.batch_size, pad) for d in DOMAINS
     }
     crit = get_criterion(args.criterion)
     scores = compute_scores(crit.name, stats=stats, layers=[m.index for m in moe.layers])

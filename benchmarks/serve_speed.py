@@ -253,16 +253,14 @@ def prune_all(args: argparse.Namespace, model: Path, data: list[str], search: li
         if not (out / "report.json").is_file():
             start = time.perf_counter()
             config = PruneConfig(sparsity=args.sparsity, search=evo, **KINDS[kind])
-            prune_checkpoint(
-                PruneRequest(
-                    model,
-                    out,
-                    config,
-                    data=options,
-                    search_data=search if config.allocation == "evo" else [],
-                    run=RunOptions(progress=False, overwrite=True),
-                )
-            )
+            prune_checkpoint(PruneRequest(
+                model,
+                out,
+                config,
+                data=options,
+                search_data=search if config.allocation == "evo" else [],
+                run=RunOptions(progress=False, overwrite=True),
+            ))
             print(f"pruned {kind} in {time.perf_counter() - start:.0f} s", flush=True)
         paths[kind] = out
     return paths
