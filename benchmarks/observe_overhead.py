@@ -1,10 +1,15 @@
-"""Observer overhead: one observe() pass collecting every statistic vs a plain forward.
+"""Observer overhead: observe() passes vs a plain forward, measured in one run.
 
-All three run over the same batches of the same model in one process, alternating, best of N.
-"every statistic" = counts, router-weight sums, output norms, weight x norm, Welford mean and
-variance, TENP's direction term. The optional per-neuron importances (only for neuron pruning)
-need one extra [n, d] x [d, I] product per expert and are timed separately. Prints the ratio of
-the full-statistics pass last. Target: <= 1.3x.
+Every pass runs over the same batches of the same model in one process, alternating, best of N:
+- REAP drop run: what `moeprune prune --criterion reap --method drop` asks the pass for (its
+  `requirements(config).statistics`: the per-token sums and the super-expert guard's maxima);
+- full statistics: every kind a pass can record but the per-neuron sums (observe()'s default:
+  Welford mean and variance, TENP's direction term, the guard's maxima, merge's gated sums and
+  probe tokens);
+- with per-neuron importances (only neuron pruning asks: one extra [n, d] x [d, I] product per
+  expert).
+Prints each ratio to the plain forward; the last two lines are the REAP and full-statistics
+ratios. Target: REAP drop run <= 1.10x.
 
     .venv/bin/python benchmarks/observe_overhead.py [--layers 8 --hidden 256 --experts 32 ...]
 """
@@ -13,14 +18,18 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
+from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
+from moeprune.observe.kinds import DEFAULT, Statistic
 from moeprune.observe.observer import observe
 from moeprune.runtime.device import DTYPES
+from moeprune.surgery.planning import requirements
 
 
 def build(args) -> MoEModel:
@@ -61,6 +70,10 @@ def plain_pass(moe: MoEModel, data: CalibrationData, batch_size: int) -> None:
             moe.model(input_ids=ids, attention_mask=mask, use_cache=False)
 
 
+def observed_pass(moe: MoEModel, data: CalibrationData, batch_size: int, kinds) -> None:
+    observe(moe, data, batch_size=batch_size, progress=False, statistics=kinds)
+
+
 def timed(work) -> float:
     """Seconds `work()` takes, the GPU's queued kernels included."""
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -97,17 +110,25 @@ def main() -> None:
     params = sum(p.numel() for p in moe.model.parameters())
     print(f"model: {args.family} on {args.device} in {args.dtype}, {params / 1e6:.1f}M parameters, {len(moe.layers)} MoE layers x {args.experts} "
           f"experts (top-{args.top_k}); {data.num_tokens()} tokens in batches of {args.batch_size}")  # fmt: skip
+    reap = requirements(PruneConfig(sparsity=0.5, criterion="reap", method="drop")).statistics
+    passes = {
+        "REAP drop run (" + ", ".join(sorted(k.name for k in reap)) + ")": reap,
+        "full statistics": DEFAULT,
+        "full statistics + per-neuron importances": DEFAULT | {Statistic.NEURONS},
+    }
     plain_pass(moe, data, args.batch_size)  # warm-up
-    plain, observed, with_neurons = [], [], []
+    plain: list[float] = []
+    times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(args.repeats):
         plain.append(timed(lambda: plain_pass(moe, data, args.batch_size)))
-        with_neurons.append(timed(lambda: observe(moe, data, batch_size=args.batch_size, neurons=True, progress=False)))
-        observed.append(timed(lambda: observe(moe, data, batch_size=args.batch_size, progress=False)))
+        for name, kinds in passes.items():
+            times[name].append(timed(partial(observed_pass, moe, data, args.batch_size, kinds)))
     print(f"plain forward: best {min(plain):.3f}s of {args.repeats}")
-    print(f"observe + per-neuron importances: best {min(with_neurons):.3f}s "
-          f"({min(with_neurons) / min(plain):.3f}x plain)")  # fmt: skip
-    print(f"observe (every expert statistic): best {min(observed):.3f}s")
-    print(f"observe / plain forward ratio: {min(observed) / min(plain):.3f}x")
+    for name in reversed(passes):
+        print(f"observe, {name}: best {min(times[name]):.3f}s ({min(times[name]) / min(plain):.3f}x plain)")
+    names = list(passes)
+    print(f"observe / plain forward ratio, full statistics: {min(times[names[1]]) / min(plain):.3f}x")
+    print(f"observe / plain forward ratio, REAP drop run: {min(times[names[0]]) / min(plain):.3f}x")
 
 
 if __name__ == "__main__":

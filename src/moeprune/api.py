@@ -185,7 +185,7 @@ def prune(
             pad_token_id=pad,
             seed=config.seed,
             progress=progress,
-            neurons=method.neurons,
+            statistics=needs.statistics,  # the method's neuron sums among them
         )
     found = guard_super_experts(moe, config, stats)  # refuses a budget only removing one could meet
     auto_table = None

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeprune.config import SEARCH_DATA, Registry
+from moeprune.observe.kinds import NONE, Statistics
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class Allocator:
     # exact, and a stock checkpoint can be written without the loaded model (the no-load pipeline)
     fixed: bool = False
     plan_note: Callable | None = None  # criterion -> what the plan's `extra` records about this allocation
+    # calibration statistics it reads itself (observe/kinds.py); none does today: each reads scores
+    statistics: Statistics = NONE
 
     @property
     def searches(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from moeprune.config import CALIBRATION
 from moeprune.criteria.registry import CRITERIA, Criterion
+from moeprune.observe.kinds import Statistic
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 
 F64 = torch.float64
@@ -64,7 +65,14 @@ def reap(s: LayerStats) -> torch.Tensor:
 
 
 @CRITERIA.register(
-    Criterion("mone", "lowest", False, "||std of outputs||_2 x mean router weight (MoNE)", needs=_DATA)
+    Criterion(
+        "mone",
+        "lowest",
+        False,
+        "||std of outputs||_2 x mean router weight (MoNE)",
+        needs=_DATA,
+        statistics=frozenset({Statistic.MOMENTS}),
+    )
 )
 def mone(s: LayerStats) -> torch.Tensor:
     """phi_var x phi_freq; the unbiased variance is 0 below two tokens, so such experts score 0."""
@@ -73,10 +81,18 @@ def mone(s: LayerStats) -> torch.Tensor:
 
 
 @CRITERIA.register(
-    Criterion("tenp", "lowest", False, "sum of g ||E|| (1 - cos(h, E)) (TENP)", needs=_DATA, per_domain=True)
+    Criterion(
+        "tenp",
+        "lowest",
+        False,
+        "sum of g ||E|| (1 - cos(h, E)) (TENP)",
+        needs=_DATA,
+        per_domain=True,
+        statistics=frozenset({Statistic.TENP}),
+    )
 )
 def tenp(s: LayerStats) -> torch.Tensor:
-    return s.tenp_sum
+    return s.need("tenp_sum")
 
 
 @CRITERIA.register(
@@ -100,6 +116,7 @@ def man(s: LayerStats) -> torch.Tensor:
         False,
         "mean of the squared output norms ||E_i(h_t)||^2 over routed tokens (MSAN)",
         needs=_DATA,
+        statistics=frozenset({Statistic.MOMENTS}),
     )
 )
 def msan(s: LayerStats) -> torch.Tensor:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from moeprune.config import CALIBRATION, WEIGHTS, Registry
+from moeprune.observe.kinds import NONE, Statistics
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Criterion:
     needs: tuple[str, ...] = ()  # CALIBRATION (statistics), WEIGHTS, or nothing
     per_domain: bool = False  # several calibration files are normalised per domain, not merged (TENP)
     fn: Callable | None = None  # data: LayerStats -> scores [E]; weights: (sum|w|, sum w^2, N) -> score
+    # what its fn reads beyond the per-token sums every observation records (observe/kinds.py)
+    statistics: Statistics = NONE
 
     @property
     def needs_data(self) -> bool:

@@ -6,7 +6,7 @@ experts no calibration token reached.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import cast
 
 import numpy as np
@@ -21,11 +21,13 @@ from moeprune.criteria.registry import (
     get_criterion,
     pruning_order_of,
 )
+from moeprune.criteria.super_experts import GUARD_STATISTICS
 from moeprune.criteria.weights import weight_scores
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.distributed import observe_distributed
+from moeprune.observe.kinds import NONE, Statistic, union
 from moeprune.observe.stats import ExpertStats, as_domains
 
 
@@ -173,11 +175,13 @@ def score_experts(
     pad_token_id: int = 0,
     seed: int = 0,
     progress: bool = True,
-    neurons: bool = False,
+    statistics: Collection[Statistic] = NONE,
 ) -> tuple[Criterion, list[LayerScores], list[ExpertStats]]:
     """Scores of every MoE layer under one criterion, observing the calibration `sets` first
-    (one ExpertStats per set; under torchrun the pass is split over the ranks). `neurons` records
-    neuron shares too (neuron surgery needs them)."""
+    (one ExpertStats per set; under torchrun the pass is split over the ranks). The pass records
+    what the criterion and the super-expert guard declare, plus `statistics` (what the run's
+    method, allocation or `auto` read: `Requirements.statistics`; Statistic.NEURONS records each
+    neuron's share, which neuron surgery needs)."""
     criterion = get_criterion(criterion_name)
     if criterion.needs_data and not sets:
         raise MoePruneError(
@@ -190,8 +194,8 @@ def score_experts(
             batch_size=batch_size,
             pad_token_id=pad_token_id,
             progress=progress,
-            neurons=neurons,
             domain=d.sources[0] if len(sets) > 1 else "",
+            statistics=union(criterion.statistics, GUARD_STATISTICS, statistics),
         )
         for d in sets
     ]

@@ -25,10 +25,14 @@ import torch
 
 from moeprune.criteria.registry import LayerScores
 from moeprune.errors import MoePruneError
+from moeprune.observe.kinds import Statistic
 from moeprune.observe.stats import ExpertStats, as_domains
 
 PERCENTILE = 99.5
 FRACTION_OF_MAX = 0.1
+# what the guard reads (observe/kinds.py): asked of every pass that finds super experts, which is
+# every calibrated prune and score: with allow_super_experts the report still names them
+GUARD_STATISTICS = frozenset({Statistic.MAXIMA})
 NOT_CHECKED = (
     "super experts were not checked (no calibration data was read): give calibration data "
     "to find and keep them"

@@ -16,6 +16,7 @@ from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.adapter import EXPERT_IDS_ATTR
+from moeprune.observe.kinds import NONE
 from moeprune.observe.observer import observe
 from moeprune.plan import Plan
 
@@ -45,7 +46,9 @@ def selection_frequencies(
     moe: MoEModel, data: CalibrationData, ids: dict[int, list[int]], *, batch_size: int, pad_token_id: int
 ) -> tuple[dict[int, dict[int, float]], int]:
     """Per layer, {original id: fraction of tokens that selected it} (sums to top_k), and tokens seen."""
-    stats = observe(moe, data, batch_size=batch_size, pad_token_id=pad_token_id, progress=False)
+    stats = observe(
+        moe, data, batch_size=batch_size, pad_token_id=pad_token_id, progress=False, statistics=NONE
+    )  # counts only
     tokens = max(stats.tokens, 1)
     freq = {}
     for m, layer_stats in zip(moe.layers, stats.layers):

@@ -30,12 +30,13 @@ from moeprune.criteria import (
     unseen_experts,
     unseen_note,
 )
-from moeprune.criteria.super_experts import as_report, guard_note
+from moeprune.criteria.super_experts import GUARD_STATISTICS, as_report, guard_note
 from moeprune.data.loading import CalibrationData, calibration_sets
 from moeprune.errors import MoePruneError
 from moeprune.job.evidence import Evidence, write_evidence
 from moeprune.job.prepare import PruneRequest
 from moeprune.models import MoEModel
+from moeprune.observe.kinds import NONE, Statistics, union
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
@@ -56,7 +57,13 @@ from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
 from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
-from moeprune.surgery.planning import build_plan, check_feasible, check_fixed_layers, guard_super_experts
+from moeprune.surgery.planning import (
+    build_plan,
+    check_feasible,
+    check_fixed_layers,
+    guard_super_experts,
+    requirements,
+)
 from moeprune.surgery.plans import resolve_plan
 from moeprune.surgery.registry import METHODS
 from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
@@ -76,16 +83,18 @@ def score_without_loading(
     seed: int = 0,
     progress: bool = True,
     observe_for: str = "",
-    neurons: bool = False,
+    statistics: Statistics = NONE,
 ) -> tuple[Criterion, list[LayerScores], list[ExpertStats], list[CalibrationData]]:
     """Scores without ever holding the whole model: weights streamed from the shards, or
     calibration statistics observed one decoder layer at a time.
 
     `observe_for` names a surgery method that needs the statistics whatever the criterion
-    (`neurons`: with neuron sums); the criterion is then only a label for a weight-only
+    (`statistics` holding Statistic.NEURONS: with neuron sums); the criterion is then only a label for a weight-only
     criterion, whose scores are not streamed (an empty list: the method does not use them).
     `observe_for=GUARD`: calibration data, when given, is observed for a weight-only criterion
     too, only to find the super experts (its scores are still streamed from the shards).
+    The pass records what the criterion and the guard declare, plus `statistics` (the run's
+    `Requirements.statistics`).
     """
     crit = get_criterion(criterion)
     if observe_for == GUARD and (crit.needs_data or not (data and data.sources)):
@@ -108,9 +117,10 @@ def score_without_loading(
             d,
             batch_size=data.batch_size,
             pad_token_id=pad,
-            options=SequentialOptions(placed, data.activations_dir),
+            options=SequentialOptions(
+                placed, data.activations_dir, union(crit.statistics, GUARD_STATISTICS, statistics)
+            ),
             progress=progress,
-            neurons=neurons,
         )
         for d in sets
     ]
@@ -298,6 +308,7 @@ def _drop(job: _NoLoadJob) -> dict:
         seed=config.seed,
         progress=job.run.progress,
         observe_for=GUARD,
+        statistics=requirements(config).statistics,
     )
     found = guard_super_experts(moe, config, stats)  # refuses a budget only removing one could meet
     timer.lap("score")
@@ -376,7 +387,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         seed=config.seed,
         progress=job.run.progress,
         observe_for="the neurons method",
-        neurons=True,
+        statistics=requirements(config).statistics,  # the neurons method's: Statistic.NEURONS
     )
     found = guard_super_experts(moe, config, stats)
     refuse_whole_super_experts(moe, config)

@@ -31,10 +31,8 @@ from moeprune.observe.stats import (
 )
 from moeprune.runtime.distributed import is_distributed, shard_data
 
-_MOMENT_FIELDS = SUM_FIELDS + MOMENT_FIELDS
-_OPTIONAL_FIELDS = (
-    NEURON_FIELDS + MAX_FIELDS + GATED_FIELDS
-)  # gathered when present; merge() sums or maxes them
+# every tensor field but the probe, gathered when the pass recorded it; merge() sums or maxes them
+_GATHERED = SUM_FIELDS + MOMENT_FIELDS + NEURON_FIELDS + MAX_FIELDS + GATED_FIELDS
 
 
 def observe_distributed(
@@ -93,7 +91,7 @@ def reduce_stats(local: ExpertStats, data: CalibrationData) -> ExpertStats:
 
 
 def _fields(stats: LayerStats) -> list[str]:
-    return list(_MOMENT_FIELDS) + [f for f in _OPTIONAL_FIELDS if getattr(stats, f) is not None]
+    return [f for f in _GATHERED if getattr(stats, f) is not None]
 
 
 def _flatten(stats: ExpertStats) -> torch.Tensor:

@@ -1,13 +1,16 @@
-"""One pass over calibration data collecting every per-expert statistic (fp64).
+"""One pass over calibration data collecting the per-expert statistics asked for (fp64).
 
 Each expert runs only on the tokens routed to it (moeprune's routed computation replaces the
 model's for the pass), padding rows are excluded with the attention mask, and the routing
-weights are the ones the router returned, never recomputed.
+weights are the ones the router returned, never recomputed. What is recorded besides the
+per-token scalars (count, sum g, sum ||E||, sum g ||E||) is what the caller asks for
+(observe/kinds.py): a REAP drop run pays for the guard's maxima and nothing else.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +18,7 @@ import torch
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, RoutedRows, override_routed
+from moeprune.observe.kinds import DEFAULT, Statistic
 from moeprune.observe.neurons import NeuronRows, neuron_sums
 from moeprune.observe.stats import F64, PROBE_TOKENS, ExpertStats, LayerStats
 from moeprune.runtime.device import input_device
@@ -41,15 +45,20 @@ class _Accumulator:
 
     Per-token terms are computed in fp32 or fp64 and every sum is accumulated in fp64; moments
     merge per batch with Chan's exact parallel update; the per-expert output maximum is a max.
+    Only the kinds asked for are computed; each sum keeps its bits whichever others are asked
+    (a column of one index_add_ is summed in the same order as alone).
     Nothing here reads a GPU value back to the host: padding rows are summed into one bin past the
     experts and dropped (a boolean selection would wait for the GPU), and finiteness is checked once
     per batch (`check_finite`), naming the same layer and culprit as a check per layer would.
     """
 
-    def __init__(self, moe: MoEModel, neurons: bool):
-        self.neurons = neurons
+    def __init__(self, moe: MoEModel, statistics: Collection[Statistic] = DEFAULT):
+        self.asked = frozenset(statistics)
+        self.neurons = Statistic.NEURONS in self.asked
         self.stats = {
-            m.index: LayerStats.zeros(m.index, m.num_experts, m.hidden_size, m.intermediate_size, neurons)
+            m.index: LayerStats.zeros(
+                m.index, m.num_experts, m.hidden_size, m.intermediate_size, statistics=self.asked
+            )
             for m in moe.layers
         }
         self.valid: torch.Tensor | None = None  # [B*L] bool, set per batch
@@ -84,68 +93,91 @@ class _Accumulator:
         stats = self.stats[layer.index]
         if stats.count.device != device:
             stats.to(device)
-        n_experts = stats.num_experts
-        ids = torch.where(keep, routed.experts, n_experts)  # padding: the bin past the experts
+        ids = torch.where(keep, routed.experts, stats.num_experts)  # padding: the bin past the experts
         x, y, g, m = routed.inputs, routed.outputs, routed.weights, routed.intermediate
         y32, x32 = y.float(), x.float()
         norms, in_norms = y32.norm(dim=1), x32.norm(dim=1)
-        cos = (x32 * y32).sum(1) / (in_norms * norms).clamp_min(1e-30)
-        g64, norms64 = g.to(F64), norms.to(F64)
-
-        # Every segment sum of this call in one fp64 buffer (one allocation, each column summed in
-        # the same order as alone): the per-token scalars, then sum y, sum y^2 and sum g y.
-        # in_norms is summed only to screen finiteness: a sum is finite iff every term is.
-        gn = g64 * norms64
-        columns = (torch.ones_like(g64), g64, norms64, gn, gn * (1 - cos.to(F64)), in_norms.to(F64))
-        y64 = y32.to(F64)
-        d, gated = y64.shape[1], stats.gated_sum is not None
-        buffer = torch.zeros(n_experts + 1, 6 + (3 if gated else 2) * d, dtype=F64, device=device)
-        buffer[:, :6].index_add_(0, ids, torch.stack(columns, dim=1))
-        buffer[:, 6 : 6 + d].index_add_(0, ids, y64)
-        buffer[:, 6 + d : 6 + 2 * d].index_add_(0, ids, y64.square())
-        if gated:
-            buffer[:, 6 + 2 * d :].index_add_(0, ids, y64 * g64.unsqueeze(1))
-        sums = buffer[:n_experts]  # the spare bin (padding) dropped
-        scalars = sums[:, :6]
+        sums = self._sums(stats, ids, x32, y32, g, norms, in_norms)
         self._screens.append(
-            _Screen(
-                layer.index, torch.isfinite(scalars[:, 1:]).all(), keep, routed.experts, in_norms, g, norms
-            )
+            _Screen(layer.index, torch.isfinite(sums[:, 1:]).all(), keep, routed.experts, in_norms, g, norms)
         )
-        counts, weight_sum, norm_sum, weighted_norm_sum, tenp_sum, _ = scalars.unbind(1)
-
-        # Per-batch moments from fp64 sums, merged into the running mean/M2 with Chan's update.
-        seen = counts > 0
-        batch_mean = sums[:, 6 : 6 + d] / counts.clamp_min(1).unsqueeze(1)
-        batch_m2 = (sums[:, 6 + d : 6 + 2 * d] - counts.unsqueeze(1) * batch_mean.square()).clamp_min(0)
-        n_a = stats.count
-        n_ab = n_a + counts
-        delta = batch_mean - stats.mean
-        ratio = torch.where(seen, counts / n_ab.clamp_min(1), 0.0)
-        stats.mean += delta * ratio.unsqueeze(1)
-        stats.m2 += torch.where(
-            seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0
-        )
-        stats.count += counts
-        stats.weight_sum += weight_sum
-        stats.norm_sum += norm_sum
-        stats.weighted_norm_sum += weighted_norm_sum
-        if stats.gated_sum is not None:
-            stats.gated_sum += sums[:, 6 + 2 * d :]
         if stats.probe is not None and stats.probe.shape[0] < PROBE_TOKENS:  # the first batches only
             _probe(stats, routed.rows[keep], x[keep])
-        stats.tenp_sum += tenp_sum
-        # Super-expert statistic: the largest |output element| per expert, a max (no rounding:
-        # fp32 values are exact in fp64), so batches, ranks and domains merge exactly.
-        absmax = torch.zeros(n_experts + 1, dtype=F64, device=device).scatter_reduce_(
-            0, ids, y32.abs().amax(1).to(F64), reduce="amax"
-        )[:n_experts]
-        if stats.output_absmax is None:
-            stats.output_absmax = absmax
-        else:
-            torch.maximum(stats.output_absmax, absmax, out=stats.output_absmax)
+        if stats.output_absmax is not None:
+            _maxima(stats, ids, y32)
         if self.neurons and m is not None:
             neuron_sums(layer, stats, NeuronRows(routed.experts, ids, keep, y32, m.float(), norms))
+
+    def _sums(self, stats: LayerStats, ids, x32, y32, g, norms, in_norms) -> torch.Tensor:
+        """Add this call's segment sums to `stats`; returns the per-token scalars' sums [E, k]
+        (their last column, sum ||h||, is there only to screen finiteness: a sum is finite iff
+        every term is).
+
+        Every segment sum of the call goes into one fp64 buffer (one allocation, each column
+        summed in the same order as alone): the per-token scalars, then, when asked for, sum y and
+        sum y^2 (the moments) and sum g y (the merge's gated outputs)."""
+        n_experts = stats.num_experts
+        g64, norms64 = g.to(F64), norms.to(F64)
+        gn = g64 * norms64
+        columns = [torch.ones_like(g64), g64, norms64, gn]
+        if stats.tenp_sum is not None:
+            cos = (x32 * y32).sum(1) / (in_norms * norms).clamp_min(1e-30)
+            columns.append(gn * (1 - cos.to(F64)))
+        columns.append(in_norms.to(F64))
+        k, d = len(columns), y32.shape[1]
+        moments, gated = stats.mean is not None, stats.gated_sum is not None
+        wide = (2 if moments else 0) + (1 if gated else 0)
+        buffer = torch.zeros(n_experts + 1, k + wide * d, dtype=F64, device=ids.device)
+        buffer[:, :k].index_add_(0, ids, torch.stack(columns, dim=1))
+        if wide:
+            y64, at = y32.to(F64), k
+            if moments:
+                buffer[:, at : at + d].index_add_(0, ids, y64)
+                buffer[:, at + d : at + 2 * d].index_add_(0, ids, y64.square())
+                at += 2 * d
+            if gated:
+                buffer[:, at:].index_add_(0, ids, y64 * g64.unsqueeze(1))
+        sums = buffer[:n_experts]  # the spare bin (padding) dropped
+        counts = sums[:, 0]
+        if moments:
+            _merge_moments(stats, counts, sums[:, k : k + d], sums[:, k + d : k + 2 * d])
+        stats.count += counts
+        stats.weight_sum += sums[:, 1]
+        stats.norm_sum += sums[:, 2]
+        stats.weighted_norm_sum += sums[:, 3]
+        if stats.tenp_sum is not None:
+            stats.tenp_sum += sums[:, 4]
+        if stats.gated_sum is not None:
+            stats.gated_sum += sums[:, k + (2 * d if moments else 0) :]
+        return sums[:, :k]
+
+
+def _merge_moments(
+    stats: LayerStats, counts: torch.Tensor, sum_y: torch.Tensor, sum_sq: torch.Tensor
+) -> None:
+    """Per-batch moments from fp64 sums, merged into the running mean/M2 with Chan's update
+    (before `stats.count` takes this batch's counts)."""
+    mean, m2 = stats.need("mean"), stats.need("m2")
+    seen = counts > 0
+    batch_mean = sum_y / counts.clamp_min(1).unsqueeze(1)
+    batch_m2 = (sum_sq - counts.unsqueeze(1) * batch_mean.square()).clamp_min(0)
+    n_a = stats.count
+    n_ab = n_a + counts
+    delta = batch_mean - mean
+    ratio = torch.where(seen, counts / n_ab.clamp_min(1), 0.0)
+    mean += delta * ratio.unsqueeze(1)
+    m2 += torch.where(seen.unsqueeze(1), batch_m2 + delta.square() * (n_a * ratio).unsqueeze(1), 0.0)
+
+
+def _maxima(stats: LayerStats, ids: torch.Tensor, y32: torch.Tensor) -> None:
+    """Super-expert statistic: the largest |output element| per expert, a max (no rounding:
+    fp32 values are exact in fp64), so batches, ranks and domains merge exactly."""
+    assert stats.output_absmax is not None, "asked for: LayerStats.zeros allocated it"
+    n_experts = stats.num_experts
+    absmax = torch.zeros(n_experts + 1, dtype=F64, device=ids.device).scatter_reduce_(
+        0, ids, y32.abs().amax(1).to(F64), reduce="amax"
+    )[:n_experts]
+    torch.maximum(stats.output_absmax, absmax, out=stats.output_absmax)
 
 
 def _probe(stats: LayerStats, rows: torch.Tensor, x: torch.Tensor) -> None:
@@ -186,13 +218,16 @@ def observe(
     pad_token_id: int = 0,
     progress: bool = True,
     domain: str = "",
+    statistics: Collection[Statistic] = DEFAULT,
 ) -> ExpertStats:
-    """Run the model once over `data` and return per-expert statistics of every MoE layer."""
+    """Run the model once over `data` and return per-expert statistics of every MoE layer: the
+    per-token sums always, and the kinds in `statistics` (observe/kinds.py; `neurons` adds
+    Statistic.NEURONS). The default records every kind but the per-neuron sums."""
     model = moe.model
     data.check_vocabulary(model)
     device = input_device(model)
-    acc = _Accumulator(moe, neurons)
-    options = RoutedOptions(on_layer=acc, need_intermediate=neurons)
+    acc = _Accumulator(moe, asked(statistics, neurons))
+    options = RoutedOptions(on_layer=acc, need_intermediate=acc.neurons)
     tokens = 0
     start = time.perf_counter()
     batches = data.batches(batch_size, pad_token_id)
@@ -211,6 +246,11 @@ def observe(
     layers = [acc.stats[m.index].to("cpu") for m in moe.layers]
     note = f"observed {tokens} tokens in {time.perf_counter() - start:.1f}s"
     return ExpertStats.from_pass(layers, tokens, data, domain, note)
+
+
+def asked(statistics: Collection[Statistic], neurons: bool) -> frozenset[Statistic]:
+    """The kinds a pass records: `statistics`, plus the per-neuron sums when `neurons` says so."""
+    return frozenset(statistics) | ({Statistic.NEURONS} if neurons else frozenset())
 
 
 def _located(error: NonFiniteError, model, batch) -> NonFiniteError:

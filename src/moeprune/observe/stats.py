@@ -7,17 +7,19 @@ ranks, or domains) is exact rather than approximate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moeprune.errors import MoePruneError
+from moeprune.observe.kinds import DEFAULT, Statistic
 
 F64 = torch.float64
 SUM_FIELDS = ("count", "weight_sum", "norm_sum", "weighted_norm_sum", "tenp_sum")  # plain fp64 sums, [E]
-MOMENT_FIELDS = ("mean", "m2")  # Welford moments, [E, d]
+RECORDED_FIELDS = SUM_FIELDS[:4]  # always recorded; tenp_sum only when asked for (observe/kinds.py)
+MOMENT_FIELDS = ("mean", "m2")  # Welford moments, [E, d]; only when asked for
 NEURON_FIELDS = ("neuron_proj_sum", "neuron_l2_sum")  # optional, [E, I]
 GATED_FIELDS = ("gated_sum",)  # optional plain sums, [E, d]: absent from statistics saved before them
 PROBE_TOKENS = 128  # block inputs kept per layer for the merge method's shared-token features
@@ -26,7 +28,9 @@ MAX_FIELDS = ("output_absmax",)  # running maxima, [E]: merged with max, not sum
 
 @dataclass
 class LayerStats:
-    """Statistics of one MoE layer; every tensor is indexed by the original expert id."""
+    """Statistics of one MoE layer; every tensor is indexed by the original expert id.
+
+    A field the observation was not asked for (observe/kinds.py) is None; `need` names it."""
 
     layer: int  # decoder layer index
     num_experts: int
@@ -36,9 +40,9 @@ class LayerStats:
     weight_sum: torch.Tensor  # [E] sum g_i(t)
     norm_sum: torch.Tensor  # [E] sum ||E_i(h_t)||
     weighted_norm_sum: torch.Tensor  # [E] sum g_i(t) ||E_i(h_t)||
-    tenp_sum: torch.Tensor  # [E] sum g_i(t) ||E_i(h_t)|| (1 - cos(h_t, E_i(h_t)))
-    mean: torch.Tensor  # [E, d] running mean of E_i(h_t)
-    m2: torch.Tensor  # [E, d] running sum of squared deviations (Welford)
+    tenp_sum: torch.Tensor | None = None  # [E] sum g_i(t) ||E_i(h_t)|| (1 - cos(h_t, E_i(h_t))) (TENP)
+    mean: torch.Tensor | None = None  # [E, d] running mean of E_i(h_t) (MOMENTS)
+    m2: torch.Tensor | None = None  # [E, d] running sum of squared deviations, Welford (MOMENTS)
     neuron_proj_sum: torch.Tensor | None = None  # [E, I] sum <y_k, y> / (||y|| + 1e-8)
     neuron_l2_sum: torch.Tensor | None = None  # [E, I] sum ||y_k||
     # [E] max over routed tokens of max_j |E_i(h_t)_j| (before the routing weight): the super-expert
@@ -53,12 +57,24 @@ class LayerStats:
 
     @classmethod
     def zeros(
-        cls, layer: int, num_experts: int, hidden_size: int, intermediate_size: int, neurons: bool = False
+        cls,
+        layer: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        neurons: bool = False,
+        statistics: Collection[Statistic] = DEFAULT,
     ) -> LayerStats:
+        """Empty accumulators of the asked kinds (`neurons` adds Statistic.NEURONS)."""
         e, d, i = num_experts, hidden_size, intermediate_size
+        asked = set(statistics) | ({Statistic.NEURONS} if neurons else set())
+        neurons, moments = Statistic.NEURONS in asked, Statistic.MOMENTS in asked
 
         def z(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=F64)
+
+        def given(kind: Statistic, *shape: int) -> torch.Tensor | None:
+            return z(*shape) if kind in asked else None
 
         return cls(
             layer=layer,
@@ -69,21 +85,32 @@ class LayerStats:
             weight_sum=z(e),
             norm_sum=z(e),
             weighted_norm_sum=z(e),
-            tenp_sum=z(e),
-            mean=z(e, d),
-            m2=z(e, d),
+            tenp_sum=given(Statistic.TENP, e),
+            mean=z(e, d) if moments else None,
+            m2=z(e, d) if moments else None,
             neuron_proj_sum=z(e, i) if neurons else None,
             neuron_l2_sum=z(e, i) if neurons else None,
-            output_absmax=z(e),
-            gated_sum=z(e, d),
-            probe=z(0, d),
+            output_absmax=given(Statistic.MAXIMA, e),
+            gated_sum=given(Statistic.GATED_OUTPUTS, e, d),
+            probe=given(Statistic.PROBE, 0, d),
         )
+
+    def need(self, name: str) -> torch.Tensor:
+        """Field `name`, or one line saying the observation was not asked for it (a reader whose
+        entry did not declare the statistic it reads: observe/kinds.py)."""
+        value = getattr(self, name)
+        if value is None:
+            raise MoePruneError(
+                f"decoder layer {self.layer}: the calibration statistics hold no {name} (the "
+                "observation was not asked for it: the entry reading it must declare it in `statistics`)"
+            )
+        return value
 
     @property
     def variance(self) -> torch.Tensor:
         """Unbiased per-dimension variance [E, d]; zero where fewer than two tokens were seen."""
         denom = (self.count - 1).clamp(min=1).unsqueeze(1)
-        var = self.m2 / denom
+        var = self.need("m2") / denom
         return torch.where((self.count > 1).unsqueeze(1), var, torch.zeros_like(var))
 
     @property
@@ -91,7 +118,7 @@ class LayerStats:
         """[E] sum ||E_i(h_t)||^2 over the routed tokens (MSAN), from the moments already kept:
         sum_t ||y_t||^2 = n ||mean||^2 + sum_d M2_d. Both terms are >= 0, so nothing cancels and the
         fp64 result matches a dedicated accumulator to rounding; 0 where no token was seen."""
-        return self.count * self.mean.square().sum(1) + self.m2.sum(1)
+        return self.count * self.need("mean").square().sum(1) + self.need("m2").sum(1)
 
     def to(self, device: torch.device | str) -> LayerStats:
         """Move every accumulator to `device` in place (the observer accumulates where rows are)."""
@@ -102,11 +129,12 @@ class LayerStats:
 
     def add_moments(self, expert: int, n: float, batch_mean: torch.Tensor, batch_m2: torch.Tensor) -> None:
         """Merge a batch's mean and M2 (Chan et al.); call before updating `count`."""
+        mean, m2 = self.need("mean"), self.need("m2")
         n_a = self.count[expert]
         n_ab = n_a + n
-        delta = batch_mean - self.mean[expert]
-        self.mean[expert] += delta * (n / n_ab)
-        self.m2[expert] += batch_m2 + delta.square() * (n_a * n / n_ab)
+        delta = batch_mean - mean[expert]
+        mean[expert] += delta * (n / n_ab)
+        m2[expert] += batch_m2 + delta.square() * (n_a * n / n_ab)
 
     def merge(self, other: LayerStats) -> None:
         """Add another accumulation of the same layer (another batch set, rank or domain)."""
@@ -116,15 +144,16 @@ class LayerStats:
             self.hidden_size,
         ):
             raise ValueError(f"cannot merge statistics of different layers ({other.layer} vs {self.layer})")
-        for e in torch.nonzero(other.count > 0).flatten().tolist():
-            self.add_moments(e, float(other.count[e]), other.mean[e], other.m2[e])
-        for name in SUM_FIELDS:
+        if self.mean is not None and other.mean is not None and other.m2 is not None:
+            for e in torch.nonzero(other.count > 0).flatten().tolist():
+                self.add_moments(e, float(other.count[e]), other.mean[e], other.m2[e])
+        for name in RECORDED_FIELDS:
             getattr(self, name).add_(getattr(other, name))
         for name in NEURON_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 mine.add_(theirs)
-        for name in GATED_FIELDS:
+        for name in ("tenp_sum", *GATED_FIELDS):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine is not None and theirs is not None:
                 mine.add_(theirs)

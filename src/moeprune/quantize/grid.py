@@ -38,8 +38,8 @@ from moeprune.quantize.choice import (
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.surgery.planning import guard_super_experts
-from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.planning import guard_super_experts, requirements
+from moeprune.surgery.registry import method_limits
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -63,7 +63,7 @@ def criterion_orders(
         pad_token_id=pad,
         seed=config.seed,
         progress=progress,
-        neurons=METHODS.get(config.method).neurons,
+        statistics=requirements(config).statistics,
     )
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)

@@ -41,6 +41,7 @@ from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.observe.kinds import Statistic
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme
 from moeprune.quantize.evo import joint_document
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
@@ -54,7 +55,7 @@ from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
-from moeprune.surgery.planning import guard_super_experts
+from moeprune.surgery.planning import guard_super_experts, requirements
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
 from moeprune.surgery.sizes import WeightBytes, grid_steps
@@ -224,7 +225,7 @@ def run_joint_mixed(
         pad_token_id=pad,
         seed=config.seed,
         progress=runtime.progress,
-        neurons=True,
+        statistics=requirements(config).statistics | {Statistic.NEURONS},
     )
     crit, scores, stats = observed
     guard_super_experts(full, config, stats)

@@ -145,7 +145,7 @@ class _Forms:
             self.novices.append(
                 {p: fits[layer.index][ids[p]] for p in range(c.experts)}
                 if fits is not None
-                else {p: s.mean[p].to(device=ref.device, dtype=ref.dtype) for p in range(c.experts)}
+                else {p: s.need("mean")[p].to(device=ref.device, dtype=ref.dtype) for p in range(c.experts)}
             )
 
     def scores(self, theta: torch.Tensor, layout: Sequence[int]) -> list[torch.Tensor]:

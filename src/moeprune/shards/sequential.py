@@ -49,7 +49,8 @@ from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, decoder_layers
 from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.distributed import data_parallel
-from moeprune.observe.observer import _Accumulator
+from moeprune.observe.kinds import DEFAULT, Statistic
+from moeprune.observe.observer import _Accumulator, asked
 from moeprune.observe.stats import ExpertStats, LayerStats
 from moeprune.runtime.device import Placement
 from moeprune.runtime.finite import NonFiniteError, check_finite_weights, first_nonfinite_output
@@ -311,10 +312,12 @@ class SequentialOptions:
     """Where a layer-by-layer pass keeps things: each decoder layer runs on `placement` (its device
     and dtype; `device_map` does not apply, one layer is on one device), and the captured
     activations stay in memory, or with `offload_dir` on disk in a temporary folder inside it,
-    for calibration sets whose hidden states do not fit."""
+    for calibration sets whose hidden states do not fit. `statistics`: the kinds it records
+    (observe/kinds.py), as `observe(statistics=...)`."""
 
     placement: Placement = Placement(torch.device("cpu"), torch.float32)
     offload_dir: str | Path | None = None
+    statistics: frozenset[Statistic] = DEFAULT
 
 
 def observe_sequential(
@@ -328,7 +331,8 @@ def observe_sequential(
     progress: bool = True,
     domain: str = "",
 ) -> ExpertStats:
-    """The statistics `observe` returns, holding one decoder layer's weights at a time.
+    """The statistics `observe` returns (the same kinds asked the same way), holding one decoder
+    layer's weights at a time.
 
     `options` says where layers run and where the cached activations live (SequentialOptions).
     """
@@ -348,7 +352,7 @@ def observe_sequential(
     try:
         with torch.no_grad():
             store, tokens = _capture_all(run, data, batch_size, pad_token_id, scratch)
-            stats = _observe_layers(run, moe, store, neurons)
+            stats = _observe_layers(run, moe, store, asked(options.statistics, neurons))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -413,15 +417,17 @@ def _capture_all(run: _Pass, data: CalibrationData, batch_size: int, pad_token_i
     return store, tokens
 
 
-def _observe_layers(run: _Pass, moe: MoEModel, store: _BatchStore, neurons: bool) -> list[LayerStats]:
+def _observe_layers(
+    run: _Pass, moe: MoEModel, store: _BatchStore, statistics: frozenset[Statistic]
+) -> list[LayerStats]:
     model, layers, shards, device, dtype = run.model, run.layers, run.shards, run.device, run.dtype
     progress = run.progress
-    acc = _Accumulator(moe, neurons)
+    acc = _Accumulator(moe, statistics)
     if not len(store):  # e.g. a torchrun rank without batches: nothing to load
         return [acc.stats[m.index] for m in moe.layers]
     for stats in acc.stats.values():
         stats.to(device)
-    options = RoutedOptions(on_layer=acc, need_intermediate=neurons)
+    options = RoutedOptions(on_layer=acc, need_intermediate=acc.neurons)
     with override_routed(moe, options):
         for index in progress_bar(
             range(len(layers)), desc="observe (layers)", unit="layer", enabled=progress

@@ -34,6 +34,7 @@ from moeprune.config import CALIBRATION
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.models.reshape import mask_experts
+from moeprune.observe.kinds import Statistic
 from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.merging import LayerMerger, Tensors
 from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
@@ -177,6 +178,7 @@ def record_groups(moe: MoEModel, plan: Plan, stats: StatsInput | None) -> Plan:
         needs=(CALIBRATION,),
         merges=True,
         candidate_context=lambda moe, stats: merge_context(moe, stats),
+        statistics=frozenset({Statistic.GATED_OUTPUTS, Statistic.PROBE}),  # surgery/merging.py
     )
 )
 def plan_merge(request: PlanRequest) -> Plan:

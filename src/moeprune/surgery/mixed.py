@@ -49,6 +49,7 @@ from moeprune.config import NEURON_STATS, PruneConfig, setting
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
+from moeprune.observe.kinds import Statistic
 from moeprune.plan import LayerPlan, Plan
 from moeprune.surgery.genes import LayerCosts, LayerGene, check_genes
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
@@ -424,6 +425,7 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         ("uniform", "evo", "gradient"),
         needs=(NEURON_STATS,),
         neurons=True,
+        statistics=frozenset({Statistic.MOMENTS}),  # the novices' mean outputs
         options=MixedOptions,
         feasible=_mixed_feasible,
         planned_bytes=_mixed_bytes,

@@ -30,6 +30,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.models.packed import pack_layer
 from moeprune.models.routed import RoutedOptions, override_routed
+from moeprune.observe.kinds import Statistic
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 from moeprune.plan import ModelShape, Plan
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
@@ -69,7 +70,7 @@ def layer_stats(domains: Sequence[ExpertStats], layer: MoELayer) -> LayerStats:
 def mean_outputs(layer: MoELayer, stats: LayerStats, positions: Sequence[int]) -> dict[int, torch.Tensor]:
     """mu_i of the experts at `positions`, in the model's dtype and device."""
     ref = cast(torch.Tensor, layer.experts.down_proj)
-    return {p: stats.mean[p].to(device=ref.device, dtype=ref.dtype) for p in positions}
+    return {p: stats.need("mean")[p].to(device=ref.device, dtype=ref.dtype) for p in positions}
 
 
 def make_novices(moe: MoEModel, novices: Mapping[int, Mapping[int, torch.Tensor]]) -> None:
@@ -127,6 +128,7 @@ def novice_plan(
         keeps_routing=True,
         options=NoviceOptions,
         candidate_context=lambda moe, stats: novice_context(moe, stats),
+        statistics=frozenset({Statistic.MOMENTS}),  # mu_i, the Welford mean
     )
 )
 def plan_novices(request: PlanRequest) -> Plan:

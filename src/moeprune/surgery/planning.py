@@ -16,10 +16,11 @@ from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import ALLOCATIONS, searches
 from moeprune.config import PruneConfig
-from moeprune.criteria import AUTO, Criterion, LayerScores, get_criterion
-from moeprune.criteria.super_experts import as_report, protected_order, super_experts
+from moeprune.criteria import AUTO, CRITERIA, Criterion, LayerScores, get_criterion
+from moeprune.criteria.super_experts import GUARD_STATISTICS, as_report, protected_order, super_experts
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel
+from moeprune.observe.kinds import Statistics, union
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.surgery.neurons import check_neuron_prunable
@@ -147,6 +148,10 @@ class Requirements:
         (its held-out tokens; without them repair holds back a share of the calibration data)."""
         return bool(self.search) or (self.repair and given)
 
+    # what the calibration pass records (observe/kinds.py): the union of what the criterion (every
+    # criterion for auto), the method, the allocation and the super-expert guard declare
+    statistics: Statistics = frozenset()
+
     def reads_calibration(self, given: bool) -> bool:
         """Whether the calibration data is read: when something needs it, and whenever it is given,
         to find the super experts (a criterion that needs no data, random or a weight-only one,
@@ -193,13 +198,15 @@ def requirements(config: PruneConfig) -> Requirements:
     for knob, names in readers.items():
         key = " or ".join(names)
         others[key] = (*others.get(key, ()), knob)
+    scored = list(CRITERIA) if auto else [criterion]  # auto scores every criterion from one pass
+    statistics = union(
+        *(c.statistics for c in scored),
+        method.observes,
+        ALLOCATIONS.get(config.allocation or method.allocations[0]).statistics,
+        GUARD_STATISTICS,
+    )
     return Requirements(
-        calibration,
-        search,
-        method.neurons,
-        criterion.per_domain,
-        others,
-        config.repair.enabled,
+        calibration, search, method.neurons, criterion.per_domain, others, config.repair.enabled, statistics
     )
 
 

@@ -17,6 +17,7 @@ from moeprune.config import Registry
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
+from moeprune.observe.kinds import NONE, Statistic, Statistics
 from moeprune.observe.stats import ExpertStats
 
 EXPERTS, PARAMETERS = "experts", "routed-expert parameters"  # what a method's sparsity is a fraction of
@@ -47,6 +48,14 @@ class Method:
         None  # (moe, config, WeightBytes, target) -> [(sparsity, bytes)] ascending
     )
     fn: Callable | None = None  # PlanRequest -> Plan
+    # calibration statistics its plan, surgery or search context reads beyond the per-token sums
+    # (observe/kinds.py); `neurons` adds the per-neuron sums (`observes`)
+    statistics: Statistics = NONE
+
+    @property
+    def observes(self) -> Statistics:
+        """Every kind of statistic this method reads from the observation pass."""
+        return self.statistics | ({Statistic.NEURONS} if self.neurons else NONE)
 
     @property
     def knobs(self) -> tuple[str, ...]:
