@@ -25,6 +25,7 @@ class Criterion:
     help: str
     needs: tuple[str, ...] = ()  # CALIBRATION (statistics), WEIGHTS, or nothing
     per_domain: bool = False  # several calibration files are normalised per domain, not merged (TENP)
+    baseline: bool = False  # a reference to compare with (random), never chosen by `criterion auto`
     fn: Callable | None = None  # data: LayerStats -> scores [E]; weights: (sum|w|, sum w^2, N) -> score
 
     @property

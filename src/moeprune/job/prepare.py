@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moeprune.allocate.registry import ALLOCATIONS, searches
+from moeprune.allocate.registry import searches
 from moeprune.checkpoint import build_skeleton, check_model_path, load_config, require_tokenizer
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
@@ -39,14 +39,13 @@ from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.quantized_bytes import quantized_dims, quantized_weight_bytes
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
-from moeprune.surgery import METHODS
 from moeprune.surgery.lowrank import check_every_novice_fits
+from moeprune.surgery.neurons import NarrowOptions
 from moeprune.surgery.planning import check_config, check_feasible, requirements
-from moeprune.surgery.registry import default_allocation
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
-STOCK_METHODS = ("drop", "neurons")  # what a stock config expresses with a uniform allocation
 
 
 @dataclass
@@ -112,10 +111,10 @@ class PlannedSizes:
 def plan_sizes(
     model_path: Path,
     meta: MoEModel,
-    config: PruneConfig,
+    config: ResolvedConfig,
     save_dtype: torch.dtype | None,
     quantize: QuantizeOptions | None = None,
-) -> tuple[PruneConfig, PlannedSizes]:
+) -> tuple[ResolvedConfig, PlannedSizes]:
     """The sizes of a job saved in `save_dtype` (None: as stored, a kept quantization's bytes and
     scales), quantized as `quantize` says when given; a `target_size` is solved here into the
     config's sparsity (refused in one line when nothing fits, or when the unpruned model already does)."""
@@ -152,7 +151,7 @@ class PruneJob:
 
     model_path: Path
     output: Path
-    config: PruneConfig
+    config: ResolvedConfig
     data: DataOptions
     placement: Placement
     save_dtype: torch.dtype
@@ -205,7 +204,7 @@ class PruneJob:
             "allocation": self.config.allocation,
             "method": self.config.method,
             "sparsity": self.config.sparsity,
-            "sparsity_unit": METHODS.get(self.config.method).sparsity_unit,
+            "sparsity_unit": self.config.method_spec.sparsity_unit,
             **self.layer_budget,
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
@@ -286,7 +285,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
-    check_resume(output, config.allocation or default_allocation(config.method), resume, overwrite)
+    check_resume(output, config.allocation, resume, overwrite)
     check_output_dir(output, overwrite)
     needs = requirements(config)  # also refuses an unknown criterion or method
     needs.check(search=bool(search_data))
@@ -375,7 +374,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     )
 
 
-def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> QuantFormat | None:
+def _kept_quantization(model_path: Path, config: ResolvedConfig, save: SaveOptions) -> QuantFormat | None:
     """The input's quantization when the result keeps it: by default for a quantized input (a
     smaller model was asked for, never a silently up-cast one), unless a full-precision
     `save.dtype` asks for dequantized weights; `save.dtype` "float8_e4m3fn" asks for fp8 explicitly.
@@ -395,12 +394,12 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
-    if not rewrite_supports(config.method, config.options):
+    if not rewrite_supports(config):
         described = quantization_of(read_config_dict(model_path))
         raise MoePruneError(
             f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
             f"which holds whole experts (--method drop, any allocation); "
-            f"{METHODS.get(config.method).described(config.options)} would cut "
+            f"{config.described()} would cut "
             "scale groups or add vectors the input does not have: save dequantized weights with --save-dtype "
             "bf16 (larger on disk), or drop whole experts",
             options=("method", "save_dtype"),
@@ -408,36 +407,31 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
     return fmt
 
 
-def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
+def planned_widths(layer_budget: dict, config: ResolvedConfig) -> list[int]:
     """The narrowed expert widths a plan will keep, where the structure and options fix them before
     loading (check_feasible's answer): the neurons method's one width per layer, TENP's trapezoid
     widths, the mixed method's uniform genes' widths. A searched allocation (mixed with evo)
     chooses them after scoring: none here (the prune checks its plan before the surgery)."""
     if "neurons_per_expert" in layer_budget:
         return sorted(set(layer_budget["neurons_per_expert"].values()))
-    if "narrowed_neurons" in layer_budget and not searches(config.allocation):
+    if "narrowed_neurons" in layer_budget and not config.allocator.searches:
         return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
     return []
 
 
-def _quantized_widths(config: PruneConfig, quantize: QuantizeOptions) -> PruneConfig:
+def _quantized_widths(config: ResolvedConfig, quantize: QuantizeOptions) -> ResolvedConfig:
     """A neuron method's default width multiple under a grouped scheme is the group size, so every
     kept width is quantized in whole groups (surgery/widths.py); an explicit one is kept (the
     group check below refuses it when the group does not divide a kept width)."""
     options = config.options
-    if getattr(options, "width_multiple", False) is None and quantize.spec.grouped:
+    if isinstance(options, NarrowOptions) and options.width_multiple is None and quantize.spec.grouped:
         return check_config(replace(config, options=replace(options, width_multiple=quantize.group)))
     return config
 
 
-def _stock_plan(config: PruneConfig) -> bool:
+def _stock_plan(config: ResolvedConfig) -> bool:
     """Whether a stock config expresses the plan (the same expert count, or width, in every
     layer): a --target-size of a quantized stock result is solved among such plans only, so the
     result stays a stock checkpoint; the others are quantized in moeprune's format."""
-    method = METHODS.get(config.method)
-    allocation = ALLOCATIONS.get(config.allocation or default_allocation(config.method))
-    return bool(
-        allocation.fixed
-        and not method.configured(config.options).keeps_routing
-        and config.method in STOCK_METHODS
-    )
+    method = config.surgery  # drop --reroute none keeps routing: moeprune's format
+    return config.allocator.fixed and (method.whole_experts or method.one_width)

@@ -44,6 +44,7 @@ from moeprune.shards.rewrite import (
     rewrite_checkpoint,
     with_mtp,
 )
+from moeprune.surgery.planning import check_config
 from moeprune.surgery.registry import method_limits
 
 
@@ -148,13 +149,15 @@ def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
     scored = scoring_data(job.search_set, job.calibration, job.config.search.samples)
     with stage("searching the mixed forms and the schemes per layer together", progress):
         won = run_joint_mixed(full, job.config, job.quantize, job.precision, job.calibration, scored, runtime)
-    job = replace(job, config=won.config, quantize=won.quantize, precision_choice=won.choice)
+    job = replace(job, config=check_config(won.config), quantize=won.quantize, precision_choice=won.choice)
     if any(g[1] or g[2] or g[3] for g in won.genes):
         return _BeforePrune(
             job, removed=list(won.genes), joint=won.search, observed=won.observed, novices=won.novices
         )
     won.choice["no_expert_removed"] = NOTHING_REMOVED
-    job = replace(job, config=replace(won.config, method="drop", options=None))
+    job = replace(
+        job, config=check_config(replace(check_config(won.config).given(), method="drop", options=None))
+    )
     return _BeforePrune(job, removed=[0] * len(won.genes), joint=won.search, observed=won.observed)
 
 

@@ -12,4 +12,6 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - mixed_search.py its search (EvoSearch over genes) and driver (search_mixed)
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
 - options.py     SearchRuntime: how a search runs, none of which changes its result
+- registry.py    the searches keyed by (allocation, method genes): SEARCHES, search_for(config)
+- forms.py       the two searches over forms (evo, gradient), registered
 """

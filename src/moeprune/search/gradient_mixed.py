@@ -84,6 +84,7 @@ from moeprune.search.form_projection import (
 from moeprune.search.gradient import _batch_loss, _temperature, training_settings
 from moeprune.search.mixed_space import MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import UNIFORM
 from moeprune.surgery.lowrank import Fits
 from moeprune.surgery.mixed import (
     LayerCosts,
@@ -429,7 +430,7 @@ def run_gradient_mixed(
                     "fitness_value": sign * values["uniform"],
                 }
             }
-            if "uniform" in seeds
+            if UNIFORM in seeds
             else {}
         ),
         "evaluations": len(seeds) + 1,
