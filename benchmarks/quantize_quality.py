@@ -2,7 +2,7 @@
 
 The evidence behind docs/quantization.md. Every row is a checkpoint written to disk, by
 `moeprune prune` (with `--quantize` where it says so) or, for "quantize only", by the same
-llm-compressor driver `prune --quantize` runs (job/quantize.py; prune refuses sparsity 0), then
+llm-compressor driver `prune --quantize` runs (quantize/oneshot.py; prune refuses sparsity 0), then
 read back with `moeprune.load_pretrained` and scored on the held-out eval split against the
 full-precision model (benchmarks/quality.py's Demo and demo.run.DomainEval: ESAP, NLL per domain).
 
@@ -41,8 +41,8 @@ from moeprune.checkpoint import load_pretrained
 from moeprune.demo.corpus import DOMAINS
 from moeprune.demo.train import FAMILIES
 from moeprune.errors import MoePruneError
-from moeprune.job.quantize import quantize_folder
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.oneshot import quantize_folder
+from moeprune.quantize.schemes import QuantizeOptions
 from quality import Demo, load_demo
 
 ROOT = Path(__file__).resolve().parents[1]

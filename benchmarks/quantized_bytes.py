@@ -1,6 +1,6 @@
 """How close is `--quantize`'s predicted size to the bytes llm-compressor writes? On the quick demo
 model (trained once and cached), saved in bf16, quantized whole by prune --quantize's llm-compressor
-driver (round-to-nearest: GPTQ writes the same tensors), against shards/quantized_bytes.py's
+driver (round-to-nearest: GPTQ writes the same tensors), against quantize/pricing.py's
 prediction for the unpruned model (the one `--dry-run` and `--target-size` start from):
 
     python benchmarks/quantized_bytes.py w4a16 w8a16 fp8-dynamic nvfp4a16
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from moeprune.job.quantize import quantize_folder
-from moeprune.quant.schemes import DEFAULT_PYTHON, SCHEMES, QuantizeOptions
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.quantize.oneshot import quantize_folder
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import DEFAULT_PYTHON, SCHEMES, QuantizeOptions
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from quality import load_demo
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (or refreshes) .venv-quant: llm-compressor and the compressed-tensors stack, in which
-# `moeprune prune --quantize` runs llm-compressor's oneshot (src/moeprune/job/oneshot_driver.py, a
+# `moeprune prune --quantize` runs llm-compressor's oneshot (src/moeprune/quantize/driver.py, a
 # script started in this environment's Python) and the quantization tests read its results.
 #
 # Kept apart from .venv and .venv-vllm: llmcompressor 0.14.0.1 pins transformers to 5.15-5.17

@@ -85,7 +85,7 @@ def header_entries(folder, prefix: str, skip: tuple[str, ...] = ()) -> tuple[int
 def assert_expert_header_bound(
     predicted: int, stored: int, folder, prefix: str, digits: int = 6, skip: tuple[str, ...] = ()
 ) -> None:
-    """The byte model's bytes of a layer's experts (shards/quantized_bytes.py) are their tensors'
+    """The byte model's bytes of a layer's experts (quantize/pricing.py) are their tensors'
     plus a bound on their header entries: at least the entries written, and over them by at most
     the offsets' digits (each of the two offsets an entry has `digits` digits at most, 1 at least)."""
     count, written = header_entries(folder, prefix, skip)

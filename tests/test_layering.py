@@ -17,7 +17,7 @@ STAGES = (
     ("models",),  # structure discovery, the MoEModel view
     ("serve",),  # the on-disk format's reader and the engines' modeling code: copied into outputs,
     # they import no other stage of moeprune (the decoding of quantized weights lives there too)
-    ("quant",),  # quantized checkpoints' formats (fp8, MXFP4, compressed-tensors): config and checks
+    ("quant",),  # quantized inputs' formats (fp8, MXFP4, compressed-tensors): read and checked
     ("runtime",),  # devices, torchrun, progress, run log, finite checks, the atomic writer
     ("checkpoint",),  # load and save: a pruned layout is rebuilt by models' packed storage and reshape
     ("data",),
@@ -29,6 +29,8 @@ STAGES = (
     ("evaluate",),
     ("report",),
     ("shards",),  # byte-level work on the shards: layer-by-layer observation, streamed scores, rewrites
+    ("quantize",),  # the result quantized (llm-compressor) and the per-layer scheme choice: its joint
+    # searches are EvoESAP spaces (after search), its oneshot runs through evaluate's driver runner
     ("api",),  # the one verb on a loaded model
     ("job", "demo"),  # the file-level jobs around it: both pipelines, their evidence, scoring; the demo
     ("cli", "__main__"),

@@ -293,7 +293,7 @@ def prune(
     them) read with `tokenizer` as `options` says (samples, max_length, batch_size, seed, packing),
     or already loaded `CalibrationData`. `search_state` checkpoints an EvoESAP search every
     generation; `run.resume` continues it. `run.removed` (experts removed per MoE layer, chosen
-    already: the joint precision search, job/precision_evo.py) replaces the allocation's counts and
+    already: the joint precision search, quantize/evo.py) replaces the allocation's counts and
     its search; all zeros keeps every expert (the config's sparsity then only passes the checks).
     """
     options, run = options or DataOptions(), run or RunOptions()

@@ -1,4 +1,4 @@
-"""The joint precision search's memory (job/joint_memory.py), counted from the structure before
+"""The joint precision search's memory (quantize/memory.py), counted from the structure before
 loading: every routed expert's fake-quantized copy once per scheme, in the model's dtype, beside
 the model; refused in one line when they exceed the memory. (The refusal through the CLI, exit 2
 and nothing written: tests/quantize/test_precision_refusals.py.)"""
@@ -10,10 +10,10 @@ import torch
 
 from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
-from moeprune.job.joint_memory import check_joint_memory, joint_copies_bytes, model_bytes
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.memory import check_joint_memory, joint_copies_bytes, model_bytes
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.runtime.device import Placement
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,6 @@
 """`prune --quantize auto:w4a16,w8a16 --target-size T --allocation evo` without `--sparsity`: the
-experts removed per layer and each layer's scheme searched together (job/precision_evo.py,
-search/precision_space.py), with llm-compressor's oneshot stood in for (its part, bytes on disk,
+experts removed per layer and each layer's scheme searched together (quantize/evo.py,
+quantize/evo_space.py), with llm-compressor's oneshot stood in for (its part, bytes on disk,
 is tests/quantize/test_precision_oneshot.py's quant_env test): runs everywhere.
 
 What must hold: every candidate the space makes is within the per-layer limits and under T, its
@@ -26,14 +26,14 @@ from moeprune.criteria import scoring
 from moeprune.data.loading import load_data
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
-from moeprune.job.precision import LayerSwap, budget_per_scheme, precision_bytes
-from moeprune.job.precision_evo import joint_candidate, joint_space, search_joint
 from moeprune.models import MoEModel
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.choice import LayerSwap, budget_per_scheme, precision_bytes
+from moeprune.quantize.evo import joint_candidate, joint_space, search_joint
+from moeprune.quantize.evo_space import PrecisionSearch
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoIO
 from moeprune.search.options import SearchRuntime
-from moeprune.search.precision_space import PrecisionSearch
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from moeprune.surgery.sizes import WeightBytes
 

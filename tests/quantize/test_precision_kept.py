@@ -5,7 +5,7 @@ narrowed on the group's multiple of 16 and novice experts in every layer) and by
 at 50 % (every expert 16 wide: a stock result). One prune each (about 45 s), shared by the module.
 
 T lies halfway between every layer at w4a16 and every layer at w8a16, as `--dry-run` predicts them
-before loading. What must hold (job/precision_kept.py): the dry run's prediction is the byte table
+before loading. What must hold (quantize/keeps.py): the dry run's prediction is the byte table
 the choice is made on after the surgery (the uniform plan is exact); each layer's expert tensors
 weigh that table's bytes for the chosen scheme (less the byte model's header bound), the novices
 stay unquantized outside it; the choice is the brute-force optimum of the reported table; the file

@@ -1,6 +1,6 @@
 """`prune --method mixed --quantize auto:w4a16,w8a16 --target-size T --allocation evo` without
-`--sparsity`: each layer's mixed forms and its scheme searched together (job/precision_mixed.py,
-search/precision_mixed_space.py), llm-compressor's oneshot stood in for (the bytes it writes are
+`--sparsity`: each layer's mixed forms and its scheme searched together (quantize/mixed.py,
+quantize/mixed_space.py), llm-compressor's oneshot stood in for (the bytes it writes are
 test_precision_mixed_oneshot.py's quant_env test): runs everywhere.
 
 What must hold: every candidate the space makes keeps the mixed rules and T, and the repair leaves
@@ -26,14 +26,14 @@ from moeprune.config import SearchConfig
 from moeprune.criteria import scoring
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
-from moeprune.job.precision_kept import kept_precision_bytes, plan_keeps, scheme_bytes
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.plan import Plan
-from moeprune.quant.schemes import QuantizeOptions
-from moeprune.search.precision_mixed_space import _GROW, MixedPrecisionSpace
+from moeprune.quantize.keeps import kept_precision_bytes, plan_keeps, scheme_bytes
+from moeprune.quantize.mixed_space import _GROW, MixedPrecisionSpace
+from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.tables import LayerKeep
 from moeprune.shards.weight_bytes import cast_weight_bytes
-from moeprune.surgery.kept_bytes import LayerKeep
 from moeprune.surgery.mixed import MixedOptions, stepped_costs
 
 pytestmark = pytest.mark.integration

@@ -19,8 +19,8 @@ from moeprune.checkpoint import load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.quant.schemes import QuantizeOptions
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.quant_env

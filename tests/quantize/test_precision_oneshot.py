@@ -4,8 +4,8 @@ one scheme per MoE layer (w4a16, w8a16, fp8-dynamic; the rest w8a16), one onesho
 the module.
 
 What must hold: each layer's experts carry their scheme and every other Linear the base one; the
-bytes are what job/precision.py predicts from shards/quantized_bytes.py; the decoded expert
-weights are bit for bit quant/fake.py's fake quantization (the numbers the search scored); and
+bytes are what quantize/choice.py predicts from quantize/pricing.py; the decoded expert
+weights are bit for bit quantize/fake.py's fake quantization (the numbers the search scored); and
 `moeprune.load_pretrained` computes the logits of the fake-quantized original.
 """
 
@@ -21,14 +21,14 @@ import torch
 
 from helpers import assert_expert_header_bound, assert_logits_close, stored_tensors
 from moeprune.checkpoint import load_pretrained
-from moeprune.job.precision import precision_bytes
-from moeprune.job.quantize import quantize_folder
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.quant.compressed import WeightScheme, dequantize_float, dequantize_packed
-from moeprune.quant.fake import fake_quantize
-from moeprune.quant.schemes import SCHEMES, QuantizeOptions
-from moeprune.shards.quantized_bytes import ignored
+from moeprune.quantize.choice import precision_bytes
+from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.oneshot import quantize_folder
+from moeprune.quantize.pricing import ignored
+from moeprune.quantize.schemes import SCHEMES, QuantizeOptions
 from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.quant_env

@@ -41,8 +41,8 @@ from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.models.reshape import mask_experts
-from moeprune.quant.fake import fake_quantize
-from moeprune.shards.quantized_bytes import ignored
+from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.pricing import ignored
 
 pytestmark = pytest.mark.quant_env
 

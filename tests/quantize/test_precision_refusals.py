@@ -20,7 +20,7 @@ from helpers import run_cli
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.job import run as run_module
 from moeprune.models.factory import tiny_model
-from moeprune.shards.quantized_bytes import ignored
+from moeprune.quantize.pricing import ignored
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +57,7 @@ CASES = {
         True,
         "per-layer precision prices whole experts removed with their router rows (drop, merge) and searches mixed",
     ),
-    # with --sparsity novice (neurons, tenp, mixed) plans are priced by what they keep (precision_kept.py):
+    # with --sparsity novice (neurons, tenp, mixed) plans are priced by what they keep (quantize/keeps.py):
     # drop's 122,735 bytes plus, for each of the 6 novices, its fp32 vector and router row (2 x 32 x 4)
     "novices unreachable": (
         AUTO,
@@ -151,10 +151,10 @@ def test_dry_run_without_a_sparsity_prints_the_grid_it_will_try(world, tmp_path)
 
 def test_joint_evo_refused_when_its_copies_do_not_fit_in_memory(world, tmp_path, monkeypatch):
     """The joint evo search holds every routed expert's fake-quantized copy per scheme beside the
-    model (job/joint_memory.py): 3 layers x 8 experts x 3 x 32 x 16 fp32 weights x 2 schemes =
+    model (quantize/memory.py): 3 layers x 8 experts x 3 x 32 x 16 fp32 weights x 2 schemes =
     294,912 bytes, printed by the dry run; with less memory than copies plus model, one line."""
-    from moeprune.job.joint_memory import model_bytes
     from moeprune.models import MoEModel
+    from moeprune.quantize.memory import model_bytes
     from moeprune.surgery import lowrank
 
     model = MoEModel(tiny_model("qwen3_moe", vocab_size=len(byte_tokenizer()), num_hidden_layers=3, mlp_only_layers=[]))

@@ -5,7 +5,7 @@ deepseek_v3, pruned uniformly and quantized by llm-compressor's oneshot, one run
 
 What must hold: every kept expert's projections are quantized (codes, scales, shape) and the
 routers and lm_head are not; each quantized Linear weighs exactly what the byte model of
-moeprune.quant.schemes says; the planned size bounds the file, and a --target-size in quantized
+moeprune.quantize.schemes says; the planned size bounds the file, and a --target-size in quantized
 bytes is met; every kept expert was calibrated on every calibration token; the stock
 compressed-tensors stack and `moeprune.load_pretrained` compute the same logits; and the
 deepseek_v3 release's multi-token-prediction layer (which transformers' class does not build, so
@@ -32,7 +32,7 @@ from helpers import (
     write_arithmetic,
 )
 from moeprune.checkpoint import load_pretrained
-from moeprune.quant.schemes import SCHEMES
+from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 
@@ -139,7 +139,7 @@ def test_each_quantized_linear_weighs_what_the_byte_model_says(quantized):
         assert stored == scheme.linear_bytes(rows, inputs, 16, 4), name
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     assert written <= quantized["predicted"]  # the plan bounds the file (headers included)
-    # and is a tight one: over by the header offsets' digits (shards/quantized_bytes.py), and for
+    # and is a tight one: over by the header offsets' digits (quantize/pricing.py), and for
     # deepseek_v3 by the MTP layer's experts its prune removes (the byte model keeps them whole)
     slack = 0.01 * written
     if quantized["family"] == "deepseek_v3":

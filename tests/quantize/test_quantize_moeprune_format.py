@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from helpers import assert_logits_close, run_cli, save_tiny_release, stored_tensors, write_arithmetic
 from moeprune.checkpoint import load_pretrained
 from moeprune.config import Recipe
-from moeprune.quant.schemes import SCHEMES
+from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 

@@ -4,7 +4,7 @@ with the reason when it is absent): a tiny qwen3_moe pruned and quantized by llm
 
 What must hold: every kept expert's projections are stored as nvfp4 (uint8 codes [out, in/2], fp8
 scales [out, in/16], a float32 global scale [1]) and the router and lm_head are not; each
-quantized Linear weighs what the byte model of moeprune.quant.schemes says; moeprune's reading
+quantized Linear weighs what the byte model of moeprune.quantize.schemes says; moeprune's reading
 of every weight is compressed-tensors' (its NVFP4 compressor), so `moeprune.load_pretrained`
 computes the logits of the compressed-tensors stack bit for bit in bf16 (the only dtype in which
 that stack runs this format: it decodes to bf16 and a float32 model fails on the dtype mismatch).
@@ -39,8 +39,8 @@ from helpers import (
     write_arithmetic,
 )
 from moeprune.checkpoint import load_pretrained
-from moeprune.quant.schemes import SCHEMES
 from moeprune.quant.testing import save_dequantized_checkpoint
+from moeprune.quantize.schemes import SCHEMES
 
 pytestmark = pytest.mark.quant_env
 

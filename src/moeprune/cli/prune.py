@@ -29,8 +29,8 @@ from moeprune.criteria import AUTO, CRITERIA
 from moeprune.errors import MoePruneError
 from moeprune.job.pipelines import PIPELINES, PruneRequest, prune_checkpoint, unread_settings
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE
-from moeprune.quant.schemes import DEFAULT_GROUP, DEFAULT_PYTHON, SCHEMES, SETUP, QuantizeOptions
-from moeprune.quant.schemes import METHODS as QUANT_METHODS
+from moeprune.quantize.schemes import DEFAULT_GROUP, DEFAULT_PYTHON, SCHEMES, SETUP, QuantizeOptions
+from moeprune.quantize.schemes import METHODS as QUANT_METHODS
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS

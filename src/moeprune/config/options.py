@@ -53,8 +53,8 @@ class RunOptions:
     # such as a searched width a quantization group does not divide, fails before the model changes
     check_plan: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
     # experts removed per MoE layer, chosen already by the caller (the joint search of experts and
-    # schemes, job/precision_evo.py), or the mixed method's genes, one (whole, narrowed, novice,
-    # dropped, width) tuple per MoE layer (job/precision_mixed.py): the allocation and its search
+    # schemes, quantize/evo.py), or the mixed method's genes, one (whole, narrowed, novice,
+    # dropped, width) tuple per MoE layer (quantize/mixed.py): the allocation and its search
     # are not run
     removed: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
     # (criterion, scores, statistics) of this model on this calibration data, observed already by the

@@ -26,11 +26,11 @@ from moeprune.config import DataOptions, PruneConfig, Registry, RunOptions, Sear
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.criteria.super_experts import found_in, guard_document
 from moeprune.errors import MoePruneError
-from moeprune.job.auto_precision import resolve_auto
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.job.prepare import PruneRequest
 from moeprune.job.run import prune_in_memory
 from moeprune.job.score import prepare_score, score_loaded
+from moeprune.quantize.per_layer import resolve_auto
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery.planning import check_config, requirements

@@ -18,15 +18,16 @@ from moeprune.checkpoint.structure import read_config_dict
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, parse_target_size
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
-from moeprune.job.auto_precision import PrecisionTarget, plan_precision, resolve_auto
-from moeprune.job.joint_memory import check_joint_memory
-from moeprune.job.precision_grid import planning_sparsity, sparsity_grid
-from moeprune.job.precision_mixed import mixed_joint_grid
 from moeprune.models import MoEModel
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
-from moeprune.quant.schemes import QuantizeOptions, check_group, check_quantize
 from moeprune.quant.support import quantization_of
+from moeprune.quantize.grid import planning_sparsity, sparsity_grid
+from moeprune.quantize.memory import check_joint_memory
+from moeprune.quantize.mixed import mixed_joint_grid
+from moeprune.quantize.per_layer import PrecisionTarget, plan_precision, resolve_auto
+from moeprune.quantize.pricing import quantized_dims, quantized_weight_bytes
+from moeprune.quantize.schemes import QuantizeOptions, check_group, check_quantize
 from moeprune.report.parts import (
     TargetSize,
 )
@@ -36,7 +37,6 @@ from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
 from moeprune.search.mixed_search import check_mixed_seeds
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.shards.quantized_bytes import quantized_dims, quantized_weight_bytes
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
 from moeprune.surgery.lowrank import check_every_novice_fits
@@ -61,7 +61,7 @@ class PruneRequest:
     tokenizer_path: str | Path | None = None
     save: SaveOptions = field(default_factory=SaveOptions)
     run: RunOptions = field(default_factory=RunOptions)
-    quantize: QuantizeOptions | None = None  # quantize the result with llm-compressor (job/quantize.py)
+    quantize: QuantizeOptions | None = None  # quantize the result with llm-compressor (quantize/oneshot.py)
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class PruneJob:
     drop_mtp: bool = False  # leave out the release's multi-token-prediction layers
     quantize: QuantizeOptions | None = None  # quantized after saving, by llm-compressor
     quant_python: str | None = None  # the quantization environment's Python
-    # `--quantize auto:...`: the per-layer budget (auto_precision.py)
+    # `--quantize auto:...`: the per-layer budget (quantize/per_layer.py)
     precision: PrecisionTarget | None = None
     precision_choice: dict | None = None  # its choice once made (after the surgery): report.json's account
 
@@ -318,7 +318,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     layer_budget = check_feasible(meta, config)
     if config.method == "mixed" and searches(config.allocation):
         check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
-        if quantize is None or not quantize.joint:  # the joint search seeds in bytes (precision_mixed.py)
+        if quantize is None or not quantize.joint:  # the joint search seeds in bytes (quantize/mixed.py)
             check_mixed_seeds(meta, config)
     kept_widths = planned_widths(layer_budget, config)
     if quantize is not None and kept_widths:  # the widths a neuron method keeps, known now

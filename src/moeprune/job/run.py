@@ -14,16 +14,16 @@ from moeprune.api import prune
 from moeprune.checkpoint import load_placed, write_checkpoint
 from moeprune.checkpoint.quantized import quantization_format
 from moeprune.config import Recipe, SaveOptions
-from moeprune.job.auto_precision import choose_precision, precision_note, precision_teacher, scoring_data
 from moeprune.job.evidence import Evidence, write_evidence
-from moeprune.job.precision_evo import NOTHING_REMOVED, run_joint
-from moeprune.job.precision_grid import choose_sparsity, criterion_orders
-from moeprune.job.precision_mixed import run_joint_mixed
 from moeprune.job.prepare import PruneJob, PruneRequest, prepare
-from moeprune.job.quantize import ignore_prefixes, quantize_folder
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
-from moeprune.quant.schemes import check_group
+from moeprune.quantize.evo import NOTHING_REMOVED, run_joint
+from moeprune.quantize.grid import choose_sparsity, criterion_orders
+from moeprune.quantize.mixed import run_joint_mixed
+from moeprune.quantize.oneshot import ignore_prefixes, quantize_folder
+from moeprune.quantize.per_layer import choose_precision, precision_note, precision_teacher, scoring_data
+from moeprune.quantize.schemes import check_group
 from moeprune.report.document import PRUNE
 from moeprune.report.parts import SearchSummary, Serving
 from moeprune.runtime.atomic import atomic_write_dir, output_lock
@@ -85,7 +85,7 @@ def _check_quantizable(job: PruneJob) -> Callable[[Plan], None] | None:
 
 
 def _quantize(job: PruneJob, tmp: Path, report, log: RunLog, progress: bool, mtp: MtpPlan | None) -> None:
-    """The saved, pruned model quantized in place by llm-compressor (job/quantize.py), calibrated
+    """The saved, pruned model quantized in place by llm-compressor (quantize/oneshot.py), calibrated
     on the prune's calibration data with every kept expert reached; report.json records how (and,
     for per-layer precision, the choice, its losses and the bytes predicted and written). Kept
     MTP layers stay unquantized (transformers does not build them, so llm-compressor never sees
@@ -139,7 +139,7 @@ class _BeforePrune:
 
 
 def _joint_mixed(job: PruneJob, full: MoEModel, progress: bool) -> _BeforePrune:
-    """The mixed method's forms and schemes searched together (job/precision_mixed.py). A winner
+    """The mixed method's forms and schemes searched together (quantize/mixed.py). A winner
     that keeps every expert whole is the "quantize only" point: pruned as drop with nothing removed."""
     assert job.precision is not None and job.quantize is not None
     runtime = SearchRuntime(
@@ -337,7 +337,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             append = (mtp is not None and not mtp.left_out) or bool(ignored and carry)
             # a stock result is quantized through transformers' class, whose save_pretrained writes
             # only what it builds: the input's other tensors are added after (moeprune's format is
-            # rewritten by names, oneshot_layout.py, and keeps them)
+            # rewritten by names, quantize/layout.py, and keeps them)
             after = job.quantize is not None and report.format == "stock"
             if append and not after:
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())

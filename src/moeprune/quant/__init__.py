@@ -1,9 +1,13 @@
-"""Quantized checkpoints: the block-scaled FP8 format of the largest MoE releases, read and
-written with torch alone (fp8.py), and a writer of tiny FP8 checkpoints for tests (testing.py).
+"""Quantized inputs: what moeprune reads of a quantized checkpoint and keeps through its stages,
+instead of letting transformers dequantize it on load and saving full precision.
 
-moeprune keeps a checkpoint's quantization through its stages instead of letting transformers
-dequantize it on load and saving full precision: this package holds the format's arithmetic and
-its config, with no knowledge of the stages that use it.
+- fp8.py         the block-scaled FP8 format of the largest MoE releases, read and written with torch
+- mxfp4.py       MXFP4 experts (gpt-oss), decoded to the compute dtype
+- compressed.py  compressed-tensors pack- and float-quantized checkpoints, decoded
+- support.py     which quantization an input has, and the refusals of what cannot keep it
+- testing.py     writers of tiny quantized checkpoints for tests
+
+Quantizing a result (`prune --quantize`, llm-compressor) is the quantize/ stage, after search/.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class LayerBytes:
 class SavedTensors:
     """The input's tensors as the result saves them (name, safetensors dtype, shape) and the part of
     `WeightBytes.total` that bounds their headers: a byte model that renames tensors (quantization,
-    shards/quantized_bytes.py) counts the result's headers afresh from these instead of that bound."""
+    quantize/pricing.py) counts the result's headers afresh from these instead of that bound."""
 
     header: int  # the bytes of `total` that are the headers' bound
     files: int

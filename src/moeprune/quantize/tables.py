@@ -1,7 +1,7 @@
 """The bytes of a result whose MoE layers keep experts at chosen widths and schemes: pure arithmetic
 on the byte tables of surgery/sizes.py (`WeightBytes` per scheme), shared by the per-layer precision
-choice (job/precision.py, job/precision_kept.py) and the searches that price every candidate with it
-(search/precision_mixed_space.py)."""
+choice (quantize/choice.py, quantize/keeps.py) and the searches that price every candidate with it
+(quantize/mixed_space.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Before loading: do the joint precision search's fake-quantized copies fit in memory?
 
 `prune --quantize auto:A,B --target-size T --allocation evo` without `--sparsity`
-(job/precision_evo.py) moves any layer to any scheme from one candidate to the next, so its
-`LayerSwap` (job/precision.py) keeps every routed expert's round-to-nearest copy once per scheme,
+(quantize/evo.py) moves any layer to any scheme from one candidate to the next, so its
+`LayerSwap` (quantize/choice.py) keeps every routed expert's round-to-nearest copy once per scheme,
 in the model's dtype, beside the model for the whole search. With two schemes that is twice the
 model's routed-expert bytes: on a model that fills the RAM the OS would kill the run after the
 load and the teacher pass, so it is refused in one line before anything is loaded. The per-layer
@@ -18,9 +18,9 @@ import torch
 
 from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
-from moeprune.job.precision import expert_weights
 from moeprune.models import MoEModel
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.choice import expert_weights
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.runtime.device import Placement
 from moeprune.surgery import lowrank
 

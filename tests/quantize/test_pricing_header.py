@@ -1,4 +1,4 @@
-"""The safetensors header part of the quantized byte model (shards/quantized_bytes.py), by hand:
+"""The safetensors header part of the quantized byte model (quantize/pricing.py), by hand:
 an entry is `,"name":{"dtype":"D","shape":[a,b],"data_offsets":[s,e]}`, 46 bytes of punctuation
 and keys plus the name, the dtype, the shape's digits and both offsets' digits. The tests on real
 llm-compressor outputs (tests/quantize, quant_env) check that the bound is at least what is
@@ -11,8 +11,8 @@ import torch
 
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.quant.schemes import SCHEMES, QuantizeOptions
-from moeprune.shards.quantized_bytes import entry_bytes, linear_tensors, quantized_weight_bytes
+from moeprune.quantize.pricing import entry_bytes, linear_tensors, quantized_weight_bytes
+from moeprune.quantize.schemes import SCHEMES, QuantizeOptions
 from moeprune.shards.weight_bytes import cast_weight_bytes
 
 pytestmark = pytest.mark.unit

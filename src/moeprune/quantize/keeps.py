@@ -1,14 +1,14 @@
 """Per-layer precision (`--quantize auto:A,B --sparsity S`) for the methods that narrow experts or
-keep novices: neurons, tenp, novice and mixed. job/precision.py prices whole experts removed with
+keep novices: neurons, tenp, novice and mixed. quantize/choice.py prices whole experts removed with
 their router rows (drop, merge); these methods keep experts of other widths and vectors instead,
 so their bytes per (layer, scheme) come from what each layer keeps (`LayerKeep`):
 
 - every expert that keeps weights, at its width w: `per_neuron * w + per_expert` in the layer's
-  scheme (shards/quantized_bytes.py: codes, scales and header entries of its three Linears);
+  scheme (quantize/pricing.py: codes, scales and header entries of its three Linears);
 - every novice: its vector (rank R: d + 2dR values) in the saved dtype, whatever the scheme.
   llm-compressor quantizes Linear modules only, and novices are parameters of the experts module,
-  not Linears (job/oneshot_layout.py), so they stay unquantized: priced outside the choice;
-- every expert dropped: its weights and its router rows gone (as job/precision.py prices drop).
+  not Linears (quantize/layout.py), so they stay unquantized: priced outside the choice;
+- every expert dropped: its weights and its router rows gone (as quantize/choice.py prices drop).
 
 Everything outside the routed experts takes the base (first) scheme, as for drop. Where it is
 priced:
@@ -34,19 +34,19 @@ from collections.abc import Sequence
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
-from moeprune.job.precision import PrecisionBytes, budget_per_scheme
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
-from moeprune.quant.schemes import QuantizeOptions
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
-from moeprune.surgery.kept_bytes import LayerKeep, kept_bytes
+from moeprune.quantize.choice import PrecisionBytes, budget_per_scheme
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import QuantizeOptions
+from moeprune.quantize.tables import LayerKeep, kept_bytes
 from moeprune.surgery.mixed import planned_genes
 from moeprune.surgery.neurons import uniform_widths
 from moeprune.surgery.registry import METHODS, method_limits
 from moeprune.surgery.sizes import WeightBytes
 from moeprune.surgery.tenp import tenp_allocation
 
-KEPT_METHODS = ("neurons", "tenp", "novice", "mixed")  # priced here (drop and merge: job/precision.py)
+KEPT_METHODS = ("neurons", "tenp", "novice", "mixed")  # priced here (drop and merge: quantize/choice.py)
 
 
 def priced_here(config: PruneConfig) -> bool:

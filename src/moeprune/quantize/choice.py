@@ -8,12 +8,12 @@ How (exact for its model, cheap; the joint search of schemes and expert counts i
 later work, it needs the evo gene that mixed plans change):
 
 1. Loss per (layer, scheme), one layer at a time: the layer's routed-expert weights swapped for
-   their round-to-nearest fake-quantized copies (quant/fake.py, llm-compressor's numbers; cached
+   their round-to-nearest fake-quantized copies (quantize/fake.py, llm-compressor's numbers; cached
    per (layer, scheme), restored exactly afterwards: the original tensors are put back, not a
    copy), every other layer in full precision, scored with the evo search's own teacher-forced
    fitness (`CandidateEvaluator.evaluate` on the allocation; its prefix cache is cleared around
    each swap since cached states depend on the weights). The loss is the drop in that fitness.
-2. Bytes per (layer, scheme): shards/quantized_bytes.py's per-layer expert bytes times the kept
+2. Bytes per (layer, scheme): quantize/pricing.py's per-layer expert bytes times the kept
    experts; everything outside the routed experts takes the list's first scheme (the base).
 3. Choice: minimise the summed losses (losses taken as additive across layers) under the budget,
    exactly, by a dynamic programme over layers that keeps the Pareto front of (bytes, loss).
@@ -30,10 +30,10 @@ import torch
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.packed import PACKED_PREFIX, expert_tensors, is_packed
-from moeprune.quant.fake import fake_quantize
-from moeprune.quant.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
-from moeprune.surgery.kept_bytes import PrecisionBytes
+from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import AUTO, QuantizeOptions, check_auto, parse_auto
+from moeprune.quantize.tables import PrecisionBytes
 from moeprune.surgery.sizes import WeightBytes
 
 

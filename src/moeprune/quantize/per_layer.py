@@ -1,6 +1,6 @@
 """`prune --quantize auto:A,B --target-size T --sparsity S`: the user fixes the expert split (S,
 any allocation) and the bytes (T); each MoE layer's routed experts then take the scheme of the list
-that costs the fitness least under T (job/precision.py measures and chooses), everything else the
+that costs the fitness least under T (quantize/choice.py measures and chooses), everything else the
 list's first scheme, and llm-compressor quantizes with that choice (`layer_schemes`).
 
 Three steps, each where it is cheapest:
@@ -19,10 +19,10 @@ Three steps, each where it is cheapest:
 
 Methods that remove whole experts with their router rows (drop, merge) are priced by
 `precision_bytes`; those that narrow experts or keep novices (neurons, tenp, novice, mixed) by
-what each layer keeps (job/precision_kept.py: the uniform plan's keeps before loading, the plan's
+what each layer keeps (quantize/keeps.py: the uniform plan's keeps before loading, the plan's
 own after the surgery), with `--sparsity`. Without `--sparsity` the sparsity is chosen with the
-schemes first (job/precision_grid.py, drop and merge), then these steps run at it; the mixed method
-searches its forms and the schemes together instead (job/precision_mixed.py).
+schemes first (quantize/grid.py, drop and merge), then these steps run at it; the mixed method
+searches its forms and the schemes together instead (quantize/mixed.py).
 """
 
 from __future__ import annotations
@@ -34,18 +34,18 @@ from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
-from moeprune.job.joint_memory import JointMemory
-from moeprune.job.precision import budget_per_scheme, choose_schemes, measure_losses, precision_bytes
-from moeprune.job.precision_kept import (
+from moeprune.models import MoEModel
+from moeprune.plan import Plan
+from moeprune.quantize.choice import budget_per_scheme, choose_schemes, measure_losses, precision_bytes
+from moeprune.quantize.keeps import (
     KEPT_METHODS,
     kept_precision_bytes,
     plan_keeps,
     planned_precision_bytes,
     priced_here,
 )
-from moeprune.models import MoEModel
-from moeprune.plan import Plan
-from moeprune.quant.schemes import QuantizeOptions, check_auto
+from moeprune.quantize.memory import JointMemory
+from moeprune.quantize.schemes import QuantizeOptions, check_auto
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import plan_rank
@@ -95,7 +95,7 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
         )
     method = METHODS.get(config.method).configured(config.options)
     whole = not (method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons)
-    joint_mixed = config.sparsity is None and config.method == "mixed"  # job/precision_mixed.py
+    joint_mixed = config.sparsity is None and config.method == "mixed"  # quantize/mixed.py
     if not whole and not joint_mixed and not (config.sparsity is not None and priced_here(config)):
         raise MoePruneError(
             f"per-layer precision prices whole experts removed with their router rows (drop, merge) and "
@@ -121,9 +121,9 @@ class PrecisionTarget:
     size: WeightBytes
     dtype_bytes: int
     every_layer_at: dict[str, int]
-    # no --sparsity: the sparsities tried for the joint choice, each with every_layer_at (precision_grid.py)
+    # no --sparsity: the sparsities tried for the joint choice, each with every_layer_at (grid.py)
     grid: tuple[tuple[float, dict[str, int]], ...] = ()
-    memory: JointMemory | None = None  # the joint evo search's copies and model (job/joint_memory.py)
+    memory: JointMemory | None = None  # the joint evo search's copies and model (quantize/memory.py)
 
     def describe(self) -> dict[str, Any]:
         """The dry run's facts."""
@@ -151,7 +151,7 @@ def plan_precision(
 ) -> PrecisionTarget:
     """The bytes per scheme at the sparsity (uniform split), and the refusal of an unreachable target."""
     assert options.candidates is not None and config.sparsity is not None
-    if priced_here(config):  # narrowed experts or novices: the uniform plan's keeps (precision_kept.py)
+    if priced_here(config):  # narrowed experts or novices: the uniform plan's keeps (keeps.py)
         pb = planned_precision_bytes(meta, config, options, size, dtype_bytes)
     else:
         limits = method_limits(meta, config.method, config.expert_multiple, config.options)
@@ -211,7 +211,7 @@ def choose_precision(
     removed_of = {lp.layer: len(lp.dropped) for lp in plan.layers}
     removed = [removed_of.get(layer.index, 0) for layer in meta.layers]
     pb = precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, removed)
-    if plan.method in KEPT_METHODS:  # priced exactly by what the plan keeps (precision_kept.py)
+    if plan.method in KEPT_METHODS:  # priced exactly by what the plan keeps (keeps.py)
         keeps, rank = plan_keeps(meta, plan), plan_rank(plan)
         pb = kept_precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, keeps, rank)
     nothing = [0] * len(pruned.layers)  # the allocation is physical now: nothing left to mask

@@ -1,6 +1,6 @@
 """Per-layer precision without llm-compressor: the fake quantization on hand-computed numbers, the
 `auto:` refusals, the reversible swap, the per-layer losses against a physically quantized copy,
-the exact choice against brute force, and the bytes against shards/quantized_bytes.py.
+the exact choice against brute force, and the bytes against quantize/pricing.py.
 (tests/quantize/test_precision_oneshot.py checks the fake quantization against llm-compressor.)"""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 
 from moeprune.data.loading import CalibrationData, Sample
 from moeprune.errors import MoePruneError
-from moeprune.job.precision import (
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
+from moeprune.quantize.choice import (
     LayerSwap,
     PrecisionBytes,
     budget_per_scheme,
@@ -24,13 +26,11 @@ from moeprune.job.precision import (
     measure_losses,
     precision_bytes,
 )
-from moeprune.models import MoEModel
-from moeprune.models.factory import tiny_model
-from moeprune.quant.fake import fake_quantize
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
 from moeprune.surgery.sizes import WeightBytes
 
 pytestmark = pytest.mark.unit
@@ -194,7 +194,7 @@ def test_losses_scored_after_the_surgery_are_the_masked_ones_before():
     model with the plan's experts masked (the evo search's view)."""
     from moeprune.api import prune
     from moeprune.config import PruneConfig
-    from moeprune.job.auto_precision import PrecisionTarget, choose_precision, precision_teacher
+    from moeprune.quantize.per_layer import PrecisionTarget, choose_precision, precision_teacher
 
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[])
@@ -224,7 +224,7 @@ def test_the_joint_choice_scores_each_grid_point_with_every_chosen_layer_quantiz
     order, the schemes chosen under the target, and the fitness with all of them fake-quantized at
     once: equal to a plain evaluator's on a copy quantized by hand; the best point is returned."""
     from moeprune.config import PruneConfig
-    from moeprune.job.precision_grid import choose_sparsity, uniform_split
+    from moeprune.quantize.grid import choose_sparsity, uniform_split
 
     data, config = _data(), PruneConfig("frequency", 0.25)
     orders = [list(range(m.num_experts))[::-1] for m in moe.layers]  # any fixed order

@@ -1,5 +1,5 @@
 """`prune --quantize`: the pruned model, just saved, quantized by llm-compressor's `oneshot` in the
-quantization environment (oneshot_driver.py in a subprocess of its Python), and its weights
+quantization environment (driver.py in a subprocess of its Python), and its weights
 replaced by the compressed-tensors ones in the same folder.
 
 Why after saving: llm-compressor needs transformers 5.15-5.17 and compressed-tensors 0.19, which
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from moeprune.evaluate.driver import run_driver
-from moeprune.quant.schemes import QuantizeOptions
-from moeprune.shards.quantized_bytes import IGNORE
+from moeprune.quantize.pricing import IGNORE
+from moeprune.quantize.schemes import QuantizeOptions
 
-DRIVER = Path(__file__).with_name("oneshot_driver.py")
+DRIVER = Path(__file__).with_name("driver.py")
 TIMEOUT_S = 24 * 3600.0  # a real model's GPTQ takes hours; the tiny ones of the tests, a minute
 WEIGHTS = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -35,7 +35,7 @@ def quantize_folder(
 ) -> dict[str, Any]:
     """Quantize the full-precision checkpoint in `folder` in place (its config and weights
     replaced; `moeprune_format`: a folder in moeprune's format, loaded through its modeling files
-    and rewritten by names, see oneshot_layout.py); returns what report.json records: the scheme, the library versions and the
+    and rewritten by names, see layout.py); returns what report.json records: the scheme, the library versions and the
     calibration tokens each kept expert computed on."""
     work = folder / ".moeprune-quantized"
     spec = {

@@ -1,6 +1,6 @@
 """`prune --method mixed --quantize auto:A,B --target-size T --allocation evo` without `--sparsity`:
 each MoE layer's mixed forms (whole, narrowed to a width, novices, dropped) and its scheme searched
-together under T (search/precision_mixed_space.py).
+together under T (quantize/mixed_space.py).
 
 Before loading (`mixed_joint_grid`): for each scheme, the smallest sparsity at which the uniform
 mixed plan with that scheme in every layer fits T (the plan prepare checks the run at, the dry
@@ -40,17 +40,17 @@ from moeprune.criteria import score_experts
 from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
-from moeprune.job.auto_precision import PrecisionTarget
-from moeprune.job.precision import LayerSwap, budget_per_scheme
-from moeprune.job.precision_evo import joint_document
-from moeprune.job.precision_kept import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.models import MoEModel
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.choice import LayerSwap, budget_per_scheme
+from moeprune.quantize.evo import joint_document
+from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
+from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
+from moeprune.quantize.per_layer import PrecisionTarget
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
-from moeprune.search.precision_mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
@@ -80,7 +80,7 @@ def mixed_joint_grid(
 ) -> list[tuple[float, dict[str, int]]]:
     """Per scheme, the smallest sparsity (on surgery/sizes.py's grid) at which the uniform mixed plan
     with that scheme everywhere fits `target` (where the shares cannot narrow, e.g. experts one width
-    step wide, mixed's uniform drop recipe: job/precision_kept.py `planned_keeps`), with the bytes of
+    step wide, mixed's uniform drop recipe: quantize/keeps.py `planned_keeps`), with the bytes of
     every layer at each scheme there; ascending, one point per distinct sparsity. Refused in one line
     when no scheme ever fits."""
     check_joint_mixed(config)

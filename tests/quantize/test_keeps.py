@@ -1,4 +1,4 @@
-"""Per-layer precision for methods that narrow experts or keep novices (job/precision_kept.py),
+"""Per-layer precision for methods that narrow experts or keep novices (quantize/keeps.py),
 without llm-compressor: the byte table of what each layer keeps against the one-scheme predictions
 (`--target-size` with `--quantize`: neuron_plan_bytes, mixed_plan_bytes) and against drop's table,
 and the fake quantization of a packed layer (per-expert widths, novices): each expert's slice in
@@ -15,14 +15,14 @@ import torch
 from test_mixed import plan_of, setup
 
 from moeprune.config import PruneConfig
-from moeprune.job.precision import LayerSwap, expert_weights, precision_bytes
-from moeprune.job.precision_kept import LayerKeep, kept_precision_bytes, plan_keeps, planned_keeps
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.models.packed import NOVICE_PARAM, expert_tensors, is_packed
-from moeprune.quant.fake import fake_quantize
-from moeprune.quant.schemes import QuantizeOptions
-from moeprune.shards.quantized_bytes import quantized_weight_bytes
+from moeprune.quantize.choice import LayerSwap, expert_weights, precision_bytes
+from moeprune.quantize.fake import fake_quantize
+from moeprune.quantize.keeps import LayerKeep, kept_precision_bytes, plan_keeps, planned_keeps
+from moeprune.quantize.pricing import quantized_weight_bytes
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.surgery.mixed import mixed_plan_bytes, planned_genes
 from moeprune.surgery.neurons import neuron_plan_bytes, uniform_widths
 from moeprune.surgery.planning import check_config

@@ -1,5 +1,5 @@
 """Runs in the quantization environment's Python (.venv-quant), started by `moeprune prune
---quantize` as a script: `python oneshot_driver.py SPEC OUT`.
+--quantize` as a script: `python driver.py SPEC OUT`.
 
 Why a script and not an import: llm-compressor pins transformers (5.15-5.17) and compressed-tensors
 (0.19), which moeprune's own environment does not share, so prune saves the pruned model and this
@@ -11,7 +11,7 @@ quantized model in, "scheme": w4a16 | w8a16 | fp8-dynamic | nvfp4a16, "method": 
 "group_size": N, "samples": [[token ids], ...] (none: round-to-nearest without data),
 "ignore": [module names or "re:" patterns], "max_shard_size": as save_pretrained takes it,
 optionally "layer_schemes": {decoder layer index: scheme of its routed experts} (per-layer precision),
-"moeprune": whether the folder is in moeprune's format (oneshot_layout.py quantizes that one)}.
+"moeprune": whether the folder is in moeprune's format (layout.py quantizes that one)}.
 
 Calibration reaches every expert: llm-compressor linearizes each fused experts module into one
 Linear per projection and expert, and with `moe_calibrate_all_experts` every expert computes on
@@ -23,13 +23,26 @@ it saw; OUT (JSON) records them per MoE layer, with the library versions:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # oneshot_layout.py beside this file (no moeprune import)
-from oneshot_layout import count_own_tokens, per_layer_experts, write_compressed  # noqa: E402
+_HERE = Path(__file__).resolve().parent
+# run as a script, its folder (moeprune/quantize/) comes first on sys.path: its modules (tables.py,
+# grid.py, ...) must not shadow the libraries' top-level names, so it is taken off and layout.py
+# (beside this file, no moeprune import either) is loaded by its path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+_spec = importlib.util.spec_from_file_location("moeprune_oneshot_layout", _HERE / "layout.py")
+assert _spec is not None and _spec.loader is not None
+_layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_layout)
+count_own_tokens, per_layer_experts, write_compressed = (
+    _layout.count_own_tokens,
+    _layout.per_layer_experts,
+    _layout.write_compressed,
+)
 
 
 def _scheme(spec: dict):

@@ -1,6 +1,6 @@
 """`prune --quantize auto:A,B --target-size T --allocation evo` without `--sparsity`: EvoESAP over
-(experts removed per MoE layer, scheme per layer) under T (search/precision_space.py), seeded with
-the grid's points (job/precision_grid.py: uniform splits each with its exact choice of schemes,
+(experts removed per MoE layer, scheme per layer) under T (quantize/evo_space.py), seeded with
+the grid's points (quantize/grid.py: uniform splits each with its exact choice of schemes,
 sparsity 0 among them when it fits).
 
 A candidate is scored by the evo search's teacher-forced fitness (`CandidateEvaluator`, teacher:
@@ -27,15 +27,15 @@ from typing import Any, cast
 from moeprune.allocate.fitness import check_fitness
 from moeprune.config import PruneConfig
 from moeprune.data.loading import CalibrationData
-from moeprune.job.auto_precision import PrecisionTarget
-from moeprune.job.precision import LayerSwap, precision_bytes
 from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.choice import LayerSwap, precision_bytes
+from moeprune.quantize.evo_space import Joint, PrecisionSearch, PrecisionSpace
+from moeprune.quantize.per_layer import PrecisionTarget
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult, generations_document
 from moeprune.search.options import SearchRuntime
-from moeprune.search.precision_space import Joint, PrecisionSearch, PrecisionSpace
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.registry import method_limits
 from moeprune.surgery.sizes import WeightBytes

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeprune.errors import MoePruneError
-from moeprune.quant.fake import FAKE_SCHEMES
+from moeprune.quantize.fake import FAKE_SCHEMES
 
 SETUP = "scripts/setup_quant.sh"
 DEFAULT_PYTHON = ".venv-quant/bin/python"
@@ -85,14 +85,14 @@ class QuantizeOptions:
     method: str = "gptq"
     group_size: int | None = None  # None: DEFAULT_GROUP for grouped schemes
     python: str | None = None  # None: DEFAULT_PYTHON under the current folder
-    # per-layer precision (job/precision.py): {decoder layer: its routed experts' scheme};
+    # per-layer precision (quantize/choice.py): {decoder layer: its routed experts' scheme};
     # `scheme` is then the base, for every other Linear
     layer_schemes: dict[int, str] | None = None
     # `auto:a,b,...` resolved (job/prepare.py): the schemes a layer's experts may take, `scheme`
     # their first (the base); None for one scheme
     candidates: tuple[str, ...] | None = None
     budget: int | str | None = None  # with candidates: the target the choice fits (not a solved sparsity)
-    # with candidates and no --sparsity: the sparsities tried for the joint choice (job/precision_grid.py)
+    # with candidates and no --sparsity: the sparsities tried for the joint choice (quantize/grid.py)
     sparsity_grid: int = 4
     joint: bool = False  # no sparsity given: it is chosen with the schemes
 

@@ -1,4 +1,4 @@
-"""The part of oneshot_driver.py that quantizes a result in moeprune's format (per-layer expert
+"""The part of driver.py that quantizes a result in moeprune's format (per-layer expert
 counts, novices, per-expert widths), in the quantization environment. Like the driver it imports
 torch, transformers, llm-compressor and the standard library only, never moeprune: the folder's
 own modeling files (`trust_remote_code`) build the model, so llm-compressor sees the very modules

@@ -1,7 +1,7 @@
 """Round-to-nearest fake quantization: a weight replaced by what llm-compressor's RTN
 (`QuantizationModifier`) would store for it, decoded back to the weight's dtype.
 
-Why here: the per-layer precision search (job/precision.py) scores candidate schemes without
+Why here: the per-layer precision search (quantize/choice.py) scores candidate schemes without
 running llm-compressor (another environment, minutes per call); it swaps each layer's experts for
 their fake-quantized copies. For the scores to mean anything the copies must be the very numbers
 the final checkpoint decodes to, so the arithmetic follows compressed-tensors 0.19 step by step
@@ -13,7 +13,7 @@ the final checkpoint decodes to, so the arithmetic follows compressed-tensors 0.
 - fp8-dynamic (weights e4m3 per output channel): the same with the range +-448 (scale = amax / 448)
   and the rounding a cast to float8_e4m3fn.
 
-tests/quant/test_precision_quantize.py checks these against llm-compressor's own output bit for bit.
+tests/quantize/test_precision_oneshot.py checks these against llm-compressor's own output bit for bit.
 nvfp4a16 (two-level fp8 scales of fp4 groups) is not modelled: `auto:` refuses it.
 """
 

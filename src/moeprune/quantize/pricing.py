@@ -1,6 +1,6 @@
 """The bytes a `--quantize` result will have, from the model's structure alone (no weight read).
 
-`moeprune.quant.schemes` says what one quantized Linear weighs; this module applies it to a model:
+`moeprune.quantize.schemes` says what one quantized Linear weighs; this module applies it to a model:
 every Linear llm-compressor quantizes (attention, dense and shared MLPs, each routed expert's
 projections) is replaced by its codes and scales, and everything it leaves alone (embeddings,
 norms, the routers, lm_head, biases) keeps the size it has in the saved dtype. The result is a
@@ -30,7 +30,7 @@ from torch import nn
 
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.surgery.sizes import LayerBytes, WeightBytes
 
 # what llm-compressor is told to leave alone: lm_head and the routers (a router is an nn.Linear in

@@ -7,7 +7,7 @@ Unlike `--method mixed` at a sparsity (search/mixed_space.py), no fill hands out
 fact: every narrowed expert of a layer keeps exactly `width` neurons, so the candidate alone is the
 plan, its bytes and the prefix cache's key (a layer's tuple decides the hidden state leaving it).
 
-Bytes, exact (job/precision_kept.py `kept_bytes`: the kept experts at their widths in the layer's
+Bytes, exact (quantize/keeps.py `kept_bytes`: the kept experts at their widths in the layer's
 scheme, novices unquantized, dropped experts gone with their router rows, the rest at the base
 scheme). A candidate is feasible when its genes keep the mixed rules (`check_genes`: super experts
 whole, top_k experts keeping weights, drops within the cap and multiple, widths on the layer's
@@ -21,7 +21,7 @@ order: every candidate the search sees fits T and leaves less than its smallest 
 
 Mutation: mixed's moves between forms (search/mixed_space.py) or a flip of one or two layers'
 schemes, then the repair. Seeds: mixed's single-surgery recipes at the sparsities where one scheme
-everywhere meets T (job/precision_mixed.py), each with that scheme, and "quantize only" (every
+everywhere meets T (quantize/mixed.py), each with that scheme, and "quantize only" (every
 expert whole) where it fits; generation 0 holds them first.
 """
 
@@ -35,9 +35,9 @@ import numpy as np
 
 from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
+from moeprune.quantize.tables import LayerKeep, kept_bytes
 from moeprune.search.evo import SeededSearch
 from moeprune.search.mixed_space import MOVES, MixedSpace
-from moeprune.surgery.kept_bytes import LayerKeep, kept_bytes
 from moeprune.surgery.mixed import LayerCosts, LayerGene, check_genes
 from moeprune.surgery.sizes import WeightBytes
 
@@ -54,7 +54,7 @@ class MixedPrecisionSpace:
 
     costs: tuple[LayerCosts, ...]  # parameters and limits of each layer (mixed's, with width steps)
     layers: tuple[int, ...]
-    per: dict[str, WeightBytes]  # every scheme's bytes (job/precision_kept.py `scheme_bytes`), base first
+    per: dict[str, WeightBytes]  # every scheme's bytes (quantize/keeps.py `scheme_bytes`), base first
     target: int  # T, in bytes
     novice_rank: int = 0
 

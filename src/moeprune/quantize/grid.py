@@ -11,7 +11,7 @@ configured allocation, to keep it cheap: an evo search per point would cost a se
 per-layer losses on the full model with those experts masked (`measure_losses`), the exact choice
 under T, and one more evaluation with every chosen layer fake-quantized at once: that combined
 fitness ranks the points. The configured allocation then runs at the best point and the schemes are
-chosen again on its own split (job/auto_precision.py), so the result is what `--sparsity` at that
+chosen again on its own split (quantize/per_layer.py), so the result is what `--sparsity` at that
 point would give.
 """
 
@@ -27,16 +27,16 @@ from moeprune.criteria import score_experts
 from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
-from moeprune.job.auto_precision import JOINT_PLACEHOLDER
-from moeprune.job.precision import (
+from moeprune.models import MoEModel
+from moeprune.quantize.choice import (
     LayerSwap,
     budget_per_scheme,
     choose_schemes,
     measure_losses,
     precision_bytes,
 )
-from moeprune.models import MoEModel
-from moeprune.quant.schemes import QuantizeOptions
+from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
+from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.registry import METHODS, method_limits

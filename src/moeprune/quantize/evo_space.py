@@ -6,7 +6,7 @@ fitness cache and the search state key it like drop counts (and so its prefix up
 decides the hidden state entering layer p: removals and bits of the earlier layers alike, which
 makes it the prefix cache's key as it is).
 
-Bytes, exact per layer (job/precision.py `precision_bytes` is linear in the removals):
+Bytes, exact per layer (quantize/choice.py `precision_bytes` is linear in the removals):
 bytes(r, s) = fixed - sum_l r_l router_row_l + sum_l (n_l - r_l) expert_l[s_l], where `fixed` is
 every byte outside the routed experts at the base scheme (the list's first) with nothing removed.
 A candidate is feasible when bytes <= T and every r_l is within the layer's cap and multiple
