@@ -34,15 +34,14 @@ from moeprune.report.parts import (
 from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
-from moeprune.search.mixed_search import check_mixed_seeds
+from moeprune.search.registry import search_for
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
-from moeprune.surgery.lowrank import check_every_novice_fits
 from moeprune.surgery.neurons import NarrowOptions
 from moeprune.surgery.planning import check_config, check_feasible, requirements
-from moeprune.surgery.registry import ResolvedConfig
+from moeprune.surgery.registry import FORMS, ResolvedConfig
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
@@ -307,7 +306,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     if quantize is not None and quantize.joint and quantize.budget is not None:
         element = torch.empty((), dtype=save_dtype).element_size()
         target = parse_target_size(quantize.budget)
-        joint_grid = mixed_joint_grid if config.method == "mixed" else sparsity_grid
+        joint_grid = mixed_joint_grid if config.method_spec.genes == FORMS else sparsity_grid
         grid = tuple(
             joint_grid(meta, config, quantize, cast_weight_bytes(checked, meta, save_dtype), element, target)
         )
@@ -316,10 +315,9 @@ def prepare(request: PruneRequest) -> PruneJob:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
     layer_budget = check_feasible(meta, config)
-    if config.method == "mixed" and searches(config.allocation):
-        check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
-        if quantize is None or not quantize.joint:  # the joint search seeds in bytes (quantize/mixed.py)
-            check_mixed_seeds(meta, config)
+    search = search_for(config)
+    if search is not None and search.before_loading is not None:  # the joint search seeds in bytes
+        search.before_loading(meta, config, quantize is not None and quantize.joint)
     kept_widths = planned_widths(layer_budget, config)
     if quantize is not None and kept_widths:  # the widths a neuron method keeps, known now
         check_group(quantize, quantized_dims(meta), kept_widths)  # the largest group named divides all

@@ -33,6 +33,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import searches_schemes
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
@@ -45,7 +46,7 @@ from moeprune.shards.rewrite import (
     with_mtp,
 )
 from moeprune.surgery.planning import check_config
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import FORMS
 
 
 def prune_in_memory(request: PruneRequest) -> dict:
@@ -184,7 +185,7 @@ def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> _Before
             sparsity, grid_rows = choose_sparsity(
                 teacher, full, job.config, quantize, grid, p.size, p.dtype_bytes, p.target_bytes
             )
-        if job.config.allocation == "evo":  # counts and schemes searched together, the grid as seeds
+        if searches_schemes(job.config):  # counts and schemes searched together, the grid as seeds
             assert teacher is not None
             teacher.release()
             teacher = None
@@ -198,12 +199,7 @@ def _precision_teacher(job: PruneJob, full: MoEModel, progress: bool) -> _Before
                     full, job.config, quantize, p, orders, scored, grid_rows, runtime
                 )
             job = replace(job, quantize=quantize, precision_choice=choice)
-            sparsity = (
-                sum(removed)
-                / method_limits(
-                    full, job.config.method, job.config.expert_multiple, job.config.options
-                ).prunable_experts
-            )
+            sparsity = sum(removed) / job.config.limits(full).prunable_experts
         elif sparsity == 0:
             removed = [0] * len(full.layers)
         if sparsity > 0:  # else the planning sparsity stays: the config needs one above 0
@@ -218,7 +214,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer.lap("load")
     data = job.data
     asked, before = job.config, _BeforePrune(job)
-    joint_mixed = job.quantize is not None and job.quantize.joint and job.config.method == "mixed"
+    joint_mixed = job.quantize is not None and job.quantize.joint and job.config.method_spec.genes == FORMS
     if job.precision is not None and joint_mixed:
         before = _joint_mixed(job, MoEModel(model), progress)  # forms and schemes together
     elif job.precision is not None:  # per-layer precision: its teacher is the full model, before surgery

@@ -14,4 +14,6 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - options.py     SearchRuntime: how a search runs, none of which changes its result
 - registry.py    the searches keyed by (allocation, method genes): SEARCHES, search_for(config)
 - forms.py       the two searches over forms (evo, gradient), registered
+- gradient.py    the gradient allocation of drop counts (per-expert keep logits)
+- gradient_mixed.py / form_training.py  the gradient allocation of forms, and its training loop
 """

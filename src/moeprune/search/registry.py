@@ -100,6 +100,12 @@ class Search:
 SEARCHES: Registry[Search] = Registry("search", "allocation")
 
 
+def searches_schemes(config: ResolvedConfig) -> bool:
+    """Whether `--quantize auto:` searches the schemes together with this config's search."""
+    search = search_for(config)
+    return search is not None and search.joint_schemes
+
+
 def search_for(config: ResolvedConfig) -> Search | None:
     """The search that runs `config`'s allocation over its method's genes (None: not searched)."""
     if not config.allocator.searches:
