@@ -33,9 +33,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from moeprune.demo.train import cache_root
 from moeprune.models.factory import tiny_model
 from moeprune.runtime.atomic import atomic_write_dir
+from moeprune.runtime.cache import cache_root
 from moeprune.runtime.device import resolve_dtype
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.weight_scores import score_checkpoint

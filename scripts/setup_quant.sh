@@ -1,56 +1,51 @@
 #!/usr/bin/env bash
-# Sets up (or refreshes) .venv-quant: llm-compressor and the compressed-tensors stack, in which
-# `moeprune prune --quantize` runs llm-compressor's oneshot (src/moeprune/quantize/driver.py, a
-# script started in this environment's Python) and the quantization tests read its results.
-#
-# Kept apart from .venv and .venv-vllm: llmcompressor 0.14.0.1 pins transformers to 5.15-5.17
-# and compressed-tensors to 0.19, which neither moeprune's newest-transformers .venv nor vLLM's
-# environment can share. Order matters:
-#   1. torch FIRST, pinned, so pip takes the CPU wheel and never pulls a multi-GB CUDA build (torch
-#      stays pinned in every later pip command, so nothing can move it);
-#   2. llmcompressor with transformers and compressed-tensors pinned in the same command;
-#   3. moeprune editable (no extras), constrained to what is now installed, so that it cannot
-#      move any of llm-compressor's pins (the tests load results with moeprune here too).
-# A stamp file makes a second run instant; it is redone when this script or pyproject.toml changes
-# (or with FORCE=1).
+# Sets up (or refreshes) the quantization environment .venv-quant the way a pip user gets it, and
+# the environment that proves that way works:
+#   1. .venv-pip: a fresh virtual environment with moeprune pip-installed from this folder, not
+#      editable and without extras, as a user installs it (torch pinned first, so pip takes the CPU
+#      wheel and never pulls a multi-GB CUDA build);
+#   2. .venv-quant made by that install's own `moeprune setup quantize --path .venv-quant`: the
+#      command a pip user runs, whose installs and pins live in src/moeprune/quantize/environment.py
+#      (llm-compressor with transformers and compressed-tensors pinned; kept apart from .venv and
+#      .venv-vllm because llmcompressor pins transformers 5.15-5.17 and compressed-tensors 0.19);
+#   3. moeprune editable (no extras) into .venv-quant, constrained to what is now installed, so it
+#      cannot move llm-compressor's pins: the tests load results with moeprune there too.
+# tests/quantize/test_setup_quantize.py runs .venv-pip's `moeprune setup quantize` and `prune
+# --quantize` from a folder of its own. Stamps make a second run instant; .venv-pip's moeprune is
+# reinstalled when a source file changes, .venv-quant redone when this script, pyproject.toml or
+# the pins change (or with FORCE=1).
 set -euo pipefail
 
 TORCH_VERSION=2.13.0
-LLMCOMPRESSOR_VERSION=0.14.0.1
-TRANSFORMERS_VERSION=5.17.0
-COMPRESSED_TENSORS_VERSION=0.19.0
 
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV=.venv-quant
 PY=${PYTHON:-python3}
-STAMP=$VENV/.moeprune-quant-installed
-# What the stamp certifies: this script, pyproject.toml and the pins above.
-WANT=$(cat scripts/setup_quant.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 
+# 1. .venv-pip
+PIP_VENV=.venv-pip
+PIP_STAMP=$PIP_VENV/.moeprune-pip-installed
+PIP_WANT=$( (cat pyproject.toml; find src -type f \( -name '*.py' -o -name '*.json' -o -name 'py.typed' \) | sort | xargs cat) | sha256sum | cut -d' ' -f1)
+if [ "${FORCE:-0}" = 1 ] || [ ! -f "$PIP_STAMP" ] || [ "$(cat "$PIP_STAMP")" != "$PIP_WANT" ]; then
+  [ -x "$PIP_VENV/bin/python" ] || "$PY" -m venv "$PIP_VENV"
+  pipu() { "$PIP_VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+  "$PIP_VENV/bin/python" -c "import torch" 2>/dev/null || pipu "torch==$TORCH_VERSION"
+  pipu "torch==$TORCH_VERSION" "$ROOT"          # moeprune's dependencies (and a first moeprune)
+  pipu --no-deps --force-reinstall "$ROOT"       # this source's moeprune (same version number: forced)
+  echo "$PIP_WANT" > "$PIP_STAMP"
+fi
+
+# 2. and 3. .venv-quant
+VENV=.venv-quant
+STAMP=$VENV/.moeprune-quant-editable
+WANT=$(cat scripts/setup_quant.sh pyproject.toml src/moeprune/quantize/environment.py | sha256sum | cut -d' ' -f1)
 if [ "${FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
-
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
-
-pip_ "torch==$TORCH_VERSION"
-pip_ "torch==$TORCH_VERSION" "llmcompressor==$LLMCOMPRESSOR_VERSION" \
-  "transformers==$TRANSFORMERS_VERSION" "compressed-tensors==$COMPRESSED_TENSORS_VERSION"
-
+# MOEPRUNE_CACHE: the command records the environment it made; keep that record out of the user's cache
+force=(); [ "${FORCE:-0}" = 1 ] && force=(--force)
+MOEPRUNE_CACHE=$(mktemp -d) "$PIP_VENV/bin/moeprune" setup quantize --path "$VENV" "${force[@]}"
 CONSTRAINTS=$VENV/quant-constraints.txt
 "$VENV/bin/python" -m pip freeze --exclude-editable | grep -v '^moeprune' > "$CONSTRAINTS"
-pip_ -c "$CONSTRAINTS" -e "$ROOT"
-
-# Fail here, not in the tests, if the pins did not hold.
-"$VENV/bin/python" - <<PYEOF
-import compressed_tensors, llmcompressor, torch, transformers
-assert torch.__version__.split("+")[0] == "$TORCH_VERSION", torch.__version__
-assert not torch.cuda.is_available() or "+cpu" in torch.__version__, torch.__version__
-assert transformers.__version__ == "$TRANSFORMERS_VERSION", transformers.__version__
-assert compressed_tensors.__version__.startswith("$COMPRESSED_TENSORS_VERSION"), compressed_tensors.__version__
-print(f"llmcompressor {llmcompressor.__version__}, compressed-tensors {compressed_tensors.__version__}, "
-      f"torch {torch.__version__}, transformers {transformers.__version__}: ready")
-PYEOF
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$ROOT"
 echo "$WANT" > "$STAMP"

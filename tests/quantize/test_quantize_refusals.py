@@ -103,12 +103,14 @@ def test_refused_in_one_line_before_loading(world, tmp_path, case):
 
 def test_no_quantization_environment_names_the_setup_script(world, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no .venv-quant here
+    monkeypatch.setenv("MOEPRUNE_CACHE", str(tmp_path / "cache"))  # and none recorded by `setup quantize`
     result = run_cli(
         "prune", world / "model", "--output", tmp_path / "out", "--sparsity", "0.25", "--data", world / "calib.jsonl",
         "--criterion", "frequency", "--quantize", "w4a16", ok=False,
     )  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "no quantization environment (.venv-quant/bin/python not found): run scripts/setup_quant.sh" in result.output
+    assert "no quantization environment (none recorded by 'moeprune setup quantize', no .venv-quant/bin/python " \
+        "here): run 'moeprune setup quantize' to make it" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 

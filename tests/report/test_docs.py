@@ -8,6 +8,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+import click
 import pytest
 
 from moeprune.cli.reference import cli_reference_markdown, fill_cli_reference
@@ -76,8 +77,11 @@ def test_cli_reference_covers_every_command_and_flag():
 
     reference = (ROOT / "docs" / "cli.md").read_text()
     assert cli_reference_markdown() in reference
-    for name, command in main.commands.items():
+    commands = [(name, command) for name, command in main.commands.items()]
+    for name, command in commands:
         assert f"## moeprune {name}" in reference
+        if isinstance(command, click.Group):  # `setup quantize`: each subcommand has its own section
+            commands += [(f"{name} {sub}", c) for sub, c in command.commands.items()]
         for param in command.params:
             for flag in (o for o in param.opts if o.startswith("--")):
                 assert flag in reference, f"{flag} of moeprune {name} is missing from docs/cli.md"

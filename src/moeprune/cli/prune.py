@@ -178,7 +178,8 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
 @click.option(
     "--quant-python",
     default=None,
-    help=f"--quantize: the Python of an environment with llmcompressor [default: {DEFAULT_PYTHON}, made by {SETUP}].",
+    help=f"--quantize: the Python of an environment with llmcompressor [default: {DEFAULT_PYTHON} under the "
+    f"current folder, else the environment '{SETUP}' made].",
 )
 @registry_option("--pipeline", PIPELINES, "How the job runs:", default="in-memory", show_default=True)
 @click.option(

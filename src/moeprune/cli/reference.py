@@ -37,9 +37,23 @@ def cli_reference_markdown() -> str:
     for name in main.list_commands(root):
         command = main.get_command(root, name)
         assert command is not None, name  # list_commands names only commands the group has
-        text = _help(command, name, parent=root)
-        parts.append(f"## moeprune {name}\n\n```text\n$ moeprune {name} --help\n{text}\n```\n")
+        parts += _sections(command, name, root, name)
     return "\n".join(parts)
+
+
+def _sections(command: click.Command, name: str, parent: click.Context, path: str) -> list[str]:
+    """`path`'s help, then (a group: `setup`) each subcommand's, as `## moeprune setup quantize`."""
+    text = _help(command, name, parent=parent)
+    out = [f"## moeprune {path}\n\n```text\n$ moeprune {path} --help\n{text}\n```\n"]
+    if isinstance(command, click.Group):
+        context = click.Context(
+            command, info_name=name, parent=parent, max_content_width=WIDTH, terminal_width=WIDTH
+        )
+        for sub_name in command.list_commands(context):
+            sub = command.get_command(context, sub_name)
+            assert sub is not None, sub_name
+            out += _sections(sub, sub_name, context, f"{path} {sub_name}")
+    return out
 
 
 def fill_cli_reference(text: str) -> str:

@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from moeprune.data.tokenizer import train_bpe_tokenizer
 from moeprune.demo.corpus import CORPUS_VERSION, DOMAINS, build_corpus, load_split
 from moeprune.demo.heldout import RouteCounter, encode_rows, greedy_samples, heldout_stats
+from moeprune.runtime.cache import cache_root
 from moeprune.runtime.progress import progress_bar
 
 TRAINER_VERSION = 1
@@ -331,15 +332,6 @@ def train_demo_model(
 
 # ----------------------------------------------------------------------------------------------
 # Cache
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir``, else ``$MOEPRUNE_CACHE``, else ``$XDG_CACHE_HOME/moeprune`` or ``~/.cache/moeprune``."""
-    if cache_dir:
-        return Path(cache_dir)
-    if os.environ.get("MOEPRUNE_CACHE"):
-        return Path(os.environ["MOEPRUNE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moeprune"
 
 
 def _remove_stale_tmp(root: Path, name: str) -> None:

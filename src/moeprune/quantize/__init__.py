@@ -21,6 +21,8 @@ experts swapped for fake-quantized copies. quant/ keeps the reading of quantized
 - oneshot.py      the saved result quantized in place, driver.py in the quantization environment
 - driver.py       llm-compressor's `oneshot`, run as a script in .venv-quant (no moeprune import)
 - layout.py       driver.py's part for results in moeprune's format (no moeprune import)
+- environment.py  the quantization environment's pins and installs (`moeprune setup quantize`;
+                  standard library only: scripts/setup_quant.sh runs it before any environment)
 """
 
 from __future__ import annotations

@@ -20,15 +20,19 @@ Symmetric schemes store no zero point. The router (gate) and lm_head stay in the
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from moeprune.errors import MoePruneError
 from moeprune.quantize.fake import FAKE_SCHEMES
+from moeprune.runtime.cache import cache_root
 
-SETUP = "scripts/setup_quant.sh"
+SETUP = "moeprune setup quantize"  # makes the environment from the installed package (no clone needed)
+# a clone's environment (scripts/setup_quant.sh), under the current folder
 DEFAULT_PYTHON = ".venv-quant/bin/python"
+RECORD = "quant-env.json"  # in moeprune's cache folder: the environment `setup quantize` made last
 DEFAULT_GROUP = 128
 
 
@@ -251,13 +255,38 @@ def check_auto(text: str, has_data: bool) -> tuple[str, ...] | None:
 
 
 def _quant_python(given: str | None) -> str:
-    path = Path(given) if given else Path(DEFAULT_PYTHON)
-    if not path.is_file() or not os.access(path, os.X_OK):
-        if given:
+    if given:
+        path = Path(given)
+        if not path.is_file() or not os.access(path, os.X_OK):
             raise MoePruneError(f"{given!r} is not an executable Python", options=("quant_python",))
+        return str(path.absolute())
+    found = default_quant_python()
+    if found is None:
         raise MoePruneError(
-            f"no quantization environment ({DEFAULT_PYTHON} not found): run {SETUP} to make it, "
-            "or give the Python of an environment with llmcompressor",
+            f"no quantization environment (none recorded by {SETUP!r}, no {DEFAULT_PYTHON} here): run "
+            f"'{SETUP}' to make it, or give the Python of an environment with llmcompressor",
             options=("quant_python",),
         )
-    return str(path.absolute())
+    return str(found)
+
+
+def default_quant_python() -> Path | None:
+    """The quantization environment's Python when none is given: a clone's `.venv-quant` under the
+    current folder, else the one `moeprune setup quantize` recorded; None when neither exists."""
+    local = Path(DEFAULT_PYTHON)
+    if local.is_file() and os.access(local, os.X_OK):
+        return local.absolute()
+    record = cache_root() / RECORD
+    try:
+        python = Path(json.loads(record.read_text())["python"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return python if python.is_file() and os.access(python, os.X_OK) else None
+
+
+def record_quant_python(python: Path) -> Path:
+    """Remember `python` as the quantization environment (`moeprune setup quantize`); returns the record."""
+    record = cache_root() / RECORD
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"python": str(Path(python).absolute())}) + "\n")
+    return record
