@@ -34,7 +34,7 @@ from moeprune.quantize.per_layer import resolve_auto
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery.planning import check_config, requirements
-from moeprune.surgery.registry import METHODS, Method
+from moeprune.surgery.registry import METHODS, Method, ResolvedConfig
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
 # the settings only one searched allocation reads (its `knobs`), under their former names
@@ -54,8 +54,9 @@ class Pipeline:
     fn: Callable[[PruneRequest], dict] | None = None
 
     def check(self, config: PruneConfig) -> None:
-        """Refuse, in one sentence naming what it supports, a config this pipeline cannot run."""
-        config = check_config(config)
+        """Refuse, in one sentence naming what it supports, a config this pipeline cannot run (its
+        names resolved; its numbers are checked with the rest of the job's inputs)."""
+        config = ResolvedConfig.of(config)
         if config.criterion == AUTO and not self.auto_criterion:
             raise MoePruneError(
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
@@ -90,7 +91,7 @@ PIPELINES: Registry[Pipeline] = Registry("pipeline", "pipeline")
 def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple[Setting, ...], str]]:
     """(settings, why) for every setting this run would ignore: the pipeline's own, then the ones
     only a search, another method or neuron pruning read."""
-    config = check_config(config)
+    config = ResolvedConfig.of(config)
     unread = list(pipeline.unread)
     needs = requirements(config)
     # each other allocation's own settings first, so the refusal names the allocation that reads them

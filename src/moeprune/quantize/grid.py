@@ -38,7 +38,8 @@ from moeprune.quantize.choice import (
 from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
 from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.surgery.planning import check_config, guard_super_experts
+from moeprune.surgery.planning import guard_super_experts
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -56,7 +57,7 @@ def criterion_orders(
     (`RunOptions.observed`) instead of a second pass over the same data."""
     observed = score_experts(
         moe, config.criterion, list(calibration), batch_size=batch_size, pad_token_id=pad,
-        seed=config.seed, progress=progress, neurons=check_config(config).method_spec.neurons,
+        seed=config.seed, progress=progress, neurons=ResolvedConfig.of(config).method_spec.neurons,
     )  # fmt: skip
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)
@@ -68,7 +69,7 @@ def uniform_split(moe: MoEModel, config: PruneConfig, sparsity: float) -> list[i
     "quantize only" point)."""
     if sparsity == 0:
         return [0] * len(moe.layers)
-    limits = check_config(config).limits(moe)
+    limits = ResolvedConfig.of(config).limits(moe)
     return uniform_allocation(limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs())
 
 
@@ -86,7 +87,7 @@ def sparsity_grid(
     sparsity, when none does); refused in one line when even the cheapest never fits. Sparsity 0
     (every expert kept, the whole model quantized) is the first point whenever it fits."""
     assert options.candidates is not None
-    limits = check_config(config).limits(meta)
+    limits = ResolvedConfig.of(config).limits(meta)
     total = limits.prunable_experts
     steps = [0.0]  # quantize only, then every sparsity whose budget a uniform split meets, ascending
     for budget in range(1, total + 1):

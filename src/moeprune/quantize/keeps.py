@@ -39,24 +39,24 @@ from moeprune.quantize.choice import PrecisionBytes, budget_per_scheme
 from moeprune.quantize.pricing import quantized_weight_bytes
 from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.quantize.tables import LayerKeep, kept_bytes
-from moeprune.surgery.planning import check_config
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
 def priced_here(config: PruneConfig) -> bool:
     """Whether `config`'s method is priced by what its layers keep (this module): it declares its
     keeps (`Method.planned_keeps`); drop and merge are priced by their removals (quantize/choice.py)."""
-    return check_config(config).method_spec.planned_keeps is not None
+    return ResolvedConfig.of(config).method_spec.planned_keeps is not None
 
 
 def _rank(config: PruneConfig) -> int:
-    return int(check_config(config).options.novice_rank)
+    return int(ResolvedConfig.of(config).options.novice_rank)
 
 
 def planned_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
     """The uniform plan's keeps from the structure and options alone (a meta-device model does):
     the method's own answer (`Method.planned_keeps`)."""
-    resolved = check_config(config)
+    resolved = ResolvedConfig.of(config)
     keeps = resolved.method_spec.planned_keeps
     if keeps is None:
         raise MoePruneError(f"per-layer precision does not price the {config.method} method by its keeps")

@@ -26,7 +26,7 @@ from moeprune.quantize.schemes import QuantizeOptions
 from moeprune.runtime.device import Placement
 from moeprune.search.registry import searches_schemes
 from moeprune.surgery import lowrank
-from moeprune.surgery.planning import check_config
+from moeprune.surgery.registry import ResolvedConfig
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def check_joint_memory(
         quantize is None
         or not quantize.joint
         or not quantize.candidates
-        or not searches_schemes(check_config(config))
+        or not searches_schemes(ResolvedConfig.of(config))
     ):
         return None
     schemes = len(quantize.candidates)

@@ -55,15 +55,15 @@ from moeprune.search.registry import searches_schemes
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
-from moeprune.surgery.planning import check_config, guard_super_experts
+from moeprune.surgery.planning import guard_super_experts
 from moeprune.surgery.plans import virtual_plan
-from moeprune.surgery.registry import PlanRequest
+from moeprune.surgery.registry import PlanRequest, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes, grid_steps
 
 
 def check_joint_mixed(config: PruneConfig) -> None:
     """What the joint mixed search cannot run, refused in one line before loading."""
-    if not searches_schemes(check_config(config)):
+    if not searches_schemes(ResolvedConfig.of(config)):
         raise MoePruneError(
             "--method mixed with auto: and no --sparsity searches the forms and the schemes together: give "
             "--allocation evo, or --sparsity (its plan is then priced by what it keeps)",

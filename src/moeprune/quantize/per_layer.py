@@ -49,7 +49,7 @@ from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import plan_rank
 from moeprune.surgery.planning import check_config
-from moeprune.surgery.registry import EXPERTS, FORMS
+from moeprune.surgery.registry import EXPERTS, FORMS, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -93,7 +93,7 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             "name a criterion, or give --sparsity",
             options=("quantize", "criterion"),
         )
-    resolved = check_config(config)
+    resolved = ResolvedConfig.of(config)  # names only: the target size is still in the config
     method = resolved.surgery
     whole = not (method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons)
     joint_mixed = config.sparsity is None and method.genes == FORMS  # forms and schemes: quantize/mixed.py
