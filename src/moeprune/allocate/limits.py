@@ -28,7 +28,7 @@ from moeprune.allocate.basic import (
     budget_from_sparsity,
     group_limited_cap,
 )
-from moeprune.allocate.registry import ALLOCATIONS
+from moeprune.allocate.registry import ALLOCATIONS, Allocator
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -122,16 +122,18 @@ def expert_allocation(
     criterion: Criterion,
     scores: Sequence[LayerScores],
     sparsity: float,
-    allocation: str,
+    allocation: str | Allocator,
     limits: LayerLimits | None = None,
 ) -> list[int]:
-    """How many experts each MoE layer loses under the global budget (uniform or global)."""
+    """How many experts each MoE layer loses under the global budget (uniform or global); the
+    allocation's entry, or its name."""
     limits = limits or layer_limits(moe)
     budget = limits.budget(sparsity)
-    counts = ALLOCATIONS.get(allocation).counts
+    spec = allocation if isinstance(allocation, Allocator) else ALLOCATIONS.get(allocation)
+    counts = spec.counts
     if counts is not None:
         return counts(criterion, scores, budget, limits)
     raise MoePruneError(
-        f"allocation {allocation!r} does not choose expert counts (use uniform, global or evo)",
+        f"allocation {spec.name!r} does not choose expert counts (use uniform, global or evo)",
         options=("allocation",),
     )

@@ -25,6 +25,17 @@ class Allocator:
     plan_note: Callable | None = None  # criterion -> what the plan's `extra` records about this allocation
     # calibration statistics it reads itself (observe/kinds.py); none does today: each reads scores
     statistics: Statistics = NONE
+    # the settings only this allocation reads (refused as unread without it: job/pipelines.py)
+    knobs: tuple[str, ...] = ()
+    # its plans narrow experts neuron by neuron (the gradient allocation's form projection): widths on
+    # a multiple above 1 are refused before loading
+    neuron_by_neuron: bool = False
+    label: str = ""  # what a refusal calls it ("an EvoESAP search"); "" : "the <name> allocation"
+
+    @property
+    def described(self) -> str:
+        """How refusals name it: its label, else 'the <name> allocation'."""
+        return self.label or f"the {self.name} allocation"
 
     @property
     def searches(self) -> bool:

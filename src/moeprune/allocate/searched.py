@@ -18,6 +18,8 @@ ALLOCATIONS.add(
         "EvoESAP: search the per-layer counts under the same budget, candidates scored on "
         "teacher-forced search data",
         needs=(SEARCH_DATA,),
+        knobs=("population", "elites", "generations", "patience", "delta_max", "tau_max", "resume"),
+        label="an EvoESAP search",
     )
 )
 
@@ -28,5 +30,13 @@ ALLOCATIONS.add(
         "against the full model's top-k KL on teacher-forced search data; the exact budget and every "
         "per-layer limit at every step (drop and mixed)",
         needs=(SEARCH_DATA,),
+        knobs=(
+            "gradient_steps",
+            "gradient_lr",
+            "gradient_temperature",
+            "gradient_temperature_end",
+            "gradient_kl_top_k",
+        ),
+        neuron_by_neuron=True,
     )
 )

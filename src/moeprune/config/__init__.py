@@ -12,6 +12,7 @@ it back. This module imports nothing of moeprune but its errors, so every stage 
 
 from moeprune.config.options import (
     DataOptions,
+    MethodOptions,
     PruneConfig,
     RunOptions,
     SaveOptions,
@@ -33,6 +34,7 @@ __all__ = [
     "SEARCH_DATA",
     "WEIGHTS",
     "DataOptions",
+    "MethodOptions",
     "PruneConfig",
     "Recipe",
     "Registry",

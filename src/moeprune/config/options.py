@@ -81,6 +81,43 @@ def _check_type(value: Any, kinds: tuple[type, ...], where: str) -> None:
 _TYPES: dict[str, tuple[tuple[type, ...], bool]] = {}  # field name -> (types, optional), filled below
 
 
+@dataclass(frozen=True)
+class MethodOptions:
+    """The base of every method's own settings (`Method.options`; a method without settings takes
+    it as it is): what generic code asks of any method's options, with the answers of a method
+    that has none, so a stage asks the resolved options and never checks which class they are.
+    A subclass is a frozen dataclass of `setting` fields (each a command-line flag) that validates
+    itself in `__post_init__`, and overrides the answers its settings change."""
+
+    @property
+    def keeps_routing(self) -> bool:
+        """True when the settings keep every router row (drop's `--reroute none`): Method.configured."""
+        return False
+
+    @property
+    def label(self) -> str:
+        """What refusals add to 'the drop method' (Method.described): '' unless the settings change it."""
+        return ""
+
+    @property
+    def novice_rank(self) -> int:
+        """The rank of low-rank novices (0: constant novices, or none at all)."""
+        return 0
+
+    @property
+    def width_multiple(self) -> int | None:
+        """Narrowed widths are multiples of this (None: the default multiple, surgery/widths.py)."""
+        return None
+
+    def candidate_context(self, moe: Any) -> Callable | None:
+        """How a search applies a candidate under these settings (Method.search_context); None: the
+        method's own context."""
+        return None
+
+    def check_model(self, moe: Any) -> None:
+        """Refuse settings the model's structure cannot take (before any weight loads)."""
+
+
 @dataclass
 class SearchConfig:
     """EvoESAP's settings (defaults: the paper's, P=32, m=4, T=50, Delta=4, tau=3). The one place
@@ -247,8 +284,6 @@ class PruneConfig:
     )
     # --repair: distil the pruned model toward the full one, training small tensors (moeprune.repair)
     repair: RepairConfig = field(default_factory=RepairConfig)
-    # set by check_config on the copy it returns: names resolved, options an object; never by hand
-    resolved: bool = field(default=False, init=False, repr=False, compare=False)
 
     def sparsity_value(self) -> float:
         """The sparsity, given or solved from the target size (a stage that plans needs one)."""
@@ -262,12 +297,15 @@ class PruneConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as JSON; `target_size` only when set, so a recipe of a run with a given
         sparsity keeps exactly the keys it always had."""
-        out = asdict(self)
-        del out["resolved"]
+        out = {
+            f.name: getattr(self, f.name) for f in fields(PruneConfig)
+        }  # a ResolvedConfig's entries stay out
+        out["search"] = asdict(self.search)
+        out["options"] = asdict(self.options) if isinstance(self.options, MethodOptions) else self.options
         if out["target_size"] is None:
             del out["target_size"]
-        if out["options"] is None:
-            del out["options"]
+        if self.options is None or (isinstance(self.options, MethodOptions) and not out["options"]):
+            del out["options"]  # none given, or a method without settings
         if not out["allow_super_experts"]:  # recipes of guarded runs keep the keys they always had
             del out["allow_super_experts"]
         if not self.repair.enabled:  # and recipes without --repair too
@@ -313,7 +351,7 @@ class PruneConfig:
 _FORMER_OPTION_KEYS = {"neuron_importance": "projection", "important_fraction": None, "slope": 0.5}
 
 
-_NESTED = ("search", "repair", "options", "resolved")  # PruneConfig's fields that are no JSON scalar
+_NESTED = ("search", "repair", "options")  # PruneConfig's fields that are no JSON scalar
 
 
 def _read(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:

@@ -10,7 +10,9 @@ import numpy as np
 from moeprune.criteria.registry import CRITERIA, Criterion
 from moeprune.errors import MoePruneError
 
-CRITERIA.add(Criterion("random", "lowest", False, "seeded random permutation per layer (baseline)"))
+CRITERIA.add(
+    Criterion("random", "lowest", False, "seeded random permutation per layer (baseline)", baseline=True)
+)
 
 
 def random_scores(seed: int, shapes: list[tuple[int, int]]) -> dict[int, np.ndarray]:

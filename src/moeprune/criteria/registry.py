@@ -26,6 +26,7 @@ class Criterion:
     help: str
     needs: tuple[str, ...] = ()  # CALIBRATION (statistics), WEIGHTS, or nothing
     per_domain: bool = False  # several calibration files are normalised per domain, not merged (TENP)
+    baseline: bool = False  # a reference to compare with (random), never chosen by `criterion auto`
     fn: Callable | None = None  # data: LayerStats -> scores [E]; weights: (sum|w|, sum w^2, N) -> score
     # what its fn reads beyond the per-token sums every observation records (observe/kinds.py)
     statistics: Statistics = NONE

@@ -110,16 +110,12 @@ def as_report(protected: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
 
 
 NEURONS_WHOLE = "super experts kept whole: the result is in moeprune format; --allow-super-experts gives a stock checkpoint"
-NARROWED = {  # what a neuron method does with the super experts (it keeps every expert, routed)
-    "neurons": "stay whole, the other experts of their layers narrowed to one shared width; " + NEURONS_WHOLE,
-    "tenp": "rank first among each layer's whole experts (kept whole where the trapezoid keeps that many "
-    "whole experts in their layer; narrowed otherwise)",
-    "mixed": "stay whole (every layer keeps at least its super experts whole)",
-}
+KEPT = "were kept: no plan removes them"  # a method's own sentence when it has none (Method.super_experts)
 
 
-def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, method: str = "drop") -> str:
-    """The report's one sentence on the guard: what was found and what the plan did with it."""
+def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, kept: str = KEPT) -> str:
+    """The report's one sentence on the guard: what was found and what the plan did with it
+    (`kept`: the method's own words for what its plans do with them, `Method.super_experts`)."""
     if found is None:
         return NOT_CHECKED
     if not found:
@@ -127,9 +123,7 @@ def guard_note(found: Mapping[int, Sequence[int]] | None, allowed: bool, method:
     named = "; ".join(f"layer {layer}: {', '.join(map(str, ids))}" for layer, ids in sorted(found.items()))
     if allowed:
         return f"super experts ({named}) were not protected (allow_super_experts): the plan may remove them"
-    if method in NARROWED:
-        return f"super experts ({named}) keep their routing and {NARROWED[method]}"
-    return f"super experts ({named}) were kept: no plan removes them"
+    return f"super experts ({named}) {kept}"
 
 
 def found_in(stats: Sequence[ExpertStats]) -> dict[str, list[int]] | None:

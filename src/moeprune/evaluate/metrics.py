@@ -139,6 +139,7 @@ def _layer_error(model: Loaded, ctx: Context, source: str, wanted: list[str]) ->
         "total, routed-expert and active-per-token parameters, bytes on disk, peak memory to load",
         per_file=False,
         needs=(),
+        measures_loading=True,
     )
 )
 def _size(model: Loaded, ctx: Context) -> dict:

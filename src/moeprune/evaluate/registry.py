@@ -24,6 +24,7 @@ class Metric:
     needs: tuple[str, ...] = (EVAL_DATA,)
     aliases: tuple[str, ...] = ()
     report_key: str | None = None  # the per-file key it is stored under, when not its name
+    measures_loading: bool = False  # it reports the load's peak memory: the loader is warmed up first
     fn: Callable | None = (
         None  # per file: (model, context, source, wanted) -> dict; per model: (model, context) -> dict
     )

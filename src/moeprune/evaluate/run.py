@@ -77,7 +77,7 @@ class Loaded:
 
     @classmethod
     def from_path(cls, path: str, options: EvalOptions) -> Loaded:
-        _warm_up(path, measure="size" in options.metrics)
+        _warm_up(path, measure=any(METRICS.get(m).measures_loading for m in options.metrics))
         placed = Placement.choose(options.device, options.dtype)  # as score and prune do
         device, dtype, device_map = placed.device, placed.dtype, placed.device_map
         load = lambda: load_model(path, dtype=dtype, device=device, device_map=device_map)  # noqa: E731

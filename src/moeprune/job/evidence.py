@@ -25,7 +25,7 @@ from moeprune.runtime.atomic import write_json
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.surgery.parameters import kept_per_layer, kept_rows
-from moeprune.surgery.registry import EXPERTS, METHODS
+from moeprune.surgery.registry import EXPERTS
 
 
 @dataclass
@@ -73,7 +73,7 @@ def write_evidence(folder: Path, evidence: Evidence, after: MoEModel) -> None:
         report,
         evidence.search,
         [m.hidden_size for m in evidence.before.layers],
-        expert_unit=METHODS.get(report.method).sparsity_unit == EXPERTS,
+        expert_unit=report.sparsity_unit in (None, EXPERTS),  # reports before the unit: experts
     )
     evidence.timer.lap("save")
     report.timing_s = evidence.timer.total()

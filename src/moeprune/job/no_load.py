@@ -15,12 +15,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.files import stored_dtype
 from moeprune.checkpoint.quantized import check_quantized
 from moeprune.checkpoint.structure import read_config_dict
-from moeprune.config import DataOptions, PruneConfig, Recipe, RunOptions, SaveOptions
+from moeprune.config import DataOptions, Recipe, RunOptions, SaveOptions
 from moeprune.criteria import (
     Criterion,
     LayerScores,
@@ -55,17 +54,18 @@ from moeprune.shards.rewrite import DROP_MTP, release_mtp, rewrite_checkpoint, s
 from moeprune.shards.sequential import SequentialOptions, observe_sequential_distributed
 from moeprune.shards.weight_bytes import stored_format, stored_weight_bytes
 from moeprune.shards.weight_scores import score_checkpoint
-from moeprune.surgery.neurons import uniform_widths
+from moeprune.surgery.neurons import NeuronOptions, uniform_widths
 from moeprune.surgery.parameters import describe_layers, routed_parameters
 from moeprune.surgery.planning import (
     build_plan,
+    check_config,
     check_feasible,
     check_fixed_layers,
     guard_super_experts,
     requirements,
 )
 from moeprune.surgery.plans import resolve_plan
-from moeprune.surgery.registry import METHODS
+from moeprune.surgery.registry import ResolvedConfig, options_as
 from moeprune.surgery.target_size import WeightBytes, check_target_config, planned_bytes, solve_target
 
 NO_LOAD_COUNTS = ("without loading", "or prune the loaded model", ("sparsity", "no_load"))
@@ -145,7 +145,12 @@ def prune_without_loading(request: PruneRequest) -> dict:
     method keeping each routed expert's top-K neurons (K the same for all: a stock checkpoint),
     chosen from neuron statistics observed layer by layer. Returns the report written beside the result.
     """
-    model_path, output, config, run = request.model_path, request.output, request.config, request.run
+    model_path, output, config, run = (
+        request.model_path,
+        request.output,
+        check_config(request.config),
+        request.run,
+    )
     data, tokenizer_path = request.data, request.tokenizer_path
     model_path = check_model_path(model_path)
     check_not_inside(output, [model_path])
@@ -153,7 +158,7 @@ def prune_without_loading(request: PruneRequest) -> dict:
     check_output_dir(output, run.overwrite)
     path = Path(model_path)
     moe = meta_model(path)
-    check_fixed_layers(moe, config.method)  # the neuron methods cannot keep a layer whole: refused now
+    check_fixed_layers(moe, config.method_spec)  # the neuron methods cannot keep a layer whole: refused now
     config, target, size = _solve_target(path, moe, config)  # before the lock: a refusal creates nothing
     if run.dry_run:
         return _plan_of_work(path, Path(output), moe, config, size, target)
@@ -161,22 +166,21 @@ def prune_without_loading(request: PruneRequest) -> dict:
         job = _NoLoadJob(
             path, Path(output), moe, Timer(), config, data, tokenizer_path, run, target, request.save.drop_mtp
         )
-        return _shrink(job) if METHODS.get(config.method).neurons else _drop(job)
+        return _shrink(job) if config.method_spec.neurons else _drop(job)
 
 
-def stock_only(moe: MoEModel, config: PruneConfig) -> bool:
+def stock_only(moe: MoEModel, config: ResolvedConfig) -> bool:
     """Whether the result must be a stock checkpoint (one expert count for every layer): the
     uniform allocation on a model whose every MoE layer can lose experts, the same sparsity in
     every layer as a stock config says it. Otherwise the counts differ by design (the global
     allocation, or layers kept whole: DeepSeek-V4's hash layers) and the rewrite writes them in
     moeprune's format, as the in-memory pipeline does."""
-    allocation = config.allocation or METHODS.get(config.method).allocations[0]
-    return not moe.fixed_layers and ALLOCATIONS.get(allocation).fixed
+    return not moe.fixed_layers and config.allocator.fixed
 
 
 def _solve_target(
-    path: Path, moe: MoEModel, config: PruneConfig
-) -> tuple[PruneConfig, TargetSize | None, WeightBytes]:
+    path: Path, moe: MoEModel, config: ResolvedConfig
+) -> tuple[ResolvedConfig, TargetSize | None, WeightBytes]:
     """A `target_size` solved into the sparsity of a uniform plan, counted in the input's stored
     format (the rewrite copies tensors as they are: fp8 experts with their scales); also the sizes
     a dry run prints."""
@@ -199,11 +203,16 @@ def _solve_target(
 
 
 def _plan_of_work(
-    path: Path, output: Path, moe: MoEModel, config: PruneConfig, size: WeightBytes, target: TargetSize | None
+    path: Path,
+    output: Path,
+    moe: MoEModel,
+    config: ResolvedConfig,
+    size: WeightBytes,
+    target: TargetSize | None,
 ) -> dict:
     """What a no-load prune would do (`run.dry_run`), in the keys of the in-memory dry run: its
     structure, the uniform plan's counts, the sizes; nothing is observed, scored or written."""
-    if METHODS.get(config.method).neurons:
+    if config.method_spec.neurons:
         check_stock_shrink(moe)
     elif stock_only(moe, config):
         stock_counts(moe, config, NO_LOAD_COUNTS)
@@ -218,7 +227,7 @@ def _plan_of_work(
         "allocation": config.allocation,
         "method": config.method,
         "sparsity": config.sparsity,
-        "sparsity_unit": METHODS.get(config.method).sparsity_unit,
+        "sparsity_unit": config.method_spec.sparsity_unit,
         **known,
         "calibration": [],  # read (and counted) when the layers are observed
         "search_data": None,
@@ -279,7 +288,7 @@ class _NoLoadJob:
     output: Path
     moe: MoEModel
     timer: Timer
-    config: PruneConfig
+    config: ResolvedConfig
     data: DataOptions | None
     tokenizer_path: str | Path | None
     run: RunOptions
@@ -348,7 +357,7 @@ def _drop(job: _NoLoadJob) -> dict:
     return report.to_json()
 
 
-def refuse_whole_super_experts(moe: MoEModel, config: PruneConfig) -> None:
+def refuse_whole_super_experts(moe: MoEModel, config: ResolvedConfig) -> None:
     """Right after observation: the neurons method keeps guarded super experts whole, a result in
     moeprune's format (per-expert widths) that a rewrite of the shards does not write."""
     if not moe.protected or not any(
@@ -368,7 +377,7 @@ def refuse_whole_super_experts(moe: MoEModel, config: PruneConfig) -> None:
 def _shrink(job: _NoLoadJob) -> dict:
     """Observe with neuron sums, plan one width for every expert, rewrite expert by expert."""
     model_path, output, moe, timer, config = job.model_path, job.output, job.moe, job.timer, job.config
-    importance = config.options.neuron_importance  # a resolved config: its options validated themselves
+    importance = options_as(config, NeuronOptions).neuron_importance  # validated once
     refuse_quantized(
         model_path,
         read_config_dict(Path(model_path)),
@@ -412,7 +421,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         config.sparsity_value(),
         str(config.allocation),
         prune_first=crit.prune_first,
-        sparsity_unit=METHODS.get(config.method).sparsity_unit,
+        sparsity_unit=config.method_spec.sparsity_unit,
         surgery=Surgery(form="rectangular", intermediate_size=width)
         if keep
         else Surgery(form="rectangular", packed_layers=[]),
@@ -423,7 +432,7 @@ def _shrink(job: _NoLoadJob) -> dict:
         unseen_experts=unseen_note(stats),
         unseen=unseen_experts(stats),
         super_experts=as_report(found) if found is not None else None,
-        super_experts_note=guard_note(found, config.allow_super_experts, config.method),
+        super_experts_note=guard_note(found, config.allow_super_experts, config.method_spec.super_experts),
         scores=scores_document(crit, scores, stats),
         target=job.target,
     )

@@ -34,18 +34,11 @@ from moeprune.quantize.per_layer import resolve_auto
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery.planning import check_config, requirements
-from moeprune.surgery.registry import METHODS, Method, default_allocation
+from moeprune.surgery.registry import METHODS, Method, ResolvedConfig
 
 Setting = str | type  # a setting's name, or a config class standing for all of its settings
-# the SearchConfig settings only one searched allocation reads (the fitness, samples and seed: both)
-EVO_SETTINGS = ("population", "elites", "generations", "patience", "delta_max", "tau_max", "resume")
-GRADIENT_SETTINGS = (
-    "gradient_steps",
-    "gradient_lr",
-    "gradient_temperature",
-    "gradient_temperature_end",
-    "gradient_kl_top_k",
-)
+# the settings only one searched allocation reads (its `knobs`), under their former names
+EVO_SETTINGS, GRADIENT_SETTINGS = ALLOCATIONS.get("evo").knobs, ALLOCATIONS.get("gradient").knobs
 
 # repair's own settings besides --repair itself (read only with it)
 REPAIR_SETTINGS = tuple(
@@ -69,8 +62,9 @@ class Pipeline:
     fn: Callable[[PruneRequest], dict] | None = None
 
     def check(self, config: PruneConfig) -> None:
-        """Refuse, in one sentence naming what it supports, a config this pipeline cannot run."""
-        allocation = config.allocation or default_allocation(config.method)
+        """Refuse, in one sentence naming what it supports, a config this pipeline cannot run (its
+        names resolved; its numbers are checked with the rest of the job's inputs)."""
+        config = ResolvedConfig.of(config)
         if config.criterion == AUTO and not self.auto_criterion:
             raise MoePruneError(
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
@@ -82,11 +76,9 @@ class Pipeline:
                 "memory to repair, or leave out repair",
                 options=("repair", "pipeline"),
             )
-        method = METHODS.get(config.method)
-        if self.supports is not None and not self.supports(
-            method.configured(config.options),
-            ALLOCATIONS.get(allocation),  # drop --reroute none: routed
-        ):
+        method = config.method_spec
+        if self.supports is not None and not self.supports(config.surgery, config.allocator):  # drop
+            # --reroute none: routed
             by_allocation: dict[str, list[str]] = {}  # what it runs, in the registries' words
             for m in METHODS:
                 for a in m.allocations:
@@ -98,11 +90,11 @@ class Pipeline:
             ]
             raise MoePruneError(
                 f"the {self.name} pipeline runs {' or '.join(pairs)} ({self.why_limited}); "
-                f"{method.described(config.options)} with the {allocation} allocation needs the in-memory pipeline",
+                f"{config.described()} with the {config.allocation} allocation needs the in-memory pipeline",
                 options=(
                     "pipeline",
                     "method",
-                    *(method.knobs if method.configured(config.options) != method else ()),
+                    *(method.knobs if config.surgery != method else ()),
                 ),
             )
 
@@ -113,14 +105,13 @@ PIPELINES: Registry[Pipeline] = Registry("pipeline", "pipeline")
 def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple[Setting, ...], str]]:
     """(settings, why) for every setting this run would ignore: the pipeline's own, then the ones
     only a search, another method or neuron pruning read."""
+    config = ResolvedConfig.of(config)
     unread = list(pipeline.unread)
     needs = requirements(config)
-    allocation = config.allocation or default_allocation(config.method)
-    # one searched allocation's own settings first, so the refusal names the allocation that reads them
-    if allocation != "gradient":
-        unread.append((GRADIENT_SETTINGS, "without --allocation gradient"))
-    if allocation != "evo":
-        unread.append((EVO_SETTINGS, "without --allocation evo"))
+    # each other allocation's own settings first, so the refusal names the allocation that reads them
+    unread += [
+        (a.knobs, f"without --allocation {a.name}") for a in ALLOCATIONS if a.knobs and a != config.allocator
+    ]
     if not config.repair.enabled:
         unread.append((REPAIR_SETTINGS, "without --repair"))
     if not needs.reads_search(True):  # repair reads search data too, when it is given

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moeprune.allocate.registry import ALLOCATIONS, searches
+from moeprune.allocate.registry import searches
 from moeprune.checkpoint import build_skeleton, check_model_path, load_config, require_tokenizer
 from moeprune.checkpoint.files import check_weights, parse_size, stored_dtype
 from moeprune.checkpoint.quantized import QuantFormat, check_quantized
@@ -32,15 +32,13 @@ from moeprune.report.parts import (
 from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.atomic import check_not_inside, check_output_dir, recover
 from moeprune.runtime.device import Placement, precision_lost, resolve_dtype
-from moeprune.search.mixed_search import check_mixed_seeds
+from moeprune.search.registry import search_for
 from moeprune.search.run import search_state_path
 from moeprune.shards.layout import CheckpointLayout
 from moeprune.shards.rewrite import rewrite_supports
 from moeprune.shards.weight_bytes import cast_weight_bytes, stored_format, stored_weight_bytes
-from moeprune.surgery import METHODS
-from moeprune.surgery.lowrank import check_every_novice_fits
 from moeprune.surgery.planning import check_config, check_feasible, requirements
-from moeprune.surgery.registry import default_allocation
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
@@ -127,7 +125,7 @@ def plan_sizes(
             )
     solution = None
     if config.target_size is not None:
-        stock = quantize is not None and _stock_plan(config)
+        stock = quantize is not None and _stock_plan(ResolvedConfig.of(config))
         solution = solve_target(meta, config, size, parse_target_size(config.target_size), stock=stock)
         config = replace(config, sparsity=solution.sparsity, target_size=None)
     sizes = PlannedSizes(
@@ -203,7 +201,7 @@ class PruneJob:
             "allocation": self.config.allocation,
             "method": self.config.method,
             "sparsity": self.config.sparsity,
-            "sparsity_unit": METHODS.get(self.config.method).sparsity_unit,
+            "sparsity_unit": ResolvedConfig.of(self.config).method_spec.sparsity_unit,
             **self.layer_budget,
             "calibration": [counts(d) for d in self.calibration],
             "search_data": counts(self.search_set) if self.search_set is not None else None,
@@ -286,7 +284,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_weights(checked)  # empty, truncated or missing shards
     check_not_inside(output, [checked])
     recover(output)  # a killed earlier run: put its set-aside result back, drop its temporaries
-    check_resume(output, config.allocation or default_allocation(config.method), resume, overwrite)
+    check_resume(output, ResolvedConfig.of(config).allocation, resume, overwrite)
     check_output_dir(output, overwrite)
     needs = requirements(config)  # also refuses an unknown criterion or method
     needs.check(search=bool(search_data))
@@ -308,10 +306,10 @@ def prepare(request: PruneRequest) -> PruneJob:
         check_feasible(meta, config)  # an impossible sparsity is refused before sizes are planned
     config, sizes = plan_sizes(checked, meta, config, None if kept_quantization else save_dtype, quantize)
     layer_budget = check_feasible(meta, config)
-    if config.method == "mixed" and searches(config.allocation):
-        check_every_novice_fits(meta, getattr(config.options, "novice_rank", 0))
-        if quantize is None or not quantize.joint:  # the joint search seeds in bytes (quantize/mixed.py)
-            check_mixed_seeds(meta, config)
+    config = ResolvedConfig.of(config)
+    search = search_for(config)
+    if search is not None and search.before_loading is not None:  # the joint search seeds in bytes
+        search.before_loading(meta, config, quantize is not None and quantize.joint)
     check_kept_widths(quantize, meta, planned_widths(layer_budget, config))  # a neuron method's, known now
     precision = plan_target(meta, config, quantize, checked, save_dtype, grid, placement)  # T reachable?
     parse_size(save.max_shard_size)
@@ -378,12 +376,12 @@ def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions)
         )
     if fmt is None or (save.dtype is not None and not asked):
         return None  # full precision in, or dequantized weights asked for
-    if not rewrite_supports(config.method, config.options):
+    if not rewrite_supports(ResolvedConfig.of(config)):
         described = quantization_of(read_config_dict(model_path))
         raise MoePruneError(
             f"{model_path} is quantized ({described}): a result in that format is written from the input's bytes, "
             f"which holds whole experts (--method drop, any allocation); "
-            f"{METHODS.get(config.method).described(config.options)} would cut "
+            f"{ResolvedConfig.of(config).described()} would cut "
             "scale groups or add vectors the input does not have: save dequantized weights with --save-dtype "
             "bf16 (larger on disk), or drop whole experts",
             options=("method", "save_dtype"),
@@ -398,19 +396,14 @@ def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
     chooses them after scoring: none here (the prune checks its plan before the surgery)."""
     if "neurons_per_expert" in layer_budget:
         return sorted(set(layer_budget["neurons_per_expert"].values()))
-    if "narrowed_neurons" in layer_budget and not searches(config.allocation):
+    if "narrowed_neurons" in layer_budget and not ResolvedConfig.of(config).allocator.searches:
         return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
     return []
 
 
-def _stock_plan(config: PruneConfig) -> bool:
+def _stock_plan(config: ResolvedConfig) -> bool:
     """Whether a stock config expresses the plan (the same expert count, or width, in every
     layer): a --target-size of a quantized stock result is solved among such plans only, so the
     result stays a stock checkpoint; the others are quantized in moeprune's format."""
-    method = METHODS.get(config.method)
-    allocation = ALLOCATIONS.get(config.allocation or default_allocation(config.method))
-    return bool(
-        allocation.fixed
-        and not method.configured(config.options).keeps_routing
-        and config.method in STOCK_METHODS
-    )
+    method = config.surgery  # drop --reroute none keeps routing: moeprune's format
+    return config.allocator.fixed and (method.whole_experts or method.one_width)

@@ -37,7 +37,7 @@ from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -62,7 +62,7 @@ def joint_space(
         one = precision_bytes(size, meta, schemes, options, dtype_bytes, unit)
         rows.append(none.fixed - one.fixed)
         per_expert.append(tuple(none.layers[layer][s] - one.layers[layer][s] for s in schemes))
-    limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+    limits = ResolvedConfig.of(config).limits(meta)
     return PrecisionSpace(
         schemes,
         none.fixed,

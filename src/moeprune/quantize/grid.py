@@ -39,7 +39,7 @@ from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import JOINT_PLACEHOLDER
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.surgery.planning import guard_super_experts, requirements
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -75,7 +75,7 @@ def uniform_split(moe: MoEModel, config: PruneConfig, sparsity: float) -> list[i
     "quantize only" point)."""
     if sparsity == 0:
         return [0] * len(moe.layers)
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+    limits = ResolvedConfig.of(config).limits(moe)
     return uniform_allocation(limits.budget(sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs())
 
 
@@ -93,7 +93,7 @@ def sparsity_grid(
     sparsity, when none does); refused in one line when even the cheapest never fits. Sparsity 0
     (every expert kept, the whole model quantized) is the first point whenever it fits."""
     assert options.candidates is not None
-    limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+    limits = ResolvedConfig.of(config).limits(meta)
     total = limits.prunable_experts
     steps = [0.0]  # quantize only, then every sparsity whose budget a uniform split meets, ascending
     for budget in range(1, total + 1):

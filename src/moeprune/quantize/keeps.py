@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
@@ -40,53 +39,28 @@ from moeprune.quantize.choice import PrecisionBytes, budget_per_scheme
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
 from moeprune.quantize.tables import LayerKeep, kept_bytes
-from moeprune.surgery.mixed import planned_genes
-from moeprune.surgery.neurons import uniform_widths
-from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
-from moeprune.surgery.tenp import tenp_allocation
-
-KEPT_METHODS = ("neurons", "tenp", "novice", "mixed")  # priced here (drop and merge: quantize/choice.py)
 
 
 def priced_here(config: PruneConfig) -> bool:
-    """Whether `config`'s method is priced by what its layers keep (this module)."""
-    return config.method in KEPT_METHODS
+    """Whether `config`'s method is priced by what its layers keep (this module): it declares its
+    keeps (`Method.planned_keeps`); drop and merge are priced by their removals (quantize/choice.py)."""
+    return ResolvedConfig.of(config).method_spec.planned_keeps is not None
 
 
 def _rank(config: PruneConfig) -> int:
-    return int(getattr(METHODS.get(config.method).resolve_options(config.options), "novice_rank", 0) or 0)
+    return int(ResolvedConfig.of(config).options.novice_rank)
 
 
 def planned_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
-    """The uniform plan's keeps from the structure and options alone (a meta-device model does)."""
-    sparsity = config.sparsity_value()
-    full = [m.intermediate_size for m in meta.layers]
-    counts = [m.num_experts for m in meta.layers]
-    if config.method == "neurons":
-        options = METHODS.get("neurons").resolve_options(config.options)
-        ks = uniform_widths(meta, sparsity, options.width_multiple)
-        return [LayerKeep((k,) * n) for k, n in zip(ks, counts)]
-    if config.method == "tenp":
-        alloc = tenp_allocation(meta, sparsity, METHODS.get("tenp").resolve_options(config.options))
-        return [LayerKeep((w,) * c + tuple(ws)) for w, c, ws in zip(full, alloc.important, alloc.widths)]
-    if config.method == "mixed":
-        genes, widths = planned_genes(meta, config)
-        return [
-            LayerKeep((w,) * g.whole + tuple(ws), g.novice, g.dropped)
-            for w, g, ws in zip(full, genes, widths)
-        ]
-    if config.method == "novice":
-        return [LayerKeep((w,) * (n - r), r) for w, n, r in zip(full, counts, _uniform(meta, config))]
-    raise MoePruneError(f"per-layer precision does not price the {config.method} method by its keeps")
-
-
-def _uniform(meta: MoEModel, config: PruneConfig) -> list[int]:
-    """Experts per MoE layer the uniform allocation takes out at the config's sparsity."""
-    limits = method_limits(meta, config.method, config.expert_multiple, config.options)
-    return uniform_allocation(
-        limits.budget(config.sparsity_value()), limits.num_experts, limits.top_k, **limits.as_kwargs()
-    )
+    """The uniform plan's keeps from the structure and options alone (a meta-device model does):
+    the method's own answer (`Method.planned_keeps`)."""
+    resolved = ResolvedConfig.of(config)
+    keeps = resolved.method_spec.planned_keeps
+    if keeps is None:
+        raise MoePruneError(f"per-layer precision does not price the {config.method} method by its keeps")
+    return keeps(meta, resolved)
 
 
 def plan_keeps(meta: MoEModel, plan: Plan) -> list[LayerKeep]:
@@ -152,7 +126,6 @@ def every_layer_at(
 
 
 __all__ = [
-    "KEPT_METHODS",
     "LayerKeep",
     "every_layer_at",
     "kept_bytes",

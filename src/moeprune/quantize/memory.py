@@ -16,13 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+import moeprune.search.forms  # noqa: F401 - the searches register (search/registry.py)
+import moeprune.search.gradient  # noqa: F401
 from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.quantize.choice import expert_weights
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.runtime.device import Placement
+from moeprune.search.registry import searches_schemes
 from moeprune.surgery import lowrank
+from moeprune.surgery.registry import ResolvedConfig
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,12 @@ def check_joint_memory(
     """The joint evo search's memory (None when the job runs no such search), refused in one line
     when the copies and the model exceed `memory` (default: this machine's RAM, as the novice
     moments' check reads it). On an accelerator the copies live in its memory: not checked here."""
-    if quantize is None or not quantize.joint or not quantize.candidates or config.allocation != "evo":
+    if (
+        quantize is None
+        or not quantize.joint
+        or not quantize.candidates
+        or not searches_schemes(ResolvedConfig.of(config))
+    ):
         return None
     schemes = len(quantize.candidates)
     copies = joint_copies_bytes(meta, schemes, placement.dtype)

@@ -52,18 +52,19 @@ from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import searches_schemes
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.planning import guard_super_experts, requirements
 from moeprune.surgery.plans import virtual_plan
-from moeprune.surgery.registry import PlanRequest
+from moeprune.surgery.registry import PlanRequest, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes, grid_steps
 
 
 def check_joint_mixed(config: PruneConfig) -> None:
     """What the joint mixed search cannot run, refused in one line before loading."""
-    if config.allocation != "evo":
+    if not searches_schemes(ResolvedConfig.of(config)):
         raise MoePruneError(
             "--method mixed with auto: and no --sparsity searches the forms and the schemes together: give "
             "--allocation evo, or --sparsity (its plan is then priced by what it keeps)",

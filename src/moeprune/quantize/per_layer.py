@@ -38,7 +38,6 @@ from moeprune.models import MoEModel
 from moeprune.plan import Plan
 from moeprune.quantize.choice import budget_per_scheme, choose_schemes, measure_losses, precision_bytes
 from moeprune.quantize.keeps import (
-    KEPT_METHODS,
     kept_precision_bytes,
     plan_keeps,
     planned_precision_bytes,
@@ -49,7 +48,8 @@ from moeprune.quantize.options import QuantizeOptions, check_auto
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.surgery.lowrank import plan_rank
-from moeprune.surgery.registry import EXPERTS, METHODS, method_limits
+from moeprune.surgery.planning import check_config
+from moeprune.surgery.registry import EXPERTS, FORMS, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -93,13 +93,14 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             "name a criterion, or give --sparsity",
             options=("quantize", "criterion"),
         )
-    method = METHODS.get(config.method).configured(config.options)
+    resolved = ResolvedConfig.of(config)  # names only: the target size is still in the config
+    method = resolved.surgery
     whole = not (method.sparsity_unit != EXPERTS or method.keeps_routing or method.neurons)
-    joint_mixed = config.sparsity is None and config.method == "mixed"  # quantize/mixed.py
+    joint_mixed = config.sparsity is None and method.genes == FORMS  # forms and schemes: quantize/mixed.py
     if not whole and not joint_mixed and not (config.sparsity is not None and priced_here(config)):
         raise MoePruneError(
             f"per-layer precision prices whole experts removed with their router rows (drop, merge) and "
-            f"searches mixed forms with the schemes; {method.described(config.options)} narrows experts or keeps "
+            f"searches mixed forms with the schemes; {resolved.described()} narrows experts or keeps "
             "novices: give one scheme"
             + (", or --sparsity (its plan is then priced by what it keeps)" if priced_here(config) else ""),
             options=("quantize", "method"),
@@ -124,6 +125,7 @@ class PrecisionTarget:
     # no --sparsity: the sparsities tried for the joint choice, each with every_layer_at (grid.py)
     grid: tuple[tuple[float, dict[str, int]], ...] = ()
     memory: JointMemory | None = None  # the joint evo search's copies and model (quantize/memory.py)
+    by_keeps: bool = False  # the method declares what its layers keep: its plan is priced by them (keeps.py)
 
     def describe(self) -> dict[str, Any]:
         """The dry run's facts."""
@@ -154,7 +156,7 @@ def plan_precision(
     if priced_here(config):  # narrowed experts or novices: the uniform plan's keeps (keeps.py)
         pb = planned_precision_bytes(meta, config, options, size, dtype_bytes)
     else:
-        limits = method_limits(meta, config.method, config.expert_multiple, config.options)
+        limits = check_config(config).limits(meta)
         removed = uniform_allocation(
             limits.budget(config.sparsity), limits.num_experts, limits.top_k, **limits.as_kwargs()
         )
@@ -167,7 +169,9 @@ def plan_precision(
             f"{config.sparsity:g}, over the target {target_bytes:,}: raise the sparsity or the target",
             options=("target_size", "sparsity", "quantize"),
         )
-    return PrecisionTarget(options.candidates, target_bytes, size, dtype_bytes, per, grid)
+    return PrecisionTarget(
+        options.candidates, target_bytes, size, dtype_bytes, per, grid, by_keeps=priced_here(config)
+    )
 
 
 def scoring_data(
@@ -211,7 +215,7 @@ def choose_precision(
     removed_of = {lp.layer: len(lp.dropped) for lp in plan.layers}
     removed = [removed_of.get(layer.index, 0) for layer in meta.layers]
     pb = precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, removed)
-    if plan.method in KEPT_METHODS:  # priced exactly by what the plan keeps (keeps.py)
+    if target.by_keeps:  # priced exactly by what the plan keeps (keeps.py)
         keeps, rank = plan_keeps(meta, plan), plan_rank(plan)
         pb = kept_precision_bytes(target.size, meta, target.schemes, options, target.dtype_bytes, keeps, rank)
     nothing = [0] * len(pruned.layers)  # the allocation is physical now: nothing left to mask

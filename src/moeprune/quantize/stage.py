@@ -58,13 +58,14 @@ from moeprune.search.options import SearchRuntime
 from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.mtp import MtpPlan
 from moeprune.shards.weight_bytes import cast_weight_bytes
+from moeprune.surgery.neurons import NarrowOptions
 from moeprune.surgery.planning import check_config
-from moeprune.surgery.registry import method_limits
+from moeprune.surgery.registry import FORMS, ResolvedConfig, method_limits
 
 
 def _searches_forms(config: PruneConfig) -> bool:
-    """Whether the joint choice searches the method's mixed forms with the schemes (quantize/mixed.py)."""
-    return config.method == "mixed"
+    """Whether the joint choice searches the method's forms with the schemes (quantize/mixed.py)."""
+    return ResolvedConfig.of(config).method_spec.genes == FORMS
 
 
 # -- before loading ------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def check_input(
     quantized_input = quantization_of(read_config_dict(model_path)) if fmt else None
     python = check_quantize(quantize, has_data, quantized_input)
     options = config.options
-    if getattr(options, "width_multiple", False) is None and quantize.spec.grouped:
+    if isinstance(options, NarrowOptions) and options.width_multiple is None and quantize.spec.grouped:
         # every kept width quantized in whole groups (surgery/widths.py); an explicit multiple is
         # kept (check_kept_widths refuses it when the group does not divide a kept width)
         config = check_config(replace(config, options=replace(options, width_multiple=quantize.group)))
@@ -208,7 +209,7 @@ def _joint_forms(
     if any(g[1] or g[2] or g[3] for g in won.genes):
         return replace(found, removed=list(won.genes))
     won.choice["no_expert_removed"] = NOTHING_REMOVED
-    drop = replace(won.config, method="drop", options=None)
+    drop = check_config(replace(ResolvedConfig.of(won.config).given(), method="drop", options=None))
     return replace(found, config=drop, removed=[0] * len(won.genes), novices=None)
 
 

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moeprune.surgery.genes import LayerKeep  # what a method says each layer keeps (Method.planned_keeps)
 from moeprune.surgery.sizes import WeightBytes
 
 
@@ -22,15 +23,6 @@ class PrecisionBytes:
 
     def total(self, choice: Sequence[str]) -> int:
         return self.fixed + sum(layer[s] for layer, s in zip(self.layers, choice))
-
-
-@dataclass(frozen=True)
-class LayerKeep:
-    """What one MoE layer keeps of its routed experts."""
-
-    widths: tuple[int, ...]  # neurons of each expert that keeps weights (the full width: whole)
-    novices: int = 0  # experts replaced by novices (routing kept)
-    removed: int = 0  # experts dropped with their router rows
 
 
 def kept_bytes(

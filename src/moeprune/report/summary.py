@@ -13,11 +13,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moeprune.allocate.fitness import FITNESSES, higher_is_better
+from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.criteria.super_experts import NOT_CHECKED
 from moeprune.models.adapter import kept_whole_note
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
 from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, SearchUniform, Serving
+from moeprune.search.registry import UNIFORM
+from moeprune.surgery.registry import METHODS
 
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "generation_config.json")
 EVIDENCE_FILES = (
@@ -361,6 +364,13 @@ def eval_lines(doc: dict, files: Sequence[str | Path] = ()) -> list[str]:
     return lines
 
 
+def _uniform_drop(allocation: str, method: str) -> bool:
+    """A demo row of the stock baseline: an allocation fixed by the budget (uniform) and a method
+    that removes whole experts (drop), asked of the entries the row names."""
+    known = allocation in ALLOCATIONS and method in METHODS
+    return known and ALLOCATIONS.get(allocation).fixed and METHODS.get(method).whole_experts
+
+
 def demo_lines(results: dict, output: str | Path) -> list[str]:
     """The console summary of `moeprune demo`, under its comparison table."""
     rows = results["rows"]
@@ -372,7 +382,7 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
         peers = [r for r in rows if r["sparsity"] == sparsity]
         best = max(peers, key=lambda r: r["esap"])
         uniform = max(
-            (r for r in peers if (r["allocation"], r["method"]) == ("uniform", "drop")),
+            (r for r in peers if _uniform_drop(r["allocation"], r["method"])),
             key=lambda r: r["esap"],
             default=None,
         )
@@ -382,8 +392,8 @@ def demo_lines(results: dict, output: str | Path) -> list[str]:
             f"{best['method']}{than}"
         )
     for search in results.get("searches", []):
-        if "uniform" in search and "seeds" not in search:  # drop counts: against the criterion's uniform plan
-            reference, name = search["uniform"]["fitness_value"], "uniform"
+        if UNIFORM in search and "seeds" not in search:  # drop counts: against the criterion's uniform plan
+            reference, name = search[UNIFORM]["fitness_value"], UNIFORM
         else:  # mixed genes: against the best recipe it started from (its seeds)
             sign = 1 if search.get("higher_is_better", True) else -1
             name, seed = max(search["seeds"].items(), key=lambda item: sign * item[1]["fitness_value"])

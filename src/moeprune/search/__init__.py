@@ -15,6 +15,10 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - form_projection.py  the exact budget for per-expert forms, from one score per (expert, form)
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
 - options.py     SearchRuntime: how a search runs, none of which changes its result
+- registry.py    the searches keyed by (allocation, method genes): SEARCHES, search_for(config)
+- forms.py       the two searches over forms (evo, gradient), registered
+- gradient.py    the gradient allocation of drop counts (per-expert keep logits)
+- gradient_mixed.py / form_training.py  the gradient allocation of forms, and its training loop
 
 The joint searches of quantization schemes with counts or forms are spaces of the quantize
 stage (quantize/evo_space.py, quantize/mixed_space.py), which runs them through this driver.

@@ -35,7 +35,7 @@ from moeprune.surgery.registry import default_allocation
 
 def candidate_criteria(has_data: bool) -> list[str]:
     """Every deterministic criterion the available inputs allow (random is a baseline, not a choice)."""
-    return [c.name for c in CRITERIA if c.name != "random" and (has_data or not c.needs_data)]
+    return [c.name for c in CRITERIA if not c.baseline and (has_data or not c.needs_data)]
 
 
 def _teacher(

@@ -61,6 +61,8 @@ from moeprune.models.adapter import MoEModel
 from moeprune.runtime.progress import progress_bar
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
+from moeprune.surgery.registry import COUNTS
 
 _INIT_SPREAD = 2.0  # logit range the criterion's ranking spans at the start
 _RETRACTION_STEPS = 60  # bisection steps of the scalar shift (deterministic, ~1e-18 of the bracket)
@@ -374,3 +376,11 @@ def gradient_allocation(
         for s, d in zip(ordered, dropped)
     ]
     return [len(d) for d in dropped], chosen, document
+
+
+def _gradient_counts(job: SearchJob) -> Searched:
+    removed, scores, doc = gradient_allocation(job.moe, job.criterion, job.scores, job.data, **job.kwargs)
+    return Searched(removed, doc, scores)  # its order chooses the experts: the plan takes it
+
+
+SEARCHES.add(Search("gradient counts", "per-expert keep logits", "gradient", COUNTS, _gradient_counts))

@@ -43,6 +43,8 @@ from moeprune.runtime.distributed import all_gather_objects, rank_and_world, spl
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
 from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, SeededSearch
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
+from moeprune.surgery.registry import COUNTS
 
 _LOG = logging.getLogger(__name__)
 SEARCH_STATE = "search_state.json"
@@ -400,3 +402,20 @@ def run_seeded_search(
         runtime=replace(runtime, candidate_context=None), plan_context=context, prefix_key=prefix_key,
     )  # fmt: skip
     return search.run(resume=runtime.resume), search, evaluator
+
+
+def _evo_counts(job: SearchJob) -> Searched:
+    removed, doc = search_allocation(*job.args, **job.kwargs)
+    return Searched(removed, doc)
+
+
+SEARCHES.add(
+    Search(
+        "evo counts",
+        "EvoESAP over the experts each MoE layer loses",
+        "evo",
+        COUNTS,
+        _evo_counts,
+        joint_schemes=True,
+    )
+)

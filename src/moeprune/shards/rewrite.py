@@ -20,7 +20,6 @@ from moeprune.allocate.limits import expert_allocation
 from moeprune.checkpoint.files import INDEX, SINGLE, StoredTensor, read_header
 from moeprune.checkpoint.save import carry_input_files, copy_modeling_files, moeprune_config
 from moeprune.checkpoint.structure import CONFIG
-from moeprune.config import PruneConfig
 from moeprune.criteria import get_criterion
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
@@ -44,7 +43,7 @@ from moeprune.shards.mtp import (
 )
 from moeprune.shards.out_tensor import ITEMSIZE as _ITEMSIZE
 from moeprune.shards.out_tensor import OutTensor
-from moeprune.surgery.registry import METHODS, method_limits
+from moeprune.surgery.registry import ResolvedConfig
 
 PLAN = "plan.json"
 _COPY = 1 << 24  # bytes read at a time when copying tensor data
@@ -215,22 +214,21 @@ def check_plan_matches(plan: Plan, moe: MoEModel) -> None:
         )
 
 
-def rewrite_supports(method: str, options: object = None) -> bool:
+def rewrite_supports(config: ResolvedConfig) -> bool:
     """Whether plans of this method (with these options) can be written from the input's bytes:
     whole experts dropped (any counts per layer; different ones are written in moeprune's format),
     not a `--reroute none` drop, whose empty picks are zero novices."""
-    return METHODS.get(method).configured(options).whole_experts
+    return config.surgery.whole_experts
 
 
-def stock_counts(moe: MoEModel, config: PruneConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
+def stock_counts(moe: MoEModel, config: ResolvedConfig, why: tuple[str, str, tuple[str, ...]]) -> list[int]:
     """Experts each layer loses in the uniform drop, refused before any scoring when the layers
     would keep different counts: a stock config says one count, and the rewrite writes nothing
     else. `why` = (when the rule holds, the other way out, the options that fix it)."""
     when, instead, options = why
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
-    allocation = config.allocation or METHODS.get(config.method).allocations[0]
+    limits = config.limits(moe)
     removed = expert_allocation(
-        moe, get_criterion(config.criterion), [], config.sparsity_value(), allocation, limits
+        moe, get_criterion(config.criterion), [], config.sparsity_value(), config.allocator, limits
     )
     kept = [n - r for n, r in zip(limits.num_experts, removed)]
     if len(set(kept)) > 1:

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeprune.allocate.basic import plan_removals
-from moeprune.allocate.registry import ALLOCATIONS
-from moeprune.config import setting
+from moeprune.config import MethodOptions, setting
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.models.routed import RoutedOptions, override_routed
@@ -34,7 +33,7 @@ REROUTE_KEY = "reroute"  # plan.extra: "none" marks a drop whose novices are zer
 
 
 @dataclass(frozen=True)
-class DropOptions:
+class DropOptions(MethodOptions):
     """The drop method's own setting: where a removed expert's picks go."""
 
     reroute: str = setting(
@@ -95,7 +94,8 @@ def zero_context(moe: MoEModel):
 def drop_plan(request: PlanRequest) -> Plan:
     """Drop the first r_l experts of each layer's pruning order (group-balanced where routing changes)."""
     moe, criterion, removed = request.moe, request.criterion, request.removals()
-    options = METHODS.get("drop").resolve_options(request.options)
+    options = request.options
+    assert isinstance(options, DropOptions)  # PlanRequest resolved it with the drop method's class
     layers = moe.layers
     groups = None if options.keeps_routing else [m.n_group for m in layers]
     positions = plan_removals([s.order for s in request.scores], removed, groups)
@@ -113,10 +113,7 @@ def drop_plan(request: PlanRequest) -> Plan:
     plan.extra["budget"] = sum(removed)
     if options.keeps_routing:  # `next` plans stay as they were (no key)
         plan.extra[REROUTE_KEY] = options.reroute
-    note = ALLOCATIONS.get(request.allocation).plan_note
-    if note is not None:
-        plan.extra.update(note(criterion))
-    return plan
+    return plan  # the allocation's note: surgery/planning.py finish_plan
 
 
 def zero_novices(plan: Plan) -> bool:

@@ -23,6 +23,16 @@ class LayerGene:
 
 
 @dataclass(frozen=True)
+class LayerKeep:
+    """What one MoE layer keeps of its routed experts (`Method.planned_keeps`: what per-layer
+    precision prices before loading)."""
+
+    widths: tuple[int, ...]  # neurons of each expert that keeps weights (the full width: whole)
+    novices: int = 0  # experts replaced by novices (routing kept)
+    removed: int = 0  # experts dropped with their router rows
+
+
+@dataclass(frozen=True)
 class LayerCosts:
     """What one MoE layer's parts hold, in parameters (or any linear unit)."""
 
@@ -79,4 +89,4 @@ def check_genes(costs: Sequence[LayerCosts], genes: Sequence[LayerGene], layers:
             )
 
 
-__all__ = ["LayerCosts", "LayerGene", "check_genes"]
+__all__ = ["LayerCosts", "LayerGene", "LayerKeep", "check_genes"]

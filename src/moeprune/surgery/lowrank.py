@@ -38,7 +38,7 @@ from typing import cast
 
 import torch
 
-from moeprune.config import setting
+from moeprune.config import MethodOptions, setting
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
@@ -56,7 +56,7 @@ Fits = dict[int, dict[int, LowRankNovice]]  # decoder layer -> original expert i
 
 
 @dataclass(frozen=True)
-class NoviceOptions:
+class NoviceOptions(MethodOptions):
     """The novice method's own setting: the rank of each novice's input-dependent part."""
 
     novice_rank: int = setting(

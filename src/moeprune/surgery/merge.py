@@ -29,7 +29,6 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from moeprune.allocate.basic import plan_removals
-from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.config import CALIBRATION
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
@@ -197,7 +196,4 @@ def plan_merge(request: PlanRequest) -> Plan:
         data_fingerprint=request.data_fingerprint,
     )
     plan.extra["budget"] = sum(removed)
-    note = ALLOCATIONS.get(request.allocation).plan_note
-    if note is not None:
-        plan.extra.update(note(criterion))
     return record_groups(moe, plan, request.domains)

@@ -51,7 +51,7 @@ from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
 from moeprune.observe.kinds import Statistic
 from moeprune.plan import LayerPlan, Plan
-from moeprune.surgery.genes import LayerCosts, LayerGene, check_genes
+from moeprune.surgery.genes import LayerCosts, LayerGene, LayerKeep, check_genes
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.neurons import (
     NarrowOptions,
@@ -62,7 +62,15 @@ from moeprune.surgery.neurons import (
 )
 from moeprune.surgery.novice import require_stats
 from moeprune.surgery.parameters import novice_params
-from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.registry import (
+    FORMS,
+    METHODS,
+    PARAMETERS,
+    Method,
+    PlanRequest,
+    ResolvedConfig,
+    options_as,
+)
 from moeprune.surgery.sizes import WeightBytes, grid_steps
 from moeprune.surgery.widths import check_gradient_steps, hand_out_blocks, nearest_multiple, width_step
 
@@ -277,7 +285,7 @@ def _target(costs: Sequence[LayerCosts], sparsity: float) -> float:
 
 def mixed_options(config: PruneConfig) -> MixedOptions:
     """The config's mixed options resolved (a dict of fields from a recipe or a script, or None)."""
-    return METHODS.get(config.method).resolve_options(config.options)
+    return options_as(config, MixedOptions)
 
 
 def planned_genes(moe: MoEModel, config: PruneConfig) -> tuple[list[LayerGene], list[list[int]]]:
@@ -401,12 +409,12 @@ def _mixed_steps(
     return grid_steps(at, size.total, target)
 
 
-def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
+def _mixed_feasible(moe: MoEModel, config: ResolvedConfig) -> dict:
     """The uniform genes at the config's sparsity (`planned_genes`: a search the shares cannot
     reach is planned as the drop recipe)."""
     limits, sparsity = layer_limits(moe, config.expert_multiple), config.sparsity_value()
     steps = [c.step for c in stepped_costs(moe, limits, sparsity, mixed_options(config))]
-    if config.allocation == "gradient":
+    if config.allocator.neuron_by_neuron:
         check_gradient_steps(steps)
     genes, widths = planned_genes(moe, config)
     return {
@@ -414,6 +422,15 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         "mixed_genes": {m.index: asdict(g) for m, g in zip(moe.layers, genes)},
         "narrowed_neurons": {m.index: sorted(set(ws)) for m, ws in zip(moe.layers, widths)},
     }
+
+
+def _mixed_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
+    """The uniform genes' whole experts, narrowed widths, novices and drops per layer."""
+    genes, widths = planned_genes(meta, config)
+    return [
+        LayerKeep((m.intermediate_size,) * g.whole + tuple(ws), g.novice, g.dropped)
+        for m, g, ws in zip(meta.layers, genes, widths)
+    ]
 
 
 @METHODS.register(
@@ -427,9 +444,12 @@ def _mixed_feasible(moe: MoEModel, config: PruneConfig) -> dict:
         neurons=True,
         statistics=frozenset({Statistic.MOMENTS}),  # the novices' mean outputs
         options=MixedOptions,
+        genes=FORMS,
         feasible=_mixed_feasible,
         planned_bytes=_mixed_bytes,
         target_steps=_mixed_steps,
+        planned_keeps=_mixed_keeps,
+        super_experts="keep their routing and stay whole (every layer keeps at least its super experts whole)",
     )
 )
 def plan_mixed(request: PlanRequest) -> Plan:

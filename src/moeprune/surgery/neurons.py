@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from moeprune.allocate.basic import check_ratio
-from moeprune.config import NEURON_STATS, PruneConfig, setting
+from moeprune.config import NEURON_STATS, MethodOptions, PruneConfig, setting
+from moeprune.criteria.super_experts import NEURONS_WHOLE
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel, set_path
 from moeprune.models.packed import (
@@ -49,9 +50,10 @@ from moeprune.models.packed import (
 )
 from moeprune.observe.stats import F64, LayerStats
 from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.genes import LayerKeep
 from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
-from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest, options_as
 from moeprune.surgery.sizes import WeightBytes
 from moeprune.surgery.widths import (
     STOCK_MULTIPLE,
@@ -106,7 +108,7 @@ def check_importance(kind: str) -> str:
 
 
 @dataclass(frozen=True)
-class NeuronOptions:
+class NeuronOptions(MethodOptions):
     """The neuron methods' own setting: how intermediate neurons are ranked."""
 
     neuron_importance: str = setting(
@@ -416,7 +418,7 @@ def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:
 
 def _asked(config: PruneConfig) -> int | None:
     """The config's width multiple (None: the default rule of surgery/widths.py)."""
-    return getattr(METHODS.get(config.method).resolve_options(config.options), "width_multiple", None)
+    return options_as(config, NarrowOptions).width_multiple
 
 
 def _neuron_steps(
@@ -450,6 +452,12 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
     return neuron_plan_bytes(size, uniform_widths(moe, config.sparsity_value(), _asked(config)))
 
 
+def _neuron_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
+    """Every routed expert of a layer at the uniform width K of that layer."""
+    ks = uniform_widths(meta, config.sparsity_value(), _asked(config))
+    return [LayerKeep((k,) * m.num_experts) for k, m in zip(ks, meta.layers)]
+
+
 @METHODS.register(
     Method(
         "neurons",
@@ -463,6 +471,9 @@ def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes)
         feasible=_neuron_feasible,
         planned_bytes=_neuron_planned_bytes,
         target_steps=_neuron_steps,
+        planned_keeps=_neuron_keeps,
+        super_experts="keep their routing and stay whole, the other experts of their layers narrowed to one "
+        "shared width; " + NEURONS_WHOLE,
     )
 )
 def plan_neurons(request: PlanRequest) -> Plan:

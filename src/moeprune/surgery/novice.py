@@ -22,9 +22,9 @@ from typing import cast
 
 import torch
 
-from moeprune.allocate.basic import plan_removals
+from moeprune.allocate.basic import plan_removals, uniform_allocation
 from moeprune.allocate.limits import expert_allocation, layer_limits
-from moeprune.config import CALIBRATION
+from moeprune.config import CALIBRATION, PruneConfig
 from moeprune.criteria import Criterion, LayerScores
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoELayer, MoEModel
@@ -33,6 +33,7 @@ from moeprune.models.routed import RoutedOptions, override_routed
 from moeprune.observe.kinds import Statistic
 from moeprune.observe.stats import ExpertStats, LayerStats, merged_layer
 from moeprune.plan import ModelShape, Plan
+from moeprune.surgery.genes import LayerKeep
 from moeprune.surgery.lowrank import RANK_KEY, NoviceOptions
 from moeprune.surgery.registry import EXPERTS, METHODS, Method, PlanRequest
 
@@ -118,6 +119,15 @@ def novice_plan(
     return plan
 
 
+def _novice_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
+    """The uniform allocation's novices per layer, the other experts whole (routing kept)."""
+    limits = layer_limits(meta, config.expert_multiple, routing_changes=False)
+    removed = uniform_allocation(
+        limits.budget(config.sparsity_value()), limits.num_experts, limits.top_k, **limits.as_kwargs()
+    )
+    return [LayerKeep((m.intermediate_size,) * (m.num_experts - r), r) for m, r in zip(meta.layers, removed)]
+
+
 @METHODS.register(
     Method(
         "novice",
@@ -129,6 +139,7 @@ def novice_plan(
         options=NoviceOptions,
         candidate_context=lambda moe, stats: novice_context(moe, stats),
         statistics=frozenset({Statistic.MOMENTS}),  # mu_i, the Welford mean
+        planned_keeps=_novice_keeps,
     )
 )
 def plan_novices(request: PlanRequest) -> Plan:

@@ -9,12 +9,12 @@ passed in), neurons and TENP allocate neurons. Nothing here runs the model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
-from moeprune.allocate.registry import ALLOCATIONS, searches
+from moeprune.allocate.registry import Allocator
 from moeprune.config import PruneConfig
 from moeprune.criteria import AUTO, CRITERIA, Criterion, LayerScores, get_criterion
 from moeprune.criteria.super_experts import GUARD_STATISTICS, as_report, protected_order, super_experts
@@ -28,9 +28,10 @@ from moeprune.surgery.plans import Fits, apply_plan_physical
 from moeprune.surgery.registry import (
     EXPERTS,
     METHODS,
+    Method,
     PlanRequest,
+    ResolvedConfig,
     check_method,
-    method_limits,
 )
 from moeprune.surgery.target_size import check_target_config
 
@@ -55,34 +56,38 @@ def build_plan(
     `removed` (experts removed per MoE layer) overrides the allocation; the search passes it.
     """
     config = check_config(config)  # names resolved (once: a resolved config comes back as it is)
-    method, allocation = config.method, str(config.allocation)
-    request = PlanRequest(
+    request = PlanRequest.of(
+        config,
         moe,
         criterion,
         protected_order(scores, moe.protected),  # the super experts last; the caps never reach them
-        config.sparsity_value(),
-        allocation,
-        method,
         stats=stats,
         removed=removed,
         data_fingerprint=data_fingerprint,
-        expert_multiple=config.expert_multiple,
-        options=config.options,
     )
-    plan_of = METHODS.get(method).fn
-    assert plan_of is not None, f"method {method} registered without a function"
-    check_fixed_layers(moe, method)
-    return record_kept_whole(moe, plan_of(request))
+    plan_of = config.method_spec.fn
+    assert plan_of is not None, f"method {config.method} registered without a function"
+    check_fixed_layers(moe, config.method_spec)
+    return finish_plan(moe, plan_of(request), config.allocator, criterion)
 
 
-def check_fixed_layers(moe: MoEModel, method: str) -> None:
+def finish_plan(moe: MoEModel, plan: Plan, allocator: Allocator, criterion: Criterion) -> Plan:
+    """What every plan records besides its method's own: the allocation's note (the global
+    allocation's normalisation; once, here, for every method) and the layers kept whole. A search
+    that builds its plan itself (a mixed search's genes) passes it through here too."""
+    if allocator.plan_note is not None:
+        plan.extra.update(allocator.plan_note(criterion))
+    return record_kept_whole(moe, plan)
+
+
+def check_fixed_layers(moe: MoEModel, method: Method) -> None:
     """Refuse a method that cannot keep the fixed layers whole. Expert methods take their counts
     from `layer_limits`, where a fixed layer's cap is 0; the neuron methods (neurons, TENP) narrow
     every layer's experts and have no such limit yet, so they are refused in one line."""
     note = moe.kept_whole_note()
-    if note and METHODS.get(method).sparsity_unit != EXPERTS:
+    if note and method.sparsity_unit != EXPERTS:
         raise MoePruneError(
-            f"the {method} method narrows the experts of every MoE layer and cannot keep a layer whole "
+            f"the {method.name} method narrows the experts of every MoE layer and cannot keep a layer whole "
             f"({note}); use the drop or novice method",
             options=("method",),
         )
@@ -172,7 +177,8 @@ def requirements(config: PruneConfig) -> Requirements:
     """What `config` needs: calibration data for a data criterion, for `--criterion auto` (one
     observation feeds every criterion) or for a method that needs statistics; search data for a
     searched allocation or `auto`."""
-    method = METHODS.get(config.method)
+    config = check_config(config)
+    method = config.method_spec
     auto = config.criterion == AUTO
     criterion = get_criterion("reap" if auto else config.criterion)
     if method.needs:
@@ -183,10 +189,8 @@ def requirements(config: PruneConfig) -> Requirements:
         calibration = f"criterion {criterion.name!r}" if criterion.needs_data else None
     if calibration is None and config.repair.enabled:
         calibration = "--repair (it distils on the calibration tokens)"
-    if searches(config.allocation):
-        search: str | None = (
-            "the gradient allocation" if config.allocation == "gradient" else "an EvoESAP search"
-        )
+    if config.allocator.searches:
+        search: str | None = config.allocator.described
     else:
         search = "choosing the criterion automatically" if auto else None
     readers: dict[str, list[str]] = {}  # each setting this method does not read -> the methods that do
@@ -202,7 +206,7 @@ def requirements(config: PruneConfig) -> Requirements:
     statistics = union(
         *(c.statistics for c in scored),
         method.observes,
-        ALLOCATIONS.get(config.allocation or method.allocations[0]).statistics,
+        config.allocator.statistics,
         GUARD_STATISTICS,
     )
     return Requirements(
@@ -210,20 +214,19 @@ def requirements(config: PruneConfig) -> Requirements:
     )
 
 
-def check_config(config: PruneConfig) -> PruneConfig:
-    """Every name and number of a config checked, once, before anything runs: returns a resolved
-    copy (the allocation set to the method's default when left unset, the method's options an
-    object that validated itself), which later stages take as it is. A config with a `target_size`
-    has no sparsity yet: the checkpoint's sizes solve it (`solve_target`)."""
-    if config.resolved:
+def check_config(config: PruneConfig) -> ResolvedConfig:
+    """Every name and number of a config checked, once, before anything runs: returns the
+    `ResolvedConfig` (the allocation set to the method's default when left unset, the method's
+    options an object that validated itself, the method's and allocation's entries), which later
+    stages take as it is. A config with a `target_size` has no sparsity yet: the checkpoint's sizes
+    solve it (`solve_target`)."""
+    if isinstance(config, ResolvedConfig):
         return config
     if config.criterion != AUTO:
         get_criterion(config.criterion)
     if check_target_config(config) is None:  # a target size solves the sparsity later (target_size.py)
         check_sparsity(config.sparsity)
-    method = METHODS.get(config.method)
-    allocation = config.allocation or method.allocations[0]
-    check_method(config.method, allocation)
+    _, allocator = check_method(config.method, config.allocation)
     if (
         isinstance(config.expert_multiple, bool)
         or not isinstance(config.expert_multiple, int)
@@ -238,13 +241,11 @@ def check_config(config: PruneConfig) -> PruneConfig:
             f"allow_super_experts must be true or false, got {config.allow_super_experts!r}",
             options=("allow_super_experts",),
         )
-    if searches(allocation) or config.criterion == AUTO:
+    if allocator.searches or config.criterion == AUTO:
         check_search(config.search)
     if config.repair.enabled:  # a RepairConfig checks itself when made; one changed since, here
         config.repair.validate()
-    resolved = replace(config, allocation=allocation, options=method.resolve_options(config.options))
-    resolved.resolved = True
-    return resolved
+    return ResolvedConfig.of(config)
 
 
 def check_sparsity(sparsity: float | None) -> None:
@@ -258,21 +259,20 @@ def check_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     """Refuse a budget no plan can meet, from the model's structure alone (a meta-device model
     does); returns what is already known per layer (for a dry run). A method with a `feasible`
     hook answers for itself; the expert methods share the budget's per-layer limits here."""
-    method = METHODS.get(config.method)
-    check_fixed_layers(moe, config.method)
-    check_model = getattr(method.resolve_options(config.options), "check_model", None)
-    if check_model is not None:  # a method's own settings against the model (the novice rank <= d)
-        check_model(moe)
+    config = check_config(config)
+    method = config.method_spec
+    check_fixed_layers(moe, method)
+    config.options.check_model(moe)  # a method's own settings against the model (the novice rank <= d)
     if method.feasible is not None:
         layer_limits(moe, config.expert_multiple)  # every expert stays: each count must still be a multiple
         if method.neurons:
             check_neuron_prunable(moe)
         return dict(method.feasible(moe, config))
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+    limits = config.limits(moe)
     budget = limits.budget(config.sparsity_value())
     uniform = uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())
     known: dict = {"budget_experts_removed": budget}
-    if ALLOCATIONS.get(config.allocation or method.allocations[0]).fixed:
+    if config.allocator.fixed:
         known["removed_per_layer"] = dict(zip([m.index for m in moe.layers], uniform))
     return known
 
@@ -298,10 +298,10 @@ def guard_super_experts(
 
 def check_guarded_budget(moe: MoEModel, config: PruneConfig) -> None:
     """Refuse a budget that only removing a protected (super) expert could meet."""
-    method = METHODS.get(config.method)
-    if method.feasible is not None:  # neuron methods: every expert stays, so nothing to refuse here
+    config = check_config(config)
+    if config.method_spec.feasible is not None:  # neuron methods: every expert stays, nothing to refuse
         return
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+    limits = config.limits(moe)
     budget = limits.budget(config.sparsity_value())
     try:
         uniform_allocation(budget, limits.num_experts, limits.top_k, **limits.as_kwargs())

@@ -33,11 +33,10 @@ from dataclasses import dataclass, replace
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.limits import LayerLimits
-from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.config import PruneConfig, parse_target_size
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel
-from moeprune.surgery.registry import EXPERTS, METHODS, method_limits
+from moeprune.surgery.registry import EXPERTS, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes
 
 TARGET = ("target_size",)
@@ -50,10 +49,10 @@ def _check_layers(moe: MoEModel, size: WeightBytes) -> None:
         )  # pragma: no cover - both are read off the same checkpoint
 
 
-def _with_novice_rank(size: WeightBytes, config: PruneConfig) -> WeightBytes:
+def _with_novice_rank(size: WeightBytes, config: ResolvedConfig) -> WeightBytes:
     """`size` with each novice's bytes those of a rank-R novice (d + 2dR values: its constant and
     two d x R factors) when the config asks for low-rank novices."""
-    rank = getattr(METHODS.get(config.method).resolve_options(config.options), "novice_rank", 0)
+    rank = config.options.novice_rank
     if not rank:
         return size
     layers = tuple(replace(lay, novice=lay.novice * (1 + 2 * rank)) for lay in size.layers)
@@ -82,12 +81,13 @@ def _worst_removal(size: WeightBytes, budget: int, limits: LayerLimits, novice: 
 def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, budget: int) -> int:
     """Planned bytes of an expert method removing `budget` experts (InfeasibleBudgetError when
     no allocation can remove exactly that many under the per-layer limits)."""
-    method = METHODS.get(config.method).configured(config.options)  # drop --reroute none: as novices
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+    config = ResolvedConfig.of(config)
+    method = config.surgery  # drop --reroute none: as novices
+    limits = config.limits(moe)
     removed = uniform_allocation(
         budget, limits.num_experts, limits.top_k, **limits.as_kwargs()
     )  # also refuses an unreachable budget
-    if ALLOCATIONS.get(config.allocation or METHODS.get(config.method).allocations[0]).fixed:
+    if config.allocator.fixed:
         return size.total - _expert_bytes(size, removed, method.keeps_routing)
     return size.total - _worst_removal(size, budget, limits, method.keeps_routing)
 
@@ -95,12 +95,13 @@ def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, bud
 def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
     """Bytes of weights the plan of `config` (its sparsity set) leaves, in `size`'s format: exact
     for the uniform allocation and the neuron methods, an upper bound for global and evo."""
+    config = ResolvedConfig.of(config)
     _check_layers(moe, size)
     assert config.sparsity is not None, "planned_bytes needs a sparsity"
     size = _with_novice_rank(size, config)
-    method = METHODS.get(config.method)
+    method = config.method_spec
     if method.sparsity_unit == EXPERTS:
-        limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+        limits = config.limits(moe)
         budget = limits.budget(config.sparsity)
         return expert_plan_bytes(moe, config, size, budget)
     if not size.linear_neurons:
@@ -133,7 +134,7 @@ def _human(n: int) -> str:
 
 
 def _expert_search(
-    moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int, stock: bool
+    moe: MoEModel, config: ResolvedConfig, size: WeightBytes, target: int, stock: bool
 ) -> list[tuple[float, int]]:
     """(sparsity B / N, planned bytes) of the smallest feasible budget B that fits, preceded by the
     feasible budget below it (which does not); [the largest feasible budget] when none fits.
@@ -143,7 +144,7 @@ def _expert_search(
     grow with B, and no budget below `(total - target) / (the heaviest expert)` can fit, so the
     walk starts there instead of at 1 (a 58 x 256-expert model has 14,848 budgets; starting there, 48 x 128 solves in 10 ms instead of 15 s).
     """
-    limits = method_limits(moe, config.method, config.expert_multiple, config.options)
+    limits = config.limits(moe)
     experts, most = limits.prunable_experts, sum(limits.caps)  # a sparsity counts prunable layers only
 
     def planned(budget: int) -> int | None:
@@ -157,7 +158,7 @@ def _expert_search(
                 return None
         return value
 
-    novice = METHODS.get(config.method).configured(config.options).keeps_routing
+    novice = config.surgery.keeps_routing
     heaviest = max(
         lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers
     )
@@ -177,6 +178,7 @@ def solve_target(
     """The smallest sparsity step whose planned weights fit in `target` bytes; refused in one line
     (before any weight is read) when the unpruned model already fits or no plan is small enough.
     `stock`: only plans a stock config expresses (the same expert count in every layer)."""
+    config = ResolvedConfig.of(config)
     _check_layers(moe, size)
     size = _with_novice_rank(size, config)
     if target >= size.total:
@@ -186,7 +188,7 @@ def solve_target(
             "pruning (lower the target size, or give a sparsity)",
             options=TARGET,
         )
-    method = METHODS.get(config.method)
+    method = config.method_spec
     steps: list[tuple[float, int]]
     if method.sparsity_unit == EXPERTS:
         steps = _expert_search(moe, config, size, target, stock)
@@ -213,14 +215,14 @@ def solve_target(
     return TargetSolution(target, sparsity, predicted, size.total, below[0], below[1])
 
 
-def _what_stays(config: PruneConfig) -> str:
+def _what_stays(config: ResolvedConfig) -> str:
     what: dict[str, Callable[[], str]] = {
         EXPERTS: lambda: (
             "every layer keeps at least its top-k experts"
             + (f" in multiples of {config.expert_multiple}" if config.expert_multiple > 1 else "")
         ),
     }
-    unit = METHODS.get(config.method).sparsity_unit
+    unit = config.method_spec.sparsity_unit
     return what.get(unit, lambda: "every routed expert keeps at least one block of neurons")()
 
 

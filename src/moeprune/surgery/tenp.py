@@ -18,6 +18,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.models.packed import layer_cost
 from moeprune.plan import LayerPlan, Plan
+from moeprune.surgery.genes import LayerKeep
 from moeprune.surgery.neurons import (
     NarrowOptions,
     check_importance,
@@ -25,7 +26,7 @@ from moeprune.surgery.neurons import (
     check_neuron_stats,
 )
 from moeprune.surgery.novice import StatsInput
-from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest
+from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest, options_as
 from moeprune.surgery.sizes import GRID_STEP, WeightBytes, grid_steps
 from moeprune.surgery.widths import width_step
 
@@ -61,7 +62,7 @@ class TenpOptions(NarrowOptions):
 
 
 def _options(config: PruneConfig) -> TenpOptions:
-    return METHODS.get(config.method).resolve_options(config.options)
+    return options_as(config, TenpOptions)
 
 
 def tenp_steps(moe: MoEModel, sparsity: float, options: TenpOptions) -> list[int]:
@@ -208,6 +209,15 @@ def _tenp_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -
     return _tenp_plan_bytes(moe, config, size, config.sparsity_value())
 
 
+def _tenp_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
+    """The trapezoid's whole experts at full width, the others at their layer's narrowed widths."""
+    alloc = tenp_allocation(meta, config.sparsity_value(), _options(config))
+    return [
+        LayerKeep((m.intermediate_size,) * c + tuple(ws))
+        for m, c, ws in zip(meta.layers, alloc.important, alloc.widths)
+    ]
+
+
 @METHODS.register(
     Method(
         "tenp",
@@ -221,6 +231,9 @@ def _tenp_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -
         feasible=_tenp_feasible,
         planned_bytes=_tenp_planned_bytes,
         target_steps=_tenp_solve,
+        planned_keeps=_tenp_keeps,
+        super_experts="keep their routing and rank first among each layer's whole experts (kept whole "
+        "where the trapezoid keeps that many whole experts in their layer; narrowed otherwise)",
     )
 )
 def plan_tenp(request: PlanRequest) -> Plan:
