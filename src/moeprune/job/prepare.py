@@ -42,7 +42,6 @@ from moeprune.surgery.registry import ResolvedConfig
 from moeprune.surgery.target_size import TargetSolution, planned_bytes, solve_target
 
 _LOG = logging.getLogger(__name__)
-STOCK_METHODS = ("drop", "neurons")  # what a stock config expresses with a uniform allocation
 
 
 @dataclass
