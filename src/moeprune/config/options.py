@@ -300,7 +300,7 @@ class PruneConfig:
         out = {
             f.name: getattr(self, f.name) for f in fields(PruneConfig)
         }  # a ResolvedConfig's entries stay out
-        out["search"] = asdict(self.search)
+        out["search"], out["repair"] = asdict(self.search), asdict(self.repair)
         out["options"] = asdict(self.options) if isinstance(self.options, MethodOptions) else self.options
         if out["target_size"] is None:
             del out["target_size"]

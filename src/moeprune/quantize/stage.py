@@ -55,6 +55,7 @@ from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
 from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
+from moeprune.search.registry import searches_schemes
 from moeprune.serve.vllm.layout import quantized_refusal
 from moeprune.shards.mtp import MtpPlan
 from moeprune.shards.weight_bytes import cast_weight_bytes
@@ -232,7 +233,7 @@ def _teacher(full: MoEModel, asked: Asked, quantize: QuantizeOptions, target: Pr
             teacher, full, config, quantize, grid, target.size, target.dtype_bytes, target.target_bytes
         )
     before = BeforePrune(config, quantize, teacher=teacher, grid_rows=rows, observed=observed)
-    if config.allocation == "evo":  # counts and schemes searched together, the grid as seeds
+    if searches_schemes(ResolvedConfig.of(config)):  # counts and schemes searched together, the grid as seeds
         teacher.release()
         assert orders is not None
         with stage("searching the experts removed and the schemes per layer together", progress):
