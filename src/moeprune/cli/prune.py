@@ -114,7 +114,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     is_flag=True,
     help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
 )
-@field_options(settings_of(PruneConfig, "expert_multiple", "allow_super_experts"))
+@field_options(settings_of(PruneConfig, "expert_multiple", "ep_size", "allow_super_experts"))
 @click.option(
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),

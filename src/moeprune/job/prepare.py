@@ -19,6 +19,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.expert_parallel import apply_ep_size
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
 from moeprune.quant.support import quantization_of
@@ -295,6 +296,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
+    config = apply_ep_size(meta, config)  # the family's EP divisibility: the plan's expert multiple
     for scheme in names or ((quantize.scheme,) if quantize is not None else ()):
         assert quantize is not None
         check_group(quantize.of(scheme), quantized_dims(meta), [m.intermediate_size for m in meta.layers])
