@@ -4,7 +4,7 @@ layer's expert count divides the EP size: its spec says `ep_divisible`) and a ti
 (whose vLLM classes do not: the plan is left as it is).
 
 What must hold: `ep_sizes` lists exactly the common divisors up to its limit; for deepseek_v4,
-`--ep-size 4` makes 4 the expert multiple (a quarter of 8 experts, 2 per layer, is then
+`--ep-size 4` makes 4 the expert multiple (a quarter of 8 experts, 2 per prunable layer, is then
 impossible, while without it the same prune runs), a result keeps multiples of 4 and says
 "EP sizes 1, 2, 4"; a degree the input's counts do not allow, or a multiple it does not divide, is
 refused in one line (exit 2) before anything is written; for qwen3_moe the same flag changes nothing.
@@ -61,14 +61,19 @@ def _refused_before_writing(result, out: Path, *words: str) -> None:
 
 def test_ep_size_makes_the_expert_multiple_for_a_family_that_needs_it(models):
     root = models["root"]
-    plain = _prune(models["v4"], root / "plain", "--sparsity", "0.25")  # 6 experts kept: fine without EP
-    assert "EP sizes 1, 2, 3, 6" in plain.output
+    # layer 0 routes by token id (hash routing): kept whole, 8 experts; the others keep 6 without EP
+    plain = _prune(models["v4"], root / "plain", "--sparsity", "0.25")
+    assert "expert parallel EP sizes 1, 2 " in plain.output
     refused = _prune(models["v4"], root / "quarter", "--sparsity", "0.25", "--ep-size", "4", ok=False)
-    assert refused.exit_code == 2 and "multiple of 4" in refused.output and not (root / "quarter").exists()
+    assert (
+        refused.exit_code == 2
+        and "multiples of [4, 4, 4, 4]" in refused.output
+        and not (root / "quarter").exists()
+    )
     done = _prune(models["v4"], root / "half", "--sparsity", "0.5", "--ep-size", "4")
     assert "expert parallel EP sizes 1, 2, 4 " in done.output
     plan = json.loads((root / "half" / "plan.json").read_text())
-    assert [len(lp["kept"]) for lp in plan["layers"]] == [4] * 4
+    assert [len(lp["kept"]) for lp in plan["layers"]] == [8, 4, 4, 4]
     recipe = json.loads((root / "half" / "recipe.json").read_text())
     assert recipe["config"]["expert_multiple"] == 4 and recipe["config"]["ep_size"] == 4
     assert "expert parallel: EP sizes 1, 2, 4" in run_cli("inspect", root / "half").output

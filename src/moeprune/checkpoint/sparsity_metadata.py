@@ -71,19 +71,18 @@ def read_sparsity(config: Mapping[str, Any]) -> dict | None:
         found = config.get(SPARSITY_KEY)
     if found is None:
         return None
-    counts = found.get("num_experts") if isinstance(found, Mapping) else None
-    method = found.get("method") if isinstance(found, Mapping) else None
     valid = (
-        method in (PRUNE, NOVICE)
-        and isinstance(counts, list)
-        and all(c is None or (isinstance(c, int) and not isinstance(c, bool)) for c in counts)
+        isinstance(found, Mapping)
+        and found.get("method") in (PRUNE, NOVICE)
+        and isinstance(found.get("num_experts"), list)
+        and all(c is None or (isinstance(c, int) and not isinstance(c, bool)) for c in found["num_experts"])
     )
     if not valid:
         raise MoePruneError(
             f"config.json's {SPARSITY_KEY} is {found!r}: the standard (compressed-tensors 0.20) wants "
             '{"method": "prune" | "novice", "num_experts": [null | int per decoder layer]}; fix or remove it'
         )
-    return {"method": method, "num_experts": list(counts)}
+    return {"method": found["method"], "num_experts": list(found["num_experts"])}
 
 
 def describe_sparsity(metadata: Mapping[str, Any]) -> str:
