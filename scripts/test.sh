@@ -17,6 +17,7 @@ quant_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-quant.XXXXXX")  # .venv-quant
 ./scripts/setup_quant.sh > "$quant_log" 2>&1 &
 setup_quant=$!
 ./setup.sh
+./scripts/setup_ct20.sh   # .venv-ct20: compressed-tensors 0.20 alone (it reads torch from .venv), seconds
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
 .venv/bin/ruff format --check src
 .venv/bin/mypy   # types of src/moeprune, as pyproject's [tool.mypy] says (modules not yet typed are listed there)

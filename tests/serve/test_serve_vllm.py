@@ -424,6 +424,25 @@ def test_served_formats_cover_every_per_layer_structure(outputs):
     assert seen == {"counts", "widths", "novices"}
 
 
+def test_served_outputs_carry_the_sparsity_metadata(outputs):
+    """Every output with fewer experts carries `moe_sparsity_config` (checkpoint/sparsity_metadata.py)
+    as a top-level key and no quantization_config, so test_vllm_serves_like_moeprune shows that
+    vLLM 0.32 serves results carrying it (the stock drop ones without the plugin) as before."""
+    carried = set()
+    for (family, kind), path in outputs.items():
+        config = json.loads((path / "config.json").read_text())
+        assert "quantization_config" not in config and "compression_config" not in config
+        plan = json.loads((path / "plan.json").read_text())
+        if not any(lp.get("dropped") or lp.get("novice") for lp in plan["layers"]):
+            assert "moe_sparsity_config" not in config, (family, kind)
+            continue
+        counts = config["moe_sparsity_config"]["num_experts"]
+        for lp in plan["layers"]:
+            assert counts[lp["layer"]] == len(lp["kept"]) - len(lp.get("novice", [])), (family, kind)
+        carried.add(kind)
+    assert {"drop", "global", "evo", "novice"} <= carried
+
+
 def test_plugin_refuses_a_family_it_does_not_serve(served, unserved_family):
     message = served["refused"][str(unserved_family)]
     assert message is not None, "vLLM loaded a gpt_oss checkpoint in moeprune's format"

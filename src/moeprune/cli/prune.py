@@ -115,7 +115,7 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     help="evo: continue the interrupted search for OUTPUT (same data and arguments); never replaces anything.",
 )
 @config_options(RepairConfig)
-@field_options(settings_of(PruneConfig, "expert_multiple", "allow_super_experts"))
+@field_options(settings_of(PruneConfig, "expert_multiple", "ep_size", "allow_super_experts"))
 @click.option(
     "--save-dtype",
     type=click.Choice(list(SAVE_DTYPES)),

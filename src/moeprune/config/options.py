@@ -260,6 +260,15 @@ class PruneConfig:
         "by the EP size; kernels like multiples of 8).",
         minimum=1,
     )
+    # the expert-parallel degree the result is meant for (models/expert_parallel.py); None: not declared
+    ep_size: int | None = setting(
+        None,
+        "The expert-parallel size the result is served with: for families whose vLLM classes need "
+        "every layer's expert count divisible by it (DeepSeek-V4, Kimi-K3, Muse-Spark, Step-5), "
+        "--expert-multiple defaults to N and a plan that breaks it is refused before loading.",
+        minimum=1,
+        metavar="N",
+    )
     # the random criterion's permutation; the CLI's --seed (every command's) also seeds the data
     seed: int = setting(0, "Seed of the data sampling and of the random criterion.")
     search: SearchConfig = field(default_factory=SearchConfig)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from moeprune.checkpoint.save import carry_input_files
+from moeprune.checkpoint.sparsity_metadata import record_sparsity, sparsity_config
 from moeprune.config import RECIPE_FILE, Recipe
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
@@ -52,6 +54,14 @@ def write_evidence(folder: Path, evidence: Evidence, after: MoEModel) -> None:
     for source in (evidence.model_path, evidence.tokenizer_path):
         if source is not None and Path(source).is_dir():
             carry_input_files(source, folder)
+    config: Any = after.model.config  # transformers' config (a plain attribute, not a submodule)
+    metadata = sparsity_config(
+        evidence.plan,
+        int(config.get_text_config().num_hidden_layers),
+        {m.index: m.num_experts for m in after.layers},
+    )
+    if metadata is not None:  # the standard's per-layer counts, for tools that read it
+        record_sparsity(folder, metadata)
     written = weight_bytes(folder)
     report.disk_bytes = DiskBytes(weight_bytes(evidence.model_path), written)
     if report.target is not None:

@@ -180,6 +180,7 @@ def _in_memory(request: PruneRequest) -> dict:
                     "save_dtype",
                     "max_shard_size",
                     "expert_multiple",
+                    "ep_size",
                 ),
                 "with --no-load (it copies the input's shards and dtype)",
             ),

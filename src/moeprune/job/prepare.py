@@ -19,6 +19,7 @@ from moeprune.config import DataOptions, PruneConfig, RunOptions, SaveOptions, p
 from moeprune.data.loading import CalibrationData, calibration_sets, load_data, parse_source
 from moeprune.errors import DataError, MoePruneError
 from moeprune.models import MoEModel
+from moeprune.models.expert_parallel import apply_ep_size
 from moeprune.models.reshape import check_not_packed
 from moeprune.quant.fp8 import FP8_SAVE_DTYPE, Fp8Format
 from moeprune.quant.support import quantization_of
@@ -292,6 +293,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_sources(data.sources, "calibration data")
     meta = MoEModel(build_skeleton(checked, meta=True))
     check_not_packed(meta)
+    config = apply_ep_size(meta, config)  # the family's EP divisibility: the plan's expert multiple
     check_groups(quantize, meta)
     stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
     save_dtype = (

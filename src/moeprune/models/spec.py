@@ -75,6 +75,10 @@ class FamilySpec:
     # tensors under other names, Granite's input_linear): stock saves then go through it.
     disk_names_known: bool = True
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's classes for the family assert that every layer's expert count divides the
+    # expert-parallel size (vLLM 0.33: DeepSeek-V4, Kimi-K3, Muse-Spark, Step-5): `--ep-size N`
+    # then makes N the default `--expert-multiple` and refuses a plan that breaks it
+    ep_divisible: bool = False
     layers: str = "model.layers"  # qualified name of the decoder layer list (a wrapper's language model's)
 
 
@@ -92,6 +96,8 @@ OVERRIDES: dict[str, dict] = {
         "routing": TOPK_SOFTMAX,
         "notes": ("clamped SwiGLU with biases (gate * sigmoid(alpha * gate) * (up + 1))",),
     },
+    # vLLM 0.33's model classes that assert `experts % ep_size == 0` (vllm/models/<family>/nvidia/model.py)
+    **{m: {"ep_divisible": True} for m in ("deepseek_v4", "kimi_k3", "muse_spark", "step5")},
     "llama4_text": {
         "routing": TOPK_SIGMOID_INPUT,
         "weight_on_input": True,

@@ -9,8 +9,10 @@ from torch import nn
 
 from moeprune.checkpoint import build_skeleton, check_model_path, files, load_config
 from moeprune.checkpoint.names import beside_stack_prefixes
+from moeprune.checkpoint.sparsity_metadata import describe_sparsity, read_sparsity
 from moeprune.checkpoint.structure import read_config_dict
 from moeprune.models import MoEModel
+from moeprune.models.expert_parallel import ep_sizes, format_ep_sizes
 from moeprune.quant import quantization_of
 from moeprune.report.prune_report import weight_bytes
 from moeprune.surgery.parameters import describe_layers, expert_params, routed_parameters
@@ -21,7 +23,9 @@ def describe_checkpoint(path: str | Path, trust_remote_code: bool = False) -> di
     folder = check_model_path(path)  # a local folder or a cached model id
     load_config(folder, trust_remote_code)  # clear errors for missing, dense or unsupported checkpoints
     info = describe_model(build_skeleton(folder, meta=True), source=str(path))
-    info["quantization"] = quantization_of(read_config_dict(folder))  # what moeprune keeps or refuses
+    config = read_config_dict(folder)
+    info["quantization"] = quantization_of(config)  # what moeprune keeps or refuses
+    info["moe_sparsity_config"] = read_sparsity(config)  # the standard's per-layer counts (any tool's)
     info["weight_bytes"] = weight_bytes(folder)
     stored = files.stored_tensors(folder) if files.shard_names(folder) else {}
     info["mtp_layers"] = beside_stack_prefixes(stored, info["decoder_layers"])
@@ -61,6 +65,7 @@ def describe_model(model: nn.Module, source: str = "") -> dict:
         "uniform": len({(r["experts"], r["intermediate_size"], r["novices"]) for r in layers}) == 1,
         "layers": layers,
         "parameters": routed_parameters(moe),
+        "ep_sizes": ep_sizes(row["experts"] for row in layers),
     }
 
 
@@ -82,6 +87,8 @@ def format_description(info: dict) -> str:
         ),
         *([f"  {info['kept_whole_note']}"] if info.get("kept_whole_note") else []),
         *([f"  quantized: {info['quantization']}"] if info.get("quantization") else []),
+        *([f"  {describe_sparsity(info['moe_sparsity_config'])}"] if info.get("moe_sparsity_config") else []),
+        *([f"  expert parallel: {format_ep_sizes(info['ep_sizes'])}"] if info.get("ep_sizes") else []),
         *(
             [f"  weights on disk: {info['weight_bytes']:,} bytes"]
             if info.get("weight_bytes") is not None

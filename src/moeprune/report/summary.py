@@ -16,6 +16,7 @@ from moeprune.allocate.fitness import FITNESSES, higher_is_better
 from moeprune.allocate.registry import ALLOCATIONS
 from moeprune.criteria.super_experts import NOT_CHECKED
 from moeprune.models.adapter import kept_whole_note
+from moeprune.models.expert_parallel import ep_sizes, format_ep_sizes
 from moeprune.quant.support import needs_package, package_missing
 from moeprune.report.document import PRUNE, PruneReport, as_report
 from moeprune.report.parts import DiskBytes, ParameterCounts, SearchStop, SearchUniform, Serving
@@ -100,6 +101,13 @@ def _counts(before: ParameterCounts | None, after: ParameterCounts | None, key: 
     return {"before": old, "after": new, "change_pct": pct}
 
 
+def _ep_sizes(report: PruneReport) -> list[int] | None:
+    """The EP degrees the result's per-layer expert counts all divide (None: counts unknown)."""
+    rows = report.kept_per_layer or []
+    counts = [r.experts_after if r.experts_after is not None else r.experts_before for r in rows]
+    return ep_sizes(counts) if counts else None
+
+
 def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None) -> dict:
     """The summary's facts, from report.json (and the output folder's listing, when it exists)."""
     report = as_report(report)
@@ -144,6 +152,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "super_experts_note": report.super_experts_note,
         "precision": (report.quantization or {}).get("precision"),
         "novice_fits": report.novice_fits.to_json() if report.novice_fits else None,
+        "ep_sizes": _ep_sizes(report),
     }
     if folder is not None:
         facts["files"] = _files(Path(folder))
@@ -270,6 +279,10 @@ def format_lines(facts: dict) -> list[str]:
         lines.append(
             f"  in vLLM         not served: moeprune's plugin {reason} "
             "(load it with transformers, trust_remote_code=True, or moeprune.load_pretrained)"
+        )
+    if facts.get("ep_sizes"):
+        lines.append(
+            f"  expert parallel {format_ep_sizes(facts['ep_sizes'])} (each divides every layer's expert count)"
         )
     lines.append(f"  output          {facts['output']}")
     for kind, names in (facts.get("files") or {}).items():

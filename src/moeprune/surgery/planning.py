@@ -236,6 +236,12 @@ def check_config(config: PruneConfig) -> ResolvedConfig:
             f"expert_multiple must be a positive integer, got {config.expert_multiple!r}",
             options=("expert_multiple",),
         )
+    if config.ep_size is not None and (
+        isinstance(config.ep_size, bool) or not isinstance(config.ep_size, int) or config.ep_size < 1
+    ):
+        raise MoePruneError(
+            f"ep_size must be a positive integer, got {config.ep_size!r}", options=("ep_size",)
+        )
     if not isinstance(config.allow_super_experts, bool):
         raise MoePruneError(
             f"allow_super_experts must be true or false, got {config.allow_super_experts!r}",
