@@ -35,6 +35,7 @@ from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
+from moeprune.serve.vllm_native import write_native
 from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
 from moeprune.shards.rewrite import (
     DROP_MTP,
@@ -343,6 +344,8 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
             _quantize(job, tmp, report, log, progress, mtp)
             if append and after:  # as stored in the unquantized result, byte for byte
                 append_input_tensors(job.model_path, tmp, mtp, ignored if carry else ())
+        if report.format == "moeprune" and report.serving is not None:  # vLLM 0.33's own description
+            report.serving.vllm_native = write_native(tmp)
         write_evidence(tmp, evidence, moe)
 
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes
