@@ -2,7 +2,8 @@
 # The whole test suite, exactly as CI runs it (.ci/run calls this script).
 #
 # Sets up .venv (the newest transformers), .venv-vllm (vLLM's CPU build, with transformers at
-# the lowest version moeprune supports) and .venv-quant (llm-compressor, for --quantize), then runs
+# the lowest version moeprune supports), .venv-quant (llm-compressor, for --quantize) and
+# .venv-vllm33 (vLLM 0.33's wheel without dependencies: its sources, read by the tests), then runs
 # the suite in the first two: the serving and quantizing tests drive .venv-vllm and .venv-quant
 # from the first run, so the second run leaves them out. Extra arguments go to both pytest runs
 # (e.g. -x, -k).
@@ -16,6 +17,9 @@ setup_vllm=$!
 quant_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-quant.XXXXXX")  # .venv-quant (llm-compressor), beside it
 ./scripts/setup_quant.sh > "$quant_log" 2>&1 &
 setup_quant=$!
+vllm33_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-vllm33.XXXXXX")  # .venv-vllm33 (0.33's sources, no deps)
+./scripts/setup_vllm33.sh > "$vllm33_log" 2>&1 &
+setup_vllm33=$!
 ./setup.sh
 ./scripts/setup_ct20.sh   # .venv-ct20: compressed-tensors 0.20 alone (it reads torch from .venv), seconds
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
@@ -28,6 +32,9 @@ cat "$setup_log" && rm -f "$setup_log"
 wait "$setup_quant" || status=$?
 cat "$quant_log" && rm -f "$quant_log"
 [ "$status" = 0 ] || { echo "scripts/setup_quant.sh failed (exit $status)" >&2; exit "$status"; }
+wait "$setup_vllm33" || status=$?
+cat "$vllm33_log" && rm -f "$vllm33_log"
+[ "$status" = 0 ] || { echo "scripts/setup_vllm33.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
 # on CI's two cores. (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("0.32.4", True),
         ("0.32.1.post1", True),
         ("0.31.9", False),
-        ("0.33.0", False),
+        ("0.33.0", True),  # GPU wheel only: checked against its sources (test_vllm33_sources.py)
+        ("0.34.0", False),
         ("0.33.0rc1", False),
         ("0.32.0rc2", False),  # a pre-release of 0.32.0 comes before it
         ("0.32.0.dev7+g1234abc", False),
@@ -62,7 +63,7 @@ def test_the_range_is_one_constant():
 def test_the_refusal_is_one_sentence_naming_the_range_and_the_way_out():
     message = untested_refusal("0.40.1")
     assert "\n" not in message and message.count(". ") == 0 and not message.endswith(".")
-    assert "vllm>=0.32,<0.33" in message and "vLLM 0.40.1" in message
+    assert "vllm>=0.32,<0.34" in message and "vLLM 0.40.1" in message
     assert f"{ALLOW_UNTESTED_ENV}=1" in message and "own risk" in message
 
 
@@ -131,18 +132,18 @@ def test_a_tested_vllm_gets_everything_registered(fake_vllm, caplog):
 
 def test_an_untested_vllm_refuses_moeprune_models_only(fake_vllm, caplog):
     with caplog.at_level(logging.WARNING, logger="vllm"):
-        done = fake_vllm("0.33.0")
+        done = fake_vllm("0.34.0")
     assert done.models == {} and done.convertors == {}  # nothing of vLLM's stock models is touched
-    assert [r.getMessage() for r in caplog.records] == [untested_refusal("0.33.0")]
+    assert [r.getMessage() for r in caplog.records] == [untested_refusal("0.34.0")]
     for family in ("qwen3_moe", "mixtral", "gpt_oss"):  # served and unserved families alike
         with pytest.raises(ValueError) as refused:
             done.configs[MODEL_TYPE_PREFIX + family]()
-        assert str(refused.value) == untested_refusal("0.33.0")
+        assert str(refused.value) == untested_refusal("0.34.0")
 
 
 def test_the_environment_variable_allows_an_untested_vllm(fake_vllm, monkeypatch, caplog):
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="vllm"):
-        done = fake_vllm("0.33.0")
+        done = fake_vllm("0.34.0")
     assert set(done.models) == {ARCHITECTURE_PREFIX + a for a in SERVED_FAMILIES.values()}
-    assert len(caplog.records) == 1 and "untested vLLM 0.33.0" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 1 and "untested vLLM 0.34.0" in caplog.records[0].getMessage()

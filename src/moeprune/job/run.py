@@ -38,6 +38,7 @@ from moeprune.runtime.timer import Timer
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import search_state_path
 from moeprune.serve.vllm.layout import quantized_refusal
+from moeprune.serve.vllm_native import write_native
 from moeprune.shards.mtp import MTP_NOT_REQUANTIZED, MtpPlan, ignored_note, record_mtp
 from moeprune.shards.rewrite import (
     DROP_MTP,
@@ -208,6 +209,8 @@ def _save(
         quantize_saved(tmp, saved, report, log, progress, mtp)
         if after:  # as stored in the unquantized result, byte for byte
             release.append(job.model_path, tmp)
+    if report.format == "moeprune" and report.serving is not None:  # vLLM 0.33's own description
+        report.serving.vllm_native = write_native(tmp)
     write_evidence(tmp, evidence, moe)
 
 

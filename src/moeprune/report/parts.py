@@ -156,10 +156,12 @@ class DataSummary(Part):
 class Serving(Part):
     """`serving` (moeprune's format only): the parameters vLLM holds (`vllm_parameters`: each layer
     served as width groups, experts padded to their group's widest), or why moeprune's plugin does
-    not serve this family."""
+    not serve this family; for a result with novices, which vLLM path serves them (`vllm_native`:
+    natively in vLLM >= 0.33, serve/vllm_native.py, or through the plugin only, and why)."""
 
     vllm_parameters: int | None = None
     vllm_refused: str | None = None
+    vllm_native: str | None = None
 
     @classmethod
     def of(cls, parameters: int) -> Serving:

