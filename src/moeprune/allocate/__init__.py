@@ -6,6 +6,8 @@
 - trapezoid.py  TENP's whole experts per layer, growing with depth
 - fitness.py    what makes one allocation better: ESAP / SAP / KL / NLL against the teacher
 - searched.py   the `evo` allocation's declaration (the search itself: moeprune.search)
+- projection.py  The exact budget as a projection: which experts to drop, given a keep score for
+  each one
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ familiar layout.
 
 The names below are imported on first use: importing the package loads neither torch nor
 transformers.
+
+- quantized.py  A quantized checkpoint's tensors, read as the full-precision weights they stand for
+- sparsity_metadata.py  `moe_sparsity_config`: the metadata standard for MoE checkpoints with fewer
+  experts
+- zero_rows.py  Rows a model holds that a release does not store: LongCat-Flash's zero experts'
+  gate/up rows
 """
 
 from __future__ import annotations

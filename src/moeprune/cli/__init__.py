@@ -5,6 +5,8 @@ library, and turning its errors into one line with the flags that fix them.
 - options.py  options several commands share, choices and help read from the registries
 - inspect.py, score.py, prune.py, eval.py (eval and report), serve_check.py, demo.py, setup.py
   (`setup quantize`): one command each
+
+- reference.py  The command-line reference (docs/cli.md), rendered from the commands themselves
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@
 
 A new criterion is one module that registers itself with `@CRITERIA.register(Criterion(...))`
 and one import below; the command line, its help and the README table read the registry.
+
+- super_experts.py  Super experts: the few routed experts whose massive activations the model cannot
+  lose
 """
 
 from __future__ import annotations

@@ -4,6 +4,13 @@ Nothing can be downloaded, so the demo and the quality tests build their own mod
 `build_corpus` writes a code / prose / math corpus from the standard library and generated word
 problems, and `get_demo_model` trains (once, then cached) a small Qwen3-MoE on it (or a
 DeepSeek-V3-architecture model: `demo_spec("deepseek_v3")`).
+
+- corpus.py  A local multi-domain corpus (code, prose, math) built only from what ships with Python
+- heldout.py  What a trained demo model learned: held-out NLL per domain, routing balance and
+  specialisation
+- run.py  `moeprune demo`: prune the locally trained demo MoE many ways and compare the results
+- train.py  Train a tiny MoE language model on the local corpus, cache it, and measure what it
+  learned
 """
 
 from __future__ import annotations

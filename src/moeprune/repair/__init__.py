@@ -4,6 +4,12 @@ early stopping on held-out tokens and never worse than unrepaired there (docs/su
 
 The stage after search: it reads the searches' fitness and teacher cache (allocate/fitness.py) and
 applies the plan through surgery; the API calls `apply_repaired` in place of surgery's `apply_plan`.
+
+- parts.py  What `--repair` may train: the small tensors around the experts, never the experts'
+  weights
+- teacher.py  The full model's distributions `--repair` learns from and is checked against, computed
+  once before surgery (the model is pruned in place afterwards, so it is the only ...
+- train.py  `--repair`: distil the pruned model toward the full one, training only small tensors
 """
 
 from __future__ import annotations

@@ -12,4 +12,7 @@ modeling files that stock transformers loads with trust_remote_code.
 
 Importing this package must stay cheap: vLLM imports moeprune.serve.vllm_plugin at start-up, and
 nothing here may pull in moeprune's pipeline (observation, search, evaluation).
+
+- vllm_native.py  vLLM 0.33's own description of a constant-novice result, so stock vLLM >= 0.33
+  serves it
 """

@@ -8,4 +8,8 @@
 
 moeprune.serve.vllm_plugin registers the classes with vLLM; nothing here is imported until vLLM
 builds one of them.
+
+- touchpoints.py  Every vLLM name moeprune's plugin imports, patches or reads, as one table
+- version.py  The vLLM releases moeprune's plugin is tested with, and the one sentence that refuses
+  the others
 """
