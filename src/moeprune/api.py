@@ -317,9 +317,7 @@ def prune(
     inputs = _Inputs.read(resolved, data, search_data, tokenizer, options)
     before = (describe_layers(moe), routed_parameters(moe), kept_per_layer(moe))
     seen = _observe(moe, resolved, inputs, run)
-    checks = FitChecks(
-        data=inputs.search_set
-    )  # low-rank fits: checked on the search data, or held-back calibration
+    checks = FitChecks(data=inputs.search_set)  # rank-R fits: held-out search data, else calibration
     searched = _search(moe, resolved, search, seen, inputs, run, search_state, checks)
     plan = build_plan(
         moe,
@@ -354,10 +352,9 @@ def prune(
     )
     report = _report(moe, resolved, plan, seen, inputs.sets, surgery, before)
     report.repair = Repair.from_json(repaired) if repaired is not None else None
-    if searched.doc is not None:
-        report.search = SearchSummary.from_json(searched.doc)
-    if plan_checks(plan, checks.found):
-        report.novice_fits = NoviceFits.of(plan_checks(plan, checks.found), checks.source)
+    report.search = SearchSummary.from_json(searched.doc) if searched.doc is not None else None
+    fitted = plan_checks(plan, checks.found)
+    report.novice_fits = NoviceFits.of(fitted, checks.source) if fitted else None
     return PruneResult(
         model, plan, seen.criterion, seen.scores, seen.stats, report, searched.doc, inputs.sets
     )
