@@ -208,3 +208,9 @@ def brute_force_choice(precision: dict, target: int) -> dict[str, str]:
     ]  # fmt: skip
     best = min(fits, key=lambda c: sum(losses[lay][s] for lay, s in zip(layers, c)))
     return dict(zip(layers, best))
+
+
+def kept_quantization(quantization_config: dict) -> dict:
+    """A result's quantization_config without the `moe_sparsity_config` moeprune adds to it (the
+    metadata standard, checkpoint/sparsity_metadata.py): what the input's must equal, key for key."""
+    return {k: v for k, v in quantization_config.items() if k != "moe_sparsity_config"}

@@ -281,7 +281,7 @@ def test_training_forward_is_the_plan_where_routing_is_kept(rank):
     fits) alike."""
     from moeprune.allocate.limits import layer_limits
     from moeprune.criteria.super_experts import protected_order
-    from moeprune.search import gradient_mixed as gm
+    from moeprune.search import form_training as gm
     from moeprune.surgery.lowrank import fit_every_novice
     from moeprune.surgery.mixed import layer_costs, mixed_plan
     from moeprune.surgery.registry import PlanRequest

@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_logits_close, fixed_logits, kept_expert_sources, raw_bytes, run_cli, stored_tensors
+from helpers import (
+    assert_logits_close,
+    fixed_logits,
+    kept_expert_sources,
+    kept_quantization,
+    raw_bytes,
+    run_cli,
+    stored_tensors,
+)
 from moeprune.checkpoint import load_model, load_pretrained
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models.factory import tiny_model
@@ -102,7 +110,7 @@ def test_in_memory_drop_keeps_fp8_from_the_input_bytes(checkpoints, tmp_path):
 
     # the format: kept as it was, named in the report, the recipe says how to ask for it again
     source_config = json.loads((fp8 / "config.json").read_text())
-    assert json.loads((out / "config.json").read_text())["quantization_config"] == source_config["quantization_config"]
+    assert kept_quantization(json.loads((out / "config.json").read_text())["quantization_config"]) == source_config["quantization_config"]
     report = json.loads((out / "report.json").read_text())
     assert report["save_dtype"] == "float8_e4m3fn (fp8, 16x16 blocks)" and report["format"] == "stock"
     assert json.loads((out / "recipe.json").read_text())["save"]["dtype"] is None  # the input's: fp8
@@ -214,7 +222,7 @@ def test_per_layer_counts_keep_fp8_in_moeprune_format(checkpoints, tmp_path, all
     if len(counts) == 1:
         pytest.skip(f"this family's plan came out uniform ({counts}): a stock result, tested above")
     assert report["format"] == "moeprune" and config["model_type"].startswith("moeprune_")
-    assert config["quantization_config"] == json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert kept_quantization(config["quantization_config"]) == json.loads((fp8 / "config.json").read_text())["quantization_config"]
     fp8_tensors = [t for t in stored_tensors(out).values() if t.dtype == torch.float8_e4m3fn]
     source = {raw_bytes(t) for t in stored_tensors(fp8).values() if t.dtype == torch.float8_e4m3fn}
     assert fp8_tensors and all(raw_bytes(t) in source for t in fp8_tensors)  # the input's bytes

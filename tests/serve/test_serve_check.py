@@ -189,7 +189,7 @@ UNTESTED = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm
-vllm.__version__ = "0.33.0"  # what the plugin reads: an untested release, as far as it can tell
+vllm.__version__ = "0.34.0"  # what the plugin reads: an untested release, as far as it can tell
 from vllm import LLM
 
 def llm(path):
@@ -208,7 +208,7 @@ if __name__ == "__main__":
 
 
 def test_an_untested_vllm_refuses_moeprune_models_and_serves_stock_ones(made, vllm_python, tmp_path):
-    """In real vLLM, told it is 0.33.0: the stock result still loads (vLLM loads the plugin in every
+    """In real vLLM, told it is 0.34.0: the stock result still loads (vLLM loads the plugin in every
     run), the moeprune-format one is refused with the one sentence, also logged at start-up."""
     (tmp_path / "untested.py").write_text(UNTESTED)  # a fresh process: vLLM told its version before the plugin loads
     done = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "untested.py"), str(made["drop"]), str(made["global"])],
@@ -217,7 +217,7 @@ def test_an_untested_vllm_refuses_moeprune_models_and_serves_stock_ones(made, vl
         line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("RESULT ")
     )
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    sentence = untested_refusal("0.33.0")
+    sentence = untested_refusal("0.34.0")
     assert result["stock"] == "OlmoeForCausalLM"
     assert result["refused"] is not None and sentence in result["refused"], result["refused"]
     assert sentence in log  # the warning at start-up, in vLLM's log
