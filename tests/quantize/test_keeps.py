@@ -1,6 +1,6 @@
 """Per-layer precision for methods that narrow experts or keep novices (quantize/keeps.py),
 without llm-compressor: the byte table of what each layer keeps against the one-scheme predictions
-(`--target-size` with `--quantize`: neuron_plan_bytes, mixed_plan_bytes) and against drop's table,
+(`--target-size` with `--quantize`: surgery/target_size.py planned_bytes in quantized bytes) and against drop's table,
 and the fake quantization of a packed layer (per-expert widths, novices): each expert's slice in
 its own shape, the novices untouched, the tensors restored exactly. The tiny qwen3_moe: 2 MoE
 layers of 8 experts 16 wide, hidden 32.
@@ -23,11 +23,10 @@ from moeprune.quantize.fake import fake_quantize
 from moeprune.quantize.keeps import LayerKeep, kept_precision_bytes, plan_keeps, planned_keeps
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.surgery.mixed import mixed_plan_bytes, planned_genes
-from moeprune.surgery.neurons import neuron_plan_bytes, uniform_widths
 from moeprune.surgery.planning import check_config
 from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.sizes import LayerBytes, WeightBytes
+from moeprune.surgery.target_size import planned_bytes
 
 pytestmark = pytest.mark.unit
 SCHEMES = ("w4a16", "w8a16")
@@ -52,10 +51,9 @@ def test_every_layer_in_one_scheme_is_the_one_scheme_prediction(method, options)
     base = quantized_weight_bytes(size, meta, OPTIONS, 4)
     for scheme in SCHEMES:
         each = quantized_weight_bytes(size, meta, QuantizeOptions(scheme, "rtn", 8), 4)
-        if method == "neurons":
-            one = neuron_plan_bytes(each, uniform_widths(meta, 0.5, 8))
-        else:
-            one = mixed_plan_bytes(meta, each, *planned_genes(meta, config))
+        one = planned_bytes(meta, config, each)
+        if method == "neurons":  # every expert at K = 8 of 16 neurons: by hand
+            assert one == each.total - sum(lay.experts * lay.per_neuron * 8 for lay in each.layers)
         # the table keeps the Linears outside the experts in the base scheme (w4a16), the
         # one-scheme prediction in `scheme`: the same bytes once those are set aside
         assert pb.total([scheme] * 2) - _outside(base) == one - _outside(each), scheme

@@ -33,8 +33,7 @@ from moeprune.models.packed import PACKED_PREFIX, expert_tensors, is_packed
 from moeprune.quantize.fake import fake_quantize
 from moeprune.quantize.options import AUTO, QuantizeOptions, check_auto, parse_auto
 from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.tables import PrecisionBytes
-from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.sizes import PrecisionBytes, WeightBytes, kept_bytes, removal_keeps
 
 
 def expert_weights(moe: MoEModel, position: int) -> dict[str, torch.nn.Parameter]:
@@ -115,6 +114,18 @@ def measure_losses(
     return losses
 
 
+def scheme_bytes(
+    size: WeightBytes, moe: MoEModel, schemes: Sequence[str], options: QuantizeOptions, dtype_bytes: int
+) -> dict[str, WeightBytes]:
+    """`size` (the unpruned model's full-precision bytes) quantized with each scheme everywhere."""
+    return {
+        s: quantized_weight_bytes(
+            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
+        )
+        for s in schemes
+    }
+
+
 def precision_bytes(
     size: WeightBytes,
     moe: MoEModel,
@@ -125,22 +136,9 @@ def precision_bytes(
 ) -> PrecisionBytes:
     """`size` (the unpruned model's full-precision bytes) quantized with the first scheme outside
     the routed experts and any scheme per layer inside, `removed[l]` experts of layer l gone (with
-    their router rows; experts dropped from routing, as drop's surgery does)."""
-    per: dict[str, WeightBytes] = {
-        s: quantized_weight_bytes(
-            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
-        )
-        for s in schemes
-    }
-    base = per[schemes[0]]
-    fixed = base.total - sum(
-        lay.experts * lay.expert() + r * lay.router_row for lay, r in zip(base.layers, removed)
-    )
-    layers = tuple(
-        {s: (per[s].layers[i].experts - r) * per[s].layers[i].expert() for s in schemes}
-        for i, r in enumerate(removed)
-    )
-    return PrecisionBytes(fixed, layers)
+    their router rows; experts dropped from routing, as drop's surgery does): their keeps priced by
+    surgery/sizes.py `kept_bytes`."""
+    return kept_bytes(scheme_bytes(size, moe, schemes, options, dtype_bytes), removal_keeps(size, removed))
 
 
 def choose_schemes(bytes_: PrecisionBytes, losses: Sequence[dict[str, float]], budget: int) -> list[str]:
@@ -181,4 +179,5 @@ __all__ = [
     "measure_losses",
     "parse_auto",
     "precision_bytes",
+    "scheme_bytes",
 ]

@@ -22,9 +22,8 @@ priced:
 - after the surgery (`plan_keeps`): the plan the model now has, so the choice is exact for the
   bytes the quantized result will hold (the test checks them tensor by tensor).
 
-The stock form of the neurons method (one width everywhere) zero-pads a derived shared expert
-(surgery/neurons.py); that padding is priced like the one-scheme prediction does
-(`neuron_plan_bytes`), in the fixed part.
+Both are priced by the one function every size is (surgery/sizes.py `kept_bytes`), the stock
+form's zero-padded shared expert (surgery/neurons.py) included, in the fixed part.
 """
 
 from __future__ import annotations
@@ -35,12 +34,11 @@ from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.plan import Plan
-from moeprune.quantize.choice import PrecisionBytes, budget_per_scheme
+from moeprune.quantize.choice import budget_per_scheme, scheme_bytes
 from moeprune.quantize.options import QuantizeOptions
-from moeprune.quantize.pricing import quantized_weight_bytes
-from moeprune.quantize.tables import LayerKeep, kept_bytes
+from moeprune.surgery.genes import LayerKeep
 from moeprune.surgery.registry import ResolvedConfig
-from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.sizes import PrecisionBytes, WeightBytes, kept_bytes
 
 
 def priced_here(config: PruneConfig) -> bool:
@@ -76,18 +74,6 @@ def plan_keeps(meta: MoEModel, plan: Plan) -> list[LayerKeep]:
         widths = tuple(lp.neurons.get(e, m.intermediate_size) for e in lp.kept if e not in novice)
         out.append(LayerKeep(widths, len(novice), len(lp.dropped)))
     return out
-
-
-def scheme_bytes(
-    size: WeightBytes, moe: MoEModel, schemes: Sequence[str], options: QuantizeOptions, dtype_bytes: int
-) -> dict[str, WeightBytes]:
-    """`size` (the unpruned model's full-precision bytes) quantized with each scheme everywhere."""
-    return {
-        s: quantized_weight_bytes(
-            size, moe, QuantizeOptions(s, options.method, options.group_size), dtype_bytes
-        )
-        for s in schemes
-    }
 
 
 def kept_precision_bytes(

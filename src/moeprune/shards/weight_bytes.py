@@ -29,7 +29,7 @@ from moeprune.models.adapter import MoELayer, get_path
 from moeprune.models.packed import layer_cost
 from moeprune.quant import quantization_of
 from moeprune.shards.layout import CheckpointLayout
-from moeprune.surgery.neurons import shared_multiplier
+from moeprune.surgery.neurons import shared_multiplier, stock_width_expressible
 from moeprune.surgery.sizes import LayerBytes, SavedTensors, WeightBytes
 
 HEADER_SLACK = 8  # bytes per tensor a result's header may add to the input's (longer offsets, dtype names)
@@ -58,8 +58,13 @@ def _routing_elements(layer: MoELayer) -> int:
 
 
 def _shared(moe: MoEModel, layer: MoELayer) -> tuple[int, int]:
-    """(width, elements per neuron) of a shared expert a neuron shrink zero-pads (neurons.py), else (0, 0)."""
-    if not moe.spec.shared_width_derived or shared_multiplier(moe) is None:
+    """(width, elements per neuron) of a shared expert a neuron shrink zero-pads (neurons.py), else (0, 0):
+    a family whose stock form cannot hold a narrower width is packed, its shared expert unpadded."""
+    if (
+        not moe.spec.shared_width_derived
+        or shared_multiplier(moe) is None
+        or not stock_width_expressible(moe)
+    ):
         return 0, 0
     width = per_neuron = 0
     for module in layer.shared_modules:

@@ -58,7 +58,6 @@ from moeprune.surgery.neurons import (
     check_importance,
     check_neuron_prunable,
     check_neuron_stats,
-    stock_width_expressible,
 )
 from moeprune.surgery.novice import require_stats
 from moeprune.surgery.parameters import novice_params
@@ -72,6 +71,7 @@ from moeprune.surgery.registry import (
     options_as,
 )
 from moeprune.surgery.sizes import WeightBytes, grid_steps
+from moeprune.surgery.target_size import planned_bytes
 from moeprune.surgery.widths import check_gradient_steps, hand_out_blocks, nearest_multiple, width_step
 
 GENES_KEY = "mixed_genes"  # plan.extra: the genes the plan was made from (a search's seed)
@@ -366,34 +366,6 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
 
 
 # ----------------------------------------------------------------------------- size planning
-def mixed_plan_bytes(
-    moe: MoEModel, size: WeightBytes, genes: Sequence[LayerGene], widths: list[list[int]]
-) -> int:
-    """Bytes the plan of `genes` (narrowed `widths`) leaves in `size`'s format. Like apply_plan_physical:
-    a plan whose every kept expert has one width below the full one and no novice is saved
-    rectangular, its derived shared expert zero-padded (surgery/neurons.py)."""
-    out = size.total
-    for lay, g, ws in zip(size.layers, genes, widths):
-        out -= g.dropped * (lay.expert() + lay.router_row) + g.novice * (lay.expert() - lay.novice)
-        out -= sum(lay.expert() - lay.expert(w) for w in ws)
-    uniform = {w for ws in widths for w in ws}
-    if (
-        len(uniform) == 1
-        and not any(g.whole or g.novice for g in genes)
-        and stock_width_expressible(moe, k := uniform.pop())
-        and k < size.layers[0].width
-    ):
-        for lay in size.layers:
-            if lay.shared_width:
-                out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
-    return out
-
-
-def _mixed_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
-    check_neuron_prunable(moe)
-    return mixed_plan_bytes(moe, size, *planned_genes(moe, config))
-
-
 def _mixed_steps(
     moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
 ) -> list[tuple[float, int]]:
@@ -401,7 +373,7 @@ def _mixed_steps(
 
     def at(sparsity: float) -> int | None:
         try:
-            return _mixed_bytes(moe, replace(config, sparsity=sparsity, target_size=None), size)
+            return planned_bytes(moe, replace(config, sparsity=sparsity, target_size=None), size)
         except MoePruneError:  # the shares cannot reach this sparsity
             return None
 
@@ -426,6 +398,7 @@ def _mixed_feasible(moe: MoEModel, config: ResolvedConfig) -> dict:
 
 def _mixed_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
     """The uniform genes' whole experts, narrowed widths, novices and drops per layer."""
+    check_neuron_prunable(meta)
     genes, widths = planned_genes(meta, config)
     return [
         LayerKeep((m.intermediate_size,) * g.whole + tuple(ws), g.novice, g.dropped)
@@ -446,7 +419,6 @@ def _mixed_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
         options=MixedOptions,
         genes=FORMS,
         feasible=_mixed_feasible,
-        planned_bytes=_mixed_bytes,
         target_steps=_mixed_steps,
         planned_keeps=_mixed_keeps,
         super_experts="keep their routing and stay whole (every layer keeps at least its super experts whole)",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -55,6 +55,7 @@ from moeprune.surgery.novice import StatsInput, layer_stats, require_stats
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest, options_as
 from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.target_size import planned_bytes
 from moeprune.surgery.widths import (
     STOCK_MULTIPLE,
     check_width_multiple,
@@ -404,18 +405,6 @@ def neuron_plan(
     return plan
 
 
-def neuron_plan_bytes(size: WeightBytes, widths: list[int]) -> int:
-    """Bytes left when every routed expert of each layer keeps `widths[l]` neurons."""
-    out = size.total
-    for lay, k in zip(size.layers, widths):
-        if k >= lay.width:
-            continue
-        out -= lay.experts * (lay.expert() - lay.expert(k))
-        if lay.shared_width:  # zero-padded to a whole number of new widths (neurons.py)
-            out += lay.shared_per_neuron * (k * math.ceil(lay.shared_width / k) - lay.shared_width)
-    return out
-
-
 def _asked(config: PruneConfig) -> int | None:
     """The config's width multiple (None: the default rule of surgery/widths.py)."""
     return options_as(config, NarrowOptions).width_multiple
@@ -437,7 +426,9 @@ def _neuron_steps(
     out = []
     for sparsity in sorted(candidates):
         try:
-            out.append((sparsity, neuron_plan_bytes(size, uniform_widths(moe, sparsity, asked))))
+            out.append(
+                (sparsity, planned_bytes(moe, replace(config, sparsity=sparsity, target_size=None), size))
+            )
         except MoePruneError:  # less than one block of neurons left
             continue
     return out
@@ -446,10 +437,6 @@ def _neuron_steps(
 def _neuron_feasible(moe: MoEModel, config: PruneConfig) -> dict:
     widths = uniform_widths(moe, config.sparsity_value(), _asked(config))
     return {"neurons_per_expert": dict(zip([m.index for m in moe.layers], widths))}
-
-
-def _neuron_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
-    return neuron_plan_bytes(size, uniform_widths(moe, config.sparsity_value(), _asked(config)))
 
 
 def _neuron_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
@@ -469,7 +456,6 @@ def _neuron_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
         one_width=True,
         options=NarrowOptions,
         feasible=_neuron_feasible,
-        planned_bytes=_neuron_planned_bytes,
         target_steps=_neuron_steps,
         planned_keeps=_neuron_keeps,
         super_experts="keep their routing and stay whole, the other experts of their layers narrowed to one "

@@ -51,14 +51,14 @@ class Method:
     # "super experts (layer 1: 3) ..." (criteria/super_experts.py guard_note)
     super_experts: str = KEPT
     # (meta, config) -> what each MoE layer keeps under the config's uniform plan (LayerKeep per
-    # layer), from the structure and options alone; None: whole experts removed with their router
-    # rows (priced by the removal counts)
+    # layer), from the structure and options alone: the one source its planned bytes, quantized
+    # bytes and precision tables are priced from (surgery/sizes.py `kept_bytes`); None: whole
+    # experts removed with their router rows (priced by the removal counts' keeps)
     planned_keeps: Callable | None = None
     candidate_context: Callable | None = None  # (moe, stats) -> how a search applies a candidate
     # in this method's virtual form (novices: constant outputs); None: the plain expert mask
     # Size planning, before any weight loads; None: the expert methods' own (surgery/target_size.py)
     feasible: Callable | None = None  # (moe, config) -> what is known per layer; refuses what cannot be met
-    planned_bytes: Callable | None = None  # (moe, config, WeightBytes) -> bytes the plan leaves
     target_steps: Callable | None = (
         None  # (moe, config, WeightBytes, target) -> [(sparsity, bytes)] ascending
     )

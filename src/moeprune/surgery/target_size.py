@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.limits import LayerLimits
@@ -37,7 +37,7 @@ from moeprune.config import PruneConfig, parse_target_size
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models import MoEModel
 from moeprune.surgery.registry import EXPERTS, ResolvedConfig
-from moeprune.surgery.sizes import WeightBytes
+from moeprune.surgery.sizes import WeightBytes, keeps_bytes, removal_keeps
 
 TARGET = ("target_size",)
 
@@ -49,56 +49,48 @@ def _check_layers(moe: MoEModel, size: WeightBytes) -> None:
         )  # pragma: no cover - both are read off the same checkpoint
 
 
-def _with_novice_rank(size: WeightBytes, config: ResolvedConfig) -> WeightBytes:
-    """`size` with each novice's bytes those of a rank-R novice (d + 2dR values: its constant and
-    two d x R factors) when the config asks for low-rank novices."""
-    rank = config.options.novice_rank
-    if not rank:
-        return size
-    layers = tuple(replace(lay, novice=lay.novice * (1 + 2 * rank)) for lay in size.layers)
-    return replace(size, layers=layers)
+def _saved(size: WeightBytes, novice: bool, rank: int) -> list[int]:
+    """Bytes one removed expert takes per layer: its weights and router rows, or (a novice keeps
+    its router row and a vector; rank R: d + 2dR values) its weights less the vector."""
+    return [
+        lay.expert() - lay.novice * (1 + 2 * rank) if novice else lay.expert() + lay.router_row
+        for lay in size.layers
+    ]
 
 
-def _expert_bytes(size: WeightBytes, removed: list[int], novice: bool) -> int:
-    """Bytes removed with `removed[l]` experts per layer (novices keep their router row and a vector)."""
-    return sum(
-        r * (lay.expert() - lay.novice if novice else lay.expert() + lay.router_row)
-        for r, lay in zip(removed, size.layers)
-    )
-
-
-def _worst_removal(size: WeightBytes, budget: int, limits: LayerLimits, novice: bool) -> int:
-    """The fewest bytes any allocation of `budget` experts within the caps removes (the cheapest
+def _worst_removal(saved: list[int], budget: int, limits: LayerLimits) -> list[int]:
+    """The allocation of `budget` experts within the caps that removes the fewest bytes (the cheapest
     experts first): a bound that holds whatever per-layer counts the scores or a search pick."""
-    saved = [lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers]
-    left, out = budget, 0
+    left, out = budget, [0] * len(saved)
     for pos in sorted(range(len(saved)), key=lambda p: saved[p]):
-        take = min(left, limits.caps[pos])
-        out, left = out + take * saved[pos], left - take
+        out[pos] = min(left, limits.caps[pos])
+        left -= out[pos]
     return out
 
 
 def expert_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, budget: int) -> int:
     """Planned bytes of an expert method removing `budget` experts (InfeasibleBudgetError when
-    no allocation can remove exactly that many under the per-layer limits)."""
+    no allocation can remove exactly that many under the per-layer limits): the uniform plan's
+    keeps for a fixed allocation, else the worst case's, priced by `kept_bytes`."""
     config = ResolvedConfig.of(config)
-    method = config.surgery  # drop --reroute none: as novices
+    novice = config.surgery.keeps_routing  # drop --reroute none: as novices
     limits = config.limits(moe)
     removed = uniform_allocation(
         budget, limits.num_experts, limits.top_k, **limits.as_kwargs()
     )  # also refuses an unreachable budget
-    if config.allocator.fixed:
-        return size.total - _expert_bytes(size, removed, method.keeps_routing)
-    return size.total - _worst_removal(size, budget, limits, method.keeps_routing)
+    rank = config.options.novice_rank
+    if not config.allocator.fixed:
+        removed = _worst_removal(_saved(size, novice, rank), budget, limits)
+    return keeps_bytes(size, removal_keeps(size, removed, novice), rank)
 
 
 def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
     """Bytes of weights the plan of `config` (its sparsity set) leaves, in `size`'s format: exact
-    for the uniform allocation and the neuron methods, an upper bound for global and evo."""
+    for the uniform allocation and the neuron methods (what `Method.planned_keeps` says each
+    layer keeps, priced by `kept_bytes`), an upper bound for global and evo."""
     config = ResolvedConfig.of(config)
     _check_layers(moe, size)
     assert config.sparsity is not None, "planned_bytes needs a sparsity"
-    size = _with_novice_rank(size, config)
     method = config.method_spec
     if method.sparsity_unit == EXPERTS:
         limits = config.limits(moe)
@@ -110,8 +102,8 @@ def planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
             "are stored in blocks, so their narrowed size is not planned here",
             options=("method",),
         )
-    assert method.planned_bytes is not None, f"method {method.name} registered without planned_bytes"
-    return int(method.planned_bytes(moe, config, size))
+    assert method.planned_keeps is not None, f"method {method.name} registered without planned_keeps"
+    return keeps_bytes(size, method.planned_keeps(moe, config), config.options.novice_rank)
 
 
 @dataclass(frozen=True)
@@ -158,10 +150,7 @@ def _expert_search(
                 return None
         return value
 
-    novice = config.surgery.keeps_routing
-    heaviest = max(
-        lay.expert() - lay.novice if novice else lay.expert() + lay.router_row for lay in size.layers
-    )
+    heaviest = max(_saved(size, config.surgery.keeps_routing, config.options.novice_rank))
     start = max(1, math.ceil((size.total - target) / heaviest)) if heaviest > 0 else most + 1
     for budget in range(start, most + 1):
         value = planned(budget)
@@ -180,7 +169,6 @@ def solve_target(
     `stock`: only plans a stock config expresses (the same expert count in every layer)."""
     config = ResolvedConfig.of(config)
     _check_layers(moe, size)
-    size = _with_novice_rank(size, config)
     if target >= size.total:
         raise MoePruneError(
             f"the unpruned model already fits: {_human(size.total)} ({size.total:,} bytes) of "

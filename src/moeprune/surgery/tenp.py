@@ -7,7 +7,7 @@ exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from moeprune.surgery.neurons import (
 from moeprune.surgery.novice import StatsInput
 from moeprune.surgery.registry import METHODS, PARAMETERS, Method, PlanRequest, options_as
 from moeprune.surgery.sizes import GRID_STEP, WeightBytes, grid_steps
+from moeprune.surgery.target_size import planned_bytes
 from moeprune.surgery.widths import width_step
 
 
@@ -165,15 +166,6 @@ def tenp_plan(
 TENP_STEP = GRID_STEP  # the grid TENP's continuous sparsity is solved on
 
 
-def _tenp_plan_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes, sparsity: float) -> int:
-    """Bytes left by TENP's plan at `sparsity`: whole experts per layer, the others narrowed."""
-    alloc = tenp_allocation(moe, sparsity, _options(config))
-    out = size.total
-    for lay, whole, widths in zip(size.layers, alloc.important, alloc.widths):
-        out -= lay.experts * lay.expert() - whole * lay.expert() - sum(lay.expert(w) for w in widths)
-    return out
-
-
 def _tenp_solve(
     moe: MoEModel, config: PruneConfig, size: WeightBytes, target: int
 ) -> list[tuple[float, int]]:
@@ -183,7 +175,7 @@ def _tenp_solve(
 
     def at(sparsity: float) -> int | None:
         try:
-            return _tenp_plan_bytes(moe, config, size, sparsity)
+            return planned_bytes(moe, replace(config, sparsity=sparsity, target_size=None), size)
         except MoePruneError:  # the others would keep less than one neuron
             return None
 
@@ -203,10 +195,6 @@ def _tenp_feasible(moe: MoEModel, config: PruneConfig) -> dict:
             for m, widths in zip(moe.layers, alloc.widths)
         },
     }
-
-
-def _tenp_planned_bytes(moe: MoEModel, config: PruneConfig, size: WeightBytes) -> int:
-    return _tenp_plan_bytes(moe, config, size, config.sparsity_value())
 
 
 def _tenp_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
@@ -229,7 +217,6 @@ def _tenp_keeps(meta: MoEModel, config: PruneConfig) -> list[LayerKeep]:
         neurons=True,
         options=TenpOptions,
         feasible=_tenp_feasible,
-        planned_bytes=_tenp_planned_bytes,
         target_steps=_tenp_solve,
         planned_keeps=_tenp_keeps,
         super_experts="keep their routing and rank first among each layer's whole experts (kept whole "
