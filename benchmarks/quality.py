@@ -155,16 +155,21 @@ def load_demo(family: str, quick: bool, spec_text: str = "", threads: int = 1) -
     return Demo(model_dir, MoEModel(model), tokenizer, settings, tokenizer.pad_token_id or 0)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def demo_parser(doc: str | None, sparsities: list[float]) -> argparse.ArgumentParser:
+    """The arguments every demo benchmark takes: its rows, the demo family, quick or not, the
+    sparsities (`sparsities` by default) and the torch threads."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", nargs="+", help="criterion/allocation/method[/key=value,...]")
     parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     parser.add_argument("--quick", action="store_true", help="the quick demo model and settings")
-    parser.add_argument("--sparsity", type=float, nargs="+", default=[0.25, 0.5])
-    parser.add_argument("--plant", type=float, default=None, metavar="SCALE", help="plant a super expert")
+    parser.add_argument("--sparsity", type=float, nargs="+", default=sparsities)
     parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def main() -> None:
+    parser = demo_parser(__doc__, [0.25, 0.5])
+    parser.add_argument("--plant", type=float, default=None, metavar="SCALE", help="plant a super expert")
     parser.add_argument(
         "--spec",
         default="",

@@ -13,7 +13,6 @@ which neither the calibration nor the search data touch.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 from contextlib import nullcontext
@@ -23,22 +22,18 @@ import torch
 from moeprune.api import prune
 from moeprune.config import RepairConfig, SearchConfig
 from moeprune.demo.corpus import DOMAINS
-from moeprune.demo.train import FAMILIES
 from moeprune.models import MoEModel
 from moeprune.repair import prepare_repair, run_repair
 from moeprune.surgery.planning import apply_plan
-from quality import load_demo, parse_row  # benchmarks/quality.py: the demo and its rows
+from quality import (  # benchmarks/quality.py: the demo, its rows and arguments
+    demo_parser,
+    load_demo,
+    parse_row,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("rows", nargs="+", help="criterion/allocation/method[/key=value,...]")
-    parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
-    parser.add_argument("--quick", action="store_true", help="the quick demo model and settings")
-    parser.add_argument("--sparsity", type=float, nargs="+", default=[0.5])
-    parser.add_argument("--threads", type=int, default=1)
+    parser = demo_parser(__doc__, [0.5])
     parser.add_argument("--steps", type=int, default=RepairConfig.steps)
     parser.add_argument("--lr", type=float, default=RepairConfig.learning_rate)
     parser.add_argument("--parts", default=RepairConfig.parts)

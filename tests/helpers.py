@@ -144,14 +144,14 @@ def assert_streamed_scores_and_no_load_drop(quantized, reference, tmp_path) -> N
         assert file.read_bytes() == (tmp_path / "no_load" / file.name).read_bytes()
 
 
-def save_tiny_qwen(folder, num_hidden_layers: int = 3):
-    """A tiny qwen3_moe (every layer MoE) with the byte tokenizer, saved to `folder`: the input
-    checkpoint of the quantize tests. Returns (model, tokenizer)."""
+def save_tiny_qwen(folder, num_hidden_layers: int = 3, **overrides):
+    """A tiny qwen3_moe (every layer MoE; `overrides` change its config) with the byte tokenizer,
+    saved to `folder`: the input checkpoint of the quantize tests. Returns (model, tokenizer)."""
     from moeprune.data.tokenizer import byte_tokenizer
     from moeprune.models.factory import tiny_model
 
     tokenizer = byte_tokenizer()
-    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=num_hidden_layers, mlp_only_layers=[])
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=num_hidden_layers, mlp_only_layers=[], **overrides)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model, tokenizer
@@ -192,6 +192,20 @@ def prune_auto_halfway(common: list, out) -> tuple[int, dict[str, int]]:
     target = (every["w4a16"] + every["w8a16"]) // 2
     run_cli("prune", *common, "--output", out, "--target-size", str(target), "--quiet")
     return target, every
+
+
+def oneshot_stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
+    """In place of quantize/stage.py's `quantize_folder` (llm-compressor's oneshot in .venv-quant):
+    what report.json's `quantization` needs from its run, nothing quantized. The tests that
+    monkeypatch it check the search and choice; the quant_env tests check the bytes written."""
+    return {
+        "scheme": options.scheme,
+        "method": options.method,
+        "calibration_tokens": 1,
+        "least_tokens_per_expert": 1,
+        "versions": {"llmcompressor": "stand-in"},
+        "layer_schemes": {str(k): v for k, v in (options.layer_schemes or {}).items()},
+    }
 
 
 def brute_force_choice(precision: dict, target: int) -> dict[str, str]:

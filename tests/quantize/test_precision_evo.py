@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_cli, save_tiny_qwen, write_arithmetic
+from helpers import oneshot_stand_in, run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.config import PruneConfig, SearchConfig
 from moeprune.criteria import scoring
 from moeprune.data.loading import load_data
@@ -42,13 +42,6 @@ pytestmark = pytest.mark.integration
 SCHEMES = ("w4a16", "w8a16")
 OPTIONS = QuantizeOptions("w4a16", "rtn", 16, candidates=SCHEMES)
 CONFIG = PruneConfig(criterion="frequency", sparsity=0.25, allocation="evo")
-
-
-def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
-    """What report.json's `quantization` needs from llm-compressor's run (nothing is quantized)."""
-    return {"scheme": options.scheme, "method": options.method, "calibration_tokens": 1,
-            "least_tokens_per_expert": 1, "versions": {"llmcompressor": "stand-in"},
-            "layer_schemes": {str(k): v for k, v in (options.layer_schemes or {}).items()}}  # fmt: skip
 
 
 SIZES: dict[int, WeightBytes] = {}
@@ -201,7 +194,7 @@ def joint(tmp_path_factory) -> dict:
         return observe(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stage_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
         patch.setattr(scoring, "observe_distributed", counted)
         run_cli("prune", *common, *evo, "--output", root / "evo", "--target-size", "127300")
         patch.setattr(scoring, "observe_distributed", observe)

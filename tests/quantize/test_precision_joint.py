@@ -15,19 +15,12 @@ import sys
 
 import pytest
 
-from helpers import run_cli, save_tiny_qwen, write_arithmetic
+from helpers import oneshot_stand_in, run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.quantize import stage as stage_module
 
 pytestmark = pytest.mark.integration
 
 TARGET = "127300"  # the grid 5/24 .. 9/24: all-w4a16 fits from 5/24, all-w8a16 from 9/24
-
-
-def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
-    """What report.json's `quantization` needs from llm-compressor's run (nothing is quantized)."""
-    return {"scheme": options.scheme, "method": options.method, "calibration_tokens": 1,
-            "least_tokens_per_expert": 1, "versions": {"llmcompressor": "stand-in"},
-            "layer_schemes": {str(k): v for k, v in (options.layer_schemes or {}).items()}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def joint(tmp_path_factory) -> dict:
             "--quant-group-size", "16", "--quant-python", sys.executable, "--quiet"]  # fmt: skip
     dry = run_cli(*args, "--dry-run").output
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stage_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
         run_cli(*args)
     report = json.loads((root / "out" / "report.json").read_text())
     recipe = json.loads((root / "out" / "recipe.json").read_text())

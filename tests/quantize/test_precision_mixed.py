@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_cli, save_tiny_qwen, write_arithmetic
+from helpers import oneshot_stand_in, run_cli, save_tiny_qwen, write_arithmetic
 from moeprune.allocate.limits import layer_limits
 from moeprune.config import SearchConfig
 from moeprune.criteria import scoring
@@ -41,13 +41,6 @@ pytestmark = pytest.mark.integration
 SCHEMES = ("w4a16", "w8a16")
 GROUP = 16
 OPTIONS = QuantizeOptions("w4a16", "rtn", GROUP, candidates=SCHEMES)
-
-
-def _stand_in(python, folder, options, samples, max_shard_size, moeprune_format=False):
-    """What report.json's `quantization` needs from llm-compressor's run (nothing is quantized)."""
-    return {"scheme": options.scheme, "method": options.method, "calibration_tokens": 1,
-            "least_tokens_per_expert": 1, "versions": {"llmcompressor": "stand-in"},
-            "layer_schemes": {str(k): v for k, v in (options.layer_schemes or {}).items()}}  # fmt: skip
 
 
 def _save_tiny(folder) -> MoEModel:
@@ -136,7 +129,7 @@ def joint(tmp_path_factory) -> dict:
         return observe(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stage_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
         patch.setattr(scoring, "observe_distributed", counted)
         out["dry"] = run_cli(
             "prune", *common, *evo, "--output", root / "d", "--target-size", str(target), "--dry-run"
@@ -177,7 +170,7 @@ def test_a_winner_that_keeps_every_expert_whole_is_quantize_only(joint, monkeypa
         return dataclasses.replace(real(*args), genes=[(8, 0, 0, 0, 64)] * 3)
 
     monkeypatch.setattr(stage_module, "run_joint_mixed", whole)
-    monkeypatch.setattr(stage_module, "quantize_folder", _stand_in)
+    monkeypatch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
     root = joint["root"]
     run_cli("prune", *joint["common"], *joint["evo"], "--generations", "1", "--output", root / "only",
             "--target-size", str(joint["target"]))  # fmt: skip
@@ -194,7 +187,7 @@ def test_rank_r_novices_are_searched_priced_and_saved(joint):
     factors (d + 2d values each) and saved at rank 1."""
     root = joint["root"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stage_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
         run_cli("prune", *joint["common"], *joint["evo"], "--novice-rank", "1", "--output", root / "rank",
                 "--target-size", str(joint["target"]))  # fmt: skip
     search = json.loads((root / "rank" / "search.json").read_text())
@@ -213,7 +206,7 @@ def test_experts_one_width_step_wide_are_searched_as_whole_novice_or_dropped(tmp
     save_tiny_qwen(tmp_path / "model")
     data = write_arithmetic(tmp_path / "calib.jsonl")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(stage_module, "quantize_folder", _stand_in)
+        patch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
         run_cli("prune", tmp_path / "model", "--data", data, "--search-data", data, "--criterion", "frequency",
                 "--method", "mixed", "--allocation", "evo", "--population", "4", "--elites", "2",
                 "--generations", "2", "--quantize", "auto:w4a16,w8a16", "--quant-method", "rtn",

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from moeprune.config.fields import setting
+from moeprune.config.fields import check_bounds, setting
 from moeprune.config.repair import RepairConfig
 from moeprune.errors import MoePruneError
 
@@ -208,30 +208,11 @@ class SearchConfig:
 
     def validate(self) -> None:
         """Impossible settings are one line naming the parameter, before any model runs."""
-        for name in ("learning_rate", "temperature", "temperature_end"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise MoePruneError(f"gradient {name} must be a number > 0, got {value!r}", options=(name,))
-        if self.steps < 1 or self.kl_top_k < 0:
-            raise MoePruneError(
-                f"gradient steps must be >= 1 and kl_top_k >= 0, got {self.steps} and {self.kl_top_k}",
-                options=("steps", "kl_top_k"),
-            )
-        for name in ("population", "elites", "generations", "delta_max", "tau_max"):
-            if getattr(self, name) < 1:
-                raise MoePruneError(f"evo {name} must be >= 1, got {getattr(self, name)}", options=(name,))
-        if self.patience is not None and self.patience < 1:
-            raise MoePruneError(
-                f"evo patience must be >= 1 generation, got {self.patience}", options=("patience",)
-            )
+        check_bounds(self, "search")
         if self.population < self.elites:
             raise MoePruneError(f"evo population ({self.population}) must be >= elites ({self.elites})")
         if self.seed < 0:
             raise MoePruneError(f"evo seed must be >= 0, got {self.seed}")
-        if self.samples < 0:
-            raise MoePruneError(
-                f"evo samples must be >= 0 (0: every sample), got {self.samples}", options=("samples",)
-            )
 
 
 @dataclass

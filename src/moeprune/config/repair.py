@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeprune.config.fields import setting
+from moeprune.config.fields import check_bounds, setting
 from moeprune.errors import MoePruneError
 
 # The small tensors repair may train, in the order they are collected (moeprune.repair registers one
@@ -96,16 +96,4 @@ class RepairConfig:
                 f"repair parts {unknown or 'none'} are not known; give some of {', '.join(REPAIR_PARTS)}",
                 options=("repair_parts",),
             )
-        for name in ("steps", "eval_every", "patience"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MoePruneError(f"repair {name} must be an integer >= 1, got {value!r}", options=(name,))
-        if isinstance(self.kl_top_k, bool) or not isinstance(self.kl_top_k, int) or self.kl_top_k < 0:
-            raise MoePruneError(f"repair kl_top_k must be >= 0, got {self.kl_top_k!r}", options=("kl_top_k",))
-        rate, share = self.learning_rate, self.holdout
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0:
-            raise MoePruneError(f"repair learning_rate must be > 0, got {rate!r}", options=("learning_rate",))
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share < 1:
-            raise MoePruneError(
-                f"repair holdout must be strictly between 0 and 1, got {share!r}", options=("holdout",)
-            )
+        check_bounds(self, "repair")

@@ -100,6 +100,23 @@ def joint_candidate(
         yield
 
 
+def joint_fingerprint(
+    moe: MoEModel, config: PruneConfig, schemes: Sequence[str], group: int, data: CalibrationData, **more: Any
+) -> dict[str, Any]:
+    """What a joint search's saved state is keyed by (a resumed search must match it): the model,
+    criterion, method, schemes, group, fitness, `more` (mixed: the calibration) and the search data."""
+    return {
+        "model": model_fingerprint(moe),
+        "criterion": config.criterion,
+        "method": config.method,
+        "quantize": list(schemes),
+        "group": group,
+        "fitness": check_fitness(config.search.fitness),
+        **more,
+        "search_data": data.fingerprint,
+    }
+
+
 def search_joint(
     moe: MoEModel,
     space: PrecisionSpace,
@@ -111,17 +128,8 @@ def search_joint(
     group: int,
 ) -> tuple[Joint, dict[str, Any]]:
     """The best candidate on the search data, and search.json."""
-    fitness = check_fitness(config.search.fitness)
     swap = LayerSwap(moe, group)
-    fingerprint = {
-        "model": model_fingerprint(moe),
-        "criterion": config.criterion,
-        "method": config.method,
-        "quantize": list(space.schemes),
-        "group": group,
-        "fitness": fitness,
-        "search_data": data.fingerprint,
-    }
+    fingerprint = joint_fingerprint(moe, config, space.schemes, group, data)
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: PrecisionSearch(evaluate, space, seeds, config.search, io=io),
         moe,
@@ -247,6 +255,7 @@ def run_joint(
 __all__ = [
     "NOTHING_REMOVED",
     "joint_document",
+    "joint_fingerprint",
     "grid_seeds",
     "joint_candidate",
     "joint_choice",

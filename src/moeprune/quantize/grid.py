@@ -28,6 +28,7 @@ from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
+from moeprune.observe.kinds import NONE, Statistics
 from moeprune.quantize.choice import (
     LayerSwap,
     budget_per_scheme,
@@ -50,11 +51,14 @@ def criterion_orders(
     batch_size: int,
     pad: int,
     progress: bool,
+    statistics: Statistics = NONE,
 ) -> tuple[list[list[int]], tuple]:
     """Each MoE layer's pruning order under the configured criterion (observed on the calibration
-    data as prune does), the guarded super experts last: what the grid's uniform splits remove; and
-    the observation itself, (criterion, scores, statistics), which `prune` then reuses
-    (`RunOptions.observed`) instead of a second pass over the same data."""
+    data as prune does, with what the config needs and `statistics` besides), the guarded super
+    experts last: what the grid's uniform splits remove and the joint searches mask; and the
+    observation itself, (criterion, scores, statistics), which `prune` then reuses
+    (`RunOptions.observed`) instead of a second pass over the same data. The teacher set-up of
+    every joint search (grid.py, evo.py, mixed.py)."""
     observed = score_experts(
         moe,
         config.criterion,
@@ -63,7 +67,7 @@ def criterion_orders(
         pad_token_id=pad,
         seed=config.seed,
         progress=progress,
-        statistics=requirements(config).statistics,
+        statistics=requirements(config).statistics | statistics,
     )
     _, scores, stats = observed
     guard_super_experts(moe, config, stats)

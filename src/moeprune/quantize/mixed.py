@@ -36,14 +36,14 @@ import numpy as np
 from moeprune.allocate.fitness import check_fitness
 from moeprune.allocate.limits import layer_limits
 from moeprune.config import PruneConfig
-from moeprune.criteria import score_experts
 from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.observe.kinds import Statistic
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme
-from moeprune.quantize.evo import joint_document
+from moeprune.quantize.evo import joint_document, joint_fingerprint
+from moeprune.quantize.grid import criterion_orders
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
 from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
 from moeprune.quantize.options import QuantizeOptions
@@ -53,10 +53,9 @@ from moeprune.search.evo import EvoResult
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import searches_schemes
-from moeprune.search.run import model_fingerprint, run_seeded_search
+from moeprune.search.run import run_seeded_search
 from moeprune.surgery.lowrank import Fits, fit_every_novice
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
-from moeprune.surgery.planning import guard_super_experts, requirements
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest, ResolvedConfig
 from moeprune.surgery.sizes import WeightBytes, grid_steps
@@ -218,18 +217,10 @@ def run_joint_mixed(
     check_joint_mixed(config)
     fitness = check_fitness(config.search.fitness)
     pad = runtime.pad_token_id or 0
-    observed = score_experts(
-        full,
-        config.criterion,
-        list(calibration),
-        batch_size=runtime.batch_size,
-        pad_token_id=pad,
-        seed=config.seed,
-        progress=runtime.progress,
-        statistics=requirements(config).statistics | {Statistic.NEURONS},
+    orders, observed = criterion_orders(
+        full, config, calibration, runtime.batch_size, pad, runtime.progress, frozenset({Statistic.NEURONS})
     )
     crit, scores, stats = observed
-    guard_super_experts(full, config, stats)
     options = mixed_options(config)
     fits = None
     if options.novice_rank:  # every expert fitted once: candidates score the novices they would save
@@ -260,27 +251,19 @@ def run_joint_mixed(
         ordered,
         grid[0][0],
         "evo",
-        "mixed",
+        config.method,  # the method's own plan builder makes the candidates' plans (its own genes)
         stats=stats,
         expert_multiple=config.expert_multiple,
         options=options,
     )
     swap = LayerSwap(full, quantize.group)
-    fingerprint = {
-        "model": model_fingerprint(full),
-        "criterion": crit.name,
-        "method": "mixed",
-        "quantize": list(space.schemes),
-        "group": quantize.group,
-        "fitness": fitness,
-        "calibration": [s.data_fingerprint for s in stats],
-        "search_data": data.fingerprint,
-    }
+    calibrated = [s.data_fingerprint for s in stats]
+    fingerprint = joint_fingerprint(full, config, space.schemes, quantize.group, data, calibration=calibrated)
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
         full,
         data,
-        [s.order for s in ordered],
+        orders,
         fingerprint=fingerprint,
         runtime=runtime,
         plan_context=lambda _, c: _candidate(full, request, space, swap, c, fits),
