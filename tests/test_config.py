@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeprune.checkpoint.files import parse_size
-from moeprune.config import PruneConfig, parse_target_size
+from moeprune.config import PruneConfig, SearchConfig, parse_target_size
 from moeprune.errors import MoePruneError
 
 pytestmark = pytest.mark.unit  # no model
@@ -54,3 +54,21 @@ def test_a_config_with_a_target_round_trips_and_one_without_keeps_its_keys():
     assert "target_size" not in PruneConfig("reap", 0.5).to_dict()  # recipes of a sparsity: the same keys
     with pytest.raises(MoePruneError, match="config.target_size must be int or str, got 1.5"):
         PruneConfig.from_dict({"criterion": "reap", "target_size": 1.5})
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"steps": 0}, "search steps must be an integer >= 1, got 0"),
+        ({"temperature": 0.0}, "search temperature must be a number > 0, got 0.0"),
+        ({"samples": -1}, "search samples must be an integer >= 0, got -1"),
+        ({"patience": 0}, "search patience must be an integer >= 1, got 0"),
+        ({"population": True}, "search population must be an integer >= 1, got True"),
+    ],
+)
+def test_search_settings_outside_their_declared_bounds_are_one_line(settings, says):
+    """The bounds the flags are made from (config/fields.py `setting`) refuse a config made in
+    Python too (`check_bounds`); patience's None (never stop early) stays allowed."""
+    with pytest.raises(MoePruneError, match=f"^{says}$"):
+        SearchConfig(**settings)
+    assert SearchConfig(patience=None).patience is None

@@ -208,6 +208,12 @@ def prune(model: str, output: str, **options) -> None:
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
+    # a flag several methods share has the first one's default: one not typed takes this method's own
+    default = click.core.ParameterSource.DEFAULT
+    untyped = [
+        n for n, f in method_settings_by_name().items() if ctx.get_parameter_source(option_name(f)) is default
+    ]
+    own |= {n: getattr(method.options(), n) for n in untyped if n in method.knobs}
     search = config_from_options(SearchConfig, options)
     repair = config_from_options(RepairConfig, options)
     config = config_from_options(  # a copy of the options: --seed seeds the data, too
@@ -313,16 +319,8 @@ def size_lines(plan: dict) -> list[str]:
             lines.append(
                 f"grid      sparsity {point['sparsity']:.6g}: every layer in one scheme {every} bytes"
             )
-        if plan.get("precision_grid") and plan.get("allocation") == "evo" and plan.get("method") == "mixed":
-            lines.append(
-                "search    evo over mixed forms (whole, narrowed, novice, dropped, width) and scheme per MoE layer "
-                "under the target, generation 0 holding mixed's recipes at these points (each with its scheme)"
-            )
-        elif plan.get("precision_grid") and plan.get("allocation") == "evo":
-            lines.append(
-                "search    evo over experts removed and scheme per MoE layer under the target, generation 0 "
-                "holding these grid points (each with its best schemes)"
-            )
+        if plan.get("precision_search"):
+            lines.append(f"search    {plan['precision_search']}")
         if plan.get("joint_copies_bytes") is not None:
             copies, model, memory = (
                 plan["joint_copies_bytes"],
@@ -340,7 +338,7 @@ def size_lines(plan: dict) -> list[str]:
                 f"{_bytes(model)} model{room}"
             )
         reach = "reachable" if plan["precision_reachable"] else "not reachable"
-        searched = plan.get("precision_grid") and plan.get("allocation") == "evo"
+        searched = plan.get("precision_search")
         when = (
             "searched with the experts under it"
             if searched

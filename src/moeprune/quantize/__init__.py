@@ -11,7 +11,7 @@ experts swapped for fake-quantized copies. quant/ keeps the reading of quantized
                   `prune`, after saving
 - fake.py         round-to-nearest fake quantization: llm-compressor's numbers, bit for bit
 - pricing.py      the bytes of a quantized result from the model's structure (no weight read)
-- tables.py       byte tables per (layer, scheme) from what each layer keeps: pure arithmetic
+- tables.py       byte tables per (layer, scheme) from what each layer keeps (surgery/sizes.py prices them)
 - keeps.py        what the neurons, tenp, novice and mixed plans keep, priced per (layer, scheme)
 - choice.py       the per-layer choice's parts: fake-quantized swaps, losses, the exact choice
 - per_layer.py    `auto:` resolved, planned before loading, its teacher and choice after surgery

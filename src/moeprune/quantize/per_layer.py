@@ -126,6 +126,7 @@ class PrecisionTarget:
     grid: tuple[tuple[float, dict[str, int]], ...] = ()
     memory: JointMemory | None = None  # the joint evo search's copies and model (quantize/memory.py)
     by_keeps: bool = False  # the method declares what its layers keep: its plan is priced by them (keeps.py)
+    search: str = ""  # the joint search's dry-run line (stage.py `plan_target`); "" when none runs
 
     def describe(self) -> dict[str, Any]:
         """The dry run's facts."""
@@ -137,6 +138,8 @@ class PrecisionTarget:
         }
         if self.grid:
             out["precision_grid"] = [{"sparsity": s, "every_layer_at": dict(per)} for s, per in self.grid]
+        if self.search:
+            out["precision_search"] = self.search
         if self.memory is not None:
             out.update(self.memory.describe())
         return out

@@ -69,6 +69,21 @@ def _searches_forms(config: PruneConfig) -> bool:
     return ResolvedConfig.of(config).method_spec.genes == FORMS
 
 
+def _joint_search(config: PruneConfig, grid: tuple) -> str:
+    """What the joint search without `--sparsity` searches, for the dry run ("" when none runs)."""
+    if not grid or not searches_schemes(ResolvedConfig.of(config)):
+        return ""
+    if _searches_forms(config):
+        return (
+            "evo over mixed forms (whole, narrowed, novice, dropped, width) and scheme per MoE layer under "
+            "the target, generation 0 holding mixed's recipes at these points (each with its scheme)"
+        )
+    return (
+        "evo over experts removed and scheme per MoE layer under the target, generation 0 holding these "
+        "grid points (each with its best schemes)"
+    )
+
+
 # -- before loading ------------------------------------------------------------------------------
 def check_input(
     config: PruneConfig, quantize: QuantizeOptions | None, model_path: Path, has_data: bool
@@ -140,7 +155,8 @@ def plan_target(
     target = plan_precision(
         meta, config, quantize, full, dtype_bytes, parse_target_size(quantize.budget), grid
     )
-    return replace(target, memory=check_joint_memory(meta, config, quantize, placement))
+    memory = check_joint_memory(meta, config, quantize, placement)
+    return replace(target, memory=memory, search=_joint_search(config, grid))
 
 
 # -- before prune --------------------------------------------------------------------------------

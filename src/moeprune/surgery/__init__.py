@@ -16,7 +16,8 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - plans.py     any plan applied virtually or physically, from one resolution
 - planning.py  scores and a budget to a plan, for any method
 - parameters.py  parameters kept, per layer and in total, and what vLLM holds (width groups)
-- sizes.py     what the parts of a model weigh in the saved format: the vocabulary of size planning
+- sizes.py     what the parts of a model weigh in the saved format, and `kept_bytes`: the one price of
+               what each layer keeps (planned bytes, quantized bytes, the precision tables)
 - target_size.py  the bytes a prune will write, and the sparsity a `--target-size` asks for
 """
 
