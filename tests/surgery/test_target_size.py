@@ -16,7 +16,8 @@ from moeprune.config import PruneConfig
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
-from moeprune.surgery.sizes import LayerBytes, WeightBytes
+from moeprune.surgery.genes import LayerKeep
+from moeprune.surgery.sizes import LayerBytes, WeightBytes, keeps_bytes
 from moeprune.surgery.target_size import check_target_config, planned_bytes, solve_target
 from moeprune.surgery.tenp import TENP_STEP
 
@@ -79,6 +80,25 @@ def test_neurons_solve_a_width_and_pad_a_derived_shared_expert():
     size = WeightBytes("bfloat16", TOTAL, (shared, shared))
     config = PruneConfig("magnitude", 0.5, method="neurons", allocation="uniform")
     assert planned_bytes(moe("qwen3_moe"), config, size) == TOTAL - 1280 + 56
+
+
+def test_the_padded_shared_expert_is_priced_only_where_the_stock_form_writes_it():
+    """One rule for every method (surgery/sizes.py `kept_bytes`), the one apply_plan_physical keeps:
+    the stock form, so the padding, needs one width below the full one on grouped_mm's stride of 8
+    for every expert that keeps weights, and no novice; dropped experts go first, then the shrink."""
+    shared = LayerBytes(8, 16, 10, 0, 5, 3, shared_width=20, shared_per_neuron=7)
+    size = WeightBytes("bfloat16", TOTAL, (shared, shared))
+    at_8 = [LayerKeep((8,) * 8)] * 2  # 2 layers x 8 experts x 80 bytes cut; 20 -> 24 shared neurons
+    assert keeps_bytes(size, at_8) == TOTAL - 1280 + 2 * 28
+    dropped = [LayerKeep((8,) * 6, 0, 2)] * 2  # + 2 x 2 experts (80 bytes and a 5-byte router row)
+    assert keeps_bytes(size, dropped) == TOTAL - 1280 + 2 * 28 - 4 * 85
+    novices = [LayerKeep((8,) * 7, 1)] * 2  # packed: no padding; a novice keeps a 3-byte vector
+    assert keeps_bytes(size, novices) == TOTAL - 1280 - 2 * 80 + 2 * 3
+    assert keeps_bytes(size, novices, novice_rank=1) == TOTAL - 1280 - 2 * 80 + 2 * 3 * 3  # d + 2dR
+    at_4 = [LayerKeep((4,) * 8)] * 2  # off the stride: packed, no padding
+    assert keeps_bytes(size, at_4) == TOTAL - 2 * 8 * 120
+    mixed = [LayerKeep((16,) + (8,) * 7)] * 2  # a whole expert: two widths, packed
+    assert keeps_bytes(size, mixed) == TOTAL - 2 * 7 * 80
 
 
 def test_global_is_bounded_by_the_cheapest_experts_and_uniform_is_exact():
