@@ -35,7 +35,7 @@ from moeprune.surgery.mixed import MixedOptions, plan_mixed
 from moeprune.surgery.planning import check_config
 from moeprune.surgery.registry import FORMS, PlanRequest
 
-pytestmark = pytest.mark.integration  # three small prunes of a tiny model, two of them searched
+pytestmark = pytest.mark.integration  # small prunes of a tiny model: three in memory, two quantizing
 
 NAME = "quarters"
 
@@ -119,13 +119,13 @@ GROUP = 8  # divides the tiny model's hidden size (32) and the narrowed widths (
 
 def _quantized(root, monkeypatch, *args) -> tuple[list, int, dict, MoEModel]:
     """`moeprune prune --method quarters --quantize auto:w4a16,w8a16 ARGS` of a tiny 3-layer
-    qwen3_moe (8 experts 32 wide), the target halfway between every layer at w4a16 and at w8a16 (its dry run's
-    figures); returns the common arguments, the target, report.json and the unpruned model."""
+    qwen3_moe (8 experts 32 wide), the target halfway between every layer at w4a16 and at w8a16
+    (its dry run's figures); returns the common arguments, the target, report.json and the model."""
     model, _ = save_tiny_qwen(root / "model", moe_intermediate_size=32)
     data = write_arithmetic(root / "calib.jsonl")
-    common = [root / "model", "--data", data, "--criterion", "frequency", "--method", NAME,
-              "--quantize", "auto:" + ",".join(SCHEMES), "--quant-method", "rtn", "--quant-group-size",
-              GROUP, "--quant-python", sys.executable, *args]  # fmt: skip
+    quantize = f"--quantize auto:{','.join(SCHEMES)} --quant-method rtn --quant-group-size {GROUP}"
+    common = [root / "model", "--data", data, "--criterion", "frequency", "--method", NAME, *quantize.split()]
+    common += ["--quant-python", sys.executable, *args]
     monkeypatch.setattr(stage_module, "quantize_folder", oneshot_stand_in)
     target, _ = prune_auto_halfway(common, root / "out")
     return common, target, json.loads((root / "out" / "report.json").read_text()), MoEModel(model)
@@ -152,8 +152,8 @@ def test_quantize_auto_at_a_sparsity_prices_its_planned_keeps(quarters, tmp_path
 
 
 def test_quantize_auto_searches_its_forms_with_the_schemes(quarters, tmp_path, monkeypatch):
-    evo = ["--search-data", tmp_path / "calib.jsonl", "--allocation", "evo", "--population", "4",
-           "--elites", "2", "--generations", "2", "--seed", "0"]  # fmt: skip
+    settings = "--allocation evo --population 4 --elites 2 --generations 2 --seed 0"
+    evo = ["--search-data", tmp_path / "calib.jsonl", *settings.split()]
     common, target, report, moe = _quantized(tmp_path, monkeypatch, *evo)
     out = tmp_path / "out"
     plan, search = Plan.load(out / "plan.json"), json.loads((out / "search.json").read_text())
