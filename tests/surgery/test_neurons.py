@@ -14,11 +14,14 @@ from transformers import AutoModelForCausalLM
 import moeprune
 from helpers import assert_logits_close, stock_from_pretrained
 from moeprune.checkpoint import is_moeprune_format
+from moeprune.checkpoint.files import tensor_bytes
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.observe.stats import LayerStats
+from moeprune.quantize.keeps import plan_keeps
+from moeprune.shards.weight_bytes import cast_weight_bytes
 from moeprune.surgery.neurons import (
     check_neuron_prunable,
     neuron_importance,
@@ -28,6 +31,7 @@ from moeprune.surgery.neurons import (
 )
 from moeprune.surgery.parameters import plan_routed_parameters, routed_parameters
 from moeprune.surgery.plans import apply_plan_physical, virtual_plan
+from moeprune.surgery.sizes import keeps_bytes
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
@@ -119,13 +123,21 @@ def test_uniform_neurons_virtual_physical_and_stock_reload(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "ernie4_5_moe"])
 def test_derived_shared_expert_is_padded_not_changed(family, tmp_path):
-    """Width 24 -> 16: the shared expert (24 = 24 x 1) becomes 16 x 2 with 8 zero neurons."""
+    """Width 24 -> 16: the shared expert (24 = 24 x 1) becomes 16 x 2 with 8 zero neurons; the
+    bytes it loses, padding included, are the ones the pricing of what each layer keeps predicts
+    (surgery/sizes.py `kept_bytes`, the one price of size planning and quantization)."""
     model = tiny_model(family, moe_intermediate_size=24)
     moe = MoEModel(model)
     field = "n_shared_experts" if family == "deepseek_v3" else "moe_num_shared_experts"
     shared = {m.index: copy.deepcopy(m.shared_modules[0]) for m in moe.layers}
     stats = neuron_stats(moe)
     plan = neuron_plan(moe, stats, 1 / 3)
+    model.save_pretrained(tmp_path / "full")
+    size = cast_weight_bytes(tmp_path / "full", moe, torch.float32)
+    keeps = plan_keeps(moe, plan)
+    predicted = size.total - keeps_bytes(size, keeps)  # removed: 8 neurons of every routed expert
+    unshared = tuple(dataclasses.replace(lay, shared_width=0) for lay in size.layers)
+    assert predicted < size.total - keeps_bytes(dataclasses.replace(size, layers=unshared), keeps)  # padded
     with virtual_plan(moe, plan, stats):
         virtual = logits(model)
     apply_plan_physical(moe, plan, stats)
@@ -139,8 +151,9 @@ def test_derived_shared_expert_is_padded_not_changed(family, tmp_path):
         x = torch.randn(5, 32)
         with torch.no_grad():
             torch.testing.assert_close(module(x), shared[m.index](x), rtol=0, atol=1e-6)
-    assert moeprune.save_pretrained(model, tmp_path) == "stock"
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert moeprune.save_pretrained(model, tmp_path / "pruned") == "stock"
+    assert tensor_bytes(tmp_path / "full") - tensor_bytes(tmp_path / "pruned") == predicted
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", dtype=torch.float32).eval()
     assert_logits_close(logits(reloaded), logits(model))
     assert (logits(reloaded) - virtual).abs().max() <= 1e-5
 
