@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -272,60 +273,12 @@ def _run_demo(
     configs = list(configurations(quick))
     found: dict[int, list[int]] | None = None
     search_docs: list[dict] = []
-    for criterion, allocation, method, sparsity, options in progress_bar(
-        configs, desc="demo", unit="config", enabled=progress
-    ):
-        crit = get_criterion(criterion)
-        scores = compute_scores(
-            criterion,
-            stats=stats if crit.needs_data else None,
-            weights=moe.layers if crit.needs_weights else None,
-            seed=settings.seed,
-            num_experts=[m.num_experts for m in moe.layers],
-            layers=[m.index for m in moe.layers],
-        )
-        config = PruneConfig(criterion, sparsity, allocation=allocation, method=method, options=options)
-        found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
-        removed = None
-        if searches(allocation):
-            removed, scores, document = _search(moe, scores, search, config, settings, pad, stats)
-            search_docs.append({"criterion": criterion, "sparsity": sparsity, **document})
-        plan = build_plan(
-            moe,
-            crit,
-            scores,
-            config=config,
-            stats=[stats],
-            removed=removed,
-        )
-        fits = (  # low-rank novices: fitted by a second pass, checked on the search data as prune does
-            fit_novices(
-                moe,
-                plan,
-                [calibration],
-                batch_size=settings.batch_size,
-                pad_token_id=pad,
-                progress=False,
-                checks=FitChecks(data=search),
-            )  # fmt: skip
-            if plan_rank(plan)
-            else None
-        )
-        metrics = {
-            d: e.score(functools.partial(virtual_plan, moe, plan, stats, fits)) for d, e in evals.items()
-        }
-        rows.append(
-            _row(
-                criterion,
-                allocation,
-                method_label(method, options),
-                sparsity,
-                metrics,
-                _sizes(moe, plan, before),
-                plan,
-                plan_kept_rows(moe, plan),
-            )
-        )
+    shared = _Shared(stats, calibration, search, evals, settings, pad, before)
+    for entry in progress_bar(configs, desc="demo", unit="config", enabled=progress):
+        row, found, document = _prune_row(moe, entry, shared)
+        rows.append(row)
+        if document is not None:
+            search_docs.append(document)
     results = {
         "model": str(model_dir),
         "mode": "quick" if quick else "full",
@@ -355,6 +308,69 @@ def _run_demo(
     atomic_write_dir(output, write, overwrite=overwrite)
     results["table"] = table
     return results
+
+
+class _Shared(NamedTuple):
+    """What every configuration of the demo reuses: one observation, one data set of each kind."""
+
+    stats: ExpertStats
+    calibration: CalibrationData
+    search: CalibrationData
+    evals: dict[str, DomainEval]
+    settings: DemoSettings
+    pad: int
+    before: dict[str, int]
+
+
+def _prune_row(moe: MoEModel, entry: tuple, shared: _Shared) -> tuple[dict, dict | None, dict | None]:
+    """One configuration of the demo's table, pruned as `moeprune prune` prunes it (its super
+    experts kept, searched when its allocation searches, low-rank novices fitted and checked on
+    the search data), evaluated through masks: its row, the super experts and its search document."""
+    criterion, allocation, method, sparsity, options = entry
+    stats, search, settings, pad = shared.stats, shared.search, shared.settings, shared.pad
+    crit = get_criterion(criterion)
+    scores = compute_scores(
+        criterion,
+        stats=stats if crit.needs_data else None,
+        weights=moe.layers if crit.needs_weights else None,
+        seed=settings.seed,
+        num_experts=[m.num_experts for m in moe.layers],
+        layers=[m.index for m in moe.layers],
+    )
+    config = PruneConfig(criterion, sparsity, allocation=allocation, method=method, options=options)
+    found = guard_super_experts(moe, config, [stats])  # kept, as `moeprune prune` keeps them
+    removed, document = None, None
+    if searches(allocation):
+        removed, scores, searched = _search(moe, scores, search, config, settings, pad, stats)
+        document = {"criterion": criterion, "sparsity": sparsity, **searched}
+    plan = build_plan(moe, crit, scores, config=config, stats=[stats], removed=removed)
+    fits = (
+        fit_novices(
+            moe,
+            plan,
+            [shared.calibration],
+            batch_size=settings.batch_size,
+            pad_token_id=pad,
+            progress=False,
+            checks=FitChecks(data=search),
+        )
+        if plan_rank(plan)
+        else None
+    )
+    metrics = {
+        d: e.score(functools.partial(virtual_plan, moe, plan, stats, fits)) for d, e in shared.evals.items()
+    }
+    row = _row(
+        criterion,
+        allocation,
+        method_label(method, options),
+        sparsity,
+        metrics,
+        _sizes(moe, plan, shared.before),
+        plan,
+        plan_kept_rows(moe, plan),
+    )
+    return row, found, document
 
 
 def _row(

@@ -173,7 +173,7 @@ def compare(served: dict, token_ids: list[list[int]], model, atol: float) -> _Ta
                             "token": int(candidate),
                             "vllm_logprob": logprob,
                             "moeprune_logprob": float(row[int(candidate)]),
-                        }  # fmt: skip
+                        }
                     )
             if not comparing_tokens:
                 continue
@@ -195,7 +195,7 @@ def compare(served: dict, token_ids: list[list[int]], model, atol: float) -> _Ta
                     "vllm_token": token,
                     "moeprune_token": best,
                     "gap": gap,
-                }  # fmt: skip
+                }
             )
             comparing_tokens = False  # past a different token the sequences are different texts
     return tally

@@ -295,12 +295,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_not_packed(meta)
     config = apply_ep_size(meta, config)  # the family's EP divisibility: the plan's expert multiple
     check_groups(quantize, meta)
-    stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
-    save_dtype = (
-        resolve_dtype(save.dtype)
-        if save.dtype and kept_quantization is None
-        else (stored if isinstance(stored, torch.dtype) else torch.float32)
-    )
+    save_dtype = _save_dtype(save, checked, model_config, kept_quantization)
     # auto: without --sparsity: the sparsities tried, the job planned at the first
     config, grid = plan_grid(meta, config, quantize, checked, save_dtype)
     if config.target_size is None:
@@ -314,21 +309,7 @@ def prepare(request: PruneRequest) -> PruneJob:
     check_kept_widths(quantize, meta, planned_widths(layer_budget, config))  # a neuron method's, known now
     precision = plan_target(meta, config, quantize, checked, save_dtype, grid, placement)  # T reachable?
     parse_size(save.max_shard_size)
-    tokenizer, calibration, search_set = None, [], None
-    reads_calibration = needs.reads_calibration(bool(data.sources))  # GPTQ calibrates on it too
-    reads_search = needs.reads_search(bool(search_data))  # repair's held-out tokens when given
-    if reads_calibration or reads_search:
-        tokenizer = require_tokenizer(checked, tokenizer_path, trust_remote_code)
-        if reads_calibration:
-            calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
-        if reads_search:
-            search_set = load_data(
-                list(search_data),
-                tokenizer,
-                num_samples=config.search.samples or None,
-                max_length=data.max_length,
-                seed=data.seed,
-            )
+    tokenizer, calibration, search_set = _read_data(request, checked, needs, config)
     lost = precision_lost(placement.dtype, save_dtype) if kept_quantization is None else None
     if lost:  # (a kept quantization is written from the input's bytes: no compute dtype reaches the disk)
         _LOG.warning(lost)
@@ -355,6 +336,37 @@ def prepare(request: PruneRequest) -> PruneJob:
         quant_python,
         precision,
     )
+
+
+def _save_dtype(save: SaveOptions, checked: Path, model_config, kept: QuantFormat | None) -> torch.dtype:
+    """The dtype the result is written in: --save-dtype, else the input's stored dtype (a kept
+    quantization is written from the input's bytes, its other tensors in their stored dtype)."""
+    if save.dtype and kept is None:
+        return resolve_dtype(save.dtype)
+    stored = stored_dtype(checked) or getattr(model_config, "dtype", None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def _read_data(request: PruneRequest, checked: Path, needs, config: ResolvedConfig):
+    """The tokenizer, calibration sets and search set the run reads (none it does not need):
+    GPTQ calibrates on the calibration data too, repair holds out the search data when given."""
+    data, search_data = request.data, request.search_data
+    tokenizer, calibration, search_set = None, [], None
+    reads_calibration = needs.reads_calibration(bool(data.sources))
+    reads_search = needs.reads_search(bool(search_data))
+    if reads_calibration or reads_search:
+        tokenizer = require_tokenizer(checked, request.tokenizer_path, request.run.trust_remote_code)
+        if reads_calibration:
+            calibration = calibration_sets(tokenizer, data, per_domain=needs.per_domain)
+        if reads_search:
+            search_set = load_data(
+                list(search_data),
+                tokenizer,
+                num_samples=config.search.samples or None,
+                max_length=data.max_length,
+                seed=data.seed,
+            )
+    return tokenizer, calibration, search_set
 
 
 def _kept_quantization(model_path: Path, config: PruneConfig, save: SaveOptions) -> QuantFormat | None:

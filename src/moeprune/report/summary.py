@@ -182,29 +182,7 @@ def format_lines(facts: dict) -> list[str]:
         f"pruned {facts['model']}{how}: criterion {facts['criterion']}, allocation {facts['allocation']}, "
         f"method {facts['method']}{' --reroute ' + facts['reroute'] if facts.get('reroute') else ''}, sparsity {facts['sparsity']:g} of the {_unit(facts)}"
     ]
-    auto = facts["auto"]
-    if auto:
-        runner = (
-            f"; runner-up {auto['runner_up']} ({auto['fitness']} {auto['runner_up_value']:.6g})"
-            if auto["runner_up"]
-            else ""
-        )
-        lines.append(
-            f"  criterion auto  picked {auto['chosen']} ({auto['fitness']} {auto['chosen_value']:.6g}){runner}"
-        )
-    search = facts["search"]
-    if search:
-        gain = search["searched"] - search["uniform"]
-        how = (
-            f"{search['steps']} gradient steps"
-            if search.get("steps")
-            else f"{search['generations']} generations, {search['evaluations']} evaluations, "
-            f"stopped by {search['stopped']}"
-        )
-        lines.append(
-            f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
-            f"{search.get('baseline', 'uniform')} ({gain:+.4g}); {how}"
-        )
+    lines += _choice_lines(facts)
     lines += novice_fit_lines(facts.get("novice_fits"))
     if facts.get("repair"):
         lines.append(f"  repair          {facts['repair']}")
@@ -244,8 +222,49 @@ def format_lines(facts: dict) -> list[str]:
     target = facts.get("target")
     if target:
         lines.append(target_line(target))
+    lines += _precision_lines(facts)
+    lines += _serving_lines(facts)
+    lines.append(f"  output          {facts['output']}")
+    for kind, names in (facts.get("files") or {}).items():
+        if names:
+            lines.append(f"    {kind:<14}{', '.join(names)}")
+    return lines
+
+
+def _choice_lines(facts: dict) -> list[str]:
+    """What chose the plan: the criterion auto picked, the search and its gain over its baseline."""
+    lines = []
+    auto = facts["auto"]
+    if auto:
+        runner = (
+            f"; runner-up {auto['runner_up']} ({auto['fitness']} {auto['runner_up_value']:.6g})"
+            if auto["runner_up"]
+            else ""
+        )
+        lines.append(
+            f"  criterion auto  picked {auto['chosen']} ({auto['fitness']} {auto['chosen_value']:.6g}){runner}"
+        )
+    search = facts["search"]
+    if search:
+        gain = search["searched"] - search["uniform"]
+        how = (
+            f"{search['steps']} gradient steps"
+            if search.get("steps")
+            else f"{search['generations']} generations, {search['evaluations']} evaluations, "
+            f"stopped by {search['stopped']}"
+        )
+        lines.append(
+            f"  search          {search['fitness']} {search['searched']:.6g} searched vs {search['uniform']:.6g} "
+            f"{search.get('baseline', 'uniform')} ({gain:+.4g}); {how}"
+        )
+    return lines
+
+
+def _precision_lines(facts: dict) -> list[str]:
+    """prune --quantize auto:...: each layer's experts in its chosen scheme, and how it was chosen."""
+    lines: list[str] = []
     precision = facts.get("precision")
-    if precision:  # prune --quantize auto:...: each layer's experts in its chosen scheme
+    if precision:
         chosen = ", ".join(f"{layer} {scheme}" for layer, scheme in precision["chosen"].items())
         grid = precision.get("sparsity_grid") or []
         if grid and "search_fitness" in precision:  # the joint evo search, seeded with the grid
@@ -265,6 +284,12 @@ def format_lines(facts: dict) -> list[str]:
             f"  per-layer bits  experts of layer {chosen}; {_size(precision['written_bytes'])} written, "
             f"{_size(precision['predicted_bytes'])} predicted, target {_size(precision['target_bytes'])}"
         )
+    return lines
+
+
+def _serving_lines(facts: dict) -> list[str]:
+    """How vLLM serves the result: its parameters there, or why the plugin refuses it; EP degrees."""
+    lines = []
     if facts["vllm_parameters"]:
         served, before = facts["vllm_parameters"], facts["parameters"]["before"]
         versus = f"{change(before, served):+.1f}% vs before; " if before else ""
@@ -287,10 +312,6 @@ def format_lines(facts: dict) -> list[str]:
         )
     if facts.get("vllm_native"):
         lines.append(f"  novices served  {facts['vllm_native']}")
-    lines.append(f"  output          {facts['output']}")
-    for kind, names in (facts.get("files") or {}).items():
-        if names:
-            lines.append(f"    {kind:<14}{', '.join(names)}")
     return lines
 
 

@@ -262,8 +262,11 @@ def fit_every_novice(
     _LOG.info(
         "fitting rank-%d novices for all %d routed experts before the search: %.3g GB of fp64 "
         "moments (16 d^2 bytes per expert) in %d calibration pass(es)",
-        rank, sum(map(len, targets.values())), moments_bytes(moe, targets) / 1e9, len(passes),
-    )  # fmt: skip
+        rank,
+        sum(map(len, targets.values())),
+        moments_bytes(moe, targets) / 1e9,
+        len(passes),
+    )
     out: Fits = {}
     for layers in passes:
         out.update(
@@ -311,9 +314,15 @@ def fit_novices(
     checks = checks or FitChecks()
     if fitted is None:
         fitted = _fit(
-            moe, targets, rank, sets, checks=checks,
-            batch_size=batch_size, pad_token_id=pad_token_id, progress=progress,
-        )  # fmt: skip
+            moe,
+            targets,
+            rank,
+            sets,
+            checks=checks,
+            batch_size=batch_size,
+            pad_token_id=pad_token_id,
+            progress=progress,
+        )
     out: Fits = {}
     for lp in plan.layers:
         if not lp.novice:

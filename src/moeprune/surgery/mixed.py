@@ -140,11 +140,18 @@ def layer_costs(
         cost = layer_cost(m)
         out.append(
             LayerCosts(
-                m.num_experts, m.intermediate_size, cost.per_neuron, cost.per_expert,
-                novice_params(m.hidden_size, rank), m.top_k, len(moe.protected.get(m.index, ())), limits.caps[pos], limits.multiples[pos],
+                m.num_experts,
+                m.intermediate_size,
+                cost.per_neuron,
+                cost.per_expert,
+                novice_params(m.hidden_size, rank),
+                m.top_k,
+                len(moe.protected.get(m.index, ())),
+                limits.caps[pos],
+                limits.multiples[pos],
                 steps[pos],
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -335,11 +342,15 @@ def mixed_plan(request: PlanRequest, genes: Sequence[LayerGene]) -> Plan:
         novice = ranked[g.whole + g.narrowed :]
         layers.append(
             LayerPlan(
-                layer=m.index, num_experts=m.num_experts, top_k=m.top_k, kept=sorted(ranked),
-                dropped=sorted(ids[p] for p in gone), novice=sorted(novice),
+                layer=m.index,
+                num_experts=m.num_experts,
+                top_k=m.top_k,
+                kept=sorted(ranked),
+                dropped=sorted(ids[p] for p in gone),
+                novice=sorted(novice),
                 neurons=dict(sorted((e, w) for e, w in zip(narrowed, ws) if w < m.intermediate_size)),
             )
-        )  # fmt: skip
+        )
     kept = sum(g.whole * c.expert() + g.novice * c.novice for c, g in zip(costs, genes))
     kept += sum(c.expert(w) for c, ws in zip(costs, widths) for w in ws)
     plan = Plan.create(
