@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from test_serve_vllm import KINDS, _reference
 
+from helpers import run_cli
 from moeprune.config import DataOptions, PruneConfig, RunOptions
 from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.evaluate.serve_check import LOGPROB_ATOL
@@ -174,12 +175,12 @@ def test_bad_input_is_one_line_and_exit_2(made, tmp_path):
         "bad option": ([made["tenp"], "--vllm-option", "novalue"], "--vllm-option"),
     }
     before = (made["tenp"] / "report.json").read_text()
-    for name, (args, needle) in cases.items():
-        done = serve_check(*args)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("moeprune: error:"), (
+    for name, (args, needle) in cases.items():  # in this process: each is refused before vLLM starts
+        done = run_cli("serve-check", *args, ok=False)
+        lines = done.output.strip().splitlines()
+        assert done.exit_code == 2 and len(lines) == 1 and lines[0].startswith("moeprune: error:"), (
             name,
-            done.stderr,
+            done.output,
         )
         assert needle in lines[0], (name, lines[0])
     assert (made["tenp"] / "report.json").read_text() == before
