@@ -30,11 +30,11 @@ from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
 from moeprune.quantize.choice import LayerSwap, precision_bytes
-from moeprune.quantize.evo_space import Joint, PrecisionSearch, PrecisionSpace
+from moeprune.quantize.evo_space import Joint, PrecisionSpace
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoResult, generations_document
+from moeprune.search.evo import EvoResult, EvoSearch, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.registry import ResolvedConfig
@@ -123,7 +123,7 @@ def search_joint(
         "search_data": data.fingerprint,
     }
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: PrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, config.search, io=io),
         moe,
         data,
         orders,

@@ -45,11 +45,11 @@ from moeprune.observe.kinds import Statistic
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme
 from moeprune.quantize.evo import joint_document
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
-from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
+from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSpace
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoResult
+from moeprune.search.evo import EvoResult, EvoSearch
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import searches_schemes
@@ -277,7 +277,7 @@ def run_joint_mixed(
         "search_data": data.fingerprint,
     }
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, config.search, io=io),
         full,
         data,
         [s.order for s in ordered],
@@ -310,7 +310,7 @@ def _document(
     return {
         "space": "mixed genes (whole, narrowed, novice, dropped, width) and scheme per MoE layer, under "
         "the target bytes",
-        **space.describe(),
+        **space.summary(),
         "sparsity": space.sparsity(best),
         **joint_document(
             space, seeds, cache, result, config, evaluator, lambda c: {"genes": [list(g[:5]) for g in c]}

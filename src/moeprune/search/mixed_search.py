@@ -28,7 +28,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.distributed import rank_and_world
-from moeprune.search.evo import SeededSearch, generations_document
+from moeprune.search.evo import EvoSearch, generations_document
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
@@ -36,17 +36,6 @@ from moeprune.surgery.lowrank import Fits, moments_bytes
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
-
-
-class MixedSearch(SeededSearch):
-    """EvoSearch whose candidates are mixed genes; generation 0 starts with the named seeds."""
-
-    def _space(self) -> dict[str, Any]:
-        return {
-            "target": self.space.target,
-            "layers": self.space.layers,
-            "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
-        }
 
 
 def check_mixed_seeds(moe: MoEModel, config: PruneConfig) -> None:
@@ -110,7 +99,7 @@ def search_mixed(
     }
     start = time.perf_counter()
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: MixedSearch(evaluate, space, seeds, search_config, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, search_config, io=io),
         moe, search_set, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
         plan_context=plan_context, prefix_key=space.prefix_key,
     )  # fmt: skip

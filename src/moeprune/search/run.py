@@ -41,7 +41,7 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, SeededSearch
+from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
 from moeprune.surgery.registry import COUNTS
@@ -136,7 +136,7 @@ def run_evo_search(
         return evaluator
 
     parallel = _DataParallel(built, lambda: search, race_log, race) if world > 1 else None
-    search = EvoSearch(  # validates the config (population >= elites) before any model runs
+    search = EvoSearch.counts(  # validates the config (population >= elites) before any model runs
         lambda allocation: _evaluate(built(), search, race_log, allocation, race),
         budget,
         limits.caps,
@@ -202,7 +202,7 @@ class _DataParallel:
     def __init__(
         self,
         evaluator: Callable[[], CandidateEvaluator],
-        search: Callable[[], EvoSearch],
+        search: Callable[[], EvoSearch[Allocation]],
         race_log: _RaceLog,
         race: bool,
     ) -> None:
@@ -224,7 +224,11 @@ class _DataParallel:
 
 
 def _evaluate(
-    evaluator: CandidateEvaluator, search: EvoSearch, race_log: _RaceLog, allocation: Allocation, race: bool
+    evaluator: CandidateEvaluator,
+    search: EvoSearch[Allocation],
+    race_log: _RaceLog,
+    allocation: Allocation,
+    race: bool,
 ) -> float:
     threshold = _elite_threshold(search.cache, search.config.elites) if race else None
     value = evaluator.evaluate(allocation, threshold)
@@ -235,8 +239,8 @@ def _evaluate(
 
 def _search_document(
     evaluator: CandidateEvaluator,
-    search: EvoSearch,
-    result: EvoResult,
+    search: EvoSearch[Allocation],
+    result: EvoResult[Allocation],
     race_log: _RaceLog,
     limits: LayerLimits,
     race: bool,
@@ -249,7 +253,7 @@ def _search_document(
     (None in one process), as `_totals` gives them."""
     sign = evaluator.sign
     counters, distributed = dict(totals[0]), totals[1]
-    uniform = search.uniform  # the uniform allocation, as the search's fitness cache holds it
+    uniform = search.seeds["uniform"]  # the uniform allocation, as the search's fitness cache holds it
     raced = race_log.per_generation()
     generations = [
         {
@@ -272,7 +276,7 @@ def _search_document(
             k: getattr(search.config, k)
             for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
         },
-        "budget": search.feas.budget,
+        "budget": sum(uniform),
         "layers": limits.layers,
         "num_experts": limits.num_experts,
         "top_k": limits.top_k,
@@ -361,7 +365,7 @@ def search_allocation(
 
 
 def run_seeded_search(
-    make_search: Callable[[Callable[[Any], float], EvoIO], SeededSearch],
+    make_search: Callable[[Callable[[Any], float], EvoIO], EvoSearch[Any]],
     moe: MoEModel,
     search_set: CalibrationData,
     orders: Sequence[Sequence[int]],
@@ -370,9 +374,9 @@ def run_seeded_search(
     runtime: SearchRuntime,
     plan_context: Callable[[CandidateEvaluator, Any], Any],
     prefix_key: Callable[[Any], tuple] | None = None,
-) -> tuple[EvoResult, SeededSearch, CandidateEvaluator]:
+) -> tuple[EvoResult[Any], EvoSearch[Any], CandidateEvaluator]:
     """EvoESAP over a space of its own (mixed genes, joint counts or genes with schemes): the
-    search `make_search(evaluate, io)` builds (a SeededSearch over its space and seeds), each
+    search `make_search(evaluate, io)` builds (an EvoSearch over its space and seeds), each
     candidate applied by `plan_context(evaluator, candidate)` and scored by one
     `CandidateEvaluator` on `search_set`, its state checkpointed at `runtime.state_path` (rank 0
     writes it; every rank runs the same search). Returns the result, the search (its fitness
