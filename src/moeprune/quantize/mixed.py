@@ -307,15 +307,14 @@ def _document(
 ) -> dict[str, Any]:
     """search.json of the joint mixed search."""
     best = cast(JointGenes, result.best)
-    return {
+    head = {
         "space": "mixed genes (whole, narrowed, novice, dropped, width) and scheme per MoE layer, under "
         "the target bytes",
         **space.summary(),
         "sparsity": space.sparsity(best),
-        **joint_document(
-            space, seeds, cache, result, config, evaluator, lambda c: {"genes": [list(g[:5]) for g in c]}
-        ),
     }
+    layout = lambda c: {"genes": [list(g[:5]) for g in c]}  # noqa: E731
+    return joint_document(space, seeds, cache, result, config, evaluator, layout, head)
 
 
 def _choice(

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Generic, cast
+from typing import Any, Generic
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from moeprune.errors import MoePruneError
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.progress import progress_bar
 from moeprune.search.population import Allocation, Feasibility, initial_population, mutate
-from moeprune.search.space import C, CountSpace, SearchSpace
+from moeprune.search.space import C, CountSpace, SearchSpace, listed
 
 # the population's names stay importable from here, where they were first
 __all__ = ["Allocation", "EvoIO", "EvoResult", "EvoSearch", "Feasibility", "GenerationStats"]
@@ -366,9 +366,11 @@ def _first_difference(key: str, saved: Any, now: Any) -> str:
     return f"{key} (saved {saved!r}, now {now!r})"
 
 
-def generations_document(history: Sequence[GenerationStats], sign: float, key: str) -> list[dict[str, Any]]:
-    """search.json's `generations` of a seeded search: fitness in the user's direction (`sign`),
-    each generation's best candidate under `key` as lists."""
+def generations_document(
+    history: Sequence[GenerationStats], sign: float, key: str, raced: Mapping[int, int] | None = None
+) -> list[dict[str, Any]]:
+    """search.json's `generations`: fitness in the user's direction (`sign`), each generation's
+    best candidate under `key` as lists, and (drop counts) how many evaluations were `raced`."""
     return [
         {
             "generation": h.generation,
@@ -376,7 +378,8 @@ def generations_document(history: Sequence[GenerationStats], sign: float, key: s
             "mean": sign * h.mean,
             "fitnesses": [sign * f for f in h.fitnesses],
             "new_evaluations": h.new_evaluations,
-            key: [list(c) for c in cast(list[Any], h.best_allocation)],
+            **({"raced": raced.get(h.generation, 0)} if raced is not None else {}),
+            key: listed(h.best_allocation),
         }
         for h in history
     ]
