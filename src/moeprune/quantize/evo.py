@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from moeprune.allocate.fitness import check_fitness
 from moeprune.config import PruneConfig
@@ -145,8 +145,16 @@ def search_joint(
     return best, document
 
 
+class JointSpace(Protocol):
+    """What search.json reads of a joint space (quantize/evo_space.py, quantize/mixed_space.py)."""
+
+    def named(self, candidate: Any) -> list[str]: ...
+
+    def bytes(self, candidate: Any) -> int: ...
+
+
 def joint_document(
-    space: Any,
+    space: JointSpace,
     seeds: dict[str, Any],
     cache: dict[Any, float],
     result: EvoResult,

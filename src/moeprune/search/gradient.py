@@ -31,8 +31,9 @@ Memory: one training step of the model (the activations of one search batch kept
 backward; the weights are frozen and get no gradient) plus the teacher cache; the logits are a
 few kilobytes. Logits are initialised from the criterion's ranking (first pruned: lowest), so the
 criterion is the prior and the data decides. Per-expert forms (mixed plans): one logit column
-per form and a projection that assigns forms under the parameter budget, search/gradient_mixed.py
-(it shares this module's loss and temperature schedule).
+per form and a projection that assigns forms under the parameter budget, search/gradient_mixed.py.
+Both are relaxations of one training loop (search/training.py: the loss, the temperature
+schedule, Adam, the projection and retraction order); this module's is `KeepLogits`.
 """
 
 from __future__ import annotations
