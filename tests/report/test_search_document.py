@@ -8,6 +8,7 @@ import json
 import pytest
 from test_search import _data, _moe, _search
 
+from moeprune.errors import MoePruneError
 from moeprune.search.document import SearchDocument
 
 pytestmark = pytest.mark.unit
@@ -38,7 +39,12 @@ def test_every_search_shape_keeps_its_keys_in_order():
         config={"steps": 2},
         found={"layers": [1], "genes": [[1, 1, 0, 0, 4]]},
         fitness_value=0.5,
-        references={"trained": {"fitness_value": 0.6}, "seeds": {}, "start": "drop", "uniform": {"genes": []}},
+        references={
+            "trained": {"fitness_value": 0.6},
+            "seeds": {},
+            "start": "drop",
+            "uniform": {"genes": []},
+        },
         steps=2,
         history={"training": [{"step": 0}], "form_logits": {"1": [[0.0]]}},
         timings_s={"total": 1.0},
@@ -64,3 +70,12 @@ def test_every_search_shape_keeps_its_keys_in_order():
         "stopped", "generations", "search_samples", "speedups",
     ]  # fmt: skip
     assert _round_trip(mixed_evo).generations == [{"generation": 0, "best_genes": [[2, 0, 0, 2, 8]]}]
+
+
+def test_a_document_without_the_spine_is_refused_by_name():
+    with pytest.raises(
+        MoePruneError, match="without evaluations, stopped: every search writes a SearchDocument"
+    ):
+        SearchDocument.from_json(
+            {"fitness": "kl", "higher_is_better": False, "config": {}, "fitness_value": 1.0}
+        )

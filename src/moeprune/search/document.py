@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moeprune.config import SearchConfig
+from moeprune.errors import MoePruneError
 
 _REFERENCES = ("trained", "uniform", "seeds", "start")  # what the result is measured against
 _HISTORY = ("generations", "training", "keep_logits", "form_logits")
@@ -46,6 +47,7 @@ _ORDER: tuple[str, ...] = (
 )
 _ORDER += ("evaluations", "steps", "stopped", "history", "search_samples", "teacher_cache", "notes")
 _ORDER += ("timings_s", "speed", "criterion")
+_SPINE = ("fitness", "higher_is_better", "config", "fitness_value", "evaluations", "stopped")
 EVO_SETTINGS = ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
 
 
@@ -104,6 +106,12 @@ class SearchDocument:
                 values[key] = document[key]
             else:
                 sections[_SECTION_OF.get(key, "found")][key] = document[key]
+        missing = [f.name for f in fields(cls) if f.name in _SPINE and f.name not in values]
+        if missing:
+            raise MoePruneError(
+                f"a search document without {', '.join(missing)}: every search writes a SearchDocument "
+                "(search/document.py)"
+            )
         return cls(**values, **sections)
 
     # -- what the readers ask -------------------------------------------------------------------
