@@ -95,7 +95,7 @@ def test_every_generated_candidate_is_feasible_over_random_problems():
                 assert feas.is_feasible(mutate(parent, caps, multiples, config, rng))
         weights = list(rng.random(len(caps)) + 0.1)
         recorder = Recorder(_separable(weights), feas)
-        EvoSearch(recorder, budget, caps, uniform, config, multiples=multiples, io=QUIET).run()
+        EvoSearch.counts(recorder, budget, caps, uniform, config, multiples=multiples, io=QUIET).run()
         assert recorder.calls and all(feas.is_feasible(a) for a in recorder.calls)
         checked += 1
     assert checked > 30
@@ -114,9 +114,9 @@ def test_infeasible_budgets_and_bad_configs_are_refused():
     with pytest.raises(InfeasibleBudgetError, match="multiples"):
         Feasibility(3, [4, 4], [2, 2])
     with pytest.raises(MoePruneError, match="population"):
-        EvoSearch(lambda a: 0.0, 4, [4, 4], (2, 2), SearchConfig(population=2, elites=4))
+        EvoSearch.counts(lambda a: 0.0, 4, [4, 4], (2, 2), SearchConfig(population=2, elites=4))
     with pytest.raises(MoePruneError, match="not feasible"):
-        EvoSearch(lambda a: 0.0, 4, [4, 4], (3, 2), SMALL)
+        EvoSearch.counts(lambda a: 0.0, 4, [4, 4], (3, 2), SMALL)
 
 
 def test_mutation_keeps_the_parent_when_no_step_is_feasible():
@@ -131,7 +131,7 @@ def test_same_seed_same_result_other_seed_differs():
     caps, budget = [8] * 6, 18
     fit = _separable([1, 2, 3, 4, 5, 6])
     runs = [
-        EvoSearch(fit, budget, caps, _uniform(budget, caps), replace(SMALL, seed=s), io=QUIET).run()
+        EvoSearch.counts(fit, budget, caps, _uniform(budget, caps), replace(SMALL, seed=s), io=QUIET).run()
         for s in (3, 3, 4)
     ]
     assert runs[0] == runs[1]
@@ -145,7 +145,7 @@ def test_best_is_at_least_uniform_and_much_better_on_a_separable_fitness():
     fit = _separable(weights)
     uniform = _uniform(budget, caps)
     config = SearchConfig(population=16, elites=4, generations=25, seed=0)
-    result = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
+    result = EvoSearch.counts(fit, budget, caps, uniform, config, io=QUIET).run()
     assert result.history[0].fitnesses[0] == fit(uniform)  # uniform is evaluated first
     assert result.best_fitness >= fit(uniform)
     best = _optimum(weights, budget, caps)
@@ -159,7 +159,7 @@ def test_evaluate_is_called_once_per_distinct_allocation():
     caps, budget = [6] * 5, 12
     feas = Feasibility(budget, caps)
     recorder = Recorder(_separable([1, 3, 1, 3, 1]), feas)
-    result = EvoSearch(recorder, budget, caps, _uniform(budget, caps), SMALL, io=QUIET).run()
+    result = EvoSearch.counts(recorder, budget, caps, _uniform(budget, caps), SMALL, io=QUIET).run()
     counts = Counter(recorder.calls)
     assert max(counts.values()) == 1
     assert result.evaluations == len(counts) == sum(h.new_evaluations for h in result.history)
@@ -169,15 +169,15 @@ def test_resume_extends_a_finished_run_to_the_identical_result(tmp_path):
     caps, budget = [10] * 6, 24
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
     config = replace(SMALL, generations=8)
-    full = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
+    full = EvoSearch.counts(fit, budget, caps, uniform, config, io=QUIET).run()
     state = tmp_path / "evo.json"
     kw = {"io": EvoIO(state_path=state, fingerprint={"model": "tiny"}, progress=False)}
-    EvoSearch(fit, budget, caps, uniform, replace(config, generations=3), **kw).run()
+    EvoSearch.counts(fit, budget, caps, uniform, replace(config, generations=3), **kw).run()
     saved = json.loads(state.read_text())
     assert saved["generation"] == 3 and len(saved["history"]) == 3
     assert {"population", "cache", "rng", "config", "budget", "caps", "fingerprint"} <= set(saved)
     assert not [p for p in tmp_path.iterdir() if p.name != "evo.json"]  # temp files replaced
-    resumed = EvoSearch(fit, budget, caps, uniform, config, **kw).run(resume=True)
+    resumed = EvoSearch.counts(fit, budget, caps, uniform, config, **kw).run(resume=True)
     assert resumed == full
 
 
@@ -185,14 +185,14 @@ def test_resume_after_a_crash_mid_generation_is_identical_and_wastes_no_evaluati
     caps, budget = [10] * 6, 24
     feas = Feasibility(budget, caps)
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
-    full = EvoSearch(fit, budget, caps, uniform, SMALL, io=QUIET).run()
+    full = EvoSearch.counts(fit, budget, caps, uniform, SMALL, io=QUIET).run()
     state = tmp_path / "evo.json"
     kw = {"io": EvoIO(state_path=state, progress=False, save_interval_s=0.0)}
     crashing = Recorder(fit, feas, fail_after=full.evaluations // 2)
     with pytest.raises(KeyboardInterrupt):
-        EvoSearch(crashing, budget, caps, uniform, SMALL, **kw).run()
+        EvoSearch.counts(crashing, budget, caps, uniform, SMALL, **kw).run()
     finishing = Recorder(fit, feas)
-    resumed = EvoSearch(finishing, budget, caps, uniform, SMALL, **kw).run(resume=True)
+    resumed = EvoSearch.counts(finishing, budget, caps, uniform, SMALL, **kw).run(resume=True)
     assert resumed == full
     assert len(crashing.calls) + len(finishing.calls) == full.evaluations
 
@@ -205,7 +205,7 @@ def test_resume_refuses_other_settings_and_missing_state(tmp_path):
 
     def search(config=SMALL, fingerprint=fp):
         io = EvoIO(state_path=state, fingerprint=fingerprint, progress=False)
-        return EvoSearch(lambda a: 0.0, budget, caps, uniform, config, io=io)
+        return EvoSearch.counts(lambda a: 0.0, budget, caps, uniform, config, io=io)
 
     with pytest.raises(MoePruneError, match="no search state"):
         search().run(resume=True)
@@ -225,10 +225,10 @@ def test_patience_stops_a_stalled_search_and_says_why():
         [0.0, 0.0, 0.0, 0.0]
     )  # every allocation ties: the best never improves after generation 0
     config = SearchConfig(population=6, elites=2, generations=30, seed=1, patience=3)
-    result = EvoSearch(flat, budget, caps, _uniform(budget, caps), config, io=QUIET).run()
+    result = EvoSearch.counts(flat, budget, caps, _uniform(budget, caps), config, io=QUIET).run()
     assert len(result.history) == 4  # generation 0, then 3 without improvement
     assert result.stopped == {"reason": "patience", "generations_run": 4, "patience": 3}
-    full = EvoSearch(
+    full = EvoSearch.counts(
         flat, budget, caps, _uniform(budget, caps), replace(config, patience=None), io=QUIET
     ).run()
     assert len(full.history) == 30 and full.stopped == {"reason": "generations", "generations_run": 30}
@@ -239,8 +239,8 @@ def test_patience_only_shortens_the_same_trajectory():
     caps, budget = [10] * 6, 24
     fit, uniform = _separable([5, 1, 2, 2, 1, 5]), _uniform(budget, caps)
     config = SearchConfig(population=8, elites=2, generations=40, seed=5)
-    full = EvoSearch(fit, budget, caps, uniform, config, io=QUIET).run()
-    early = EvoSearch(fit, budget, caps, uniform, replace(config, patience=4), io=QUIET).run()
+    full = EvoSearch.counts(fit, budget, caps, uniform, config, io=QUIET).run()
+    early = EvoSearch.counts(fit, budget, caps, uniform, replace(config, patience=4), io=QUIET).run()
     ran = len(early.history)
     assert early.stopped["reason"] == "patience" and ran < 40
     assert early.history == full.history[:ran]

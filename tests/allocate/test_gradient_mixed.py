@@ -309,7 +309,7 @@ def test_training_forward_is_the_plan_where_routing_is_kept(rank):
         assert lp.novice == [int(e) for e in np.flatnonzero(f == NOVICE)] and lp.neurons == ws
     with virtual_plan(moe, saved, stats, fits):
         expected = logits(model)
-    forms = gm._Forms(moe, costs, limits, [stats], "projection", fits)
+    forms = gm.Forms(moe, costs, limits, [stats], "projection", fits)
     state = {"weights": {}, "masks": {}, "novices": {m.index: n for m, n in zip(moe.layers, forms.novices)}}
     hard = torch.nn.functional.one_hot(torch.from_numpy(np.concatenate(plan.forms)), 4).float()
     gm._set_state(state, moe, forms, plan, hard)

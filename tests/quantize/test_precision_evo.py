@@ -29,10 +29,9 @@ from moeprune.models import MoEModel
 from moeprune.quantize import stage as stage_module
 from moeprune.quantize.choice import LayerSwap, budget_per_scheme, precision_bytes
 from moeprune.quantize.evo import joint_candidate, joint_space, search_joint
-from moeprune.quantize.evo_space import PrecisionSearch
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoIO
+from moeprune.search.evo import EvoIO, EvoSearch
 from moeprune.search.options import SearchRuntime
 from moeprune.shards.weight_bytes import cast_weight_bytes
 from moeprune.surgery.sizes import WeightBytes
@@ -92,7 +91,7 @@ def test_a_known_optimum_is_found_from_the_seeds(tiny):
     only = ((0, 0), (0, 0), (0, 0))
     richer = space.repair([(0, 1), (0, 1), (0, 1)], np.random.default_rng(0))
     assert richer is not None and sum(r for r, _ in richer) > 0
-    search = PrecisionSearch(
+    search = EvoSearch(
         lambda c: -float(sum(r for r, _ in c)), space, {"grid 0.5": richer, "grid 0": only},
         SearchConfig(population=6, elites=2, generations=3),
     )  # fmt: skip
@@ -110,9 +109,9 @@ def test_a_resumed_search_ends_where_an_uninterrupted_one_does(tiny, tmp_path):
     def fitness(c):  # a made-up score that prefers removals late and w8a16 early
         return float(sum(r * (i + 1) for i, (r, _) in enumerate(c)) - sum(s * (3 - i) for i, (_, s) in enumerate(c)))
 
-    def search(generations: int, state) -> PrecisionSearch:
+    def search(generations: int, state) -> EvoSearch:
         config = SearchConfig(population=5, elites=2, generations=generations, seed=3)
-        return PrecisionSearch(fitness, space, seeds, config, io=EvoIO(state_path=state, progress=False))
+        return EvoSearch(fitness, space, seeds, config, io=EvoIO(state_path=state, progress=False))
 
     whole = search(5, tmp_path / "whole.json").run()
     search(2, tmp_path / "part.json").run()

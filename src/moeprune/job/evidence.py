@@ -26,6 +26,7 @@ from moeprune.report.prune_report import draw_kept, report_markdown, weight_byte
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.search.document import SearchDocument
 from moeprune.surgery.parameters import kept_per_layer, kept_rows
 from moeprune.surgery.registry import EXPERTS
 
@@ -74,10 +75,9 @@ def write_evidence(folder: Path, evidence: Evidence, after: MoEModel) -> None:
     write_json(folder / RECIPE_FILE, evidence.recipe.to_json())
     if evidence.search is not None:
         write_json(folder / "search.json", evidence.search)
-    if evidence.search is not None and "generations" in evidence.search:  # evo's (gradient: steps)
-        plot_search_curve(
-            folder / "search_curve.png", evidence.search["generations"], evidence.search["fitness"]
-        )
+        search = SearchDocument.from_json(evidence.search)
+        if search.generations is not None:  # evo's (gradient: steps)
+            plot_search_curve(folder / "search_curve.png", search.generations, search.fitness)
     draw_kept(
         folder / "density.png",
         report,

@@ -16,9 +16,9 @@ experts swapped for fake-quantized copies. quant/ keeps the reading of quantized
 - choice.py       the per-layer choice's parts: fake-quantized swaps, losses, the exact choice
 - per_layer.py    `auto:` resolved, planned before loading, its teacher and choice after surgery
 - grid.py         no `--sparsity`: the sparsity chosen with the schemes over a grid of splits
-- evo_space.py    the space of experts removed and scheme per layer (its EvoSearch)
+- evo_space.py    the space of experts removed and scheme per layer (a SearchSpace for EvoSearch)
 - evo.py          that joint search run on the full model, seeded with the grid's points
-- mixed_space.py  the space of mixed forms and scheme per layer (its EvoSearch)
+- mixed_space.py  the space of mixed forms and scheme per layer (a SearchSpace for EvoSearch)
 - mixed.py        that joint search for `--method mixed`, before loading and on the full model
 - memory.py       before loading: do the joint search's fake-quantized copies fit in memory?
 - oneshot.py      the saved result quantized in place, driver.py in the quantization environment

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from moeprune.allocate.fitness import check_fitness
 from moeprune.config import PruneConfig
@@ -30,11 +30,12 @@ from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.models.reshape import mask_experts
 from moeprune.quantize.choice import LayerSwap, precision_bytes
-from moeprune.quantize.evo_space import Joint, PrecisionSearch, PrecisionSpace
+from moeprune.quantize.evo_space import Joint, PrecisionSpace
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoResult, generations_document
+from moeprune.search.document import SearchDocument, evo_settings
+from moeprune.search.evo import EvoResult, EvoSearch, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
 from moeprune.surgery.registry import ResolvedConfig
@@ -131,7 +132,7 @@ def search_joint(
     swap = LayerSwap(moe, group)
     fingerprint = joint_fingerprint(moe, config, space.schemes, group, data)
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: PrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, config.search, io=io),
         moe,
         data,
         orders,
@@ -140,61 +141,65 @@ def search_joint(
         plan_context=lambda e, c: joint_candidate(e, moe, swap, space.schemes, c),
     )
     best = cast(Joint, result.best)
-    document = {
+    head = {
         "space": "experts removed and scheme per MoE layer, under the target bytes",
         "schemes": list(space.schemes),
         "target_bytes": space.target,
-        **joint_document(
-            space,
-            seeds,
-            cast(dict[Any, float], search.cache),
-            result,
-            config,
-            evaluator,
-            lambda c: {"allocation": [r for r, _ in c]},
-        ),
     }
+    cache = cast(dict[Any, float], search.cache)
+    layout = lambda c: {"allocation": [r for r, _ in c]}  # noqa: E731
+    document = joint_document(space, seeds, cache, result, config, evaluator, layout, head)
     evaluator.release()
     return best, document
 
 
+class JointSpace(Protocol):
+    """What search.json reads of a joint space (quantize/evo_space.py, quantize/mixed_space.py)."""
+
+    def named(self, candidate: Any) -> list[str]: ...
+
+    def bytes(self, candidate: Any) -> int: ...
+
+
 def joint_document(
-    space: Any,
+    space: JointSpace,
     seeds: dict[str, Any],
     cache: dict[Any, float],
     result: EvoResult,
     config: PruneConfig,
     evaluator: CandidateEvaluator,
     layout: Callable[[Any], dict[str, Any]],
+    head: dict[str, Any],
 ) -> dict[str, Any]:
-    """search.json's part that the joint searches of schemes share (experts removed, or mixed
-    genes, with the schemes): the winner and every seed as `layout` describes a candidate, with its
-    schemes, predicted bytes and fitness (in the user's direction), the settings and the generations."""
+    """search.json of the joint searches of schemes (experts removed, or mixed genes, with the
+    schemes): `head` (the space, its schemes and target), the winner and every seed as `layout`
+    describes a candidate, with its schemes, predicted bytes and fitness (in the user's direction),
+    the settings and the generations."""
     sign = evaluator.sign
 
-    def row(candidate: Any, fitness: float) -> dict[str, Any]:
+    def row(candidate: Any) -> dict[str, Any]:
         return {
             **layout(candidate),
             "chosen_schemes": space.named(candidate),
             "predicted_bytes": space.bytes(candidate),
-            "fitness_value": sign * fitness,
         }
 
-    return {
-        "fitness": evaluator.fitness,
-        "higher_is_better": sign > 0,
-        "config": {
-            k: getattr(config.search, k)
-            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
+    return SearchDocument(
+        head=head,
+        fitness=evaluator.fitness,
+        higher_is_better=sign > 0,
+        config=evo_settings(config.search),
+        found=row(result.best),
+        fitness_value=sign * result.best_fitness,
+        references={
+            "seeds": {name: {**row(c), "fitness_value": sign * cache[c]} for name, c in seeds.items()}
         },
-        **row(result.best, result.best_fitness),
-        "seeds": {name: row(c, cache[c]) for name, c in seeds.items()},
-        "evaluations": result.evaluations,
-        "stopped": result.stopped,
-        "generations": generations_document(result.history, sign, "best_candidate"),
+        evaluations=result.evaluations,
+        stopped=result.stopped,
+        history={"generations": generations_document(result.history, sign, "best_candidate")},
         **evaluator.data_summary(),
-        "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
-    }
+        speed={"speedups": {"resume_mode": evaluator.mode, **evaluator.counters}},
+    ).to_json()
 
 
 def joint_choice(space: PrecisionSpace, best: Joint, layers: Sequence[int], fitness: str) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ import numpy as np
 
 from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
-from moeprune.search.evo import SeededSearch
+from moeprune.search.space import listed_seeds, seeded_population
 
 Joint = tuple[tuple[int, int], ...]  # per MoE layer: (experts removed, index of its scheme)
 _MAX_TRIES = 64  # redraws of a mutation that gives back its parent or an infeasible candidate
@@ -155,25 +155,11 @@ class PrecisionSpace:
     def initial(self, seeds: Sequence[Joint], config: SearchConfig, rng: np.random.Generator) -> list[Joint]:
         """The seeds (distinct, in order, every one of them even past P), then mutations of them in
         turn up to P in all."""
-        population = list(dict.fromkeys(self.check(seed, "seed") for seed in seeds))
-        tries = 0
-        while len(population) < config.population and tries < 20 * config.population:
-            child = self.mutate(population[tries % len(population)], config, rng)
-            tries += 1
-            if child not in population:
-                population.append(child)
-        return population[: max(config.population, len(dict.fromkeys(seeds)))]
+        return seeded_population(self, seeds, config, rng)
+
+    def describe(self, seeds: Mapping[str, Joint]) -> dict[str, Any]:
+        """The search state's account of the space: every field, and the seeds."""
+        return {"precision_space": json.loads(json.dumps(asdict(self))), "seeds": listed_seeds(seeds)}
 
 
-class PrecisionSearch(SeededSearch):
-    """EvoSearch (its loop, fitness cache, checkpoint, `--resume`, `--patience`) over joint
-    candidates; generation 0 starts with the named seeds."""
-
-    def _space(self) -> dict[str, Any]:
-        return {
-            "precision_space": json.loads(json.dumps(asdict(self.space))),
-            "seeds": {k: [list(c) for c in v] for k, v in self.seeds.items()},
-        }
-
-
-__all__ = ["Joint", "PrecisionSearch", "PrecisionSpace"]
+__all__ = ["Joint", "PrecisionSpace"]

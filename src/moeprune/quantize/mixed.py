@@ -45,11 +45,11 @@ from moeprune.quantize.choice import LayerSwap, budget_per_scheme
 from moeprune.quantize.evo import joint_document, joint_fingerprint
 from moeprune.quantize.grid import criterion_orders
 from moeprune.quantize.keeps import kept_precision_bytes, planned_keeps, scheme_bytes
-from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSearch, MixedPrecisionSpace
+from moeprune.quantize.mixed_space import JointGenes, MixedPrecisionSpace
 from moeprune.quantize.options import QuantizeOptions
 from moeprune.quantize.per_layer import PrecisionTarget
 from moeprune.search.candidates import CandidateEvaluator
-from moeprune.search.evo import EvoResult
+from moeprune.search.evo import EvoResult, EvoSearch
 from moeprune.search.mixed_space import MixedSpace
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import searches_schemes
@@ -260,7 +260,7 @@ def run_joint_mixed(
     calibrated = [s.data_fingerprint for s in stats]
     fingerprint = joint_fingerprint(full, config, space.schemes, quantize.group, data, calibration=calibrated)
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: MixedPrecisionSearch(evaluate, space, seeds, config.search, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, config.search, io=io),
         full,
         data,
         orders,
@@ -290,15 +290,14 @@ def _document(
 ) -> dict[str, Any]:
     """search.json of the joint mixed search."""
     best = cast(JointGenes, result.best)
-    return {
+    head = {
         "space": "mixed genes (whole, narrowed, novice, dropped, width) and scheme per MoE layer, under "
         "the target bytes",
-        **space.describe(),
+        **space.summary(),
         "sparsity": space.sparsity(best),
-        **joint_document(
-            space, seeds, cache, result, config, evaluator, lambda c: {"genes": [list(g[:5]) for g in c]}
-        ),
     }
+    layout = lambda c: {"genes": [list(g[:5]) for g in c]}  # noqa: E731
+    return joint_document(space, seeds, cache, result, config, evaluator, layout, head)
 
 
 def _choice(

@@ -27,7 +27,7 @@ expert whole) where it fits; generation 0 holds them first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,8 @@ import numpy as np
 from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.quantize.tables import LayerKeep, kept_bytes
-from moeprune.search.evo import SeededSearch
 from moeprune.search.mixed_space import MOVES, MixedSpace
+from moeprune.search.space import listed_seeds, seeded_population
 from moeprune.surgery.mixed import LayerCosts, LayerGene, check_genes
 from moeprune.surgery.sizes import WeightBytes
 
@@ -191,17 +191,10 @@ class MixedPrecisionSpace:
         self, seeds: Sequence[JointGenes], config: SearchConfig, rng: np.random.Generator
     ) -> list[JointGenes]:
         """The seeds (distinct, in order, every one of them even past P), then mutations of them."""
-        population = list(dict.fromkeys(self.check(seed, "seed") for seed in seeds))
-        tries = 0
-        while len(population) < config.population and tries < 20 * config.population:
-            child = self.mutate(population[tries % len(population)], config, rng)
-            tries += 1
-            if child not in population:
-                population.append(child)
-        return population[: max(config.population, len(population[: len(seeds)]))]
+        return seeded_population(self, seeds, config, rng)
 
-    def describe(self) -> dict[str, Any]:
-        """search.json's account of the space (what decides a resumed search's state)."""
+    def summary(self) -> dict[str, Any]:
+        """search.json's account of the space."""
         return {
             "layers": list(self.layers),
             "schemes": list(self.schemes),
@@ -210,15 +203,9 @@ class MixedPrecisionSpace:
             "width_steps": [c.step for c in self.costs],
         }
 
-
-class MixedPrecisionSearch(SeededSearch):
-    """EvoSearch over joint mixed candidates; generation 0 starts with the named seeds."""
-
-    def _space(self) -> dict[str, Any]:
-        return {
-            "mixed_precision_space": self.space.describe(),
-            "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
-        }
+    def describe(self, seeds: Mapping[str, JointGenes]) -> dict[str, Any]:
+        """The search state's account of the space (search.json's) and the seeds."""
+        return {"mixed_precision_space": self.summary(), "seeds": listed_seeds(seeds)}
 
 
-__all__ = ["Gene", "JointGenes", "MixedPrecisionSearch", "MixedPrecisionSpace"]
+__all__ = ["Gene", "JointGenes", "MixedPrecisionSpace"]

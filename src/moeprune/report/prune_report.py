@@ -14,6 +14,7 @@ from moeprune.checkpoint.files import shard_names
 from moeprune.report.document import PruneReport, as_report
 from moeprune.report.kept import plot_kept
 from moeprune.report.summary import format_lines, prune_facts
+from moeprune.search.document import SearchDocument
 from moeprune.surgery.parameters import uniform_rows
 from moeprune.surgery.registry import METHODS
 
@@ -36,14 +37,15 @@ def draw_kept(
     rows = [row.to_json() for row in report.kept_per_layer or []]
     uniform = None
     # drop counts only: a mixed search's seeds, and the uniform genes of mixed + gradient, are in search.json
-    if search_doc is not None and "allocation" in search_doc.get("uniform", {}):
+    searched = SearchDocument.from_json(search_doc).uniform_allocation if search_doc is not None else None
+    if searched is not None:
         before = [
             {"layer": r["layer"], "experts": r["experts_before"], "routed_params": r["routed_params_before"]}
             for r in rows
         ]
         uniform = uniform_rows(
             before,
-            search_doc["uniform"]["allocation"],
+            searched,
             hidden_sizes,
             novices=METHODS.get(report.method).keeps_routing or report.reroute == "none",
         )

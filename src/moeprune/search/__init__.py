@@ -3,23 +3,27 @@
 A stage after surgery: a candidate is a plan applied through surgery's reversible masks. Its
 allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allocate/fitness.py.
 
-- evo.py         population, mutation, the generation loop, checkpoint and resume
+- space.py       the SearchSpace protocol (initial, feasible, repair, mutate, describe) and
+                 CountSpace: drop counts are one more space
+- evo.py         the one evo driver: EvoSearch(evaluate, space, seeds) with its generation loop,
+                 fitness cache, checkpoint and resume, for every space
+- population.py  the drop counts' feasibility, initial population and mutation
 - candidates.py  a candidate's fitness through reversible masks (prefix reuse, racing, torchrun)
-- population.py  the budget-preserving population and its mutation
 - prefix.py      cached decoder-layer outputs shared by candidates with a common prefix
 - run.py         the resumable driver (search_allocation, run_evo_search)
 - mixed_space.py `--method mixed --allocation evo`: per-layer genes, the seeds, mutation, the exact budget
-- mixed_search.py its search (EvoSearch over genes) and driver (search_mixed)
-- gradient.py    `--allocation gradient`: per-expert keep logits trained against the full model
+- mixed_search.py its driver (search_mixed: EvoSearch over MixedSpace)
+- training.py    the gradient allocation's one training loop, with a pluggable Relaxation
+- gradient.py    `--allocation gradient` of drop counts: the keep-logit relaxation (KeepLogits)
 - gradient_mixed.py  its mixed plans: per-expert form logits (whole, narrowed, novice, dropped)
+- form_training.py  the form-logit relaxation (FormLogits): forms, their costs, the forward
 - form_projection.py  the exact budget for per-expert forms, from one score per (expert, form)
+- document.py    search.json as one typed SearchDocument, written by every search, read back typed
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
 - options.py     SearchRuntime: how a search runs, none of which changes its result
 - registry.py    the searches keyed by (allocation, method genes): SEARCHES, search_for(config)
 - forms.py       the two searches over forms (evo, gradient), registered
-- gradient.py    the gradient allocation of drop counts (per-expert keep logits)
-- gradient_mixed.py / form_training.py  the gradient allocation of forms, and its training loop
 
 The joint searches of quantization schemes with counts or forms are spaces of the quantize
-stage (quantize/evo_space.py, quantize/mixed_space.py), which runs them through this driver.
+stage (quantize/evo_space.py, quantize/mixed_space.py), which runs them through the same EvoSearch.
 """

@@ -1,7 +1,9 @@
-"""EvoESAP: evolutionary search over per-layer removal counts (docs/allocation.md, "EvoESAP").
+"""EvoESAP: the evolutionary search over a space (docs/allocation.md, "EvoESAP").
 
-The allocations it moves between, and how, are population.py's. The search is generic in the fitness: ``evaluate(allocation) -> float``, higher is better (the
-caller negates KL/NLL). Every distinct allocation is evaluated once (fitness cache). All
+The one driver of every evo search: the candidates it moves between, and how, are its space's
+(search/space.py `SearchSpace`: drop counts, mixed genes, either with schemes), so a new space
+needs no new driver. The search is generic in the fitness: ``evaluate(candidate) -> float``,
+higher is better (the caller negates KL/NLL). Every distinct allocation is evaluated once (fitness cache). All
 randomness comes from one ``numpy.random.Generator(PCG64(seed))`` whose state is checkpointed
 with the population and cache after every generation, so an interrupted run resumes to the
 identical result.
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Generic
 
 import numpy as np
 
@@ -37,13 +39,12 @@ from moeprune.config import SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.progress import progress_bar
-from moeprune.search.population import (
-    Allocation,
-    Feasibility,
-    initial_population,
-    mutate,
-)
+from moeprune.search.population import Allocation, Feasibility, initial_population, mutate
+from moeprune.search.space import C, CountSpace, SearchSpace, listed
 
+# the population's names stay importable from here, where they were first
+__all__ = ["Allocation", "EvoIO", "EvoResult", "EvoSearch", "Feasibility", "GenerationStats"]
+__all__ += ["generations_document", "initial_population", "mutate"]
 STATE_VERSION = 1
 _MAX_OFFSPRING_REDRAWS = 16  # redraws of an offspring that was already seen
 
@@ -61,10 +62,10 @@ class GenerationStats:
 
 
 @dataclass
-class EvoResult:
-    """The best allocation ever evaluated, its fitness, and the search's full history."""
+class EvoResult(Generic[C]):
+    """The best candidate ever evaluated, its fitness, and the search's full history."""
 
-    best: Allocation
+    best: C
     best_fitness: float
     history: list[GenerationStats] = field(default_factory=list)
     evaluations: int = 0
@@ -72,7 +73,7 @@ class EvoResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "best": list(self.best),
+            "best": _row(self.best),
             "best_fitness": self.best_fitness,
             "evaluations": self.evaluations,
             "history": [asdict(h) for h in self.history],
@@ -84,7 +85,7 @@ class EvoResult:
 # The search
 
 
-def _rank_key(item: tuple[Allocation, float]) -> tuple[float, Allocation]:
+def _rank_key(item: tuple[Any, float]) -> tuple[float, Any]:
     """Best first; equal fitness falls back to the allocation tuple, so ties are deterministic."""
     return (-item[1], item[0])
 
@@ -107,7 +108,7 @@ class EvoIO:
     progress: bool = True
 
 
-class EvoSearch:
+class EvoSearch(Generic[C]):
     """Runs (and checkpoints, and resumes) one EvoESAP search.
 
     Offspring that were evaluated before or already sit in the new population are redrawn up
@@ -119,6 +120,34 @@ class EvoSearch:
 
     def __init__(
         self,
+        evaluate: Callable[[C], float],
+        space: SearchSpace[C],
+        seeds: Mapping[str, C],
+        config: SearchConfig | None = None,
+        *,
+        io: EvoIO | None = None,
+        evaluate_many: Callable[[int, list[C]], Sequence[float]] | None = None,
+    ) -> None:
+        io = io or EvoIO()
+        self.config = config or SearchConfig()
+        self.config.validate()  # a config changed after it was made is checked again
+        self.space, self.seeds = space, dict(seeds)
+        self.evaluate = evaluate
+        self.state_path = Path(io.state_path) if io.state_path is not None else None
+        self.fingerprint = dict(io.fingerprint or {})
+        self.progress = io.progress
+        self.save_interval_s = io.save_interval_s
+        self.evaluate_many = evaluate_many
+        self.write_state = io.write_state
+        self.cache: dict[C, float] = {}
+        self.history: list[GenerationStats] = []
+        self._last_save = time.monotonic()
+        self._new_in_generation = 0  # evaluations so far in the generation being evaluated
+        self.stopped: dict[str, Any] = {}  # why run() ended (search.json)
+
+    @classmethod
+    def counts(
+        cls,
         evaluate: Callable[[Allocation], float],
         budget: int,
         caps: Sequence[int],
@@ -128,34 +157,13 @@ class EvoSearch:
         *,
         io: EvoIO | None = None,
         evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None = None,
-    ) -> None:
-        io = io or EvoIO()
-        self.config = config or SearchConfig()
-        self.config.validate()  # a config changed after it was made is checked again
-        self.feas = Feasibility(budget, caps, multiples)
-        self.uniform = self.feas.check(uniform, "uniform allocation")
-        self._setup(evaluate, io, evaluate_many)
-
-    def _setup(
-        self,
-        evaluate: Callable[[Allocation], float],
-        io: EvoIO,
-        evaluate_many: Callable[[int, list[Allocation]], Sequence[float]] | None,
-    ) -> None:
-        """What every search space shares (SeededSearch below, for another space, calls it from its
-        __init__)."""
-        self.evaluate = evaluate
-        self.state_path = Path(io.state_path) if io.state_path is not None else None
-        self.fingerprint = dict(io.fingerprint or {})
-        self.progress = io.progress
-        self.save_interval_s = io.save_interval_s
-        self.evaluate_many = evaluate_many
-        self.write_state = io.write_state
-        self.cache: dict[Allocation, float] = {}
-        self.history: list[GenerationStats] = []
-        self._last_save = time.monotonic()
-        self._new_in_generation = 0  # evaluations so far in the generation being evaluated
-        self.stopped: dict[str, Any] = {}  # why run() ended (search.json)
+    ) -> EvoSearch[Allocation]:
+        """The search over drop counts (`CountSpace`) from the uniform allocation: bad settings
+        (population < elites), an infeasible budget or uniform allocation fail here, in that order."""
+        (config or SearchConfig()).validate()
+        space = CountSpace(budget, caps, multiples)
+        seeds = {"uniform": space.feas.check(uniform, "uniform allocation")}
+        return EvoSearch(evaluate, space, seeds, config, io=io, evaluate_many=evaluate_many)
 
     # -- identity of a run: what must match for a resume -----------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -165,28 +173,10 @@ class EvoSearch:
             name: getattr(self.config, name)
             for name in ("population", "elites", "delta_max", "tau_max", "seed")
         }
-        identity = {"config": config, **self._space(), "fingerprint": self.fingerprint}
+        identity = {"config": config, **self.space.describe(self.seeds), "fingerprint": self.fingerprint}
         return json.loads(json.dumps(identity))  # compare as saved: tuples become lists
 
-    # -- the search space: drop counts here, overridden for other genes -----------------------
-    def _space(self) -> dict[str, Any]:
-        """What defines the space (a resume must match it)."""
-        return {
-            "budget": self.feas.budget,
-            "caps": list(self.feas.caps),
-            "multiples": list(self.feas.multiples),
-            "uniform": list(self.uniform),
-        }
-
-    def _initial(self, rng: np.random.Generator) -> list[Allocation]:
-        return initial_population(
-            self.feas.budget, self.feas.caps, self.feas.multiples, self.uniform, self.config, rng
-        )
-
-    def _mutate(self, parent: Allocation, rng: np.random.Generator) -> Allocation:
-        return mutate(parent, self.feas.caps, self.feas.multiples, self.config, rng)
-
-    def _save(self, generation: int, population: list[Allocation], rng: np.random.Generator) -> None:
+    def _save(self, generation: int, population: list[C], rng: np.random.Generator) -> None:
         if self.state_path is None or not self.write_state:
             return
         state = {
@@ -194,16 +184,16 @@ class EvoSearch:
             **self._identity(),
             "generations": self.config.generations,
             "generation": generation,
-            "population": [list(a) for a in population],
+            "population": [_row(a) for a in population],
             "new_in_generation": self._new_in_generation,
-            "cache": [[list(a), f] for a, f in self.cache.items()],
+            "cache": [[_row(a), f] for a, f in self.cache.items()],
             "rng": rng.bit_generator.state,
             "history": [asdict(h) for h in self.history],
         }
         write_json(self.state_path, state)
         self._last_save = time.monotonic()
 
-    def _load(self) -> tuple[int, list[Allocation], np.random.Generator]:
+    def _load(self) -> tuple[int, list[C], np.random.Generator]:
         if self.state_path is None:
             raise MoePruneError("resume needs a state_path")
         if not self.state_path.is_file():
@@ -231,11 +221,11 @@ class EvoSearch:
         return int(state["generation"]), [_frozen(a) for a in state["population"]], rng
 
     # -- the loop ------------------------------------------------------------------------------
-    def _fitness(self, allocation: Allocation) -> float:
+    def _fitness(self, allocation: C) -> float:
         return _checked(allocation, self.evaluate(allocation))
 
     def _evaluate_population(
-        self, generation: int, population: list[Allocation], rng: np.random.Generator
+        self, generation: int, population: list[C], rng: np.random.Generator
     ) -> GenerationStats:
         if self.evaluate_many is not None:
             new = list(dict.fromkeys(a for a in population if a not in self.cache))
@@ -262,23 +252,23 @@ class EvoSearch:
             mean=float(np.mean(fitnesses)),
             fitnesses=fitnesses,
             new_evaluations=self._new_in_generation,
-            best_allocation=list(best_allocation),
+            best_allocation=_row(best_allocation),
         )
 
-    def _breed(self, population: list[Allocation], rng: np.random.Generator) -> list[Allocation]:
+    def _breed(self, population: list[C], rng: np.random.Generator) -> list[C]:
         ranked = sorted({a: self.cache[a] for a in population}.items(), key=_rank_key)
         elites = [a for a, _ in ranked[: self.config.elites]]
         nxt = list(elites)
         while len(nxt) < self.config.population:
             for _ in range(_MAX_OFFSPRING_REDRAWS):
                 parent = elites[int(rng.integers(len(elites)))]
-                child = self._mutate(parent, rng)
+                child = self.space.mutate(parent, self.config, rng)
                 if child not in self.cache and child not in nxt:
                     break
             nxt.append(child)
         return nxt
 
-    def run(self, resume: bool = False) -> EvoResult:
+    def run(self, resume: bool = False) -> EvoResult[C]:
         """Search for ``config.generations`` generations; ``resume`` continues the saved state.
 
         Without ``resume`` a fresh search starts and overwrites any state at ``state_path``.
@@ -290,7 +280,7 @@ class EvoSearch:
             rng = np.random.Generator(np.random.PCG64(self.config.seed))
             self.cache, self.history, self._new_in_generation = {}, [], 0
             start = 0
-            population = self._initial(rng)
+            population = self.space.initial(list(self.seeds.values()), self.config, rng)
             self._save(0, population, rng)
         bar = progress_bar(
             total=self.config.generations,
@@ -336,7 +326,7 @@ class EvoSearch:
         best_before = max(h.best for h in self.history[:-patience])
         return max(h.best for h in self.history[-patience:]) <= best_before
 
-    def result(self) -> EvoResult:
+    def result(self) -> EvoResult[C]:
         """The best allocation ever evaluated (ties: smallest tuple) and the history so far."""
         if not self.cache:
             raise MoePruneError("the search has not evaluated any allocation yet")
@@ -350,12 +340,17 @@ class EvoSearch:
         )
 
 
+def _row(candidate: Any) -> list[Any]:
+    """A candidate (a tuple: of ints, or of per-layer tuples) as a list of its per-layer entries."""
+    return list(candidate)
+
+
 def _frozen(value: Any) -> Any:
     """A saved candidate as the cache keys it: lists back to (nested) tuples."""
     return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
-def _checked(allocation: Allocation, value: float) -> float:
+def _checked(allocation: Any, value: float) -> float:
     value = float(value)
     if math.isnan(value):
         raise MoePruneError(f"the fitness of allocation {list(allocation)} is NaN")
@@ -371,36 +366,11 @@ def _first_difference(key: str, saved: Any, now: Any) -> str:
     return f"{key} (saved {saved!r}, now {now!r})"
 
 
-class SeededSearch(EvoSearch):
-    """EvoSearch over a space of its own (`space`: feasibility, seeds and mutation, e.g. mixed genes
-    or joint counts and schemes): its loop, fitness cache, checkpoint, resume and patience, with
-    generation 0 starting at the named seeds. Subclasses say what defines the space (`_space`)."""
-
-    def __init__(
-        self,
-        evaluate: Callable[[Any], float],
-        space: Any,
-        seeds: Mapping[str, Any],
-        config: SearchConfig | None = None,
-        *,
-        io: EvoIO | None = None,
-    ) -> None:
-        self.config = config or SearchConfig()
-        self.config.validate()
-        self.space, self.seeds = space, dict(seeds)
-        self._setup(evaluate, io or EvoIO(), None)
-
-    def _initial(self, rng: np.random.Generator) -> list[Any]:
-        """Generation 0: the space's seeds first, then its mutants of them."""
-        return list(self.space.initial(list(self.seeds.values()), self.config, rng))
-
-    def _mutate(self, parent: Any, rng: np.random.Generator) -> Any:
-        return self.space.mutate(parent, self.config, rng)
-
-
-def generations_document(history: Sequence[GenerationStats], sign: float, key: str) -> list[dict[str, Any]]:
-    """search.json's `generations` of a seeded search: fitness in the user's direction (`sign`),
-    each generation's best candidate under `key` as lists."""
+def generations_document(
+    history: Sequence[GenerationStats], sign: float, key: str, raced: Mapping[int, int] | None = None
+) -> list[dict[str, Any]]:
+    """search.json's `generations`: fitness in the user's direction (`sign`), each generation's
+    best candidate under `key` as lists, and (drop counts) how many evaluations were `raced`."""
     return [
         {
             "generation": h.generation,
@@ -408,7 +378,8 @@ def generations_document(history: Sequence[GenerationStats], sign: float, key: s
             "mean": sign * h.mean,
             "fitnesses": [sign * f for f in h.fitnesses],
             "new_evaluations": h.new_evaluations,
-            key: [list(c) for c in cast(list[Any], h.best_allocation)],
+            **({"raced": raced.get(h.generation, 0)} if raced is not None else {}),
+            key: listed(h.best_allocation),
         }
         for h in history
     ]

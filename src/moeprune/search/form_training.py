@@ -1,11 +1,10 @@
-"""The training of the gradient allocation's form logits (search/gradient_mixed.py): each
-expert's forms and their costs, the straight-through forward through the forms, the projection of
-the logits onto the budget, and the training loop."""
+"""The relaxation of the gradient allocation's form logits (search/gradient_mixed.py), which the
+one training loop (search/training.py) trains: each expert's forms and their costs, the
+straight-through forward through the forms, the projection of the logits onto the budget."""
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -15,11 +14,8 @@ import numpy as np
 import torch
 
 from moeprune.allocate.limits import LayerLimits
-from moeprune.config import SearchConfig
 from moeprune.models.adapter import MoELayer, MoEModel
 from moeprune.models.lowrank import novice_output
-from moeprune.runtime.progress import progress_bar
-from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.form_projection import (
     DROPPED,
     FORMS,
@@ -29,7 +25,6 @@ from moeprune.search.form_projection import (
     FormPlan,
     project_forms,
 )
-from moeprune.search.gradient import _batch_loss, _temperature
 from moeprune.search.registry import UNIFORM
 from moeprune.surgery.mixed import (
     LayerCosts,
@@ -41,7 +36,7 @@ _INIT_SPREAD = 2.0  # the start plan's form leads the others by this
 _RETRACTION_STEPS = 60
 
 
-class _Forms:
+class Forms:
     """Per MoE layer: which forms each expert may take, its neuron ranks and its novice."""
 
     def __init__(self, moe: MoEModel, costs: Sequence[LayerCosts], limits: LayerLimits, domains, kind, fits):
@@ -70,7 +65,7 @@ class _Forms:
             )
 
     def scores(self, theta: torch.Tensor, layout: Sequence[int]) -> list[torch.Tensor]:
-        return [t.masked_fill(~a, -math.inf) for t, a in zip(_split(theta, layout), self.allowed)]
+        return [t.masked_fill(~a, -math.inf) for t, a in zip(split(theta, layout), self.allowed)]
 
 
 def _placed(layer: MoELayer) -> dict[str, Any]:
@@ -79,7 +74,7 @@ def _placed(layer: MoELayer) -> dict[str, Any]:
     return {"device": ref.device, "dtype": ref.dtype}
 
 
-def _split(values: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+def split(values: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(values, list(sizes)))
 
 
@@ -127,13 +122,11 @@ def _mixed_experts(moe: MoEModel, limits: LayerLimits, state: dict[str, Any]) ->
         yield
 
 
-def _set_state(
-    state: dict[str, Any], moe: MoEModel, forms: _Forms, plan: FormPlan, mix: torch.Tensor
-) -> None:
+def _set_state(state: dict[str, Any], moe: MoEModel, forms: Forms, plan: FormPlan, mix: torch.Tensor) -> None:
     """What `_forward` reads for one step: each expert's form weights `mix` [N, 4] and its neuron
     mask (its filled width when narrowed, else the plan's mean width: what narrowing it would keep)."""
     sizes = [m.num_experts for m in moe.layers]
-    for pos, (m, part) in enumerate(zip(moe.layers, _split(mix, sizes))):
+    for pos, (m, part) in enumerate(zip(moe.layers, split(mix, sizes))):
         state["weights"][m.index] = part
         w = torch.tensor([plan.widths[pos].get(e, plan.width) for e in range(sizes[pos])])
         state["masks"][m.index] = (forms.ranks[pos] < w.unsqueeze(1)).to(**_placed(m))
@@ -201,7 +194,7 @@ def _gumbel(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Problem:
+class Problem:
     """What the training projects onto: the layers' costs and sizes, the kept target, the forms
     each expert may take, and the per-layer limits."""
 
@@ -209,11 +202,11 @@ class _Problem:
     sizes: list[int]
     target: float
     allowed: torch.Tensor  # bool [experts, 4]
-    forms: _Forms
+    forms: Forms
     limits: LayerLimits
 
 
-def _start(moe: MoEModel, problem: _Problem, seed_plan: Any) -> tuple[torch.Tensor, int]:
+def start_logits(moe: MoEModel, problem: Problem, seed_plan: Any) -> tuple[torch.Tensor, int]:
     """Form logits that start at the best seed's plan (its form of each expert ahead by the spread,
     retracted onto the budget), and the narrowed width they are priced at."""
     sizes, costs = problem.sizes, problem.costs
@@ -232,87 +225,59 @@ def _start(moe: MoEModel, problem: _Problem, seed_plan: Any) -> tuple[torch.Tens
     return theta.float().requires_grad_(True), width
 
 
-def _train(
-    moe: MoEModel,
-    problem: _Problem,
-    theta: torch.Tensor,
-    width: int,
-    evaluator: CandidateEvaluator,
-    config: SearchConfig,
-    progress: bool,
-) -> tuple[list[dict[str, Any]], float]:
-    """Train `theta` in place (straight-through Gumbel samples projected on the budget, the model
-    frozen); returns each step's record for search.json and the seconds it took."""
-    began = time.perf_counter()
-    costs, sizes, target, allowed, forms = (
-        problem.costs,
-        problem.sizes,
-        problem.target,
-        problem.allowed,
-        problem.forms,
-    )
-    groups, layers = problem.limits.groups, problem.limits.layers
-    cost = _cost_table(costs, sizes, width)
-    optimizer = torch.optim.Adam([theta], lr=config.learning_rate)
-    generator = torch.Generator().manual_seed(config.seed)
-    frozen = [p.requires_grad for p in moe.model.parameters()]
-    moe.model.requires_grad_(False)
-    state: dict[str, Any] = {"weights": {}, "masks": {}, "novices": {}}
-    state["novices"] = {m.index: nov for m, nov in zip(moe.layers, forms.novices)}
-    history: list[dict[str, Any]] = []
-    bar = progress_bar(total=config.steps, desc="gradient allocation (mixed)", unit="step", enabled=progress)
-    try:
-        with _mixed_experts(moe, problem.limits, state), torch.enable_grad():
-            for step in range(config.steps):
-                tau = _temperature(config, step)
-                gumbel = _gumbel((theta.shape[0], theta.shape[1]), generator)
-                noisy = (theta.detach().double() + gumbel) / tau
-                noisy_z = forms.scores(noisy, sizes)
-                hard_plan = project_forms(costs, [t.numpy() for t in noisy_z], target, layers, groups)
-                width = hard_plan.width
-                hard = torch.nn.functional.one_hot(
-                    torch.from_numpy(np.concatenate(hard_plan.forms)), 4
-                ).float()
-                soft = torch.softmax(((theta + gumbel.float()) / tau).masked_fill(~allowed, -math.inf), dim=1)
-                free = allowed.sum(1, keepdim=True) > 1
-                mix = torch.where(free, hard + soft - soft.detach(), hard)
-                _set_state(state, moe, forms, hard_plan, mix)
-                optimizer.zero_grad()
-                loss = _batch_loss(evaluator, step % evaluator.batch_count, config.kl_top_k)
-                loss.backward()
-                _project_step(theta, allowed, cost)
-                optimizer.step()
-                cost = _cost_table(costs, sizes, width)
-                with torch.no_grad():
-                    theta.copy_(_retract(theta.detach().double(), allowed, cost, target).float())
-                totals = {f: sum(c[f] for c in hard_plan.counts()) for f in FORMS}
-                history.append({"step": step, "loss": float(loss.detach()), "temperature": tau,
-                                "routed_parameters_kept": _kept(costs, hard_plan), "forms": totals})  # fmt: skip
-                bar.set_postfix_str(f"top-{config.kl_top_k} KL {history[-1]['loss']:.4g}")
-                bar.update(1)
-    finally:
-        bar.close()
-        state.clear()
-        for p, flag in zip(moe.model.parameters(), frozen):
-            p.requires_grad_(flag)
-    return history, time.perf_counter() - began
+class FormLogits:
+    """The relaxation of mixed plans (search/training.py `Relaxation`): one logit per expert and
+    form; Gumbel noise; the hard plan projected on the parameter budget (`project_forms`), the
+    backward sees softmax(z); the budget's direction prices a narrowed expert at the previous
+    step's plan's width (search/gradient_mixed.py, steps 1-3 and 5)."""
+
+    label = "gradient allocation (mixed)"
+
+    def __init__(self, moe: MoEModel, problem: Problem, width: int) -> None:
+        self.moe, self.problem, self.width = moe, problem, width
+        self.cost = _cost_table(problem.costs, problem.sizes, width)
+        self.state: dict[str, Any] = {"weights": {}, "masks": {}, "novices": {}}
+
+    @contextmanager
+    def installed(self, moe: MoEModel) -> Iterator[None]:
+        self.state["novices"] = {m.index: nov for m, nov in zip(moe.layers, self.problem.forms.novices)}
+        try:
+            with _mixed_experts(moe, self.problem.limits, self.state):
+                yield
+        finally:
+            self.state.clear()
+
+    def sample(self, theta: torch.Tensor, generator: torch.Generator, tau: float) -> dict[str, Any]:
+        problem, allowed = self.problem, self.problem.allowed
+        gumbel = _gumbel((theta.shape[0], theta.shape[1]), generator)
+        noisy_z = problem.forms.scores((theta.detach().double() + gumbel) / tau, problem.sizes)
+        plan = project_forms(
+            problem.costs,
+            [t.numpy() for t in noisy_z],
+            problem.target,
+            problem.limits.layers,
+            problem.limits.groups,
+        )
+        self.width = plan.width
+        hard = torch.nn.functional.one_hot(torch.from_numpy(np.concatenate(plan.forms)), 4).float()
+        soft = torch.softmax(((theta + gumbel.float()) / tau).masked_fill(~allowed, -math.inf), dim=1)
+        free = allowed.sum(1, keepdim=True) > 1
+        _set_state(
+            self.state, self.moe, problem.forms, plan, torch.where(free, hard + soft - soft.detach(), hard)
+        )
+        totals = {f: sum(c[f] for c in plan.counts()) for f in FORMS}
+        return {"routed_parameters_kept": _kept(problem.costs, plan), "forms": totals}
+
+    def project_gradient(self, theta: torch.Tensor) -> None:
+        _project_step(theta, self.problem.allowed, self.cost)
+
+    def retract(self, theta: torch.Tensor) -> torch.Tensor:
+        """Onto the budget priced at the width of the plan just sampled."""
+        self.cost = _cost_table(self.problem.costs, self.problem.sizes, self.width)
+        return _retract(theta, self.problem.allowed, self.cost, self.problem.target)
 
 
-def _rounded(part: torch.Tensor) -> list[list[float]]:
-    return [[round(float(v), 6) for v in row] for row in part]
-
-
-def _timings(evaluator: CandidateEvaluator, train_seconds: float, eval_start: float, start: float) -> dict:
-    now = time.perf_counter()
-    return {
-        "teacher_pass": round(evaluator.teacher_seconds, 3),
-        "training": round(train_seconds, 3),
-        "evaluation": round(now - eval_start, 3),
-        "total": round(now - start, 3),
-    }
-
-
-def _seeds_document(seeds: dict, values: dict, sign: float, first: str) -> dict[str, Any]:
+def seeds_document(seeds: dict, values: dict, sign: float, first: str) -> dict[str, Any]:
     """search.json's seeds (the recipes the training started from), its start and the uniform genes."""
     out: dict[str, Any] = {
         "seeds": {

@@ -31,8 +31,9 @@ Memory: one training step of the model (the activations of one search batch kept
 backward; the weights are frozen and get no gradient) plus the teacher cache; the logits are a
 few kilobytes. Logits are initialised from the criterion's ranking (first pruned: lowest), so the
 criterion is the prior and the data decides. Per-expert forms (mixed plans): one logit column
-per form and a projection that assigns forms under the parameter budget, search/gradient_mixed.py
-(it shares this module's loss and temperature schedule).
+per form and a projection that assigns forms under the parameter budget, search/gradient_mixed.py.
+Both are relaxations of one training loop (search/training.py: the loss, the temperature
+schedule, Adam, the projection and retraction order); this module's is `KeepLogits`.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ from moeprune.criteria.super_experts import protected_order
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
-from moeprune.runtime.progress import progress_bar
 from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.document import SearchDocument
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
+from moeprune.search.training import rounded, timings, train_logits, training_settings
 from moeprune.surgery.registry import COUNTS
 
 _INIT_SPREAD = 2.0  # logit range the criterion's ranking spans at the start
@@ -169,32 +171,6 @@ def _weighted_experts(moe: MoEModel, limits: LayerLimits, masks: dict[int, torch
             handle.remove()
 
 
-def _top_k_kl(teacher: torch.Tensor, logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Per row KL(p_k || q_k) on the teacher's k most likely tokens, both renormalised over them
-    (0 when the candidate equals the teacher; unlike RCO's, whose q is not renormalised)."""
-    if 0 < k < teacher.shape[-1]:
-        top, index = teacher.topk(k, dim=-1)
-        logp = top - torch.logsumexp(top, dim=-1, keepdim=True)
-        logq = torch.log_softmax(logits.float().gather(-1, index), dim=-1)
-    else:
-        logp, logq = teacher, torch.log_softmax(logits.float(), dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1)
-
-
-def _batch_loss(evaluator: CandidateEvaluator, index: int, k: int) -> torch.Tensor:
-    """Mean over the batch's samples of each sample's mean top-k KL (every sample weighs the same)."""
-    logits, rows_of_samples = evaluator.answer_logits(index)
-    losses = []
-    for row in rows_of_samples:
-        if row.stop == row.start:
-            continue
-        sample = evaluator.teacher.get(row.sample_id)
-        assert sample is not None, "a scored row has a teacher sample"
-        rows = logits[row.start : row.stop]
-        losses.append(_top_k_kl(sample.log_probs.to(rows.device), rows, k).mean())
-    return torch.stack(losses).mean()
-
-
 def _project_step(theta: torch.Tensor, free: torch.Tensor) -> None:
     """Remove from theta.grad its component along the budget's normal d sum sigmoid / d theta."""
     assert theta.grad is not None
@@ -206,26 +182,56 @@ def _project_step(theta: torch.Tensor, free: torch.Tensor) -> None:
         grad -= (grad @ normal) / (normal @ normal + 1e-30) * normal
 
 
-def _temperature(config: SearchConfig, step: int) -> float:
-    if config.steps == 1:
-        return config.temperature
-    frac = step / (config.steps - 1)
-    return config.temperature * (config.temperature_end / config.temperature) ** frac
-
-
-def training_settings(config: SearchConfig) -> dict[str, Any]:
-    """search.json's `config` of a gradient allocation (drop or mixed): what its training read."""
-    return {
-        k: getattr(config, k)
-        for k in ("steps", "learning_rate", "temperature", "temperature_end", "kl_top_k", "seed")
-    }
-
-
 def _dropped_order(order: Sequence[int], dropped: Sequence[int]) -> list[int]:
     """`order` with the dropped experts moved first (in their own order): a count of len(dropped)
     then removes exactly them, group by group (plan_removals takes each group's earliest)."""
     gone = set(dropped)
     return [e for e in order if e in gone] + [e for e in order if e not in gone]
+
+
+class KeepLogits:
+    """The relaxation of drop counts (search/training.py `Relaxation`): one keep logit per routed
+    expert; logistic noise (the two-way Gumbel-softmax of keep against drop); the hard mask drops
+    the budget's lowest, the backward sees sigmoid(z) (module docstring, steps 1-3 and 5)."""
+
+    label = "gradient allocation"
+
+    def __init__(self, moe: MoEModel, limits: LayerLimits, layout: _Layout, budget: int) -> None:
+        self.limits, self.layout, self.budget, self.protected = limits, layout, budget, moe.protected
+        self.kept = float(layout.free.sum()) - budget  # the expected kept count of the free experts
+        self.masks: dict[int, torch.Tensor] = {}
+
+    @contextmanager
+    def installed(self, moe: MoEModel) -> Iterator[None]:
+        try:
+            with _weighted_experts(moe, self.limits, self.masks):
+                yield
+        finally:
+            self.masks.clear()
+
+    def dropped(self, z: torch.Tensor) -> list[list[int]]:
+        """The experts each MoE layer drops under scores `z` (the budget's lowest, every limit kept)."""
+        return project_budget(
+            [p.numpy() for p in self.layout.split(z)], self.limits, self.budget, self.protected
+        )
+
+    def sample(self, theta: torch.Tensor, generator: torch.Generator, tau: float) -> dict[str, Any]:
+        layout = self.layout
+        noise = _logistic(theta.numel(), generator)
+        hard = torch.ones_like(theta)
+        for start, gone in zip(layout.starts, self.dropped((theta.detach().double() + noise) / tau)):
+            hard[[start + e for e in gone]] = 0.0
+        soft = torch.sigmoid((theta + noise.float()) / tau)
+        mask = torch.where(layout.free, hard + soft - soft.detach(), hard)
+        for layer, part in zip(self.limits.layers, layout.split(mask)):
+            self.masks[layer] = part
+        return {}
+
+    def project_gradient(self, theta: torch.Tensor) -> None:
+        _project_step(theta, self.layout.free)
+
+    def retract(self, theta: torch.Tensor) -> torch.Tensor:
+        return _retract(theta, self.layout.free, self.kept)
 
 
 def run_gradient_search(
@@ -257,89 +263,47 @@ def run_gradient_search(
     evaluator = CandidateEvaluator(
         moe, search_data, orders, fitness=fitness, seed=config.seed, runtime=replace(runtime, fast=False)
     )
-    kept = float(layout.free.sum()) - budget
-    theta = _initial_logits(orders, layout, kept).float().requires_grad_(True)
-    optimizer = torch.optim.Adam([theta], lr=config.learning_rate)
-    generator = torch.Generator().manual_seed(config.seed)
-    frozen = [p.requires_grad for p in moe.model.parameters()]
-    moe.model.requires_grad_(False)
-    masks: dict[int, torch.Tensor] = {}
-    history: list[dict[str, float]] = []
-    train_start = time.perf_counter()
-    bar = progress_bar(total=config.steps, desc="gradient allocation", unit="step", enabled=runtime.progress)
-    try:
-        with _weighted_experts(moe, limits, masks), torch.enable_grad():
-            for step in range(config.steps):
-                tau = _temperature(config, step)
-                noise = _logistic(theta.numel(), generator)
-                noisy = (theta.detach().double() + noise) / tau
-                hard = torch.ones_like(theta)
-                dropped = project_budget(
-                    [z.numpy() for z in layout.split(noisy)], limits, budget, moe.protected
-                )
-                for start_, gone in zip(layout.starts, dropped):
-                    hard[[start_ + e for e in gone]] = 0.0
-                soft = torch.sigmoid((theta + noise.float()) / tau)
-                mask = torch.where(layout.free, hard + soft - soft.detach(), hard)
-                for layer, part in zip(limits.layers, layout.split(mask)):
-                    masks[layer] = part
-                optimizer.zero_grad()
-                loss = _batch_loss(evaluator, step % evaluator.batch_count, config.kl_top_k)
-                loss.backward()
-                _project_step(theta, layout.free)
-                optimizer.step()
-                with torch.no_grad():
-                    theta.copy_(_retract(theta.detach().double(), layout.free, kept).float())
-                history.append({"step": step, "loss": float(loss.detach()), "temperature": tau})
-                bar.set_postfix_str(f"top-{config.kl_top_k} KL {history[-1]['loss']:.4g}")
-                bar.update(1)
-    finally:
-        bar.close()
-        masks.clear()
-        for p, flag in zip(moe.model.parameters(), frozen):
-            p.requires_grad_(flag)
-    train_seconds = time.perf_counter() - train_start
+    relaxation = KeepLogits(moe, limits, layout, budget)
+    theta = _initial_logits(orders, layout, relaxation.kept).float().requires_grad_(True)
+    history, train_seconds = train_logits(moe, relaxation, theta, evaluator, config, runtime.progress)
     final = theta.detach().double()
-    dropped = project_budget([z.numpy() for z in layout.split(final)], limits, budget, moe.protected)
+    dropped = relaxation.dropped(final)
     counts = [len(d) for d in dropped]
     eval_start = time.perf_counter()
     uniform_value = evaluator.evaluate(uniform)  # the criterion's uniform plan, for reference
     evaluator.orders = [_dropped_order(o, d) for o, d in zip(evaluator.orders, dropped)]
     evaluator.prefix_cache.clear()  # plain mode caches nothing; cleared so a new order cannot reuse
     value = evaluator.evaluate(counts)
-    seconds = time.perf_counter() - start
     sign = evaluator.sign
-    document = {
-        "allocation_method": "gradient",
-        "fitness": fitness,
-        "higher_is_better": sign > 0,
-        "config": training_settings(config),
-        "budget": budget,
-        "layers": limits.layers,
-        "num_experts": limits.num_experts,
-        "top_k": limits.top_k,
-        "caps": limits.caps,
-        "multiples": limits.multiples,
-        "allocation": counts,
-        "dropped": {str(layer): d for layer, d in zip(limits.layers, dropped)},
-        "fitness_value": sign * value,
-        "uniform": {"allocation": list(uniform), "fitness_value": sign * uniform_value},
-        "evaluations": 2,
-        "steps": config.steps,
-        "stopped": {"reason": "steps"},
-        "training": history,
-        "keep_logits": {
-            str(layer): [round(float(v), 6) for v in part]
-            for layer, part in zip(limits.layers, layout.split(final))
+    document = SearchDocument(
+        head={"allocation_method": "gradient"},
+        fitness=fitness,
+        higher_is_better=sign > 0,
+        config=training_settings(config),
+        found={
+            "budget": budget,
+            "layers": limits.layers,
+            "num_experts": limits.num_experts,
+            "top_k": limits.top_k,
+            "caps": limits.caps,
+            "multiples": limits.multiples,
+            "allocation": counts,
+            "dropped": {str(layer): d for layer, d in zip(limits.layers, dropped)},
+        },
+        fitness_value=sign * value,
+        references={"uniform": {"allocation": list(uniform), "fitness_value": sign * uniform_value}},
+        evaluations=2,
+        steps=config.steps,
+        stopped={"reason": "steps"},
+        history={
+            "training": history,
+            "keep_logits": {
+                str(layer): rounded(part) for layer, part in zip(limits.layers, layout.split(final))
+            },
         },
         **evaluator.data_summary(),
-        "timings_s": {
-            "teacher_pass": round(evaluator.teacher_seconds, 3),
-            "training": round(train_seconds, 3),
-            "evaluation": round(time.perf_counter() - eval_start, 3),
-            "total": round(seconds, 3),
-        },
-    }
+        timings_s=timings(evaluator, train_seconds, eval_start, start),
+    ).to_json()
     evaluator.release()
     if not math.isfinite(value):
         raise MoePruneError("the gradient allocation's plan scored a non-finite fitness")

@@ -19,7 +19,7 @@ form. Each training step:
    through: the forward sees the hard one-hot w, the backward softmax(z), so the loss sees what
    switching a form would do. An expert not narrowed in the hard plan is scored narrowed at the
    plan's width. Routing is kept, as drop's gradient allocation (its `--reroute none` form);
-4. the loss is the same top-k KL from the full model as drop's (search/gradient.py `_batch_loss`);
+4. the loss is the same top-k KL from the full model as drop's (search/training.py `batch_loss`);
 5. Adam on theta after removing the gradient's component along the expected kept parameters
    E = sum_e sum_f softmax(theta_e)_f cost_f (the budget's normal), then a retraction puts E back
    on the budget by theta_e,f += c x price_f (price: the form's parameters over a whole expert's;
@@ -67,24 +67,18 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.search.candidates import CandidateEvaluator
+from moeprune.search.document import SearchDocument
 from moeprune.search.form_projection import (
+    FormPlan,
     forms_of_plan,
     plan_order,
     project_forms,
 )
-from moeprune.search.form_training import (
-    _Forms,
-    _Problem,
-    _rounded,
-    _seeds_document,
-    _split,
-    _start,
-    _timings,
-    _train,
-)
-from moeprune.search.gradient import training_settings
+from moeprune.search.form_training import FormLogits, Forms, Problem, seeds_document, split, start_logits
 from moeprune.search.mixed_space import MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
+from moeprune.search.space import listed
+from moeprune.search.training import rounded, timings, train_logits, training_settings
 from moeprune.surgery.lowrank import Fits
 from moeprune.surgery.mixed import (
     MixedOptions,
@@ -117,6 +111,47 @@ def check_gradient_family(moe: MoEModel, limits: LayerLimits) -> None:
             )
 
 
+def _problem(request: PlanRequest, fits: Fits | None) -> tuple[Problem, Any, int]:
+    """What the training projects onto, the observed domains and the novice rank; bad input
+    (a family or width step the training cannot serve, a rank without fits) refused first."""
+    moe, sparsity = request.moe, request.sparsity
+    options: MixedOptions = request.options or MixedOptions()
+    rank = options.novice_rank
+    if rank and fits is None:
+        raise MoePruneError(
+            f"the gradient allocation with --novice-rank {rank} needs every expert's fit first"
+        )
+    limits = layer_limits(moe, request.expert_multiple)
+    check_gradient_family(moe, limits)
+    costs = stepped_costs(moe, limits, sparsity, options)
+    check_gradient_steps([c.step for c in costs])  # the projection fills neuron by neuron
+    target = (1 - sparsity) * sum(c.experts * c.expert() for c in costs)
+    domains = require_stats(request.domains, "the mixed gradient allocation")
+    forms = Forms(
+        moe, costs, limits, domains, check_importance(options.neuron_importance), fits if rank else None
+    )
+    sizes = [c.experts for c in costs]
+    return Problem(costs, sizes, target, torch.cat(forms.allowed), forms, limits), domains, rank
+
+
+def _trained(
+    request: PlanRequest, problem: Problem, final: torch.Tensor
+) -> tuple[FormPlan, list[list[int]], Any]:
+    """The projection of the trained logits (no noise), the per-layer orders under which
+    `mixed_plan` makes exactly it, and that plan."""
+    moe, limits = request.moe, problem.limits
+    z: list[np.ndarray] = [t.numpy() for t in problem.forms.scores(final, problem.sizes)]
+    plan = project_forms(problem.costs, z, problem.target, limits.layers, limits.groups)
+    orders = [
+        plan_order(plan, pos, z[pos], moe.protected.get(m.index, ())) for pos, m in enumerate(moe.layers)
+    ]
+    chosen = replace(
+        request,
+        scores=[LayerScores(layer=s.layer, scores=s.scores, order=o) for s, o in zip(request.scores, orders)],
+    )
+    return plan, orders, mixed_plan(chosen, plan.genes)
+
+
 def run_gradient_mixed(
     request: PlanRequest,
     search_data: CalibrationData,
@@ -131,26 +166,14 @@ def run_gradient_mixed(
     runtime = runtime or SearchRuntime()
     fitness = check_fitness(config.fitness)
     config.validate()
-    moe, sparsity = request.moe, request.sparsity
-    options: MixedOptions = request.options or MixedOptions()
-    rank = options.novice_rank
-    if rank and fits is None:
-        raise MoePruneError(
-            f"the gradient allocation with --novice-rank {rank} needs every expert's fit first"
-        )
-    limits = layer_limits(moe, request.expert_multiple)
-    check_gradient_family(moe, limits)
-    costs = stepped_costs(moe, limits, sparsity, options)
-    check_gradient_steps([c.step for c in costs])  # the projection fills neuron by neuron
-    target = (1 - sparsity) * sum(c.experts * c.expert() for c in costs)
-    domains = require_stats(request.domains, "the mixed gradient allocation")
-    forms = _Forms(
-        moe, costs, limits, domains, check_importance(options.neuron_importance), fits if rank else None
-    )
+    moe = request.moe
+    problem, domains, rank = _problem(request, fits)
+    limits, target = problem.limits, problem.target
     # the evo search's generation 0 (search/mixed_space.py): one line when no recipe meets the budget
-    seeds = MixedSpace(costs, limits.layers, sparsity).seeds(limits, options)
+    seeds = MixedSpace(problem.costs, limits.layers, request.sparsity).seeds(
+        limits, request.options or MixedOptions()
+    )
     plans: dict[tuple, Any] = {("seed", name): mixed_plan(request, as_genes(g)) for name, g in seeds.items()}
-    sizes = [c.experts for c in costs]
     start = time.perf_counter()
     evaluator = CandidateEvaluator(
         moe, search_data, [s.order for s in request.scores], fitness=fitness, seed=config.seed,
@@ -159,21 +182,12 @@ def run_gradient_mixed(
     )  # fmt: skip
     values = {name: evaluator.evaluate(("seed", name)) for name in seeds}  # type: ignore[arg-type]
     first = max(values, key=lambda name: values[name])  # the best recipe on the search data (ties: the first)
-    problem = _Problem(costs, sizes, target, torch.cat(forms.allowed), forms, limits)
-    theta, width = _start(moe, problem, plans[("seed", first)])
-    history, train_seconds = _train(moe, problem, theta, width, evaluator, config, runtime.progress)
-    groups, layers = limits.groups, limits.layers
+    theta, width = start_logits(moe, problem, plans[("seed", first)])
+    relaxation = FormLogits(moe, problem, width)
+    history, train_seconds = train_logits(moe, relaxation, theta, evaluator, config, runtime.progress)
+    layers = limits.layers
     final = theta.detach().double()
-    z: list[np.ndarray] = [t.numpy() for t in forms.scores(final, sizes)]
-    plan = project_forms(costs, z, target, layers, groups)
-    orders = [
-        plan_order(plan, pos, z[pos], moe.protected.get(m.index, ())) for pos, m in enumerate(moe.layers)
-    ]
-    chosen = replace(
-        request,
-        scores=[LayerScores(layer=s.layer, scores=s.scores, order=o) for s, o in zip(request.scores, orders)],
-    )
-    plans[("trained",)] = mixed_plan(chosen, plan.genes)
+    plan, orders, plans[("trained",)] = _trained(request, problem, final)
     eval_start = time.perf_counter()
     value = evaluator.evaluate(("trained",))  # type: ignore[arg-type]
     sign = evaluator.sign
@@ -183,35 +197,45 @@ def run_gradient_mixed(
     else:
         returned, genes, saved = first, list(seeds[first]), plans[("seed", first)]
         orders = [list(s.order) for s in request.scores]
-    document = {
-        "allocation_method": "gradient",
-        "space": "mixed forms (whole, narrowed, novice, dropped) per routed expert",
-        "fitness": fitness,
-        "higher_is_better": sign > 0,
-        "config": training_settings(config),
-        "layers": layers,
-        "routed_parameters_target": target,
-        "routed_parameters_kept": saved.extra["routed_parameters_kept"],
-        **({"novice_rank": rank} if rank else {}),
-        "returned": returned,
-        "genes": [list(g) for g in genes],
-        "narrowed_neurons": [list(lp.neurons.values()) for lp in saved.layers],
-        "forms": forms_of_plan(saved),
-        "fitness_value": sign * max(value, values[first]),
-        "trained": {
-            "genes": [list(g) for g in trained],
-            "fitness_value": sign * value,
-            "forms": forms_of_plan(plans[("trained",)]),
+    document = SearchDocument(
+        head={
+            "allocation_method": "gradient",
+            "space": "mixed forms (whole, narrowed, novice, dropped) per routed expert",
         },
-        **_seeds_document(seeds, values, sign, first),
-        "evaluations": len(seeds) + 1,
-        "steps": config.steps,
-        "stopped": {"reason": "steps"},
-        "training": history,
-        "form_logits": {str(layer): _rounded(part) for layer, part in zip(layers, _split(final, sizes))},
+        fitness=fitness,
+        higher_is_better=sign > 0,
+        config=training_settings(config),
+        found={
+            "layers": layers,
+            "routed_parameters_target": target,
+            "routed_parameters_kept": saved.extra["routed_parameters_kept"],
+            **({"novice_rank": rank} if rank else {}),
+            "returned": returned,
+            "genes": listed(genes),
+            "narrowed_neurons": [list(lp.neurons.values()) for lp in saved.layers],
+            "forms": forms_of_plan(saved),
+        },
+        fitness_value=sign * max(value, values[first]),
+        references={
+            "trained": {
+                "genes": listed(trained),
+                "fitness_value": sign * value,
+                "forms": forms_of_plan(plans[("trained",)]),
+            },
+            **seeds_document(seeds, values, sign, first),
+        },
+        evaluations=len(seeds) + 1,
+        steps=config.steps,
+        stopped={"reason": "steps"},
+        history={
+            "training": history,
+            "form_logits": {
+                str(layer): rounded(part) for layer, part in zip(layers, split(final, problem.sizes))
+            },
+        },
         **evaluator.data_summary(),
-        "timings_s": _timings(evaluator, train_seconds, eval_start, start),
-    }
+        timings_s=timings(evaluator, train_seconds, eval_start, start),
+    ).to_json()
     evaluator.release()
     if not math.isfinite(value):
         raise MoePruneError("the gradient allocation's mixed plan scored a non-finite fitness")

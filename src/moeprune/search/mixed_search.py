@@ -28,25 +28,16 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.distributed import rank_and_world
-from moeprune.search.evo import SeededSearch, generations_document
+from moeprune.search.document import SearchDocument, evo_settings
+from moeprune.search.evo import EvoSearch, generations_document
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import model_fingerprint, run_seeded_search
+from moeprune.search.space import listed
 from moeprune.surgery.lowrank import Fits, moments_bytes
 from moeprune.surgery.mixed import mixed_options, mixed_plan, stepped_costs
 from moeprune.surgery.plans import virtual_plan
 from moeprune.surgery.registry import PlanRequest
-
-
-class MixedSearch(SeededSearch):
-    """EvoSearch whose candidates are mixed genes; generation 0 starts with the named seeds."""
-
-    def _space(self) -> dict[str, Any]:
-        return {
-            "target": self.space.target,
-            "layers": self.space.layers,
-            "seeds": {k: [list(g) for g in v] for k, v in self.seeds.items()},
-        }
 
 
 def check_mixed_seeds(moe: MoEModel, config: PruneConfig) -> None:
@@ -110,7 +101,7 @@ def search_mixed(
     }
     start = time.perf_counter()
     result, search, evaluator = run_seeded_search(
-        lambda evaluate, io: MixedSearch(evaluate, space, seeds, search_config, io=io),
+        lambda evaluate, io: EvoSearch(evaluate, space, seeds, search_config, io=io),
         moe, search_set, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
         plan_context=plan_context, prefix_key=space.prefix_key,
     )  # fmt: skip
@@ -118,45 +109,44 @@ def search_mixed(
     sign = evaluator.sign
     best = cast(Genes, result.best)  # EvoSearch keys candidates as tuples: here, of genes
     cache = cast(dict[Any, float], search.cache)
-    document = {
-        "fitness": fitness,
-        "higher_is_better": sign > 0,
-        "space": "mixed genes (whole, narrowed, novice, dropped, width) per MoE layer",
-        "config": {
-            k: getattr(search_config, k)
-            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
+    document = SearchDocument(
+        fitness=fitness,
+        higher_is_better=sign > 0,
+        space="mixed genes (whole, narrowed, novice, dropped, width) per MoE layer",
+        config=evo_settings(search_config),
+        found={
+            "layers": limits.layers,
+            "routed_parameters_target": space.target,
+            **_novice_note(moe, rank),
+            "genes": listed(best),
+            "narrowed_neurons": space.widths(best),
         },
-        "layers": limits.layers,
-        "routed_parameters_target": space.target,
-        **(
-            {
-                "novice_rank": rank,
-                "novice_moments_bytes": moments_bytes(
-                    moe, {m.index: range(m.num_experts) for m in moe.layers}
-                ),
+        fitness_value=sign * result.best_fitness,
+        references={
+            "seeds": {
+                name: {"genes": listed(g), "fitness_value": sign * cache[g]} for name, g in seeds.items()
             }
-            if rank
-            else {}
-        ),
-        "genes": [list(g) for g in best],
-        "narrowed_neurons": space.widths(best),
-        "fitness_value": sign * result.best_fitness,
-        "seeds": {
-            name: {"genes": [list(g) for g in genes], "fitness_value": sign * cache[genes]}
-            for name, genes in seeds.items()
         },
-        "evaluations": result.evaluations,
-        "stopped": result.stopped,
-        "generations": generations_document(result.history, sign, "best_genes"),
+        evaluations=result.evaluations,
+        stopped=result.stopped,
+        history={"generations": generations_document(result.history, sign, "best_genes")},
         **evaluator.data_summary(),
-        "timings_s": {
+        timings_s={
             "teacher_pass": round(evaluator.teacher_seconds, 3),
             "total": round(seconds, 3),
             "per_evaluation": round(
                 (seconds - evaluator.teacher_seconds) / max(1, evaluator.counters["candidates"]), 4
             ),
         },
-        "speedups": {"resume_mode": evaluator.mode, **evaluator.counters},
-    }
+        speed={"speedups": {"resume_mode": evaluator.mode, **evaluator.counters}},
+    ).to_json()
     evaluator.release()
     return list(best), document
+
+
+def _novice_note(moe: MoEModel, rank: int) -> dict[str, Any]:
+    """search.json's novice rank and the moments its fits read (nothing at rank 0)."""
+    if not rank:
+        return {}
+    experts = {m.index: range(m.num_experts) for m in moe.layers}
+    return {"novice_rank": rank, "novice_moments_bytes": moments_bytes(moe, experts)}

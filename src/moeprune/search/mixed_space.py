@@ -21,9 +21,9 @@ budget (drop and novices come in whole experts) narrows as few experts as the fi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from moeprune.allocate.trapezoid import TrapezoidLayer, trapezoid_allocation
 from moeprune.config import SearchConfig
 from moeprune.errors import InfeasibleBudgetError, MoePruneError
 from moeprune.models.adapter import ExpertCost
+from moeprune.search.space import listed_seeds
 from moeprune.surgery.mixed import (
     LayerCosts,
     LayerGene,
@@ -90,10 +91,11 @@ class MixedSpace:
         return tuple((*g[:4], tuple(ws)) for g, ws in zip(candidate, self.widths(candidate)))
 
     # -- the seeds ------------------------------------------------------------------------------
-    def repair(self, genes: list[LayerGene]) -> Genes | None:
-        """`genes` made feasible by narrowing as few experts as the fill needs (a whole one when
-        they keep too much, a novice or dropped one when too little), round-robin over layers."""
-        cand = as_candidate(genes)
+    def repair(self, candidate: Genes, rng: np.random.Generator | None = None) -> Genes | None:
+        """`candidate` made feasible by narrowing as few experts as the fill needs (a whole one when
+        it keeps too much, a novice or dropped one when too little), round-robin over layers (no
+        randomness: `rng` is unused)."""
+        cand = candidate
         for step in range(sum(c.experts for c in self.costs) + 1):
             if self.feasible(cand):
                 return self.canonical(cand)
@@ -124,7 +126,7 @@ class MixedSpace:
         or the layers' limits rule out is left out (search.json lists the seeds it kept)."""
         out: dict[str, Genes] = {}
         for name, genes in self.recipes(limits, uniform).items():
-            cand = self.repair(genes) if genes is not None else None
+            cand = self.repair(as_candidate(genes)) if genes is not None else None
             if cand is not None and cand not in out.values():
                 out[name] = cand
         if not out:
@@ -172,6 +174,10 @@ class MixedSpace:
             except MoePruneError:
                 recipes[name] = None
         return recipes
+
+    def describe(self, seeds: Mapping[str, Genes]) -> dict[str, Any]:
+        """The search state's account of the space: the budget, the layers and the seeds."""
+        return {"target": self.target, "layers": self.layers, "seeds": listed_seeds(seeds)}
 
     # -- mutation -------------------------------------------------------------------------------
     def initial(self, seeds: Sequence[Genes], config: SearchConfig, rng: np.random.Generator) -> list[Genes]:

@@ -41,7 +41,8 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, SeededSearch
+from moeprune.search.document import SearchDocument, evo_settings
+from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
 from moeprune.surgery.registry import COUNTS
@@ -136,7 +137,7 @@ def run_evo_search(
         return evaluator
 
     parallel = _DataParallel(built, lambda: search, race_log, race) if world > 1 else None
-    search = EvoSearch(  # validates the config (population >= elites) before any model runs
+    search = EvoSearch.counts(  # validates the config (population >= elites) before any model runs
         lambda allocation: _evaluate(built(), search, race_log, allocation, race),
         budget,
         limits.caps,
@@ -202,7 +203,7 @@ class _DataParallel:
     def __init__(
         self,
         evaluator: Callable[[], CandidateEvaluator],
-        search: Callable[[], EvoSearch],
+        search: Callable[[], EvoSearch[Allocation]],
         race_log: _RaceLog,
         race: bool,
     ) -> None:
@@ -224,7 +225,11 @@ class _DataParallel:
 
 
 def _evaluate(
-    evaluator: CandidateEvaluator, search: EvoSearch, race_log: _RaceLog, allocation: Allocation, race: bool
+    evaluator: CandidateEvaluator,
+    search: EvoSearch[Allocation],
+    race_log: _RaceLog,
+    allocation: Allocation,
+    race: bool,
 ) -> float:
     threshold = _elite_threshold(search.cache, search.config.elites) if race else None
     value = evaluator.evaluate(allocation, threshold)
@@ -235,8 +240,8 @@ def _evaluate(
 
 def _search_document(
     evaluator: CandidateEvaluator,
-    search: EvoSearch,
-    result: EvoResult,
+    search: EvoSearch[Allocation],
+    result: EvoResult[Allocation],
     race_log: _RaceLog,
     limits: LayerLimits,
     race: bool,
@@ -249,60 +254,49 @@ def _search_document(
     (None in one process), as `_totals` gives them."""
     sign = evaluator.sign
     counters, distributed = dict(totals[0]), totals[1]
-    uniform = search.uniform  # the uniform allocation, as the search's fitness cache holds it
-    raced = race_log.per_generation()
-    generations = [
-        {
-            "generation": h.generation,
-            "best": sign * h.best,
-            "mean": sign * h.mean,
-            "fitnesses": [sign * f for f in h.fitnesses],
-            "new_evaluations": h.new_evaluations,
-            "raced": raced.get(h.generation, 0),
-            "best_allocation": h.best_allocation,
-        }
-        for h in result.history
-    ]
+    uniform = search.seeds["uniform"]  # the uniform allocation, as the search's fitness cache holds it
     evaluations_here = counters["candidates"]
-    document = {
-        "fitness": evaluator.fitness,
-        "higher_is_better": sign > 0,
-        # the search core's settings (the fitness has its own key; the samples are the search data's)
-        "config": {
-            k: getattr(search.config, k)
-            for k in ("population", "elites", "generations", "delta_max", "tau_max", "seed", "patience")
+    return SearchDocument(
+        fitness=evaluator.fitness,
+        higher_is_better=sign > 0,
+        config=evo_settings(search.config),
+        found={
+            "budget": sum(uniform),  # the uniform allocation removes exactly the budget
+            "layers": limits.layers,
+            "num_experts": limits.num_experts,
+            "top_k": limits.top_k,
+            "caps": limits.caps,
+            "multiples": limits.multiples,
+            "allocation": list(result.best),
         },
-        "budget": search.feas.budget,
-        "layers": limits.layers,
-        "num_experts": limits.num_experts,
-        "top_k": limits.top_k,
-        "caps": limits.caps,
-        "multiples": limits.multiples,
-        "allocation": list(result.best),
-        "fitness_value": sign * result.best_fitness,
-        "uniform": {"allocation": list(uniform), "fitness_value": sign * search.cache[uniform]},
-        "evaluations": result.evaluations,
-        "stopped": result.stopped,
-        "generations": generations,
+        fitness_value=sign * result.best_fitness,
+        references={"uniform": {"allocation": list(uniform), "fitness_value": sign * search.cache[uniform]}},
+        evaluations=result.evaluations,
+        stopped=result.stopped,
+        history={
+            "generations": generations_document(
+                result.history, sign, "best_allocation", race_log.per_generation()
+            )
+        },
         **evaluator.data_summary(),
-        "timings_s": {
+        timings_s={
             "teacher_pass": round(evaluator.teacher_seconds, 3),
             "total": round(seconds, 3),
             "per_evaluation": round((seconds - evaluator.teacher_seconds) / max(1, evaluations_here), 4),
         },
-        "speedups": {
-            "resume_mode": evaluator.mode,
-            "racing": race,
-            "prefix_cache_budget_bytes": evaluator.prefix_cache.max_bytes,
-            "prefix_cache_peak_bytes": evaluator.prefix_cache.peak_bytes,
-            "prefix_cache_evictions": evaluator.prefix_cache.evictions,
-            **counters,
+        speed={
+            "speedups": {
+                "resume_mode": evaluator.mode,
+                "racing": race,
+                "prefix_cache_budget_bytes": evaluator.prefix_cache.max_bytes,
+                "prefix_cache_peak_bytes": evaluator.prefix_cache.peak_bytes,
+                "prefix_cache_evictions": evaluator.prefix_cache.evictions,
+                **counters,
+            },
+            "raced_evaluations": race_log.listed(),
+            **({"distributed": distributed} if distributed is not None else {}),
         },
-        "raced_evaluations": race_log.listed(),
-    }
-    if distributed is not None:
-        document["distributed"] = distributed
-    return document
+    ).to_json()
 
 
 def search_state_path(output: Path) -> Path:
@@ -361,7 +355,7 @@ def search_allocation(
 
 
 def run_seeded_search(
-    make_search: Callable[[Callable[[Any], float], EvoIO], SeededSearch],
+    make_search: Callable[[Callable[[Any], float], EvoIO], EvoSearch[Any]],
     moe: MoEModel,
     search_set: CalibrationData,
     orders: Sequence[Sequence[int]],
@@ -370,9 +364,9 @@ def run_seeded_search(
     runtime: SearchRuntime,
     plan_context: Callable[[CandidateEvaluator, Any], Any],
     prefix_key: Callable[[Any], tuple] | None = None,
-) -> tuple[EvoResult, SeededSearch, CandidateEvaluator]:
+) -> tuple[EvoResult[Any], EvoSearch[Any], CandidateEvaluator]:
     """EvoESAP over a space of its own (mixed genes, joint counts or genes with schemes): the
-    search `make_search(evaluate, io)` builds (a SeededSearch over its space and seeds), each
+    search `make_search(evaluate, io)` builds (an EvoSearch over its space and seeds), each
     candidate applied by `plan_context(evaluator, candidate)` and scored by one
     `CandidateEvaluator` on `search_set`, its state checkpointed at `runtime.state_path` (rank 0
     writes it; every rank runs the same search). Returns the result, the search (its fitness
