@@ -57,6 +57,16 @@ def evo_settings(config: SearchConfig) -> dict[str, Any]:
     return {k: getattr(config, k) for k in EVO_SETTINGS}
 
 
+def evo_timings(teacher_seconds: float, seconds: float, evaluations: int) -> dict[str, float]:
+    """search.json's times of an evo search: the teacher pass, the whole search, and one candidate
+    evaluation (the search's time after the teacher pass, over the candidates it evaluated)."""
+    return {
+        "teacher_pass": round(teacher_seconds, 3),
+        "total": round(seconds, 3),
+        "per_evaluation": round((seconds - teacher_seconds) / max(1, evaluations), 4),
+    }
+
+
 @dataclass
 class SearchDocument:
     """search.json (module docstring for the sections and their order)."""

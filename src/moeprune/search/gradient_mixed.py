@@ -176,10 +176,14 @@ def run_gradient_mixed(
     plans: dict[tuple, Any] = {("seed", name): mixed_plan(request, as_genes(g)) for name, g in seeds.items()}
     start = time.perf_counter()
     evaluator = CandidateEvaluator(
-        moe, search_data, [s.order for s in request.scores], fitness=fitness, seed=config.seed,
+        moe,
+        search_data,
+        [s.order for s in request.scores],
+        fitness=fitness,
+        seed=config.seed,
         runtime=replace(runtime, fast=False, candidate_context=None),
         plan_context=lambda key: virtual_plan(moe, plans[key], domains, fits if rank else None),
-    )  # fmt: skip
+    )
     values = {name: evaluator.evaluate(("seed", name)) for name in seeds}  # type: ignore[arg-type]
     first = max(values, key=lambda name: values[name])  # the best recipe on the search data (ties: the first)
     theta, width = start_logits(moe, problem, plans[("seed", first)])
@@ -258,9 +262,16 @@ def gradient_mixed_allocation(
     and search.json. `novices`: with a novice rank R > 0, every routed expert's rank-R fit."""
     ordered = protected_order(scores, moe.protected)  # super experts last
     request = PlanRequest(
-        moe, criterion, ordered, config.sparsity_value(), "gradient", "mixed", stats=stats,
-        expert_multiple=config.expert_multiple, options=mixed_options(config),
-    )  # fmt: skip
+        moe,
+        criterion,
+        ordered,
+        config.sparsity_value(),
+        "gradient",
+        "mixed",
+        stats=stats,
+        expert_multiple=config.expert_multiple,
+        options=mixed_options(config),
+    )
     genes, orders, document = run_gradient_mixed(
         request, search_set, config=config.search, runtime=runtime, fits=novices
     )

@@ -28,7 +28,7 @@ from moeprune.errors import MoePruneError
 from moeprune.models.adapter import MoEModel
 from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.distributed import rank_and_world
-from moeprune.search.document import SearchDocument, evo_settings
+from moeprune.search.document import SearchDocument, evo_settings, evo_timings
 from moeprune.search.evo import EvoSearch, generations_document
 from moeprune.search.mixed_space import Genes, MixedSpace, as_genes
 from moeprune.search.options import SearchRuntime
@@ -70,20 +70,22 @@ def search_mixed(
     options = mixed_options(config)  # a dict of fields (an unchecked config) too: its rank counts
     sparsity = config.sparsity_value()
     rank = options.novice_rank
-    if rank and novices is None:
-        raise MoePruneError(
-            f"a mixed search with --novice-rank {rank} scores rank-{rank} novices: fit every expert first "
-            "(surgery/lowrank.py fit_every_novice) and pass them as novices"
-        )
-    fits = novices if rank else None
+    fits = _rank_fits(rank, novices)
     limits = layer_limits(moe, config.expert_multiple)
     space = MixedSpace(stepped_costs(moe, limits, sparsity, options), limits.layers, sparsity)
     seeds = space.seeds(limits, options)
     ordered = protected_order(scores, moe.protected)  # super experts last: dropped never, whole first
     request = PlanRequest(
-        moe, criterion, ordered, sparsity, "evo", "mixed", stats=stats,
-        expert_multiple=config.expert_multiple, options=options,
-    )  # fmt: skip
+        moe,
+        criterion,
+        ordered,
+        sparsity,
+        "evo",
+        "mixed",
+        stats=stats,
+        expert_multiple=config.expert_multiple,
+        options=options,
+    )
     domains = request.domains
 
     def plan_context(_, candidate: Genes):
@@ -102,9 +104,14 @@ def search_mixed(
     start = time.perf_counter()
     result, search, evaluator = run_seeded_search(
         lambda evaluate, io: EvoSearch(evaluate, space, seeds, search_config, io=io),
-        moe, search_set, [s.order for s in ordered], fingerprint=fingerprint, runtime=runtime,
-        plan_context=plan_context, prefix_key=space.prefix_key,
-    )  # fmt: skip
+        moe,
+        search_set,
+        [s.order for s in ordered],
+        fingerprint=fingerprint,
+        runtime=runtime,
+        plan_context=plan_context,
+        prefix_key=space.prefix_key,
+    )
     seconds = time.perf_counter() - start
     sign = evaluator.sign
     best = cast(Genes, result.best)  # EvoSearch keys candidates as tuples: here, of genes
@@ -131,17 +138,21 @@ def search_mixed(
         stopped=result.stopped,
         history={"generations": generations_document(result.history, sign, "best_genes")},
         **evaluator.data_summary(),
-        timings_s={
-            "teacher_pass": round(evaluator.teacher_seconds, 3),
-            "total": round(seconds, 3),
-            "per_evaluation": round(
-                (seconds - evaluator.teacher_seconds) / max(1, evaluator.counters["candidates"]), 4
-            ),
-        },
+        timings_s=evo_timings(evaluator.teacher_seconds, seconds, evaluator.counters["candidates"]),
         speed={"speedups": {"resume_mode": evaluator.mode, **evaluator.counters}},
     ).to_json()
     evaluator.release()
     return list(best), document
+
+
+def _rank_fits(rank: int, novices: Fits | None) -> Fits | None:
+    """The fits a rank-`rank` search scores its novices with (none at rank 0: constant novices)."""
+    if rank and novices is None:
+        raise MoePruneError(
+            f"a mixed search with --novice-rank {rank} scores rank-{rank} novices: fit every expert first "
+            "(surgery/lowrank.py fit_every_novice) and pass them as novices"
+        )
+    return novices if rank else None
 
 
 def _novice_note(moe: MoEModel, rank: int) -> dict[str, Any]:

@@ -45,8 +45,17 @@ from moeprune.surgery.mixed import (
 
 Genes = tuple[tuple[int, int, int, int, int], ...]  # per MoE layer: astuple(LayerGene)
 _MAX_STEP_TRIES = 64  # redraws of one infeasible step before the offspring is its parent
-MOVES = ("whole>narrowed", "narrowed>whole", "width", "novice>dropped", "dropped>novice",
-          "narrowed>novice", "novice>narrowed", "narrowed>dropped", "dropped>narrowed")  # fmt: skip
+MOVES = (
+    "whole>narrowed",
+    "narrowed>whole",
+    "width",
+    "novice>dropped",
+    "dropped>novice",
+    "narrowed>novice",
+    "novice>narrowed",
+    "narrowed>dropped",
+    "dropped>narrowed",
+)
 
 
 def as_genes(candidate: Genes) -> list[LayerGene]:

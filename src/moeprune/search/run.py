@@ -41,7 +41,7 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.distributed import all_gather_objects, rank_and_world, split_map
 from moeprune.search.candidates import TEXT_ONLY_NOTE, CandidateEvaluator
-from moeprune.search.document import SearchDocument, evo_settings
+from moeprune.search.document import SearchDocument, evo_settings, evo_timings
 from moeprune.search.evo import Allocation, EvoIO, EvoResult, EvoSearch, generations_document
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import SEARCHES, Search, Searched, SearchJob
@@ -279,11 +279,7 @@ def _search_document(
             )
         },
         **evaluator.data_summary(),
-        timings_s={
-            "teacher_pass": round(evaluator.teacher_seconds, 3),
-            "total": round(seconds, 3),
-            "per_evaluation": round((seconds - evaluator.teacher_seconds) / max(1, evaluations_here), 4),
-        },
+        timings_s=evo_timings(evaluator.teacher_seconds, seconds, evaluations_here),
         speed={
             "speedups": {
                 "resume_mode": evaluator.mode,
@@ -385,16 +381,26 @@ def run_seeded_search(
         assert evaluator is not None, "a candidate applied before the evaluator was built"
         return plan_context(evaluator, candidate)
 
-    io = EvoIO(state_path=path, fingerprint=fingerprint, progress=runtime.progress and rank == 0,
-               write_state=rank == 0)  # fmt: skip
+    io = EvoIO(
+        state_path=path,
+        fingerprint=fingerprint,
+        progress=runtime.progress and rank == 0,
+        write_state=rank == 0,
+    )
     search = make_search(evaluate, io)
     if search_set.text_only:
         _LOG.warning(TEXT_ONLY_NOTE)
     config = search.config
     evaluator = CandidateEvaluator(
-        moe, search_set, orders, fitness=check_fitness(config.fitness), seed=config.seed,
-        runtime=replace(runtime, candidate_context=None), plan_context=context, prefix_key=prefix_key,
-    )  # fmt: skip
+        moe,
+        search_set,
+        orders,
+        fitness=check_fitness(config.fitness),
+        seed=config.seed,
+        runtime=replace(runtime, candidate_context=None),
+        plan_context=context,
+        prefix_key=prefix_key,
+    )
     return search.run(resume=runtime.resume), search, evaluator
 
 

@@ -41,14 +41,37 @@ class Touch:
 _FUSED = "vllm.model_executor.layers.fused_moe"
 # FusedMoEFactory's parameters that moe._sized_factory reads or rewrites by name
 FACTORY_PARAMS = tuple(
-    """
-    prefix router runner_cls runner_args custom_routing_function hash_indices_table
-    zero_expert_type enable_eplb fuse_shared_experts e_score_correction_bias tp_size
-    intermediate_size num_experts top_k renormalize use_grouped_topk num_expert_group
-    topk_group scoring_func routed_scaling_factor apply_routed_scale_to_output params_dtype
-    hidden_size gate shared_experts shared_expert_gate routed_input_transform
-    routed_output_transform n_shared_experts
-    """.split()
+    [
+        "prefix",
+        "router",
+        "runner_cls",
+        "runner_args",
+        "custom_routing_function",
+        "hash_indices_table",
+        "zero_expert_type",
+        "enable_eplb",
+        "fuse_shared_experts",
+        "e_score_correction_bias",
+        "tp_size",
+        "intermediate_size",
+        "num_experts",
+        "top_k",
+        "renormalize",
+        "use_grouped_topk",
+        "num_expert_group",
+        "topk_group",
+        "scoring_func",
+        "routed_scaling_factor",
+        "apply_routed_scale_to_output",
+        "params_dtype",
+        "hidden_size",
+        "gate",
+        "shared_experts",
+        "shared_expert_gate",
+        "routed_input_transform",
+        "routed_output_transform",
+        "n_shared_experts",
+    ]
 )
 
 TOUCHPOINTS: tuple[Touch, ...] = (
