@@ -37,7 +37,7 @@ from moeprune.models.reshape import drop_experts
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
 from moeprune.serve.moeprune_format import FormatError
-from moeprune.serve.moeprune_quantized import read_as_compressed_tensors
+from moeprune.serve.moeprune_quantized import quantize_linear_inputs, read_as_compressed_tensors
 
 _MOEPRUNE_KEYS = ("moeprune", "auto_map")  # config.json entries only the saved folder needs
 
@@ -231,14 +231,16 @@ def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
     return model if placed or device is None else model.to(device)
 
 
-def read_activations(model: PreTrainedModel, path: Path) -> None:
-    """Quantize the inputs of the Linears whose compressed-tensors config group quantizes
-    activations (fp8-dynamic), as the library's forward does, so the model computes what the
-    compressed-tensors stack computes from the same files (serve.moeprune_quantized)."""
+def read_activations(model: PreTrainedModel, path: Path, experts: bool = True) -> None:
+    """Make the loaded `model` compute what transformers with compressed-tensors computes from the
+    same files (serve.moeprune_quantized.read_as_compressed_tensors): the inputs of the Linears
+    whose config group quantizes activations (fp8-dynamic) quantized as the library's forward
+    does, and (`experts`) fp8 routed experts held in bf16 where transformers < 5.21 holds them so."""
     quant = read_config_dict(path).get("quantization_config")
     if isinstance(quant, dict):
         try:
-            read_as_compressed_tensors(model, quant, str(path))
+            read = read_as_compressed_tensors if experts else quantize_linear_inputs
+            read(model, quant, str(path))
         except FormatError as exc:
             raise MoePruneError(str(exc).removeprefix("modeling_moeprune: ")) from None
 
