@@ -179,10 +179,12 @@ def rounds_fp8_experts_to_bf16(version: str | None = None) -> bool:
 def expert_float(
     fp8: torch.Tensor, scale: torch.Tensor, block_structure: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """A float-quantized routed expert's weight as transformers decodes it while loading: fp8
-    times its scale in float32, rounded to bf16 before transformers 5.21 (then cast to the
-    model's dtype by the loader)."""
-    dense = dequantize_float(fp8, scale.to(torch.float32), block_structure)
+    """A float-quantized routed expert's weight as transformers decodes it while loading: before
+    5.21 the product rounded to bf16 whatever the model's dtype (exactly the scale's-dtype
+    product for a bf16 scale, as a float32 one's rounded); from 5.21 on, with float32 scales, the
+    float32 product, which `dequantize_float` gives (with bf16 scales 5.21+ keeps float32 products
+    in a float32 model where moeprune keeps the library's bf16 ones: docs/quantization.md)."""
+    dense = dequantize_float(fp8, scale, block_structure)
     return dense.to(torch.bfloat16) if rounds_fp8_experts_to_bf16() else dense
 
 
@@ -259,7 +261,7 @@ def quantize_linear_inputs(model: torch.nn.Module, quant: dict, folder: str) -> 
         chosen = (named or by_class or [None])[0]
         if chosen is None:
             continue
-        module.moeprune_input_per_token = chosen
+        setattr(module, "moeprune_input_per_token", chosen)  # noqa: B010 - an attribute torch's stub does not know
         module.register_forward_pre_hook(_quantize_input)
         hooked.append(name)
     return hooked
