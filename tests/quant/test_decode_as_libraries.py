@@ -257,3 +257,54 @@ def test_nvfp4_equals_the_library(seed, glob):
     assert ours.dtype == theirs["weight"].dtype == torch.bfloat16
     assert torch.equal(ours, theirs["weight"])
     assert torch.equal(torch.signbit(ours), torch.signbit(theirs["weight"]))  # -0 where the library has it
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 64), (5, 64), (2, 3, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_dynamic_inputs_equal_the_librarys_forward(shape, dtype):
+    """compressed-tensors' forward quantizes an FP8-dynamic Linear's input per token (a 2-D input:
+    one scale, as the library reduces it); moeprune's pre-hook computes it bit for bit, an
+    all-zero token included (the dtype's eps as its scale)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    from moeprune.serve.moeprune_quantized import fake_quantize_fp8_tokens
+
+    g = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[-1])).to(dtype)
+    x[..., 0, :] = 0  # an all-zero token (a whole zero row of a 2-D input)
+    module = torch.nn.Linear(shape[-1], 4)
+    module.quantization_status = QuantizationStatus.FROZEN
+    args = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True, symmetric=True)
+    theirs = forward_quantize(module, x, "input", args)
+    ours = fake_quantize_fp8_tokens(x)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours, theirs) and not torch.equal(ours, x)
+
+
+def test_the_inputs_quantized_are_the_linears_the_config_targets():
+    """Class and "re:" targets, a pattern's group taking precedence, `ignore`, and never a routed
+    expert (fused in transformers 5, no Linear there): the Linears hooked and only they."""
+    from moeprune.models.factory import tiny_model
+    from moeprune.serve.moeprune_quantized import quantize_linear_inputs, rounds_fp8_experts_to_bf16
+
+    model = tiny_model("deepseek_v3", qk_rope_head_dim=16)
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            "base": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}, "input_activations": fp8},
+            "o": {"targets": [r"re:.*self_attn\.o_proj$"], "weights": {"num_bits": 4, "type": "int"}},
+        },
+        "ignore": ["lm_head", r"re:.*layers\.0\.mlp\..*"],
+    }
+    hooked = set(quantize_linear_inputs(model, quant, "test"))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    want = {n for n in linears if n != "lm_head" and not n.endswith("o_proj") and ".layers.0.mlp." not in n}
+    assert hooked == want and any(".shared_experts." in n for n in hooked)
+    with pytest.raises(ValueError, match="input_activations"):
+        quant["config_groups"]["base"]["input_activations"] = dict(fp8, dynamic=False)
+        quantize_linear_inputs(model, quant, "test")
+    assert rounds_fp8_experts_to_bf16("5.20.2") and rounds_fp8_experts_to_bf16("5.16.1")
+    assert not rounds_fp8_experts_to_bf16("5.21.0") and not rounds_fp8_experts_to_bf16("5.23.0.dev0")

@@ -220,3 +220,32 @@ def test_native_refusals_name_the_reason(results):
     assert "low-rank" in native_refusal(lowrank, names)
     report = json.loads((path / "report.json").read_text())
     assert report["serving"]["vllm_native"].startswith("natively in vLLM >= 0.33")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_save_pretrained_writes_the_native_description_too(family, results, tmp_path):
+    """`moeprune.save_pretrained` of a loaded constant-novice result writes the description the
+    prune wrote, naming the tensors it stores (the parser test reads the prune's)."""
+    path = results[family]
+    moeprune.save_pretrained(moeprune.load_pretrained(path), tmp_path / "resaved")
+    written = json.loads((tmp_path / "resaved" / NATIVE_DIR / "config.json").read_text())
+    assert written == json.loads((path / NATIVE_DIR / "config.json").read_text())
+    named = written["compression_config"]["transform_config"]["expert_substitution"]
+    assert json.dumps(named).count("mean_output") > 0
+    stored = _names(tmp_path / "resaved")
+    assert all(name in stored for name in re.findall(r"[\w.]+\.mean_output", json.dumps(named)))
+
+
+def test_the_no_load_path_writes_no_novice_result_without_the_description(results, tmp_path):
+    """The no-load pipeline writes no novices (it refuses the method in one line); its moeprune-
+    format results go through the same writer, which describes none (no novices to substitute)."""
+    from helpers import run_cli
+
+    reference = results["qwen3_moe"].parent / "reference"
+    common = [reference, "--criterion", "magnitude", "--no-load", "--quiet"]
+    refused = run_cli("prune", *common, "--method", "novice", "--sparsity", "0.25", "--output", tmp_path / "n", ok=False)
+    assert refused.exit_code == 2 and "novice method" in refused.output and not (tmp_path / "n").exists()
+    run_cli("prune", *common, "--allocation", "global", "--sparsity", str(7 / 24), "--output", tmp_path / "g")
+    assert json.loads((tmp_path / "g" / "config.json").read_text())["model_type"] == "moeprune_qwen3_moe"
+    assert not (tmp_path / "g" / NATIVE_DIR).exists()
+    assert "vllm_native" not in json.dumps(json.loads((tmp_path / "g" / "report.json").read_text()).get("serving"))

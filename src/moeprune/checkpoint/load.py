@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 from moeprune.checkpoint import files, structure
 from moeprune.checkpoint.names import beside_stack, disk_tensors
 from moeprune.checkpoint.quantized import QuantizedSources, quantization_format
+from moeprune.checkpoint.structure import read_config_dict
 from moeprune.checkpoint.zero_rows import unstored_rows
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, check_config
@@ -35,6 +36,8 @@ from moeprune.models.packed import pack_like
 from moeprune.models.reshape import drop_experts
 from moeprune.runtime.device import Placement, resolve_dtype
 from moeprune.runtime.finite import check_finite_weights
+from moeprune.serve.moeprune_format import FormatError
+from moeprune.serve.moeprune_quantized import quantize_linear_inputs, read_as_compressed_tensors
 
 _MOEPRUNE_KEYS = ("moeprune", "auto_map")  # config.json entries only the saved folder needs
 
@@ -200,6 +203,7 @@ def load_pretrained(
     elif saved.version >= 3:
         model = build_skeleton(path, dtype)
         fill_from_disk(MoEModel(model), path, saved.mtp.roots if saved.mtp is not None else ())
+        read_activations(model, path)
     else:
         model = _load_legacy(path, dtype)
     # transformers declares PreTrainedModel.to with @wraps(nn.Module.to), which typeshed's _Wrapped leaves unbound
@@ -212,6 +216,7 @@ def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
     load_config(path)
     if quantization_format(path) is not None:
         model = load_dequantized(path, dtype)
+        read_activations(model, path)
         return model if device is None else model.to(device)
     on_gpu = device is not None and torch.device(device).type != "cpu"
     placed = {"device_map": {"": str(device)}} if on_gpu and _has_accelerate() else {}  # straight to the GPU
@@ -224,6 +229,20 @@ def _load_stock(path: Path, dtype: torch.dtype, device=None) -> PreTrainedModel:
             raise
         model = load_dequantized(path, dtype, rows)
     return model if placed or device is None else model.to(device)
+
+
+def read_activations(model: PreTrainedModel, path: Path, experts: bool = True) -> None:
+    """Make the loaded `model` compute what transformers with compressed-tensors computes from the
+    same files (serve.moeprune_quantized.read_as_compressed_tensors): the inputs of the Linears
+    whose config group quantizes activations (fp8-dynamic) quantized as the library's forward
+    does, and (`experts`) fp8 routed experts held in bf16 where transformers < 5.21 holds them so."""
+    quant = read_config_dict(path).get("quantization_config")
+    if isinstance(quant, dict):
+        try:
+            read = read_as_compressed_tensors if experts else quantize_linear_inputs
+            read(model, quant, str(path))
+        except FormatError as exc:
+            raise MoePruneError(str(exc).removeprefix("modeling_moeprune: ")) from None
 
 
 def load_dequantized(

@@ -39,6 +39,7 @@ from moeprune.quant.compressed import (
     SHAPE,
     ZERO,
     CompressedFormat,
+    dequantize_expert_float,
     dequantize_float,
     dequantize_nvfp4,
     dequantize_packed,
@@ -53,6 +54,7 @@ from moeprune.quant.mxfp4 import (
     dequantize_mxfp4,
     read_mxfp4_config,
 )
+from moeprune.serve.moeprune_quantized import EXPERTS
 
 QuantFormat = Fp8Format | Mxfp4Format | CompressedFormat
 SUPPORTED_QUANTIZATION = ("fp8", "mxfp4", "compressed-tensors")  # quant_method values moeprune reads
@@ -213,8 +215,8 @@ def decoder(fmt: QuantFormat | None, key: str) -> Callable[..., torch.Tensor]:
         return partial(dequantize_blocks, block=fmt.block)
     if isinstance(fmt, CompressedFormat):
         scheme = fmt.scheme_of(key.rpartition(".")[0])
-        if scheme.format == "float-quantized":
-            return partial(dequantize_float, scheme=scheme)
+        if scheme.format == "float-quantized":  # routed experts as transformers decodes them
+            return partial(dequantize_expert_float if EXPERTS in key else dequantize_float, scheme=scheme)
         if scheme.format == NVFP4_FORMAT:
             return lambda *parts: dequantize_nvfp4(dict(zip((PACKED, SCALE, GLOBAL_SCALE), parts)))
         names = (PACKED, SCALE, SHAPE, ZERO)

@@ -30,6 +30,7 @@ from moeprune.runtime.atomic import atomic_write_dir
 from moeprune.runtime.device import resolve_dtype
 from moeprune.serve.modeling_moeprune import MODELING_FILES
 from moeprune.serve.moeprune_format import auto_model_class
+from moeprune.serve.vllm_native import write_native
 
 MODELING_SOURCE = Path(__file__).resolve().parents[1] / "serve"  # the modeling files copied into results
 
@@ -198,11 +199,11 @@ def save_pretrained(
     empty = directory.is_dir() and not any(directory.iterdir())
     chosen = resolve_dtype(dtype) if dtype is not None else None
     found: list[str] = []
-    atomic_write_dir(
-        directory,
-        lambda tmp: found.append(
-            write_checkpoint(model, tmp, tokenizer, dtype=chosen, max_shard_size=max_shard_size)
-        ),
-        overwrite=overwrite or empty,
-    )
+
+    def write(tmp: Path) -> None:
+        found.append(write_checkpoint(model, tmp, tokenizer, dtype=chosen, max_shard_size=max_shard_size))
+        if found[0] == "moeprune":  # a constant-novice result: vLLM 0.33's own description too
+            write_native(tmp)
+
+    atomic_write_dir(directory, write, overwrite=overwrite or empty)
     return found[0]

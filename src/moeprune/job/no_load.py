@@ -40,13 +40,14 @@ from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
 from moeprune.quant.support import NEURON_ROUTE, refuse_quantized
 from moeprune.report.document import PruneReport
-from moeprune.report.parts import DataSummary, LayerShape, ParameterCounts, Surgery, TargetSize
+from moeprune.report.parts import DataSummary, LayerShape, ParameterCounts, Serving, Surgery, TargetSize
 from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.atomic import check_not_inside, check_output_dir, output_lock, recover
 from moeprune.runtime.device import Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
+from moeprune.serve.vllm_native import write_native
 from moeprune.shards.layout import CheckpointLayout, meta_model, quantization_format
 from moeprune.shards.mtp import NEURONS_SKIP_MTP, MtpPlan
 from moeprune.shards.neurons import check_stock_shrink, keep_summary, rewrite_neuron_checkpoint
@@ -277,6 +278,10 @@ def _publish(tmp: Path, job: _NoLoadJob, report: PruneReport, plan: Plan) -> Non
         job.timer,
         tokenizer_path=Path(job.tokenizer_path) if job.tokenizer_path else None,
     )
+    native = write_native(tmp) if report.format == "moeprune" else None  # vLLM 0.33's own description
+    if native is not None:  # a result with novices (the no-load methods write none today)
+        report.serving = report.serving or Serving()
+        report.serving.vllm_native = native
     write_evidence(tmp, evidence, meta_model(tmp))
 
 

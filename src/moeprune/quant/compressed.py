@@ -49,6 +49,7 @@ from moeprune.serve.moeprune_quantized import (
 from moeprune.serve.moeprune_quantized import dequantize_float as decode_float
 from moeprune.serve.moeprune_quantized import dequantize_nvfp4 as decode_nvfp4
 from moeprune.serve.moeprune_quantized import dequantize_packed as decode_packed
+from moeprune.serve.moeprune_quantized import expert_float as decode_expert_float
 from moeprune.serve.moeprune_quantized import unpack_int32 as unpack_words
 
 READ_FORMATS = ("pack-quantized", "float-quantized", NVFP4_FORMAT)
@@ -166,6 +167,13 @@ def dequantize_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightSc
     scale per tensor, per output channel, per group or per block."""
     block = scheme.block_structure if scheme.strategy == "block" else None
     return decode_float(weight, scale, block)
+
+
+def dequantize_expert_float(weight: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """A routed expert's float-quantized (fp8) weight as transformers decodes the fused experts
+    while loading: the product in float32, rounded to bf16 before transformers 5.21."""
+    block = scheme.block_structure if scheme.strategy == "block" else None
+    return decode_expert_float(weight, scale, block)
 
 
 def dequantize_nvfp4(tensors: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from moeprune.quant.compressed import (
     SCALE,
     SHAPE,
     ZERO,
+    dequantize_expert_float,
     dequantize_float,
     dequantize_nvfp4,
     dequantize_packed,
@@ -54,6 +55,7 @@ from moeprune.quant.mxfp4 import (
     quantize_mxfp4,
     read_mxfp4_config,
 )
+from moeprune.serve.moeprune_quantized import EXPERTS
 
 # Left in full precision, as the releases leave them: the output head, the embeddings and the
 # routers (`mlp.gate`, MiniMax's `block_sparse_moe.gate`, Qwen's `shared_expert_gate`: all end in
@@ -318,7 +320,8 @@ def _dequantized(
                 out[f"{module}.weight"] = dequantize_packed(parts, compressed.scheme_of(module)).to(dtype)
             elif last == "weight" and tensor.dtype == torch.float8_e4m3fn:
                 scheme = compressed.scheme_of(module)
-                out[name] = dequantize_float(tensor, tensors[f"{module}.{SCALE}"], scheme).to(dtype)
+                decode = dequantize_expert_float if EXPERTS in name else dequantize_float  # as the stack's
+                out[name] = decode(tensor, tensors[f"{module}.{SCALE}"], scheme).to(dtype)
             elif last == "weight":
                 out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
             continue

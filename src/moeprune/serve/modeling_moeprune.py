@@ -83,6 +83,7 @@ from .moeprune_loading import (
     resolve_folder,
 )
 from .moeprune_novices import novice_module
+from .moeprune_quantized import read_as_compressed_tensors
 
 MODELING_FILES = (
     "modeling_moeprune.py",
@@ -253,8 +254,11 @@ class MoePruneModelMixin(_StockCausalLM):
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gives tied parameters separate storage
         load_weights(model, folder, mtp_roots(config))
-        if getattr(model.config, "quantization_config", None) is not None:
-            # quantized weights were decoded: the model in memory (and what it saves) is not quantized
+        quant = getattr(model.config, "quantization_config", None)
+        if quant is not None:
+            # dynamic fp8 input activations quantized as compressed-tensors' forward does
+            read_as_compressed_tensors(model, quant if isinstance(quant, dict) else quant.to_dict(), folder)
+            # quantized weights were decoded: the model in memory (and what it saves) holds dtype weights
             del model.config.quantization_config
         model._rebuild_non_persistent_buffers(dtype, device)
         model.config.dtype = dtype

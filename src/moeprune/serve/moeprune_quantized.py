@@ -28,6 +28,19 @@ stock stack hold the same numbers:
   product rounded once to bf16), not the float32 products; nvfp4 as its compressor does: the codes
   and fp8 scales cast to bf16, the scales divided by the float32 global scale (float32 by torch's
   promotion), the product in float32, then rounded to bf16 whatever the model's dtype.
+
+and read as transformers with compressed-tensors reads them (the stack that loads the input):
+
+- routed experts (a name with `.experts.`: transformers 5 holds them fused, not as Linear
+  modules, and decodes them while loading, by `"experts"` in its conversion patterns):
+  float-quantized (fp8) ones as float32 products, rounded to bf16 by transformers before 5.21
+  (`.to(torch.bfloat16)` in its DecompressExperts, `.to(dtype)` from 5.21 on): `expert_float`;
+- the Linear modules a config group with dynamic fp8 `input_activations` targets (fp8-dynamic:
+  attention, shared experts, dense MLPs; not the routed experts, which are no Linear there)
+  quantize their input on every call, as compressed-tensors' forward does:
+  `quantize_linear_inputs` (a forward pre-hook computing `fake_quantize_fp8_tokens`);
+- before transformers 5.21, fp8 routed experts keep bf16 parameters (and compute in bf16) in a
+  model of any dtype: `hold_fp8_experts_in_bf16`. `read_as_compressed_tensors` does both.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from __future__ import annotations
 import re
 
 import torch
+import transformers
 
 from .moeprune_format import FormatError
 
@@ -150,6 +164,150 @@ def dequantize_nvfp4(
     return (groups * step[..., None]).to(torch.bfloat16).flatten(-2)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+BF16_EXPERTS_BELOW = (5, 21)  # transformers before 5.21 rounds decoded fp8 experts to bf16
+EXPERTS = ".experts."  # in a routed expert's tensor and module names (not `shared_experts.`)
+
+
+def rounds_fp8_experts_to_bf16(version: str | None = None) -> bool:
+    """Whether the installed transformers (or `version`) rounds float-quantized routed experts to
+    bf16 while loading, whatever the model's dtype (DecompressExperts before 5.21)."""
+    parts = re.findall(r"\d+", version or transformers.__version__)[:2]
+    return tuple(int(p) for p in parts) < BF16_EXPERTS_BELOW
+
+
+def expert_float(
+    fp8: torch.Tensor, scale: torch.Tensor, block_structure: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """A float-quantized routed expert's weight as transformers decodes it while loading: before
+    5.21 the product rounded to bf16 whatever the model's dtype (exactly the scale's-dtype
+    product for a bf16 scale, as a float32 one's rounded); from 5.21 on, with float32 scales, the
+    float32 product, which `dequantize_float` gives (with bf16 scales 5.21+ keeps float32 products
+    in a float32 model where moeprune keeps the library's bf16 ones: docs/quantization.md)."""
+    dense = dequantize_float(fp8, scale, block_structure)
+    return dense.to(torch.bfloat16) if rounds_fp8_experts_to_bf16() else dense
+
+
+def fake_quantize_fp8_tokens(x: torch.Tensor, per_token: bool = True) -> torch.Tensor:
+    """compressed-tensors' dynamic fp8 activation quantization, as its forward applies it to a
+    Linear's input: one scale per token (over the dimensions after the first two; a 2-D input
+    gets one scale, as the library reduces it) or per tensor, `max(|min(x, 0)|, max(x, 0)) / 448`
+    in x's dtype (an all-zero row: the dtype's eps), `x / scale` clamped to +-448, rounded to
+    e4m3 and multiplied back, each step in x's dtype."""
+    dims = tuple(range(2, x.dim())) if per_token else ()
+    if dims:
+        low, high = torch.amin(x, dim=dims, keepdim=True), torch.amax(x, dim=dims, keepdim=True)
+    else:
+        low, high = torch.aminmax(x)
+    low, high = torch.clamp(low, max=0), torch.clamp(high, min=0)
+    scale = torch.maximum(low.abs(), high.abs()) / FP8_MAX
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+    codes = torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.to(x.dtype) * scale
+
+
+def _quantize_input(module: torch.nn.Module, args: tuple) -> tuple:
+    per_token = getattr(module, "moeprune_input_per_token", True)
+    return (fake_quantize_fp8_tokens(args[0], per_token), *args[1:])
+
+
+def _input_strategy(group: dict, folder: str) -> bool | None:
+    """A config group's dynamic fp8 input quantization: True per token, False per tensor, None
+    without input quantization; any other activation scheme is refused (moeprune would misread it)."""
+    acts = group.get("input_activations")
+    if not acts:
+        return None
+    kind = (
+        acts.get("type"),
+        int(acts.get("num_bits") or 0),
+        acts.get("dynamic"),
+        acts.get("symmetric", True),
+    )
+    if kind != ("float", 8, True, True) or acts.get("strategy") not in ("token", "tensor"):
+        raise _fail(
+            f"{folder}: input_activations {acts!r} are not dynamic symmetric fp8 per token or tensor, "
+            "the only activation quantization moeprune reads; dequantize the checkpoint first"
+        )
+    return acts.get("strategy") == "token"
+
+
+def quantize_linear_inputs(model: torch.nn.Module, quant: dict, folder: str) -> list[str]:
+    """Hook every Linear of `model` that a compressed-tensors config group with dynamic fp8
+    input activations targets (its `targets`: a class name or "re:" pattern; minus `ignore`;
+    a pattern taking precedence over a class name) so that it quantizes its input as
+    compressed-tensors does; routed experts (no Linear in the stock model) are left as the
+    library leaves them. Returns the hooked modules' names."""
+    if str(quant.get("quant_method", "")).lower() != "compressed-tensors":
+        return []
+    groups = [g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+    strategies = [_input_strategy(g, folder) for g in groups]
+    if all(s is None for s in strategies):
+        return []
+    ignore = [t for t in quant.get("ignore") or () if isinstance(t, str)]
+    hooked = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or EXPERTS in f".{name}.":
+            continue
+        if any(target_matches(t, name) for t in ignore):
+            continue
+        named = [
+            s
+            for g, s in zip(groups, strategies)
+            if any(target_matches(t, name) for t in g.get("targets") or ())
+        ]
+        by_class = [
+            s for g, s in zip(groups, strategies) if type(module).__name__ in (g.get("targets") or ())
+        ]
+        chosen = (named or by_class or [None])[0]
+        if chosen is None:
+            continue
+        setattr(module, "moeprune_input_per_token", chosen)  # noqa: B010 - an attribute torch's stub does not know
+        module.register_forward_pre_hook(_quantize_input)
+        hooked.append(name)
+    return hooked
+
+
+def experts_group(quant: dict) -> dict | None:
+    """The config group transformers decodes the routed experts with (its get_experts_scheme):
+    the one whose "re:" targets name experts, else the first with a class target, else the first."""
+    groups = [
+        g for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")
+    ]
+    targets = [[t for t in g.get("targets") or () if isinstance(t, str)] for g in groups]
+    for rule in (lambda t: t.startswith("re:") and "experts" in t, lambda t: not t.startswith("re:")):
+        chosen = [g for g, names in zip(groups, targets) if any(rule(t) for t in names)]
+        if chosen:
+            return chosen[0]
+    return groups[0] if groups else None
+
+
+def hold_fp8_experts_in_bf16(model: torch.nn.Module, quant: dict) -> list[str]:
+    """Before transformers 5.21, the fused routed experts decoded from fp8 keep bf16 parameters
+    whatever the model's dtype (and so compute in bf16): the same here, for every fused experts
+    module (its own 3-D parameters). Returns the modules cast."""
+    group = (
+        experts_group(quant) if str(quant.get("quant_method", "")).lower() == "compressed-tensors" else None
+    )
+    weights = (group or {}).get("weights") or {}
+    if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or not rounds_fp8_experts_to_bf16():
+        return []
+    cast = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if name.rpartition(".")[2] == "experts" and own and all(p.dim() == 3 for p in own):
+            module.to(torch.bfloat16)
+            cast.append(name)
+    return cast
+
+
+def read_as_compressed_tensors(model: torch.nn.Module, quant: dict, folder: str) -> None:
+    """The loaded `model` computes what transformers with compressed-tensors computes from the
+    same quantized files: dynamic fp8 input activations quantized (`quantize_linear_inputs`),
+    fp8 routed experts held as that transformers holds them (`hold_fp8_experts_in_bf16`)."""
+    quantize_linear_inputs(model, quant, folder)
+    hold_fp8_experts_in_bf16(model, quant)
+
+
 def target_matches(target: str, module: str) -> bool:
     """Whether a compressed-tensors `targets` entry names `module` ("re:" regex, else the name)."""
     if target.startswith("re:"):
@@ -229,7 +387,8 @@ class StoredQuantization:
             zero = values[3] if len(values) > 3 and not scheme.get("symmetric", True) else None
             return dequantize_packed(values[0], values[1], values[2], int(scheme.get("num_bits", 8)), zero)
         block = scheme.get("block_structure") if scheme.get("strategy") == "block" else None
-        return dequantize_float(values[0], values[1], tuple(block) if block else None)
+        decode = expert_float if EXPERTS in weight else dequantize_float
+        return decode(values[0], values[1], tuple(block) if block else None)
 
     def _scheme(self, module: str) -> dict:
         """The `weights` section of the config group that quantized `module`."""

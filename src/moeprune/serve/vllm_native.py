@@ -89,7 +89,9 @@ def native_config(config: dict[str, Any], names: set[str]) -> dict[str, Any]:
     (call after native_refusal returned None)."""
     section = config["moeprune"]
     family = section["base_model_type"]
-    native = {k: v for k, v in config.items() if k not in ("moeprune", "auto_map")}
+    # moeprune's section and remote code stay behind, and so does moe_sparsity_config (whichever
+    # writer added it first): the substitution below is the whole description vLLM 0.33 reads
+    native = {k: v for k, v in config.items() if k not in ("moeprune", "auto_map", "moe_sparsity_config")}
     native.update(model_type=family, architectures=[section["base_architecture"]], **_ROUTING.get(family, {}))
     targets: dict[str, Any] = {}
     for name in sorted(names):

@@ -43,6 +43,7 @@ from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils import logging as hf_logging
 
 from moeprune.checkpoint import build_skeleton, check_model_path
+from moeprune.checkpoint.load import read_activations
 from moeprune.checkpoint.quantized import QuantizedSources
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
@@ -342,6 +343,7 @@ def observe_sequential(
     device, dtype = torch.device(options.placement.device), options.placement.dtype
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()
+    read_activations(model, path, experts=False)  # fp8-dynamic inputs quantized as the library does
     data.check_vocabulary(model)
     moe = MoEModel(model)
     layers = list(decoder_layers(model))[: max(m.index for m in moe.layers) + 1]
