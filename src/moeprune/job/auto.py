@@ -10,8 +10,9 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
-from moeprune.checkpoint import check_model_path
+from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.quantized import quantization_format
+from moeprune.data.loading import load_data
 from moeprune.errors import MoePruneError
 from moeprune.job.prepare import PlannedSizes, PruneJob, PruneRequest, plan_sizes, prepare
 from moeprune.job.run import run_job
@@ -144,8 +145,20 @@ def prune_auto(request: PruneRequest) -> dict:
     check_auto(request, auto)
     recipes = auto.method_spec.portfolio(auto)
     # the data read as the most demanding recipe reads it: the search data, per domain (TENP's)
-    base = max(recipes, key=lambda r: (bool(requirements(r.config).search), requirements(r.config).per_domain))
+    base = max(
+        recipes, key=lambda r: (bool(requirements(r.config).search), requirements(r.config).per_domain)
+    )
     job = prepare(replace(request, config=base.config))
+    if job.search_set is None:  # no recipe searches (--stock): the contest still scores on it
+        tokenizer = job.tokenizer or require_tokenizer(job.model_path, request.tokenizer_path, False)
+        search_set = load_data(
+            list(request.search_data),
+            tokenizer,
+            num_samples=auto.search.samples or None,
+            max_length=job.data.max_length,
+            seed=job.data.seed,
+        )
+        job = replace(job, tokenizer=tokenizer, search_set=search_set, search_data=list(request.search_data))
     candidates = _candidates(job, request, auto)
     if job.run.dry_run:
         plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,8 @@ def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.6))
     for row in rows:
         runs = row["runs"]
-        seconds, values = [r["seconds"] for r in runs], [r[fitness] for r in runs]
+        seconds = list(accumulate(r["seconds"] for r in runs))  # spent on the recipe so far
+        values = [r[fitness] for r in runs]
         won = row["label"] == portfolio.chosen
         (line,) = ax.plot(
             seconds,
@@ -127,7 +129,9 @@ def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
                 textcoords="offset points",
                 color=line.get_color(),
             )
-    ax.set_xlabel("seconds of the run (observation and teacher shared, not included)")
+    ax.set_xlabel(
+        "seconds spent on the recipe (its runs so far; the shared observation and teacher not included)"
+    )
     ax.set_ylabel(f"{fitness} on the search data")
     ax.set_title("auto: every recipe's plan (labels: fraction of its search budget)")
     ax.grid(alpha=0.3)
