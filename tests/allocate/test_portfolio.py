@@ -18,8 +18,8 @@ from moeprune.models.factory import tiny_model
 from moeprune.search.options import SearchRuntime
 from moeprune.search.portfolio import RUNGS, Entry, Shared, contest, halving, observe_once
 from moeprune.surgery.lowrank import fit_novices
-from moeprune.surgery.plans import apply_plan_physical
 from moeprune.surgery.planning import check_config
+from moeprune.surgery.plans import apply_plan_physical
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +52,9 @@ def test_halving_keeps_the_recipe_that_wins_at_the_full_budget():
 def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
     tokenizer = byte_tokenizer()
     torch.manual_seed(0)
-    moe = MoEModel(tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[]))
+    moe = MoEModel(
+        tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
+    )
     sets = [load_data([str(data)], tokenizer, num_samples=12, max_length=64, seed=0)]
     search = load_data([str(data)], tokenizer, num_samples=6, max_length=64, seed=1)
     configs = [
@@ -74,7 +76,9 @@ def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
     for entry in entries:
         from moeprune.search.portfolio import run_once
 
-        plan = run_once(Shared(moe, stats, sets, search, runtime, teacher=(teacher, batches)), entry.config).plan
+        plan = run_once(
+            Shared(moe, stats, sets, search, runtime, teacher=(teacher, batches)), entry.config
+        ).plan
         cut = MoEModel(copy.deepcopy(moe.model))
         apply_plan_physical(cut, plan, stats, fit_novices(cut, plan, sets) or None)
         acc = FitnessAccumulator(teacher, "esap", 0)

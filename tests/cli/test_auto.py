@@ -48,7 +48,9 @@ def test_stock_auto_saves_the_best_stock_recipe_with_its_report_and_plot(tiny_ch
     assert (out / "portfolio.png").is_file() and "auto " in done.output and best["label"] in done.output
 
 
-def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(tiny_checkpoint, data, tmp_path, monkeypatch):
+def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(
+    tiny_checkpoint, data, tmp_path, monkeypatch
+):
     import moeprune.job.run as job_run
 
     monkeypatch.setattr(job_run, "load_placed", lambda *a, **k: pytest.fail("a dry run loaded the model"))
@@ -70,7 +72,10 @@ def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(tiny_ch
         (("--search-data", "DATA"), "the auto method needs calibration data"),
         (("--data", "DATA", "--search-data", "DATA", "--no-load"), "the no-load pipeline never loads it"),
         (("--data", "DATA", "--search-data", "DATA", "--novice-rank", "4"), "novice-rank"),
-        (("--data", "DATA", "--search-data", "DATA", "--allocation", "evo"), "the auto method goes with the uniform allocation, not evo"),
+        (
+            ("--data", "DATA", "--search-data", "DATA", "--allocation", "evo"),
+            "the auto method goes with the uniform allocation, not evo",
+        ),
         (("--data", "DATA", "--method", "auto"), "the auto method needs search data"),
         (("--data", "DATA", "--method", "drop"), "--method drop needs a criterion"),
     ],

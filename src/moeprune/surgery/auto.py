@@ -16,6 +16,7 @@ whole experts or one width), so the result reloads in stock transformers and ser
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from moeprune.config import CALIBRATION, SEARCH_DATA, MethodOptions, PruneConfig
 from moeprune.config.fields import setting
@@ -30,8 +31,6 @@ NO_SEARCH_DATA_LABEL = "TENP trapezoid (--criterion tenp --method tenp)"
 
 AUTO_METHOD = "auto"  # the method's registered name (the command line's default with search data)
 
-# The criteria whose orders the recipes are tried in (`--criterion auto` with `--method auto`)
-ORDERS = ("reap", "tenp")
 TRAPEZOID_ORDER = "tenp"  # TENP's trapezoid is ordered by its own criterion
 
 
@@ -68,7 +67,7 @@ def _recipes(order: str, stock: bool) -> list[tuple[str, dict]]:
     ]
 
 
-def portfolio(config: PruneConfig) -> list[Recipe]:
+def portfolio(config: PruneConfig, orders: tuple[str, ...] = ()) -> list[Recipe]:
     """The recipes auto tries under `config`'s budget (its sparsity or target size, seeds, search
     and repair settings), cheap ones first: TENP's trapezoid, then in each order the uniform drop,
     drop + gradient, mixed + gradient (widths in steps of 1) and mixed + evo, and mixed + evo with
@@ -76,7 +75,7 @@ def portfolio(config: PruneConfig) -> list[Recipe]:
     `--stock`: the recipes a stock config expresses (uniform drop and uniform neurons per order)."""
     resolved = ResolvedConfig.of(config)
     stock = resolved.options.stock
-    orders = ORDERS if config.criterion == AUTO else (config.criterion,)
+    orders = orders if config.criterion == AUTO else (config.criterion,)
     base = replace(resolved.given(), criterion=orders[0], options=None, allocation=None)
     rows: list[tuple[str, dict]] = []
     if not stock and TRAPEZOID_ORDER in orders:
@@ -110,6 +109,7 @@ METHODS.add(
         ("uniform",),
         needs=(CALIBRATION, SEARCH_DATA),
         options=AutoOptions,
-        portfolio=portfolio,
+        # the criteria whose orders the recipes are tried in with `--criterion auto`
+        portfolio=partial(portfolio, orders=("reap", "tenp")),
     )
 )
