@@ -9,6 +9,7 @@ import logging
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import Any
 
 from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.quantized import quantization_format
@@ -87,6 +88,7 @@ def _candidates(job: PruneJob, request: PruneRequest, auto: ResolvedConfig) -> l
     ones that cannot meet it named and left out, cheapest first."""
     out = []
     samples = len(job.search_set.samples) if job.search_set is not None else 1
+    assert auto.method_spec.portfolio is not None
     for recipe in auto.method_spec.portfolio(auto):
         config = apply_ep_size(job.meta, recipe.config)
         sizes = None
@@ -119,7 +121,7 @@ def _rows(candidates: list[_Candidate], job: PruneJob) -> list[dict]:
     rows = []
     for c in candidates:
         config = c.entry.config
-        row = {
+        row: dict[str, Any] = {
             "label": c.entry.label,
             "criterion": config.criterion,
             "method": config.method,
@@ -143,6 +145,7 @@ def prune_auto(request: PruneRequest) -> dict:
     contest on the loaded model and the winner saved with its evidence; returns report.json."""
     auto = check_config(request.config)
     check_auto(request, auto)
+    assert auto.method_spec.portfolio is not None
     recipes = auto.method_spec.portfolio(auto)
     # the data read as the most demanding recipe reads it: the search data, per domain (TENP's)
     base = max(
@@ -150,7 +153,7 @@ def prune_auto(request: PruneRequest) -> dict:
     )
     job = prepare(replace(request, config=base.config))
     if job.search_set is None:  # no recipe searches (--stock): the contest still scores on it
-        tokenizer = job.tokenizer or require_tokenizer(job.model_path, request.tokenizer_path, False)
+        tokenizer: Any = job.tokenizer or require_tokenizer(job.model_path, request.tokenizer_path, False)
         search_set = load_data(
             list(request.search_data),
             tokenizer,
@@ -188,7 +191,7 @@ def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple
     run = replace(
         job.run,
         observed=(found.criterion, found.scores, stats),
-        removed=found.searched.removed,
+        removed=tuple(found.searched.removed) if found.searched.removed is not None else None,
         novices=found.searched.novices,
     )
     portfolio = Portfolio(

@@ -74,7 +74,7 @@ def portfolio(config: PruneConfig, orders: tuple[str, ...] = ()) -> list[Recipe]
     rank-16 novices in TENP's order (where they won); `--criterion NAME` keeps that order only.
     `--stock`: the recipes a stock config expresses (uniform drop and uniform neurons per order)."""
     resolved = ResolvedConfig.of(config)
-    stock = resolved.options.stock
+    stock = bool(getattr(resolved.options, "stock", False))  # AutoOptions'
     orders = orders if config.criterion == AUTO else (config.criterion,)
     base = replace(resolved.given(), criterion=orders[0], options=None, allocation=None)
     rows: list[tuple[str, dict]] = []
