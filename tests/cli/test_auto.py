@@ -46,6 +46,16 @@ def test_stock_auto_saves_the_best_stock_recipe_with_its_report_and_plot(tiny_ch
     recipe = json.loads((out / "recipe.json").read_text())["config"]
     assert (recipe["criterion"], recipe["method"]) == (best["criterion"], best["method"])  # reruns the winner
     assert (out / "portfolio.png").is_file() and "auto " in done.output and best["label"] in done.output
+    assert "## Auto: every recipe" in (out / "report.md").read_text()
+
+
+def test_the_python_api_on_a_loaded_model_takes_one_recipe():
+    from moeprune.api import prune
+    from moeprune.config import PruneConfig
+    from moeprune.errors import MoePruneError
+
+    with pytest.raises(MoePruneError, match="prune\\(\\) of a loaded model takes one recipe"):
+        prune(tiny_model("qwen3_moe"), PruneConfig("auto", 0.5, method="auto"))
 
 
 def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(
@@ -74,7 +84,7 @@ def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(
         (("--data", "DATA", "--search-data", "DATA", "--novice-rank", "4"), "novice-rank"),
         (
             ("--data", "DATA", "--search-data", "DATA", "--allocation", "evo"),
-            "the auto method goes with the uniform allocation, not evo",
+            "the auto method chooses each recipe's allocation; leave out the allocation",
         ),
         (("--data", "DATA", "--method", "auto"), "the auto method needs search data"),
         (("--data", "DATA", "--method", "drop"), "--method drop needs a criterion"),

@@ -148,6 +148,11 @@ def check_method(method: str, allocation: str | None) -> tuple[Method, Allocator
     combination that has no meaning before any work is done."""
     spec = METHODS.get(method)
     allocator = ALLOCATIONS.get(spec.allocations[0] if allocation is None else allocation)
+    if allocation is not None and spec.portfolio is not None:  # auto: each recipe has its own
+        raise MoePruneError(
+            f"the {method} method chooses each recipe's allocation; leave out the allocation",
+            options=("method", "allocation"),
+        )
     if allocator.name not in spec.allocations:
         raise MoePruneError(
             f"the {method} method goes with the {' or '.join(spec.allocations)} allocation, not {allocation}",
