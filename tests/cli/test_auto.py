@@ -47,6 +47,9 @@ def test_stock_auto_saves_the_best_stock_recipe_with_its_report_and_plot(tiny_ch
     assert (recipe["criterion"], recipe["method"]) == (best["criterion"], best["method"])  # reruns the winner
     assert (out / "portfolio.png").is_file() and "auto " in done.output and best["label"] in done.output
     assert "## Auto: every recipe" in (out / "report.md").read_text()
+    # one calibration pass for the whole contest and the winner's build (the prune takes it as given)
+    stages = [line.split()[0] for line in (out / "moeprune.log").read_text().splitlines() if line.startswith("  ")]
+    assert stages.count("observe") == 1, stages
 
 
 def test_the_python_api_on_a_loaded_model_takes_one_recipe():

@@ -214,6 +214,12 @@ def _save(
     write_evidence(tmp, evidence, moe)
 
 
+def _given(options: dict) -> dict:
+    """The run options a step before `prune` chose (the joint search's, or auto's contest's, kept
+    in the job's run options): what it left None does not replace them."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
     with stage(f"loading {job.model_path}", progress), transformers_bars_off():
@@ -233,7 +239,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         tokenizer=job.tokenizer,
         search_data=job.search_set,
         options=job.data,
-        run=replace(job.run, check_plan=plan_check(job.quantize), **before.run_options()),
+        run=replace(job.run, check_plan=plan_check(job.quantize), **_given(before.run_options())),
         search_state=search_state_path(job.output),
     )
     timer.lap("prune")
