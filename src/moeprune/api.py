@@ -308,6 +308,12 @@ def prune(
             "files and the format it is saved in (moeprune.prune_checkpoint)",
             options=("sparsity", "target_size"),
         )
+    if resolved.method_spec.portfolio is not None:
+        raise MoePruneError(
+            f"the {resolved.method} method races its recipes and saves the winner from a checkpoint "
+            "(moeprune.prune_checkpoint); prune() of a loaded model takes one recipe",
+            options=("method",),
+        )
     moe = MoEModel(model)
     check_not_packed(moe)
     check_feasible(moe, resolved)

@@ -186,11 +186,13 @@ def field_options(
     choices: dict[str, list[str]] | None = None,
     helps: dict[str, str] | None = None,
     registries: dict[str, Registry] | None = None,
+    optional: Sequence[str] = (),
 ) -> Callable:
     """Decorator: one click option per `setting` field, with the field's default (none: a required
     option), range, choices, metavar and help, so a setting is declared once and the flag follows
     it. What a config module cannot import is passed in: a registry (`registries`: its names are
-    the choices, its entries' help follows the field's), or `choices` and `helps` themselves."""
+    the choices, its entries' help follows the field's), or `choices` and `helps` themselves.
+    `optional`: required fields the command fills in itself when left out (prune's criterion)."""
     choices, helps, registries = choices or {}, helps or {}, registries or {}
 
     def decorate(func: Callable) -> Callable:
@@ -199,8 +201,8 @@ def field_options(
             registry = registries.get(name)
             allowed = choices.get(name) or (registry.names() if registry else meta.get("choices"))
             help = helps.get(name) or (registry_help(registry, meta["help"]) if registry else meta["help"])
-            required = setting.default is MISSING  # and then no default
-            default = {} if required else {"default": setting.default}
+            required = setting.default is MISSING and name not in optional  # and then no default
+            default = {} if required else {"default": None if setting.default is MISSING else setting.default}
             flag = str(setting.type).strip() == "bool"  # a switch: on when given, the default off
             kind = {"is_flag": True} if flag else {"type": _option_type(setting, allowed)}
             func = click.option(

@@ -34,6 +34,7 @@ from moeprune.quantize.schemes import QUANT_METHODS, SCHEMES, taking_group
 from moeprune.report.summary import format_lines, prune_facts
 from moeprune.runtime.distributed import init_distributed
 from moeprune.surgery import METHODS
+from moeprune.surgery.auto import AUTO_METHOD, NO_SEARCH_DATA, NO_SEARCH_DATA_LABEL
 
 # flag value -> torch name; fp8 keeps an fp8 input's blocks (the default for one; a full-precision
 # choice saves it dequantized)
@@ -97,9 +98,11 @@ def _recipe_defaults(ctx: click.Context, _param: click.Parameter, path: str | No
     choices={"criterion": [*CRITERIA.names(), AUTO]},
     helps={
         "criterion": registry_help(CRITERIA, setting_help(PruneConfig, "criterion"))
-        + f" {AUTO}: the best uniform plan on --search-data."
+        + f" {AUTO}: the best uniform plan on --search-data. Without --criterion and --method: "
+        f"--method {AUTO} with --search-data, else {NO_SEARCH_DATA_LABEL}."
     },
     registries={"allocation": ALLOCATIONS, "method": METHODS},
+    optional=("criterion",),
 )
 @field_options(method_settings())
 @click.option(
@@ -206,6 +209,7 @@ def prune(model: str, output: str, **options) -> None:
         and not _from_recipe(ctx, "target_size")
     ):
         options["sparsity"] = None  # a typed target wins over the sparsity a recipe solved or set
+    chosen = _default_recipe(ctx, options)
     method = METHODS.get(options["method"])
     own = {name: options.pop(option_name(f)) for name, f in method_settings_by_name().items()}
     # a flag several methods share has the first one's default: one not typed takes this method's own
@@ -257,6 +261,29 @@ def prune(model: str, output: str, **options) -> None:
         click.echo(format_plan_of_work(report))
         return
     click.echo("\n".join(format_lines(prune_facts(report, output))))
+    if chosen:
+        click.echo(chosen)
+
+
+def _default_recipe(ctx: click.Context, options: dict) -> str:
+    """Without --criterion: `--method auto` with search data, else the best recipe that needs none
+    (named from the evidence, surgery/auto.py); with --method, --criterion is still needed unless
+    it is auto. Returns the summary's sentence about a recipe chosen for the user ('' if none)."""
+    if options["criterion"] is not None:
+        return ""
+    typed = ctx.get_parameter_source("method") not in (None, click.core.ParameterSource.DEFAULT)
+    if typed and METHODS.get(options["method"]).portfolio is None:
+        raise MoePruneError(
+            f"--method {options['method']} needs a criterion: give --criterion", options=("criterion",)
+        )
+    if typed or options["search_data"]:
+        options["criterion"], options["method"] = AUTO, AUTO_METHOD
+        return ""
+    options["criterion"], options["method"] = NO_SEARCH_DATA.criterion, NO_SEARCH_DATA.method
+    return (
+        f"recipe    {NO_SEARCH_DATA_LABEL}: the best recipe that needs no search data "
+        "(docs/allocation.md); give --search-data to choose among them all (--method auto)"
+    )
 
 
 def _quantize_options(ctx: click.Context, options: dict) -> QuantizeOptions | None:
@@ -368,7 +395,7 @@ def format_plan_of_work(plan: dict) -> str:
     ):
         if key in plan:
             lines.append(f"{label}: {plan[key]}")
-    if searches(plan["allocation"]):
+    if "portfolio" not in plan and searches(plan["allocation"]):
         how = "gradient-trained keep logits" if plan["allocation"] == "gradient" else "EvoESAP"
         lines.append(f"per layer searched ({how})")
     for data in plan["calibration"]:
@@ -387,5 +414,24 @@ def format_plan_of_work(plan: dict) -> str:
         f"output    {plan['output']} ({plan['save_dtype']}){' resuming the search' if plan['resume'] else ''}"
     )
     lines += size_lines(plan)
+    lines += portfolio_lines(plan)
     lines.append("dry run: nothing was loaded or written")
     return "\n".join(lines)
+
+
+def portfolio_lines(plan: dict) -> list[str]:
+    """The dry run of --method auto: each recipe it would try, with a rough estimate of its time."""
+    if "portfolio" not in plan:
+        return []
+    lines = [f"auto      {len(plan['portfolio'])} recipes, cheapest first; {plan['halving']}"]
+    for row in plan["portfolio"]:
+        what = (
+            f"{row['criterion']} order, {row['method']} / {row['allocation']}, sparsity {row['sparsity']:.6g}"
+        )
+        cost = (
+            f"not run: {row['refused']}"
+            if "refused" in row
+            else f"~{row['estimated_s']:.6g} s at its full budget"
+        )
+        lines.append(f"  recipe  {row['label']} ({what}): {cost}")
+    return lines

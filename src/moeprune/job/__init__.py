@@ -11,6 +11,8 @@
   llm-compressor when asked; written from the input's bytes when a quantization is kept);
 - `prune_without_loading` (no_load.py): the no-load pipeline, the shards rewritten one by one (it
   quantizes nothing: a quantize request is refused before anything is read);
+- `prune_auto` (auto.py): `--method auto`: the recipes checked and sized before loading, raced on the
+  loaded model, the winner saved as its recipe;
 - evidence.py: the files beside every result, one writer for both pipelines;
 - `prepare_score` / `score_loaded` (score.py): `moeprune score` on the loaded model.
 """

@@ -21,7 +21,7 @@ from moeprune.plan import Plan
 from moeprune.report.document import PruneReport
 from moeprune.report.model_card import model_card
 from moeprune.report.parts import DiskBytes, KeptRow
-from moeprune.report.plots import plot_search_curve
+from moeprune.report.plots import plot_portfolio, plot_search_curve
 from moeprune.report.prune_report import draw_kept, report_markdown, weight_bytes
 from moeprune.runtime.atomic import write_json
 from moeprune.runtime.runlog import RunLog
@@ -78,6 +78,8 @@ def write_evidence(folder: Path, evidence: Evidence, after: MoEModel) -> None:
         search = SearchDocument.from_json(evidence.search)
         if search.generations is not None:  # evo's (gradient: steps)
             plot_search_curve(folder / "search_curve.png", search.generations, search.fitness)
+    if report.portfolio:  # --method auto: every recipe's fitness and time
+        plot_portfolio(folder / "portfolio.png", report.portfolio)
     draw_kept(
         folder / "density.png",
         report,

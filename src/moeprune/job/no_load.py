@@ -43,7 +43,7 @@ from moeprune.report.document import PruneReport
 from moeprune.report.parts import DataSummary, LayerShape, ParameterCounts, Serving, Surgery, TargetSize
 from moeprune.report.prune_report import weight_bytes
 from moeprune.runtime.atomic import check_not_inside, check_output_dir, output_lock, recover
-from moeprune.runtime.device import Placement
+from moeprune.runtime.device import SPREAD, Placement
 from moeprune.runtime.distributed import rank_and_world
 from moeprune.runtime.runlog import RunLog
 from moeprune.runtime.timer import Timer
@@ -107,7 +107,7 @@ def score_without_loading(
     check_quantized(checked)  # a format moeprune cannot read, or missing scales: refused before the data
     data = data or DataOptions()
     tokenizer = require_tokenizer(check_model_path(model_path), tokenizer_path)
-    placed = Placement.choose(data.device if data.device != "auto" else None, data.dtype)
+    placed = Placement.choose(data.device if data.device != SPREAD else None, data.dtype)
     sets = calibration_sets(
         tokenizer, data, per_domain=crit.per_domain, why=observe_for or f"criterion {crit.name!r}"
     )

@@ -26,6 +26,7 @@ from moeprune.config import DataOptions, PruneConfig, Registry, RepairConfig, Ru
 from moeprune.criteria import AUTO, get_criterion, scores_document, unseen_experts
 from moeprune.criteria.super_experts import found_in, guard_document
 from moeprune.errors import MoePruneError
+from moeprune.job.auto import prune_auto
 from moeprune.job.no_load import prune_without_loading, score_without_loading
 from moeprune.job.prepare import PruneRequest
 from moeprune.job.run import prune_in_memory
@@ -65,6 +66,12 @@ class Pipeline:
         """Refuse, in one sentence naming what it supports, a config this pipeline cannot run (its
         names resolved; its numbers are checked with the rest of the job's inputs)."""
         config = ResolvedConfig.of(config)
+        if config.method_spec.portfolio is not None and not self.auto_criterion:
+            raise MoePruneError(
+                f"the {config.method} method scores its recipes' plans on the loaded model and the "
+                f"{self.name} pipeline never loads it: prune in memory, or name one recipe",
+                options=("method", "pipeline"),
+            )
         if config.criterion == AUTO and not self.auto_criterion:
             raise MoePruneError(
                 f"the {self.name} pipeline needs a named criterion ({self.why_limited}); name one",
@@ -109,8 +116,11 @@ def unread_settings(pipeline: Pipeline, config: PruneConfig) -> list[tuple[tuple
     unread = list(pipeline.unread)
     needs = requirements(config)
     # each other allocation's own settings first, so the refusal names the allocation that reads them
+    chooses = config.method_spec.portfolio is not None  # auto: its recipes read every search's settings
     unread += [
-        (a.knobs, f"without --allocation {a.name}") for a in ALLOCATIONS if a.knobs and a != config.allocator
+        (a.knobs, f"without --allocation {a.name}")
+        for a in ALLOCATIONS
+        if a.knobs and a != config.allocator and not chooses
     ]
     if not config.repair.enabled:
         unread.append((REPAIR_SETTINGS, "without --repair"))
@@ -139,6 +149,8 @@ def prune_checkpoint(request: PruneRequest, pipeline: str = "in-memory") -> dict
             "pipeline copies the input's shards: prune in memory, or without quantizing",
             options=("quantize", "pipeline"),
         )
+    if config.method_spec.portfolio is not None:  # auto: a contest of recipes, then the winner's job
+        return prune_auto(replace(request, quantize=quantize))  # the config as given: auto checks it
     assert pipeline_spec.fn is not None, f"pipeline {name} registered without a function"
     return pipeline_spec.fn(replace(request, config=config, quantize=quantize))
 

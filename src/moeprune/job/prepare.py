@@ -4,9 +4,10 @@ its sizes (a size target solved into a sparsity), and whether a quantized input'
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,7 +126,7 @@ def plan_sizes(
             )
     solution = None
     if config.target_size is not None:
-        stock = quantize is not None and _stock_plan(ResolvedConfig.of(config))
+        stock = quantize is not None and ResolvedConfig.of(config).stock
         solution = solve_target(meta, config, size, parse_target_size(config.target_size), stock=stock)
         config = replace(config, sparsity=solution.sparsity, target_size=None)
     sizes = PlannedSizes(
@@ -179,6 +180,10 @@ class PruneJob:
     # `--quantize auto:...`: the per-layer budget (quantize/per_layer.py)
     precision: PrecisionTarget | None = None
     precision_choice: dict | None = None  # its choice once made (after the surgery): report.json's account
+    # --method auto (job/auto.py): (loaded model, job) -> (the job as the chosen recipe runs it, the
+    # report's portfolio part), called once the model is loaded; None: the config is the recipe
+    choose: Callable[[MoEModel, PruneJob], tuple[PruneJob, Any]] | None = None
+    search_doc: dict | None = None  # search.json of a search run before the prune (auto's winner)
 
     def describe(self) -> dict:
         """The plan of work, for a dry run and the log."""
@@ -412,11 +417,3 @@ def planned_widths(layer_budget: dict, config: PruneConfig) -> list[int]:
     if "narrowed_neurons" in layer_budget and not ResolvedConfig.of(config).allocator.searches:
         return sorted({w for widths in layer_budget["narrowed_neurons"].values() for w in widths})
     return []
-
-
-def _stock_plan(config: ResolvedConfig) -> bool:
-    """Whether a stock config expresses the plan (the same expert count, or width, in every
-    layer): a --target-size of a quantized stock result is solved among such plans only, so the
-    result stays a stock checkpoint; the others are quantized in moeprune's format."""
-    method = config.surgery  # drop --reroute none keeps routing: moeprune's format
-    return config.allocator.fixed and (method.whole_experts or method.one_width)

@@ -214,12 +214,22 @@ def _save(
     write_evidence(tmp, evidence, moe)
 
 
+def _given(options: dict) -> dict:
+    """The run options a step before `prune` chose (the joint search's, or auto's contest's, kept
+    in the job's run options): what it left None does not replace them."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     timer = Timer()
     with stage(f"loading {job.model_path}", progress), transformers_bars_off():
         model, _ = load_placed(job.model_path, job.placement, job.run.trust_remote_code)
     timer.lap("load")
-    asked, full = job.config, MoEModel(model)
+    full, portfolio = MoEModel(model), None
+    if job.choose is not None:  # --method auto: the contest picks the recipe this job runs
+        job, portfolio = job.choose(full, job)
+        timer.lap("auto")
+    asked = job.config
     before = before_prune(full, _asked(job, progress))
     job = replace(job, config=before.config, quantize=before.quantize, precision_choice=before.choice)
     result = prune(
@@ -229,7 +239,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         tokenizer=job.tokenizer,
         search_data=job.search_set,
         options=job.data,
-        run=replace(job.run, check_plan=plan_check(job.quantize), **before.run_options()),
+        run=replace(job.run, check_plan=plan_check(job.quantize), **_given(before.run_options())),
         search_state=search_state_path(job.output),
     )
     timer.lap("prune")
@@ -237,6 +247,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
     quantize, choice = after_prune(before, result, moe, job.meta, job.precision, log, timer, progress)
     job = replace(job, quantize=quantize, precision_choice=choice)
     report = _report(job, result.report, moe)
+    report.portfolio = portfolio
     release = _release_layers(job, result.plan, log)
     report.release_layers = release.notes or None
     recipe = _recipe(job, asked, before, report.save_dtype)
@@ -249,7 +260,7 @@ def _run(job: PruneJob, log: RunLog, progress: bool) -> dict:
         job.meta,
         log,
         timer,
-        search=result.search,
+        search=result.search or job.search_doc,
         tokenizer_path=job.tokenizer_path,
     )
     if rank_and_world()[0] != 0:  # torchrun: every rank holds the same result; one writes

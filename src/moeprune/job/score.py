@@ -26,7 +26,7 @@ from moeprune.errors import MoePruneError
 from moeprune.job.prepare import check_sources
 from moeprune.models import MoEModel
 from moeprune.runtime.atomic import check_creatable, check_not_inside
-from moeprune.runtime.device import Placement
+from moeprune.runtime.device import SPREAD, Placement
 from moeprune.runtime.progress import stage, transformers_bars_off
 
 
@@ -43,7 +43,7 @@ def prepare_score(
 ) -> tuple[Path, object | None, list[CalibrationData]]:
     """The checks of `moeprune score` that need no weights; returns (model path, tokenizer, data)."""
     crit = get_criterion(criterion)
-    Placement.choose(data.device if data.device != "auto" or not data.sequential else None, None)
+    Placement.choose(data.device if data.device != SPREAD or not data.sequential else None, None)
     checked = check_model_path(model_path)
     load_config(checked, trust_remote_code)
     check_weights(checked)

@@ -32,6 +32,7 @@ from typing import Any
 
 from moeprune.allocate.basic import uniform_allocation
 from moeprune.config import PruneConfig
+from moeprune.criteria import AUTO
 from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel
@@ -87,7 +88,7 @@ def _split_target(config: PruneConfig, options: QuantizeOptions) -> tuple[PruneC
             f"the sparsity grid needs at least one point, got {options.sparsity_grid}",
             options=("quant_sparsity_grid",),
         )
-    if config.sparsity is None and config.criterion == "auto":
+    if config.sparsity is None and config.criterion == AUTO:
         raise MoePruneError(
             f"{asked} without --sparsity scores a grid of sparsities by one named criterion's order: "
             "name a criterion, or give --sparsity",

@@ -28,6 +28,7 @@ from moeprune.report.parts import (
     NoviceFits,
     ParameterCounts,
     Part,
+    Portfolio,
     Repair,
     SearchSummary,
     ServeCheck,
@@ -52,6 +53,7 @@ _IN_MEMORY = (
         "scores",
         "serving",
         "criterion_auto",
+        "portfolio",
         "search",
     ),
     *("save_dtype", "command_line", "format", "disk_bytes", "timing_s", "target"),
@@ -88,6 +90,7 @@ _READ: dict[str, Callable[[Any], Any]] = {
     "data": lambda value: DataSummary.from_json(value or {}),
     "serving": _part(Serving),
     "criterion_auto": _part(CriterionAuto),
+    "portfolio": _part(Portfolio),
     "search": _part(SearchSummary),
     "novice_fits": _part(NoviceFits),
     "repair": _part(Repair),
@@ -150,6 +153,7 @@ class PruneReport:
     scores: dict[str, Any] = field(default_factory=dict)  # the scores document (`moeprune score`)
     serving: Serving | None = None
     criterion_auto: CriterionAuto | None = None
+    portfolio: Portfolio | None = None  # --method auto: every recipe's fitness and time
     search: SearchSummary | None = None
     novice_fits: NoviceFits | None = None  # low-rank novices: calibration beside held-out fit errors
     repair: Repair | None = None  # --repair: what it trained, the held-out fitness before and after

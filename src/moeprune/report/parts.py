@@ -180,6 +180,35 @@ class CriterionAuto(Part):
 
 
 @dataclass
+class Portfolio(Part):
+    """`portfolio`: `--method auto`'s contest (search/portfolio.py). Each of `recipes` is one:
+    `label`, `criterion`, `method`, `allocation`, `sparsity`, and its `runs` ({budget, fitness,
+    seconds}: successive halving ran it at those fractions of its search budget) or `refused`
+    (why it could not run); `chosen` is the winning row's label, `budget` the fraction it won at,
+    `halving` how the contest stopped recipes."""
+
+    fitness: str
+    chosen: str
+    budget: float
+    recipes: list[dict[str, Any]]
+    halving: str
+    seconds: float | None = None  # the whole contest, observation and teacher included
+
+    def line(self) -> str:
+        """The summary's line: the winner and how many recipes it beat."""
+        ran = [r for r in self.recipes if r.get("runs")]
+        best = max((run[self.fitness] for run in _runs_of(self.recipes, self.chosen)), default=float("nan"))
+        return (
+            f"{self.chosen} ({self.fitness} {best:.4f} on the search data) beat {len(ran) - 1} other "
+            f"recipes in {self.seconds or 0:.0f} s; portfolio.png shows them all"
+        )
+
+
+def _runs_of(rows: list[dict[str, Any]], label: str) -> list[dict[str, Any]]:
+    return next((r.get("runs") or [] for r in rows if r["label"] == label), [])
+
+
+@dataclass
 class Repair(Part):
     """`repair`: what `--repair` trained (per part: tensors and parameters; tensors no gradient
     reached), the held-out fitness before and after, and whether the repaired tensors were kept."""

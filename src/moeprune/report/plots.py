@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, is_dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -97,4 +98,42 @@ def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fi
     ax.set_title("EvoESAP search: fitness per generation")
     # below the axes: population dots fill the whole plot area, a legend inside would cover some
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
+    return save_figure(fig, path)
+
+
+def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
+    """`--method auto`'s contest: each recipe's runs as fitness on the search data against the
+    seconds it took (one marker per successive-halving rung, joined per recipe), the winner marked."""
+    fitness, rows = portfolio.fitness, [r for r in portfolio.recipes if r.get("runs")]
+    if not rows:
+        raise ValueError("no recipe ran: nothing to plot")
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    for row in rows:
+        runs = row["runs"]
+        seconds = list(accumulate(r["seconds"] for r in runs))  # spent on the recipe so far
+        values = [r[fitness] for r in runs]
+        won = row["label"] == portfolio.chosen
+        (line,) = ax.plot(
+            seconds,
+            values,
+            marker="o",
+            lw=2.5 if won else 1,
+            label=row["label"] + (" (chosen)" if won else ""),
+        )
+        for r in runs:
+            ax.annotate(
+                f"{r['budget']:.2g}",
+                (r["seconds"], r[fitness]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+                color=line.get_color(),
+            )
+    ax.set_xlabel(
+        "seconds spent on the recipe (its runs so far; the shared observation and teacher not included)"
+    )
+    ax.set_ylabel(f"{fitness} on the search data")
+    ax.set_title("auto: every recipe's plan (labels: fraction of its search budget)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     return save_figure(fig, path)

@@ -99,6 +99,7 @@ def report_markdown(report: PruneReport | Mapping, folder: str | Path) -> str:
             for row in auto.table
         ]
         out.append("")
+    out += _portfolio_table(report)
     out += _novice_fits_table(report)
     notes = list(report.release_layers or []) + list(report.unseen_experts or [])
     notes += list((report.search and report.search.notes) or [])
@@ -164,3 +165,28 @@ def _novice_fits_table(report: PruneReport) -> list[str]:
             f"{cell(r['held_out'])} | {cell(r['unshrunk_held_out'])} |"
         )
     return [*out, "", *[f"- too few tokens: {line}" for line in fits.too_few or []], ""]
+
+
+def _portfolio_table(report: PruneReport) -> list[str]:
+    """`--method auto`'s recipes: each one's runs (budget fraction: fitness, seconds), the winner marked."""
+    part = report.portfolio
+    if not part:
+        return []
+    fitness = part.fitness
+    out = [
+        "## Auto: every recipe",
+        "",
+        f"{fitness} on the search data of each recipe's plan at each budget it ran ({part.halving}):",
+        "",
+        "![portfolio](portfolio.png)",
+        "",
+        f"| recipe | runs (budget: {fitness}, seconds) |",
+        "|---|---|",
+    ]
+    for row in part.recipes:
+        runs = "; ".join(
+            f"{r['budget']:.3g}: {r[fitness]:.6g}, {r['seconds']:.1f} s" for r in row.get("runs") or []
+        )
+        label = row["label"] + (" (chosen)" if row["label"] == part.chosen else "")
+        out.append(f"| {label} | {runs or 'not run: ' + row.get('refused', 'stopped')} |")
+    return [*out, ""]

@@ -126,6 +126,7 @@ def prune_facts(report: PruneReport | Mapping, folder: str | Path | None = None)
         "auto": _auto(report),
         "search": _search(report),
         "repair": report.repair.line() if report.repair else None,
+        "portfolio": report.portfolio.line() if report.portfolio else None,
         "unseen_experts": sum(len(ids) for ids in report.unseen.values()),
         "unseen_per_layer": report.unseen,
         "parameters": _counts(before, after, "total"),
@@ -184,6 +185,8 @@ def format_lines(facts: dict) -> list[str]:
     ]
     lines += _choice_lines(facts)
     lines += novice_fit_lines(facts.get("novice_fits"))
+    if facts.get("portfolio"):
+        lines.append(f"  auto            {facts['portfolio']}")
     if facts.get("repair"):
         lines.append(f"  repair          {facts['repair']}")
     if facts["unseen_experts"]:

@@ -28,6 +28,7 @@ DTYPES = {
     "float16": torch.float16,
 }
 _LOG = logging.getLogger(__name__)
+SPREAD = "auto"  # the device that spreads one model over every GPU (accelerate's device_map)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -101,13 +102,13 @@ class Placement:
         None gives bf16 on GPUs and fp32 on the CPU.
         """
         device_map = None
-        if device == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device == SPREAD and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise MoePruneError(
                 "device 'auto' splits one model over every GPU, but under torchrun each rank holds its own copy: "
                 "leave the device unset (each rank then takes its own GPU, cuda:LOCAL_RANK)",
                 options=("device",),
             )
-        if device == "auto":
+        if device == SPREAD:
             if importlib.util.find_spec("accelerate") is None:
                 raise MoePruneError(
                     "device 'auto' uses accelerate's device_map='auto': pip install accelerate",

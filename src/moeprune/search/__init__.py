@@ -20,6 +20,7 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - form_projection.py  the exact budget for per-expert forms, from one score per (expert, form)
 - document.py    search.json as one typed SearchDocument, written by every search, read back typed
 - auto.py        `criterion auto`: the best uniform plan over every deterministic criterion
+- portfolio.py   `--method auto`'s contest: the recipes scored on shared work, successive halving
 - options.py     SearchRuntime: how a search runs, none of which changes its result
 - registry.py    the searches keyed by (allocation, method genes): SEARCHES, search_for(config)
 - forms.py       the two searches over forms (evo, gradient), registered

@@ -9,6 +9,7 @@ method's virtual form (no model copy). The whole table goes into the report.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from moeprune.criteria import CRITERIA, compute_scores, get_criterion
 from moeprune.data.loading import CalibrationData
 from moeprune.models import MoEModel
 from moeprune.observe.stats import ExpertStats
+from moeprune.plan import Plan
 from moeprune.runtime.device import Placement, input_device
 from moeprune.runtime.distributed import rank_and_world, split_map
 from moeprune.runtime.progress import progress_bar
@@ -38,9 +40,11 @@ def candidate_criteria(has_data: bool) -> list[str]:
     return [c.name for c in CRITERIA if not c.baseline and (has_data or not c.needs_data)]
 
 
-def _teacher(
+def teacher_pass(
     moe: MoEModel, search: CalibrationData, batch_size: int, pad: int | None
 ) -> tuple[TeacherCache, list]:
+    """The full model's answer distributions on the search data, computed once (and its batches,
+    on the model's input device), for every plan scored against them."""
     device = input_device(moe.model)
     batches = [b.to(device) for b in search.batches(batch_size, pad)]
     positions = sum(int(answer_positions(b.answer_mask, b.attention_mask).sum()) for b in batches)
@@ -51,6 +55,24 @@ def _teacher(
             logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
             teacher.add(b.sample_index.tolist(), logits, b.input_ids, b.answer_mask, b.attention_mask)
     return teacher, batches
+
+
+def plan_fitness(
+    moe: MoEModel,
+    plan: Plan,
+    scored: tuple[TeacherCache, list],
+    accumulator: FitnessAccumulator,
+    stats: Sequence[ExpertStats] = (),
+    fits: Any = None,
+) -> float:
+    """`plan`'s fitness on the search data against the teacher (`scored`: the cache and its
+    batches, `teacher_pass`), evaluated through the method's virtual form (no model copy)."""
+    _, batches = scored
+    with torch.no_grad(), virtual_plan(moe, plan, list(stats) or None, fits):
+        for b in batches:
+            logits = moe.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits
+            accumulator.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
+    return accumulator.result()
 
 
 def choose_criterion(
@@ -71,7 +93,7 @@ def choose_criterion(
     sparsity, method, fitness, seed = config.sparsity, config.method, config.search.fitness, config.seed
     batch_size, pad_token_id, progress = runtime.batch_size, runtime.pad_token_id, runtime.progress
     check_fitness(fitness)
-    teacher, batches = _teacher(moe, search, batch_size, pad_token_id)
+    teacher, batches = teacher_pass(moe, search, batch_size, pad_token_id)
     domains = list(stats)
     names = candidate_criteria(bool(domains))
     rank, world = rank_and_world()
@@ -95,15 +117,11 @@ def choose_criterion(
             config=PruneConfig(name, sparsity, allocation=default_allocation(method), method=method),
             stats=domains,
         )
-        accumulator = FitnessAccumulator(teacher, fitness, seed)
-        with torch.no_grad(), virtual_plan(moe, plan, domains or None):
-            for b in batches:
-                logits = moe.model(
-                    input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
-                ).logits
-                accumulator.add(b.sample_index.tolist(), logits, b.answer_mask, b.attention_mask)
+        value = plan_fitness(
+            moe, plan, (teacher, batches), FitnessAccumulator(teacher, fitness, seed), domains
+        )
         bar.update(1)
-        return accumulator.result()
+        return value
 
     with bar:  # under torchrun each rank tries its share of the criteria
         values = split_map(evaluate, names, "trying criteria (criterion auto)")

@@ -8,6 +8,7 @@ virtual form (reversible masks, for the search and evaluation) and a physical on
 - tenp.py      TENP's whole experts plus neuron-pruned ones
 - merge.py     removed experts merged into kept ones (REAM-style); merging.py its arithmetic
 - mixed.py     whole, narrowed, novice and dropped experts in one layer, under one budget
+- auto.py      auto: the portfolio of recipes it chooses among on the search data
 - genes.py     a mixed gene and its rules (`LayerGene`, `LayerCosts`, `check_genes`)
 - lowrank.py   low-rank novices (`--novice-rank R`), fitted in closed form
 - fit_holdout.py  fits that hold: ridge strength and rank of each low-rank novice chosen on held-out
@@ -31,6 +32,7 @@ from moeprune.surgery import neurons  # noqa: F401
 from moeprune.surgery import tenp  # noqa: F401
 from moeprune.surgery import merge  # noqa: F401
 from moeprune.surgery import mixed  # noqa: F401
+from moeprune.surgery import auto  # noqa: F401
 
 # isort: on
 from moeprune.surgery.registry import METHODS

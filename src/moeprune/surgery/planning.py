@@ -15,7 +15,7 @@ from moeprune.allocate.basic import uniform_allocation
 from moeprune.allocate.fitness import check_search
 from moeprune.allocate.limits import layer_limits
 from moeprune.allocate.registry import Allocator
-from moeprune.config import PruneConfig
+from moeprune.config import SEARCH_DATA, PruneConfig
 from moeprune.criteria import AUTO, CRITERIA, Criterion, LayerScores, get_criterion
 from moeprune.criteria.super_experts import GUARD_STATISTICS, as_report, protected_order, super_experts
 from moeprune.errors import DataError, InfeasibleBudgetError, MoePruneError
@@ -191,6 +191,8 @@ def requirements(config: PruneConfig) -> Requirements:
         calibration = "--repair (it distils on the calibration tokens)"
     if config.allocator.searches:
         search: str | None = config.allocator.described
+    elif SEARCH_DATA in method.needs:  # auto: it scores its candidates on the search data
+        search = f"the {method.name} method"
     else:
         search = "choosing the criterion automatically" if auto else None
     readers: dict[str, list[str]] = {}  # each setting this method does not read -> the methods that do

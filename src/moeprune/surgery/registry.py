@@ -66,6 +66,9 @@ class Method:
     # calibration statistics its plan, surgery or search context reads beyond the per-token sums
     # (observe/kinds.py); `neurons` adds the per-neuron sums (`observes`)
     statistics: Statistics = NONE
+    # (config) -> the recipes (surgery/auto.py `Recipe`: label, PruneConfig) this method chooses
+    # among on the search data (auto); None: it builds its own plan (`fn`)
+    portfolio: Callable | None = None
 
     @property
     def observes(self) -> Statistics:
@@ -145,6 +148,11 @@ def check_method(method: str, allocation: str | None) -> tuple[Method, Allocator
     combination that has no meaning before any work is done."""
     spec = METHODS.get(method)
     allocator = ALLOCATIONS.get(spec.allocations[0] if allocation is None else allocation)
+    if allocation is not None and spec.portfolio is not None:  # auto: each recipe has its own
+        raise MoePruneError(
+            f"the {method} method chooses each recipe's allocation; leave out the allocation",
+            options=("method", "allocation"),
+        )
     if allocator.name not in spec.allocations:
         raise MoePruneError(
             f"the {method} method goes with the {' or '.join(spec.allocations)} allocation, not {allocation}",
@@ -217,6 +225,13 @@ class ResolvedConfig(PruneConfig):
     def described(self) -> str:
         """'the drop method (--reroute none)': the method as its options make it, for refusals."""
         return self.method_spec.described(self.options)
+
+    @property
+    def stock(self) -> bool:
+        """Whether a stock config expresses the plan (the same expert count, or width, in every
+        layer): a fixed allocation of whole experts or of one width."""
+        method = self.surgery  # drop --reroute none keeps routing: moeprune's format
+        return self.allocator.fixed and (method.whole_experts or method.one_width)
 
 
 @dataclass

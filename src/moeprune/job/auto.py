@@ -1,0 +1,206 @@
+"""`--method auto` as a file-level job: the portfolio's recipes (surgery/auto.py) checked and sized
+before any weight loads, listed with their estimated time by a dry run, raced on the loaded model
+(search/portfolio.py), and the winner built and saved exactly as the in-memory pipeline builds
+its recipe (job/run.py), from the contest's observation, search result and fits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import Any
+
+from moeprune.checkpoint import check_model_path, require_tokenizer
+from moeprune.checkpoint.quantized import quantization_format
+from moeprune.data.loading import load_data
+from moeprune.errors import MoePruneError
+from moeprune.job.prepare import PlannedSizes, PruneJob, PruneRequest, plan_sizes, prepare
+from moeprune.job.run import run_job
+from moeprune.models import MoEModel
+from moeprune.models.expert_parallel import apply_ep_size
+from moeprune.report.parts import Portfolio
+from moeprune.runtime.atomic import output_lock
+from moeprune.runtime.distributed import barrier, rank_and_world
+from moeprune.search.options import SearchRuntime
+from moeprune.search.portfolio import ETA, RUNGS, Entry, Shared, contest, observe_once
+from moeprune.surgery.planning import check_config, check_feasible, requirements
+from moeprune.surgery.registry import ResolvedConfig
+
+_LOG = logging.getLogger(__name__)
+HALVING = (
+    f"plans without a search once; searched recipes at {', '.join(f'{r:.3g}' for r in RUNGS)} of their "
+    f"search budget (evo's generations, gradient's steps), the best 1/{ETA} going on"
+)
+# a rough rate for the dry run's estimate: floating-point operations a second of a forward pass
+_FLOPS = {"cuda": 5e13, "cpu": 2e10}
+
+
+def check_auto(request: PruneRequest, config: ResolvedConfig) -> None:
+    """auto's refusals, one line each, before any weight loads: the data it scores on, a quantized
+    input or output, a resumed search, an allocation it chooses itself."""
+    requirements(config).check(calibration=bool(request.data.sources), search=bool(request.search_data))
+    if request.quantize is not None:
+        raise MoePruneError(
+            "the auto method chooses among full-precision plans; quantize its result in a second run, "
+            "or name one recipe (--criterion, --method) to quantize with it",
+            options=("method", "quantize"),
+        )
+    if request.run.resume:
+        raise MoePruneError(
+            "the auto method runs its searches afresh; resume continues one named search",
+            options=("method", "resume"),
+        )
+    if request.config.allocation is not None:
+        raise MoePruneError(
+            "the auto method chooses each recipe's allocation; leave out the allocation",
+            options=("method", "allocation"),
+        )
+    path = check_model_path(request.model_path)
+    if quantization_format(path) is not None and request.save.dtype is None:
+        raise MoePruneError(
+            f"{request.model_path} is quantized and auto's recipes cut scale groups a result in that "
+            "format cannot hold: save dequantized weights (--save-dtype bf16), or name one recipe",
+            options=("method", "save_dtype"),
+        )
+
+
+@dataclass
+class _Candidate:
+    entry: Entry
+    sizes: PlannedSizes | None
+    passes: float  # the estimated cost in passes over the search data
+
+
+def _passes(config: ResolvedConfig, samples: int, batch_size: int) -> float:
+    """The estimated forward passes over the search data a recipe costs (a backward pass counts
+    twice): one to score its plan, plus its search's generations or steps."""
+    search, knobs = config.search, config.allocator.knobs
+    if "generations" in knobs:
+        return 1 + (search.population - search.elites) * search.generations
+    if "gradient_steps" in knobs:
+        return 1 + 3 * search.steps * min(batch_size, samples) / max(samples, 1)
+    return 1.0
+
+
+def _candidates(job: PruneJob, request: PruneRequest, auto: ResolvedConfig) -> list[_Candidate]:
+    """Every recipe resolved under the budget (a target size solved for each one's method), the
+    ones that cannot meet it named and left out, cheapest first."""
+    out = []
+    samples = len(job.search_set.samples) if job.search_set is not None else 1
+    assert auto.method_spec.portfolio is not None
+    for recipe in auto.method_spec.portfolio(auto):
+        config = apply_ep_size(job.meta, recipe.config)
+        sizes = None
+        try:
+            config = check_config(config)
+            if config.target_size is not None:
+                saved = None if job.kept_quantization else job.save_dtype
+                config, sizes = plan_sizes(job.model_path, job.meta, config, saved)
+            check_feasible(job.meta, config)
+        except MoePruneError as refusal:
+            entry = Entry(recipe.label, ResolvedConfig.of(recipe.config), refused=str(refusal))
+            out.append(_Candidate(entry, None, float("inf")))
+            continue
+        resolved = ResolvedConfig.of(config)
+        passes = _passes(resolved, samples, job.data.batch_size)
+        out.append(_Candidate(Entry(recipe.label, resolved), sizes, passes))
+    out.sort(key=lambda c: c.passes)
+    return out
+
+
+def _seconds_a_pass(job: PruneJob) -> float:
+    """A rough estimate of one forward pass over the search data (2 FLOPs a parameter a token)."""
+    params = sum(p.numel() for p in job.meta.model.parameters())
+    tokens = sum(len(s.input_ids) for s in job.search_set.samples) if job.search_set is not None else 0
+    return 2 * params * tokens / _FLOPS["cuda" if job.placement.device.type == "cuda" else "cpu"]
+
+
+def _rows(candidates: list[_Candidate], job: PruneJob) -> list[dict]:
+    per_pass = _seconds_a_pass(job)
+    rows = []
+    for c in candidates:
+        config = c.entry.config
+        row: dict[str, Any] = {
+            "label": c.entry.label,
+            "criterion": config.criterion,
+            "method": config.method,
+            "allocation": config.allocation,
+            "sparsity": config.sparsity,
+        }
+        if config.options.novice_rank:
+            row["novice_rank"] = config.options.novice_rank
+        if c.entry.refused:
+            row["refused"] = c.entry.refused
+        else:
+            row["estimated_s"] = float(f"{c.passes * per_pass:.3g}")
+        if c.entry.runs:
+            row["runs"] = c.entry.runs
+        rows.append(row)
+    return rows
+
+
+def prune_auto(request: PruneRequest) -> dict:
+    """`--method auto` on a checkpoint: every check before loading, then (unless a dry run) the
+    contest on the loaded model and the winner saved with its evidence; returns report.json."""
+    auto = check_config(request.config)
+    check_auto(request, auto)
+    assert auto.method_spec.portfolio is not None
+    recipes = auto.method_spec.portfolio(auto)
+    # the data read as the most demanding recipe reads it: the search data, per domain (TENP's)
+    base = max(
+        recipes, key=lambda r: (bool(requirements(r.config).search), requirements(r.config).per_domain)
+    )
+    job = prepare(replace(request, config=base.config))
+    if job.search_set is None:  # no recipe searches (--stock): the contest still scores on it
+        tokenizer: Any = job.tokenizer or require_tokenizer(job.model_path, request.tokenizer_path, False)
+        search_set = load_data(
+            list(request.search_data),
+            tokenizer,
+            num_samples=auto.search.samples or None,
+            max_length=job.data.max_length,
+            seed=job.data.seed,
+        )
+        job = replace(job, tokenizer=tokenizer, search_set=search_set, search_data=list(request.search_data))
+    candidates = _candidates(job, request, auto)
+    if job.run.dry_run:
+        plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's
+        plan |= {"criterion": auto.criterion, "method": auto.method, "allocation": "chosen per recipe"}
+        return plan | {"portfolio": _rows(candidates, job), "halving": HALVING}
+    rank, _ = rank_and_world()
+    barrier()
+    with output_lock(job.output) if rank == 0 else nullcontext():
+        return run_job(replace(job, choose=lambda moe, j: _choose(moe, j, candidates)))
+
+
+def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple[PruneJob, Portfolio]:
+    """The contest on the loaded model: the job as the winner's recipe would have run it (its
+    config, sizes, and the observation, search result and fits the prune takes as given)."""
+    start = time.perf_counter()
+    runtime = SearchRuntime(
+        batch_size=job.data.batch_size,
+        pad_token_id=getattr(job.tokenizer, "pad_token_id", None),
+        progress=job.run.progress,
+    )
+    entries = [c.entry for c in candidates if not c.entry.refused]
+    assert job.search_set is not None  # check_auto refused auto without search data
+    stats = observe_once(moe, [e.config for e in entries], job.calibration, runtime, job.data.seed)
+    shared = Shared(moe, stats, job.calibration, job.search_set, runtime)
+    found = contest(shared, entries, _LOG.info)
+    winner = next(c for c in candidates if c.entry.label == found.label)
+    run = replace(
+        job.run,
+        observed=(found.criterion, found.scores, stats),
+        removed=tuple(found.searched.removed) if found.searched.removed is not None else None,
+        novices=found.searched.novices,
+    )
+    portfolio = Portfolio(
+        found.config.search.fitness,
+        winner.entry.label,
+        found.budget,
+        _rows(candidates, job),
+        HALVING,
+        round(time.perf_counter() - start, 1),
+    )
+    chosen = replace(job, config=found.config, run=run, sizes=winner.sizes or job.sizes, choose=None)
+    return replace(chosen, search_doc=found.searched.doc), portfolio

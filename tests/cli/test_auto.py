@@ -1,0 +1,130 @@
+"""`moeprune prune` without a recipe: `--method auto` through the command line on a tiny checkpoint
+(the winner is the best recipe it ran, saved as that recipe; --stock gives a stock checkpoint;
+the report's part and portfolio.png), its dry run (every recipe, no weight loaded), its refusals
+before anything is loaded, and the default without search data (TENP's trapezoid, said)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moeprune.cli.main import main
+from moeprune.data.tokenizer import byte_tokenizer
+from moeprune.models.factory import tiny_model
+from moeprune.quant.testing import save_fp8_checkpoint
+from moeprune.surgery import METHODS
+from moeprune.surgery.registry import ResolvedConfig
+
+pytestmark = pytest.mark.integration  # prunes a tiny checkpoint end to end
+
+
+def run(*args, ok: bool = True):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def test_stock_auto_saves_the_best_stock_recipe_with_its_report_and_plot(tiny_checkpoint, data, tmp_path):
+    out = tmp_path / "out"
+    done = run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data",
+               data, "--search-samples", "6", "--stock", "--allow-super-experts")  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    part = report["portfolio"]
+    ran = [row for row in part["recipes"] if row.get("runs")]
+    assert len(ran) == 4  # uniform drop and uniform neurons, in REAP's and TENP's orders
+    best = max(ran, key=lambda row: max(r["esap"] for r in row["runs"]))
+    assert part["chosen"] == best["label"] and part["budget"] == 1.0
+    assert (report["criterion"], report["method"], report["allocation"]) == (
+        best["criterion"],
+        best["method"],
+        best["allocation"],
+    )
+    assert report["format"] == "stock"  # reloads in stock transformers
+    recipe = json.loads((out / "recipe.json").read_text())["config"]
+    assert (recipe["criterion"], recipe["method"]) == (best["criterion"], best["method"])  # reruns the winner
+    assert (out / "portfolio.png").is_file() and "auto " in done.output and best["label"] in done.output
+    assert "## Auto: every recipe" in (out / "report.md").read_text()
+    # one calibration pass for the whole contest and the winner's build (the prune takes it as given)
+    stages = [line.split()[0] for line in (out / "moeprune.log").read_text().splitlines() if line.startswith("  ")]
+    assert stages.count("observe") == 1, stages
+
+
+def test_the_python_api_on_a_loaded_model_takes_one_recipe():
+    from moeprune.api import prune
+    from moeprune.config import PruneConfig
+    from moeprune.errors import MoePruneError
+
+    with pytest.raises(MoePruneError, match="prune\\(\\) of a loaded model takes one recipe"):
+        prune(tiny_model("qwen3_moe"), PruneConfig("auto", 0.5, method="auto"))
+
+
+def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(
+    tiny_checkpoint, data, tmp_path, monkeypatch
+):
+    import moeprune.job.run as job_run
+
+    monkeypatch.setattr(job_run, "load_placed", lambda *a, **k: pytest.fail("a dry run loaded the model"))
+    out = tmp_path / "out"
+    done = run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data",
+               data, "--dry-run")  # fmt: skip
+    recipes = [line for line in done.output.splitlines() if line.startswith("  recipe")]
+    from moeprune.config import PruneConfig
+
+    expected = METHODS.get("auto").portfolio(PruneConfig("auto", 0.5, method="auto"))
+    assert len(recipes) == len(expected) and all(" s at its full budget" in line for line in recipes)
+    assert {r.label for r in expected} == {line.split("  recipe  ")[1].split(" (")[0] for line in recipes}
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--search-data", "DATA"), "the auto method needs calibration data"),
+        (("--data", "DATA", "--search-data", "DATA", "--no-load"), "the no-load pipeline never loads it"),
+        (("--data", "DATA", "--search-data", "DATA", "--novice-rank", "4"), "novice-rank"),
+        (
+            ("--data", "DATA", "--search-data", "DATA", "--allocation", "evo"),
+            "the auto method chooses each recipe's allocation; leave out the allocation",
+        ),
+        (("--data", "DATA", "--method", "auto"), "the auto method needs search data"),
+        (("--data", "DATA", "--method", "drop"), "--method drop needs a criterion"),
+    ],
+)
+def test_refusals_are_one_line_before_loading(tiny_checkpoint, data, tmp_path, flags, message):
+    out = tmp_path / "out"
+    flags = [str(data) if f == "DATA" else f for f in flags]
+    done = run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", *flags, ok=False)
+    assert done.exit_code == 2 and message in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_quantized_input_is_refused_unless_saved_dequantized(data, tmp_path):
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=4, mlp_only_layers=[])
+    fp8 = save_fp8_checkpoint(model, tmp_path / "fp8", block=(16, 16), tokenizer=tokenizer)
+    done = run("prune", fp8, "--output", tmp_path / "out", "--sparsity", "0.5", "--data", data, "--search-data",
+               data, ok=False)  # fmt: skip
+    assert done.exit_code == 2 and "is quantized" in done.output and "--save-dtype" in done.output
+    assert len(done.output.strip().splitlines()) == 1
+
+
+def test_without_search_data_the_default_is_tenp_s_trapezoid_and_says_so(tiny_checkpoint, data, tmp_path):
+    out = tmp_path / "out"
+    done = run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data)
+    report = json.loads((out / "report.json").read_text())
+    assert (report["criterion"], report["method"], report["allocation"]) == ("tenp", "tenp", "trapezoid")
+    assert "TENP trapezoid" in done.output and "needs no search data" in done.output
+
+
+def test_stock_recipes_are_the_ones_a_stock_config_expresses():
+    from moeprune.config import PruneConfig
+
+    stock = METHODS.get("auto").portfolio(PruneConfig("auto", 0.5, method="auto", options={"stock": True}))
+    every = METHODS.get("auto").portfolio(PruneConfig("auto", 0.5, method="auto"))
+    assert stock and all(ResolvedConfig.of(r.config).stock for r in stock)
+    assert any(not ResolvedConfig.of(r.config).stock for r in every)
+    named = METHODS.get("auto").portfolio(PruneConfig("reap", 0.5, method="auto"))
+    assert {r.config.criterion for r in named} == {"reap"}
