@@ -200,8 +200,15 @@ class MoELayer:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Expert output E_i(x) for rows x [n, d] (and the intermediate activations m [n, I]).
 
-        `neuron_mask` [I] zeroes intermediate neurons (virtual neuron pruning).
+        `neuron_mask` [I] zeroes intermediate neurons (virtual neuron pruning). Experts held in
+        another dtype than x (fp8 experts kept in bf16 by transformers < 5.21 in a float32 model)
+        compute in theirs, x cast to it as transformers' grouped experts do, y and m cast back.
         """
+        held = self.experts.down_proj.dtype
+        if x.dtype != held:
+            y, m = self.expert_forward(expert, x.to(held), True, neuron_mask)  # type: ignore[misc]
+            y, m = y.to(x.dtype), m.to(x.dtype)
+            return (y, m) if return_intermediate else y
         if self.spec.layout == UNGATED:
             m = self.experts.act_fn(F.linear(x, self.experts.up_proj[expert]))
             if neuron_mask is not None:

@@ -343,7 +343,7 @@ def observe_sequential(
     device, dtype = torch.device(options.placement.device), options.placement.dtype
     start = time.perf_counter()
     model = build_skeleton(path, dtype, meta=True).eval()
-    read_activations(model, path, experts=False)  # fp8-dynamic inputs quantized as the library does
+    read_activations(model, path)  # fp8-dynamic inputs quantized, fp8 experts held as the library does
     data.check_vocabulary(model)
     moe = MoEModel(model)
     layers = list(decoder_layers(model))[: max(m.index for m in moe.layers) + 1]
