@@ -280,6 +280,25 @@ def _report(
     return report
 
 
+def _one_recipe(config: PruneConfig) -> ResolvedConfig:
+    """`config` resolved for a loaded model: one recipe at a sparsity (a target size and a race of
+    recipes need the checkpoint's files)."""
+    resolved = check_config(config)
+    if resolved.sparsity is None:
+        raise MoePruneError(
+            "prune() of a loaded model takes a sparsity: a target size is solved from a checkpoint's "
+            "files and the format it is saved in (moeprune.prune_checkpoint)",
+            options=("sparsity", "target_size"),
+        )
+    if resolved.method_spec.portfolio is not None:
+        raise MoePruneError(
+            f"the {resolved.method} method races its recipes and saves the winner from a checkpoint "
+            "(moeprune.prune_checkpoint); prune() of a loaded model takes one recipe",
+            options=("method",),
+        )
+    return resolved
+
+
 def prune(
     model: PreTrainedModel,
     config: PruneConfig,
@@ -301,19 +320,7 @@ def prune(
     its search; all zeros keeps every expert (the config's sparsity then only passes the checks).
     """
     options, run = options or DataOptions(), run or RunOptions()
-    resolved = check_config(config)
-    if resolved.sparsity is None:
-        raise MoePruneError(
-            "prune() of a loaded model takes a sparsity: a target size is solved from a checkpoint's "
-            "files and the format it is saved in (moeprune.prune_checkpoint)",
-            options=("sparsity", "target_size"),
-        )
-    if resolved.method_spec.portfolio is not None:
-        raise MoePruneError(
-            f"the {resolved.method} method races its recipes and saves the winner from a checkpoint "
-            "(moeprune.prune_checkpoint); prune() of a loaded model takes one recipe",
-            options=("method",),
-        )
+    resolved = _one_recipe(config)
     moe = MoEModel(model)
     check_not_packed(moe)
     check_feasible(moe, resolved)
