@@ -206,7 +206,7 @@ class MoELayer:
         """
         held = self.experts.down_proj.dtype
         if x.dtype != held:
-            y, m = self.expert_forward(expert, x.to(held), True, neuron_mask)  # type: ignore[misc]
+            y, m = self.expert_forward(expert, x.to(held), True, neuron_mask)
             y, m = y.to(x.dtype), m.to(x.dtype)
             return (y, m) if return_intermediate else y
         if self.spec.layout == UNGATED:
