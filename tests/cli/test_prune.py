@@ -208,3 +208,17 @@ def test_every_option_that_sets_a_prune_config_field_is_made_from_that_field():
         assert option.required == (setting.default is MISSING and setting.name != "criterion")
         assert option.required or option.default == (None if setting.default is MISSING else setting.default)
         assert option.help.startswith(setting.metadata["help"])
+
+
+def test_an_entry_registered_after_the_cli_is_a_valid_choice(monkeypatch):
+    """A method a plugin (or a test) registers after `moeprune.cli` was imported is accepted by
+    --method, and an unknown name is still refused: the choices are the registry's at parse time."""
+    import click
+
+    from moeprune.surgery import METHODS
+
+    method = next(p for p in main.commands["prune"].params if p.name == "method")
+    with pytest.raises(click.BadParameter):
+        method.type.convert("late", method, None)
+    monkeypatch.setitem(METHODS._specs, "late", METHODS.get("drop"))
+    assert method.type.convert("late", method, None) == "late"

@@ -113,11 +113,26 @@ def data_from_options(kwargs: dict) -> DataOptions:
     )
 
 
+class RegistryChoice(click.Choice):
+    """The entries of a registry as they are when the command line is parsed: an entry registered
+    after the CLI was imported (a plugin's method, a test's) is a valid choice too."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+        super().__init__(registry.names())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.registry.names())
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice's own assignment: the registry answers instead
+        pass
+
+
 def registry_option(flag: str, registry, lead: str, **kwargs: Any) -> Callable:
     """A click option choosing one entry of `registry`, its --help listing every entry's own help."""
-    return click.option(
-        flag, type=click.Choice(registry.names()), help=registry_help(registry, lead), **kwargs
-    )
+    return click.option(flag, type=RegistryChoice(registry), help=registry_help(registry, lead), **kwargs)
 
 
 def registry_help(registry, lead: str) -> str:
@@ -204,7 +219,15 @@ def field_options(
             required = setting.default is MISSING and name not in optional  # and then no default
             default = {} if required else {"default": None if setting.default is MISSING else setting.default}
             flag = str(setting.type).strip() == "bool"  # a switch: on when given, the default off
-            kind = {"is_flag": True} if flag else {"type": _option_type(setting, allowed)}
+            kind = (
+                {"is_flag": True}
+                if flag
+                else {
+                    "type": RegistryChoice(registry)
+                    if registry and name not in choices
+                    else _option_type(setting, allowed)
+                }
+            )
             func = click.option(
                 meta.get("flag") or "--" + name.replace("_", "-"),
                 option_name(setting),
