@@ -120,18 +120,16 @@ def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
             lw=2.5 if won else 1,
             label=row["label"] + (" (chosen)" if won else ""),
         )
-        for r in runs:
+        for r, spent, value in zip(runs, seconds, values):  # at its marker: the time spent so far
             ax.annotate(
                 f"{r['budget']:.2g}",
-                (r["seconds"], r[fitness]),
+                (spent, value),
                 fontsize=7,
                 xytext=(3, 3),
                 textcoords="offset points",
                 color=line.get_color(),
             )
-    ax.set_xlabel(
-        "seconds spent on the recipe (its runs so far; the shared observation and teacher not included)"
-    )
+    ax.set_xlabel("seconds spent on the recipe so far (shared observation and teacher not included)")
     ax.set_ylabel(f"{fitness} on the search data")
     ax.set_title("auto: every recipe's plan (labels: fraction of its search budget)")
     ax.grid(alpha=0.3)
