@@ -9,6 +9,9 @@ import copy
 import pytest
 import torch
 
+import moeprune.search.forms  # noqa: F401 - the searches register (search/registry.py)
+import moeprune.search.gradient  # noqa: F401
+import moeprune.search.run  # noqa: F401
 from moeprune.allocate.fitness import FitnessAccumulator, TeacherCache
 from moeprune.config import PruneConfig
 from moeprune.data.loading import load_data
@@ -89,3 +92,91 @@ def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
         values[entry.label] = acc.result()
         assert entry.runs[0]["esap"] == pytest.approx(values[entry.label], abs=1e-4)
     assert found.label == max(values, key=values.__getitem__)
+
+
+def _tiny_contest(data, num_samples: int = 6):
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    moe = MoEModel(
+        tiny_model("qwen3_moe", vocab_size=len(tokenizer), num_hidden_layers=3, mlp_only_layers=[])
+    )
+    sets = [load_data([str(data)], tokenizer, num_samples=12, max_length=64, seed=0)]
+    search = load_data([str(data)], tokenizer, num_samples=num_samples, max_length=64, seed=1)
+    return moe, sets, search, SearchRuntime(batch_size=4, pad_token_id=0, progress=False)
+
+
+SMALL = {"population": 6, "elites": 2, "generations": 6, "steps": 9}
+
+
+def _searched(criterion: str, method: str, allocation: str, **options):
+    from moeprune.config import SearchConfig
+
+    config = PruneConfig(criterion, 0.5, method=method, allocation=allocation, search=SearchConfig(**SMALL),
+                         options=options or None, allow_super_experts=True)  # fmt: skip
+    return check_config(config)
+
+
+def test_a_contest_makes_one_teacher_pass_for_every_search_and_plan(data, monkeypatch):
+    from moeprune.search import auto, candidates
+
+    moe, sets, search, runtime = _tiny_contest(data)
+    configs = [
+        check_config(PruneConfig("reap", 0.5, method="drop", allow_super_experts=True)),
+        _searched("reap", "drop", "evo"),
+        _searched("reap", "drop", "gradient"),
+        _searched("tenp", "mixed", "evo"),
+        _searched("tenp", "mixed", "gradient", width_multiple=1),
+    ]
+    passes = []
+    own = candidates.CandidateEvaluator._teacher_pass
+
+    def counted(self, device):
+        passes.append(device)
+        return own(self, device)
+
+    monkeypatch.setattr(candidates.CandidateEvaluator, "_teacher_pass", counted)
+    monkeypatch.setattr(auto, "teacher_pass", lambda *a, **k: pytest.fail("a second kind of teacher pass"))
+    stats = observe_once(moe, configs, sets, runtime, 0)
+    entries = [Entry(f"{c.criterion} {c.method} {c.allocation}", c) for c in configs]
+    contest(Shared(moe, stats, sets, search, runtime), entries, lambda _: None)
+    ran = sum(len(e.runs) for e in entries)
+    assert ran >= 6 and not any(e.refused for e in entries)  # four searches, one of them on to a larger rung
+    assert len(passes) == 1
+
+
+@pytest.mark.parametrize(("method", "allocation"), [("drop", "evo"), ("mixed", "evo"), ("drop", "gradient")])
+def test_a_recipe_going_on_to_a_larger_rung_reaches_the_plan_of_a_fresh_run_there(data, monkeypatch, method,
+                                                                                 allocation):  # fmt: skip
+    # evo continues its population (fewer evaluations than a fresh run); the gradient reruns
+    from moeprune.search import candidates
+    from moeprune.search.portfolio import run_once, scaled, teacher_once
+
+    moe, sets, search, runtime = _tiny_contest(data)
+    config = _searched("tenp", method, allocation)
+    stats = observe_once(moe, [config], sets, runtime, 0)
+    calls = []
+    own = candidates.CandidateEvaluator.evaluate
+    monkeypatch.setattr(
+        candidates.CandidateEvaluator, "evaluate", lambda self, *a, **k: calls.append(1) or own(self, *a, **k)
+    )
+
+    def shared() -> Shared:
+        out = Shared(moe, stats, sets, search, runtime)
+        out.prepared = teacher_once(out, "esap")
+        out.teacher = out.prepared.scored()
+        return out
+
+    contest_shared, carried = shared(), {}
+    for fraction in RUNGS:
+        calls.clear()
+        continued = run_once(contest_shared, scaled(config, fraction), carried)
+        continued_calls = len(calls)
+    calls.clear()
+    fresh = run_once(shared(), config)
+    assert continued.plan.to_json() == fresh.plan.to_json()
+    assert continued.fitness == fresh.fitness
+    assert continued.searched.doc["fitness_value"] == fresh.searched.doc["fitness_value"]
+    if allocation == "evo":
+        assert bool(carried) and continued_calls < len(calls)  # only the generations the rungs had not run
+    else:
+        assert not carried and continued_calls == len(calls)

@@ -10,6 +10,7 @@ allocation (`evo`) is declared in allocate/searched.py and its fitnesses in allo
 - population.py  the drop counts' feasibility, initial population and mutation
 - candidates.py  a candidate's fitness through reversible masks (prefix reuse, racing, torchrun)
 - prefix.py      cached decoder-layer outputs shared by candidates with a common prefix
+- teacher.py     the full model on the search data, prepared once (SharedTeacher: one pass for a contest)
 - run.py         the resumable driver (search_allocation, run_evo_search)
 - mixed_space.py `--method mixed --allocation evo`: per-layer genes, the seeds, mutation, the exact budget
 - mixed_search.py its driver (search_mixed: EvoSearch over MixedSpace)

@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +42,6 @@ from moeprune.allocate.fitness import (
     FITNESSES,
     FitnessAccumulator,
     TeacherCache,
-    answer_positions,
     check_fitness,
     higher_is_better,
 )
@@ -57,6 +55,7 @@ from moeprune.runtime.progress import progress_bar
 from moeprune.search.options import CandidateContext, SearchRuntime
 from moeprune.search.population import Allocation
 from moeprune.search.prefix import PrefixCache, default_prefix_cache_bytes
+from moeprune.search.teacher import SearchBatch, SharedTeacher, prepare_batch, teacher_key
 
 _LOG = logging.getLogger(__name__)
 
@@ -67,54 +66,6 @@ _RACE_MARGIN = 1e-4
 # Manual layer loop vs model(...) on the first batch: max |diff| allowed, times (1 + max |logit|).
 _SELF_CHECK_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}
 _SELF_CHECK_TOL_LOW_PRECISION = 3e-2
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-layer limits shared by the allocations
-
-
-# ---------------------------------------------------------------------------------------------
-# The search set, prepared once
-
-
-@dataclass
-class _Row:
-    """One scored sample of a batch: its id and its slice of the batch's answer rows."""
-
-    sample_id: int
-    start: int
-    stop: int
-    mask: torch.Tensor  # [1, n + 1] answer mask that puts the n compact rows at positions 0..n-1
-
-
-@dataclass
-class _SearchBatch:
-    """A search batch on the model's device plus what the fast path needs to resume in it."""
-
-    batch: Batch
-    rows: list[_Row]
-    flat_index: torch.Tensor  # [n] indices of the answer positions in the flattened [B * S]
-    calls: dict[int, tuple[tuple, dict[str, Any]]] = field(default_factory=dict)  # layer -> args
-    # Allocation-free states at the first MoE decoder layer: its input ("layer") and its
-    # post-attention residual ("split").
-    start: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def ids(self) -> list[int]:
-        return [r.sample_id for r in self.rows]
-
-
-def _prepare_batch(batch: Batch, device: torch.device) -> _SearchBatch:
-    batch = batch.to(device)
-    scored = answer_positions(batch.answer_mask, batch.attention_mask)
-    counts = scored.sum(1).tolist()
-    rows, start = [], 0
-    for sample_id, n in zip(batch.sample_index.tolist(), counts):
-        mask = torch.zeros(1, n + 1, dtype=torch.bool)
-        mask[0, 1:] = True
-        rows.append(_Row(int(sample_id), start, start + n, mask))
-        start += n
-    return _SearchBatch(batch, rows, scored.flatten().nonzero().squeeze(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +137,22 @@ class CandidateEvaluator:
         self._layers = decoder_layers(moe.model)
         self._position = {layer: p for p, layer in enumerate(self.limits.layers)}  # decoder -> MoE
         self._taps: dict[int, torch.Tensor] = {}  # post-attention residuals seen in this batch
+        self.counters = _zero_counters()
+        key = teacher_key(search_data, runtime.batch_size, runtime.pad_token_id)
+        given = runtime.teacher
+        if isinstance(given, SharedTeacher) and given.key == key:  # one pass for several searches
+            self._batches, self.teacher = list(given.batches), given.teacher
+            self.mode, self.teacher_seconds = given.mode if runtime.fast else PLAIN, 0.0
+        else:
+            self._own_teacher(search_data, runtime)
+        self.key = key
+
+    def _own_teacher(self, search_data: CalibrationData, runtime: SearchRuntime) -> None:
+        """The batches, the teacher pass and the fast path's self-check, for this search alone."""
         self._batches = [
-            _prepare_batch(b, self.device)
+            prepare_batch(b, self.device)
             for b in search_data.batches(runtime.batch_size, runtime.pad_token_id)
         ]
-        self.counters = _zero_counters()
         start = time.perf_counter()
         self.teacher, reference = self._teacher_pass(runtime.teacher_device or self._teacher_home())
         self.teacher_seconds = time.perf_counter() - start
@@ -203,6 +165,10 @@ class CandidateEvaluator:
             if self.mode == PLAIN:
                 b.calls = {}
         self.counters = _zero_counters()  # the self-check does not count
+
+    def shared(self) -> SharedTeacher:
+        """This evaluator's teacher pass, for other searches on the same data to take."""
+        return SharedTeacher(self.key, list(self._batches), self.teacher, self.mode, self.teacher_seconds)
 
     def release(self) -> None:
         """Drop the teacher distributions, cached states and batches: the evaluator is done."""
@@ -254,7 +220,7 @@ class CandidateEvaluator:
         return teacher, reference
 
     @contextmanager
-    def _recording(self, b: _SearchBatch) -> Iterator[None]:
+    def _recording(self, b: SearchBatch) -> Iterator[None]:
         first = self.limits.layers[0]
 
         def capture(index: int) -> Callable:
@@ -376,7 +342,7 @@ class CandidateEvaluator:
                 handle.remove()
             self._taps.clear()
 
-    def _candidate_rows(self, index: int, b: _SearchBatch, allocation: Allocation) -> torch.Tensor:
+    def _candidate_rows(self, index: int, b: SearchBatch, allocation: Allocation) -> torch.Tensor:
         """Candidate logits at the batch's answer positions [n, V]."""
         self.counters["batch_evaluations"] += 1
         if self.mode == PLAIN:
@@ -386,9 +352,7 @@ class CandidateEvaluator:
         p, state = self._longest_prefix(index, b, key)
         return self._run_layers(b, self.mode, p, state, index, key)
 
-    def _longest_prefix(
-        self, index: int, b: _SearchBatch, allocation: Allocation
-    ) -> tuple[int, torch.Tensor]:
+    def _longest_prefix(self, index: int, b: SearchBatch, allocation: Allocation) -> tuple[int, torch.Tensor]:
         for p in range(len(allocation) - 1, 0, -1):
             state = self.prefix_cache.get((index, allocation[:p]))
             if state is not None:
@@ -398,7 +362,7 @@ class CandidateEvaluator:
 
     def _run_layers(
         self,
-        b: _SearchBatch,
+        b: SearchBatch,
         mode: str,
         p: int,
         state: torch.Tensor,
@@ -438,7 +402,7 @@ class CandidateEvaluator:
         out = _hidden_of(block(layer.get_submodule("post_attention_layernorm")(residual)))
         return residual + out.view(residual.shape)
 
-    def _score_batch(self, accumulator: FitnessAccumulator, b: _SearchBatch, rows: torch.Tensor) -> None:
+    def _score_batch(self, accumulator: FitnessAccumulator, b: SearchBatch, rows: torch.Tensor) -> None:
         for row in b.rows:
             if row.stop > row.start:
                 accumulator.add([row.sample_id], rows[row.start : row.stop][None], answer_mask=row.mask)

@@ -23,6 +23,7 @@ same result as a run started with that many.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -47,6 +48,7 @@ __all__ = ["Allocation", "EvoIO", "EvoResult", "EvoSearch", "Feasibility", "Gene
 __all__ += ["generations_document", "initial_population", "mutate"]
 STATE_VERSION = 1
 _MAX_OFFSPRING_REDRAWS = 16  # redraws of an offspring that was already seen
+_CARRY = "evo"  # the key of an evo search's state in a continuation (SearchRuntime.continuation)
 
 
 @dataclass
@@ -268,14 +270,26 @@ class EvoSearch(Generic[C]):
             nxt.append(child)
         return nxt
 
-    def run(self, resume: bool = False) -> EvoResult[C]:
+    def run(self, resume: bool = False, carry: dict[str, Any] | None = None) -> EvoResult[C]:
         """Search for ``config.generations`` generations; ``resume`` continues the saved state.
 
-        Without ``resume`` a fresh search starts and overwrites any state at ``state_path``.
+        ``carry`` (`SearchRuntime.continuation`) is the same in memory: a run of this very search
+        (the identity a resume checks) left its state there, and this run continues it, to the
+        result a run started with this many generations reaches (module docstring); this run's
+        state is left there in turn. Without either a fresh search starts and overwrites any state
+        at ``state_path``.
         """
         self._last_save = time.monotonic()
+        carried = carry.get(_CARRY) if carry is not None else None
         if resume:
             start, population, rng = self._load()
+        elif (
+            carried is not None
+            and carried[0] == self._identity()
+            and carried[1][0] <= self.config.generations
+        ):
+            start, population, rng, cache, history = carried[1]
+            self.cache, self.history, self._new_in_generation = dict(cache), list(history), 0
         else:
             rng = np.random.Generator(np.random.PCG64(self.config.seed))
             self.cache, self.history, self._new_in_generation = {}, [], 0
@@ -304,6 +318,7 @@ class EvoSearch(Generic[C]):
                 population = self._breed(population, rng)
                 self._new_in_generation = 0
                 self._save(generation + 1, population, rng)
+                start = generation + 1  # where a continuation starts
                 bar.set_postfix_str(f"best {fitness} so far {sign * self.result().best_fitness:.6g}")
                 bar.update(1)
         finally:
@@ -316,6 +331,9 @@ class EvoSearch(Generic[C]):
             "generations_run": len(self.history),
             **({"patience": self.config.patience} if self.config.patience else {}),
         }
+        if carry is not None:  # the bred population and the generator as the next generation needs them
+            state = (start, population, copy.deepcopy(rng), dict(self.cache), list(self.history))
+            carry[_CARRY] = (self._identity(), state)
         return self.result()
 
     def stalled(self) -> bool:

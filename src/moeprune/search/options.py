@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,3 +42,9 @@ class SearchRuntime:
     candidate_context: CandidateContext | None = None
     state_path: str | os.PathLike[str] | None = None  # the search checkpoints here every generation
     resume: bool = False  # continue the search saved at state_path (refuses other data or settings)
+    # The full model on the search data, computed once for several searches (`SharedTeacher`,
+    # search/candidates.py): a search on the same data and batches takes it instead of its own pass.
+    teacher: Any = None
+    # Where a search leaves its state for a larger run of the same search to continue in memory
+    # (evo: `EvoSearch.run(carry=...)`, to the result a fresh run of that size reaches); None: none.
+    continuation: dict[str, Any] | None = None

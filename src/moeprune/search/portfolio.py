@@ -11,6 +11,10 @@ What the candidates share, so the contest costs little more than its searches:
 - one set of fits: the rank-R novices of every expert fitted once per rank, for every search and
   plan that keeps novices of that rank.
 
+  The teacher pass is made once (`SharedTeacher`, search/teacher.py: the prepared batches, the
+  cache and the fast path's self-check) and every search takes it through its runtime
+  (`SearchRuntime.teacher`), so no search makes a pass of its own.
+
 Successive halving over the searches' own budgets (evo's generations, gradient's steps): plans
 that need no search are final after one pass and go first; then every searched recipe runs at
 1/9 of its budget, the best third (at least one) again at 1/3, the best third of those at the full
@@ -18,6 +22,17 @@ budget. Each run is a complete recipe (its config says the budget it ran with, s
 reruns to the same plan), and the winner is the best plan any rung produced: a candidate stopped
 early still competes with what it reached. The searches themselves run only through the search
 registry (search_for, SearchJob).
+
+A recipe going on to a larger rung continues where its previous rung stopped when that reaches
+the plan a fresh run at the larger budget reaches (`SearchRuntime.continuation`): evo keeps its
+population, fitness cache, history and generator and runs only the generations it has not run
+(search/evo.py: an extended run equals one started with that many generations; `--patience`
+applies at every rung, so a run it stopped stays stopped, as the fresh run would). The gradient
+allocation does not continue: its temperature falls from `--gradient-temperature` to its end over
+all its steps, so its first 1/3 of 120 steps is not a 40-step run, and a rung ranked on a plan
+still at high temperature would rank gradient recipes on what no recipe makes. It reruns at each
+rung (1/9 + 1/3 more of its steps than alone: it is the cheaper family), so every rung's plan,
+evo's and the gradient's, is what its recipe.json reruns to.
 """
 
 from __future__ import annotations
@@ -36,9 +51,11 @@ from moeprune.models import MoEModel
 from moeprune.observe.kinds import union
 from moeprune.observe.stats import ExpertStats
 from moeprune.plan import Plan
-from moeprune.search.auto import plan_fitness, teacher_pass
+from moeprune.search.auto import plan_fitness
+from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.options import SearchRuntime
 from moeprune.search.registry import Searched, SearchJob, search_for
+from moeprune.search.teacher import SharedTeacher
 from moeprune.surgery.fit_holdout import FitChecks
 from moeprune.surgery.lowrank import fit_novices, plan_rank
 from moeprune.surgery.planning import build_plan, check_config, guard_super_experts, requirements
@@ -82,7 +99,6 @@ def scaled(config: ResolvedConfig, fraction: float) -> ResolvedConfig:
         search,
         generations=max(1, math.ceil(search.generations * fraction)),
         steps=max(1, math.ceil(search.steps * fraction)),
-        patience=None,
     )
     return check_config(replace(config.given(), search=smaller))
 
@@ -95,6 +111,7 @@ class Entry:
     config: ResolvedConfig
     runs: list[dict] = field(default_factory=list)  # {budget, fitness, seconds} per run
     refused: str = ""  # why it could not run here (a budget only super experts meet, ...)
+    continuation: dict = field(default_factory=dict)  # its search's state for the next rung
 
 
 @dataclass
@@ -121,7 +138,8 @@ class Shared:
     sets: list[CalibrationData]
     search_set: CalibrationData
     runtime: SearchRuntime
-    teacher: Any = None
+    teacher: Any = None  # (cache, batches) every plan is scored against (`SharedTeacher.scored`)
+    prepared: SharedTeacher | None = None  # the same pass as every search takes it
     scores: dict[str, list[LayerScores]] = field(default_factory=dict)
     fits: dict[int, Any] = field(default_factory=dict)
 
@@ -173,8 +191,10 @@ def observe_once(
     return stats
 
 
-def run_once(shared: Shared, config: ResolvedConfig) -> Found:
-    """One recipe run and scored: its search (if any) through the registry, its plan, its fitness."""
+def run_once(shared: Shared, config: ResolvedConfig, continuation: dict | None = None) -> Found:
+    """One recipe run and scored: its search (if any) through the registry, taking the contest's
+    teacher pass and continuing the recipe's previous run where it can (`continuation`), its
+    plan, its fitness."""
     moe, stats = shared.moe, shared.stats
     guard_super_experts(moe, config, stats)  # refuses a budget only removing super experts meets
     criterion = get_criterion(config.criterion)
@@ -186,7 +206,10 @@ def run_once(shared: Shared, config: ResolvedConfig) -> Found:
         if search.check is not None:
             search.check(moe, config)
         runtime = replace(
-            shared.runtime, candidate_context=config.method_spec.search_context(moe, stats, config.options)
+            shared.runtime,
+            candidate_context=config.method_spec.search_context(moe, stats, config.options),
+            teacher=shared.prepared,
+            continuation=continuation,
         )
         job = _SharedFits(
             moe,
@@ -223,11 +246,22 @@ def run_once(shared: Shared, config: ResolvedConfig) -> Found:
     return Found(config, criterion, ordered, searched, plan, value)
 
 
+def teacher_once(shared: Shared, fitness: str) -> SharedTeacher:
+    """The contest's one teacher pass, made as a search makes its own (the fast path's captures
+    and self-check included), for every search and plan of the contest to take."""
+    moe = shared.moe
+    orders = [list(range(m.num_experts)) for m in moe.layers]  # any: the pass reads none
+    evaluator = CandidateEvaluator(moe, shared.search_set, orders, fitness=fitness, runtime=shared.runtime)
+    prepared = evaluator.shared()
+    evaluator.release()
+    return prepared
+
+
 def contest(shared: Shared, entries: list[Entry], log: Callable[[str], None] = print) -> Found:
     """Every entry run by successive halving; returns the best run (its plan and how to rebuild it)."""
-    runtime = shared.runtime
-    shared.teacher = teacher_pass(shared.moe, shared.search_set, runtime.batch_size, runtime.pad_token_id)
     fitness = entries[0].config.search.fitness
+    shared.prepared = teacher_once(shared, fitness)
+    shared.teacher = shared.prepared.scored()
     higher = higher_is_better(fitness)
     best: list[Found] = []
 
@@ -235,7 +269,7 @@ def contest(shared: Shared, entries: list[Entry], log: Callable[[str], None] = p
         entry = entries[i]
         start = time.perf_counter()
         try:
-            found = run_once(shared, scaled(entry.config, fraction))
+            found = run_once(shared, scaled(entry.config, fraction), entry.continuation)
         except MoePruneError as refusal:  # this recipe cannot run here; the others still compete
             entry.refused = str(refusal)
             log(f"auto: {entry.label}: {refusal}")

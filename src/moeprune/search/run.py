@@ -163,7 +163,7 @@ def run_evo_search(
         seed=config.seed,
         runtime=replace(runtime, progress=runtime.progress and rank == 0),
     )
-    result = search.run(resume=resume)
+    result = search.run(resume=resume, carry=runtime.continuation)
     seconds = time.perf_counter() - start
     document = _search_document(
         evaluator, search, result, race_log, limits, race, seconds, _totals(evaluator, world)
@@ -401,7 +401,7 @@ def run_seeded_search(
         plan_context=context,
         prefix_key=prefix_key,
     )
-    return search.run(resume=runtime.resume), search, evaluator
+    return search.run(resume=runtime.resume, carry=runtime.continuation), search, evaluator
 
 
 def _evo_counts(job: SearchJob) -> Searched:
