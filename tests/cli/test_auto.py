@@ -48,7 +48,9 @@ def test_stock_auto_saves_the_best_stock_recipe_with_its_report_and_plot(tiny_ch
     assert (out / "portfolio.png").is_file() and "auto " in done.output and best["label"] in done.output
     assert "## Auto: every recipe" in (out / "report.md").read_text()
     # one calibration pass for the whole contest and the winner's build (the prune takes it as given)
-    stages = [line.split()[0] for line in (out / "moeprune.log").read_text().splitlines() if line.startswith("  ")]
+    stages = [
+        line.split()[0] for line in (out / "moeprune.log").read_text().splitlines() if line.startswith("  ")
+    ]
     assert stages.count("observe") == 1, stages
 
 
@@ -77,6 +79,35 @@ def test_a_dry_run_lists_every_recipe_with_an_estimate_and_loads_nothing(
     assert len(recipes) == len(expected) and all(" s at its full budget" in line for line in recipes)
     assert {r.label for r in expected} == {line.split("  recipe  ")[1].split(" (")[0] for line in recipes}
     assert not out.exists()
+
+
+def _small_auto(checkpoint, data, out) -> list:
+    """auto in REAP's order alone, with small search budgets (seconds on the tiny checkpoint)."""
+    return ["prune", checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data", data,
+            "--search-samples", "6", "--criterion", "reap", "--method", "auto", "--threads", "1", "--population", "6",
+            "--elites", "2", "--generations", "3", "--gradient-steps", "9", "--allow-super-experts"]  # fmt: skip
+
+
+def test_the_winner_s_recipe_json_reruns_to_the_same_plan(tiny_checkpoint, data, tmp_path):
+    # the winner may be a run continued from a smaller rung: its recipe, run afresh, is the same plan
+    out, again = tmp_path / "out", tmp_path / "again"
+    run(*_small_auto(tiny_checkpoint, data, out))
+    run("prune", tiny_checkpoint, "--output", again, "--config", out / "recipe.json", "--quiet")
+    assert json.loads((again / "recipe.json").read_text())["config"]["method"] != "auto"
+    assert json.loads((out / "plan.json").read_text()) == json.loads((again / "plan.json").read_text())
+
+
+def test_the_dry_run_s_estimate_is_within_its_factor_of_the_contest_s_measured_time(
+    tiny_checkpoint, data, tmp_path
+):
+    from moeprune.job.auto import ESTIMATE_FACTOR
+
+    out = tmp_path / "out"
+    flags = _small_auto(tiny_checkpoint, data, out)
+    estimate = float(run(*flags, "--dry-run").output.split("  estimated  ~")[1].split(" s ")[0])
+    run(*flags)
+    measured = json.loads((out / "report.json").read_text())["portfolio"]["seconds"]
+    assert 1 / ESTIMATE_FACTOR <= estimate / measured <= ESTIMATE_FACTOR, (estimate, measured)
 
 
 @pytest.mark.parametrize(

@@ -424,6 +424,8 @@ def portfolio_lines(plan: dict) -> list[str]:
     if "portfolio" not in plan:
         return []
     lines = [f"auto      {len(plan['portfolio'])} recipes, cheapest first; {plan['halving']}"]
+    if "estimated_s" in plan:
+        lines.append(f"  estimated  ~{plan['estimated_s']:.6g} s for the whole contest on this machine")
     for row in plan["portfolio"]:
         what = (
             f"{row['criterion']} order, {row['method']} / {row['allocation']}, sparsity {row['sparsity']:.6g}"

@@ -6,14 +6,17 @@ its recipe (job/run.py), from the contest's observation, search result and fits.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.quantized import quantization_format
-from moeprune.data.loading import load_data
+from moeprune.data.loading import CalibrationData, load_data
 from moeprune.errors import MoePruneError
 from moeprune.job.prepare import PlannedSizes, PruneJob, PruneRequest, plan_sizes, prepare
 from moeprune.job.run import run_job
@@ -34,6 +37,12 @@ HALVING = (
 )
 # a rough rate for the dry run's estimate: floating-point operations a second of a forward pass
 _FLOPS = {"cuda": 5e13, "cpu": 2e10}
+# A model this small is built at random on the CPU and one pass over the search data timed for the
+# dry run's estimate (a fraction of a second): there, per-layer overheads, not FLOPs, set the time,
+# and the FLOPs rate alone read 10-50x low. Larger models (or GPUs) keep the FLOPs rate.
+_TIMED_PARAMETERS = 50_000_000
+# A contest's estimate is within this factor of its measured time on a tiny model (tested).
+ESTIMATE_FACTOR = 3.0
 
 
 def check_auto(request: PruneRequest, config: ResolvedConfig) -> None:
@@ -69,18 +78,23 @@ def check_auto(request: PruneRequest, config: ResolvedConfig) -> None:
 class _Candidate:
     entry: Entry
     sizes: PlannedSizes | None
-    passes: float  # the estimated cost in passes over the search data
+    passes: float  # the estimated cost in passes over the search data, at the full budget
+    fixed: float = 1.0  # of which this many at any budget (scoring, seeds, evo's first generation)
 
 
-def _passes(config: ResolvedConfig, samples: int, batch_size: int) -> float:
+def _passes(config: ResolvedConfig, samples: int, batch_size: int) -> tuple[float, float]:
     """The estimated forward passes over the search data a recipe costs (a backward pass counts
-    twice): one to score its plan, plus its search's generations or steps."""
+    twice), and how many of them it costs at any budget: one to score its plan; evo's first
+    generation (the whole population), then the offspring of each later one; the gradient's
+    reference plans (the uniform one or the seeds, and the result: up to 6) and its steps (one
+    batch each, forward and backward)."""
     search, knobs = config.search, config.allocator.knobs
     if "generations" in knobs:
-        return 1 + (search.population - search.elites) * search.generations
+        offspring = (search.population - search.elites) * (search.generations - 1)
+        return 1 + search.population + offspring, 1 + search.population
     if "gradient_steps" in knobs:
-        return 1 + 3 * search.steps * min(batch_size, samples) / max(samples, 1)
-    return 1.0
+        return 7 + 3 * search.steps * min(batch_size, samples) / max(samples, 1), 7.0
+    return 1.0, 1.0
 
 
 def _candidates(job: PruneJob, request: PruneRequest, auto: ResolvedConfig) -> list[_Candidate]:
@@ -103,17 +117,58 @@ def _candidates(job: PruneJob, request: PruneRequest, auto: ResolvedConfig) -> l
             out.append(_Candidate(entry, None, float("inf")))
             continue
         resolved = ResolvedConfig.of(config)
-        passes = _passes(resolved, samples, job.data.batch_size)
-        out.append(_Candidate(Entry(recipe.label, resolved), sizes, passes))
+        passes, fixed = _passes(resolved, samples, job.data.batch_size)
+        out.append(_Candidate(Entry(recipe.label, resolved), sizes, passes, fixed))
     out.sort(key=lambda c: c.passes)
     return out
 
 
 def _seconds_a_pass(job: PruneJob) -> float:
-    """A rough estimate of one forward pass over the search data (2 FLOPs a parameter a token)."""
+    """One forward pass over the search data: 2 FLOPs a parameter a token at a rough rate, or,
+    for a model small enough to build in a moment on the CPU, that model timed on this machine."""
     params = sum(p.numel() for p in job.meta.model.parameters())
     tokens = sum(len(s.input_ids) for s in job.search_set.samples) if job.search_set is not None else 0
-    return 2 * params * tokens / _FLOPS["cuda" if job.placement.device.type == "cuda" else "cpu"]
+    rated = 2 * params * tokens / _FLOPS["cuda" if job.placement.device.type == "cuda" else "cpu"]
+    if params > _TIMED_PARAMETERS or job.placement.device.type != "cpu" or job.search_set is None:
+        return rated
+    return max(rated, _timed_pass(job.meta.model, job.search_set, job.data.batch_size))
+
+
+def _timed_pass(meta: Any, data: CalibrationData, batch_size: int) -> float:
+    """Seconds of one forward pass over `data` of a model of `meta`'s architecture, built at
+    random on the CPU (no weight is read): the faster of two passes, after one batch of warm-up."""
+    model = type(meta)(meta.config).eval()
+    pad = getattr(meta.config, "pad_token_id", None)
+    batches = list(data.batches(batch_size, pad if isinstance(pad, int) else None))
+    passes = []
+    with torch.no_grad():
+        model(input_ids=batches[0].input_ids, attention_mask=batches[0].attention_mask, use_cache=False)
+        for _ in range(2):
+            start = time.perf_counter()
+            for b in batches:
+                model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False)
+            passes.append(time.perf_counter() - start)
+    return min(passes)
+
+
+def _contest_seconds(candidates: list[_Candidate], per_pass: float, calibration_passes: float) -> float:
+    """The contest's estimated seconds: the observation (a pass over the calibration data) and the
+    teacher pass, the fits of each novice rank (a calibration pass each), every plan without a
+    search once, and the searches by successive halving as `halving` runs them: each rung's
+    recipes at the mean cost of the searched ones at that budget (a continued run counted afresh)."""
+    ran = [c for c in candidates if not c.entry.refused]
+    searched = [c for c in ran if c.entry.config.allocator.searches]
+    ranks = {c.entry.config.options.novice_rank for c in ran} - {0}
+    total = per_pass * (1 + calibration_passes * (1 + len(ranks)))
+    total += per_pass * sum(c.passes for c in ran if c not in searched)
+    alive = len(searched)
+    fixed = sum(c.fixed for c in searched) / max(alive, 1)
+    varying = sum(c.passes - c.fixed for c in searched) / max(alive, 1)
+    for rung, fraction in enumerate(RUNGS):
+        if alive > 1 or rung == len(RUNGS) - 1:
+            total += per_pass * alive * (fixed + varying * fraction)
+            alive = max(1, math.ceil(alive / ETA))
+    return total if searched or ran else 0.0
 
 
 def _rows(candidates: list[_Candidate], job: PruneJob) -> list[dict]:
@@ -166,7 +221,11 @@ def prune_auto(request: PruneRequest) -> dict:
     if job.run.dry_run:
         plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's
         plan |= {"criterion": auto.criterion, "method": auto.method, "allocation": "chosen per recipe"}
-        return plan | {"portfolio": _rows(candidates, job), "halving": HALVING}
+        search_tokens = max(sum(len(s.input_ids) for s in job.search_set.samples), 1)
+        calibration = sum(len(s.input_ids) for d in job.calibration for s in d.samples) / search_tokens
+        total = _contest_seconds(candidates, _seconds_a_pass(job), calibration)
+        rows = _rows(candidates, job)
+        return plan | {"portfolio": rows, "halving": HALVING, "estimated_s": float(f"{total:.3g}")}
     rank, _ = rank_and_world()
     barrier()
     with output_lock(job.output) if rank == 0 else nullcontext():
