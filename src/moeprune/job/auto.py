@@ -127,7 +127,7 @@ def _seconds_a_pass(job: PruneJob) -> float:
     """One forward pass over the search data: 2 FLOPs a parameter a token at a rough rate, or,
     for a model small enough to build in a moment on the CPU, that model timed on this machine."""
     params = sum(p.numel() for p in job.meta.model.parameters())
-    tokens = sum(len(s.input_ids) for s in job.search_set.samples) if job.search_set is not None else 0
+    tokens = _tokens(job.search_set)
     rated = 2 * params * tokens / _FLOPS["cuda" if job.placement.device.type == "cuda" else "cpu"]
     if params > _TIMED_PARAMETERS or job.placement.device.type != "cpu" or job.search_set is None:
         return rated
@@ -219,17 +219,25 @@ def prune_auto(request: PruneRequest) -> dict:
         job = replace(job, tokenizer=tokenizer, search_set=search_set, search_data=list(request.search_data))
     candidates = _candidates(job, request, auto)
     if job.run.dry_run:
-        plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's
-        plan |= {"criterion": auto.criterion, "method": auto.method, "allocation": "chosen per recipe"}
-        search_tokens = max(sum(len(s.input_ids) for s in job.search_set.samples), 1)
-        calibration = sum(len(s.input_ids) for d in job.calibration for s in d.samples) / search_tokens
-        total = _contest_seconds(candidates, _seconds_a_pass(job), calibration)
-        rows = _rows(candidates, job)
-        return plan | {"portfolio": rows, "halving": HALVING, "estimated_s": float(f"{total:.3g}")}
+        return _dry_run(job, auto, candidates)
     rank, _ = rank_and_world()
     barrier()
     with output_lock(job.output) if rank == 0 else nullcontext():
         return run_job(replace(job, choose=lambda moe, j: _choose(moe, j, candidates)))
+
+
+def _dry_run(job: PruneJob, auto: ResolvedConfig, candidates: list[_Candidate]) -> dict:
+    """The dry run's plan: the base recipe's sizes, every recipe with its estimate, the contest's."""
+    plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's
+    plan |= {"criterion": auto.criterion, "method": auto.method, "allocation": "chosen per recipe"}
+    calibration = sum(_tokens(d) for d in job.calibration) / max(_tokens(job.search_set), 1)
+    total = _contest_seconds(candidates, _seconds_a_pass(job), calibration)
+    rows = _rows(candidates, job)
+    return plan | {"portfolio": rows, "halving": HALVING, "estimated_s": float(f"{total:.3g}")}
+
+
+def _tokens(data: CalibrationData | None) -> int:
+    return sum(len(s.input_ids) for s in data.samples) if data is not None else 0
 
 
 def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple[PruneJob, Portfolio]:
