@@ -131,7 +131,11 @@ def _seconds_a_pass(job: PruneJob) -> float:
     rated = 2 * params * tokens / _FLOPS["cuda" if job.placement.device.type == "cuda" else "cpu"]
     if params > _TIMED_PARAMETERS or job.placement.device.type != "cpu" or job.search_set is None:
         return rated
-    return max(rated, _timed_pass(job.meta.model, job.search_set, job.data.batch_size))
+    try:
+        return max(rated, _timed_pass(job.meta.model, job.search_set, job.data.batch_size))
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:  # not built from its config alone
+        _LOG.debug("dry-run estimate: no timed pass (%s); FLOPs rate used", exc)
+        return rated
 
 
 def _timed_pass(meta: Any, data: CalibrationData, batch_size: int) -> float:
