@@ -5,14 +5,14 @@
 # or set MOEPRUNE_TORCH (e.g. MOEPRUNE_TORCH="torch==2.13.0" or "skip").
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+source scripts/install.sh  # install_into: uv's pip where uv is at hand, else pip
+ensure_uv                  # .venv, with uv in it
 TORCH_SPEC=${MOEPRUNE_TORCH:-torch==2.13.0}
 if [ "$TORCH_SPEC" != "skip" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+  install_into .venv "$TORCH_SPEC"
 fi
 stamp=.venv/.moeprune-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  install_into .venv -e ".[dev]"
   touch "$stamp"
 fi

@@ -22,7 +22,8 @@ if [ "${FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] 
 fi
 rm -rf "$VENV"
 "$(realpath .venv/bin/python)" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "compressed-tensors==$CT_VERSION"
+source scripts/install.sh
+install_into "$VENV" --no-deps "compressed-tensors==$CT_VERSION"
 OWN_SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$MAIN_SITE" > "$OWN_SITE/moeprune-main-venv.pth"
 "$VENV/bin/python" -c "

@@ -21,6 +21,8 @@ TORCH_VERSION=2.13.0
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
+source scripts/install.sh
+ensure_uv
 
 # 1. .venv-pip
 PIP_VENV=.venv-pip
@@ -28,7 +30,7 @@ PIP_STAMP=$PIP_VENV/.moeprune-pip-installed
 PIP_WANT=$( (cat pyproject.toml; find src -type f \( -name '*.py' -o -name '*.json' -o -name 'py.typed' \) | sort | xargs cat) | sha256sum | cut -d' ' -f1)
 if [ "${FORCE:-0}" = 1 ] || [ ! -f "$PIP_STAMP" ] || [ "$(cat "$PIP_STAMP")" != "$PIP_WANT" ]; then
   [ -x "$PIP_VENV/bin/python" ] || "$PY" -m venv "$PIP_VENV"
-  pipu() { "$PIP_VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+  pipu() { install_into "$PIP_VENV" "$@"; }
   "$PIP_VENV/bin/python" -c "import torch" 2>/dev/null || pipu "torch==$TORCH_VERSION"
   pipu "torch==$TORCH_VERSION" "$ROOT"          # moeprune's dependencies (and a first moeprune)
   pipu --no-deps --force-reinstall "$ROOT"       # this source's moeprune (same version number: forced)
@@ -42,10 +44,17 @@ WANT=$(cat scripts/setup_quant.sh pyproject.toml src/moeprune/quantize/environme
 if [ "${FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
+# The pinned stack first, with install_into (uv where at hand: minutes sooner on CI's two cores);
+# the command below then runs its own installs, check and stamp as for any pip user: every pin
+# already satisfied, pip installs nothing, and its check proves the environment holds its pins.
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+read -r -a pins < <("$PY" -c "import runpy; pins = runpy.run_path('src/moeprune/quantize/environment.py')['PINS']
+print(' '.join(f'{name}=={version}' for name, version in pins.items()))")
+install_into "$VENV" "${pins[@]}"
 # MOEPRUNE_CACHE: the command records the environment it made; keep that record out of the user's cache
 force=(); [ "${FORCE:-0}" = 1 ] && force=(--force)
 MOEPRUNE_CACHE=$(mktemp -d) "$PIP_VENV/bin/moeprune" setup quantize --path "$VENV" "${force[@]}"
 CONSTRAINTS=$VENV/quant-constraints.txt
 "$VENV/bin/python" -m pip freeze --exclude-editable | grep -v '^moeprune' > "$CONSTRAINTS"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" -e "$ROOT"
+install_into "$VENV" -c "$CONSTRAINTS" -e "$ROOT"
 echo "$WANT" > "$STAMP"

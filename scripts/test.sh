@@ -9,6 +9,9 @@
 # (e.g. -x, -k).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# uv first (seconds): every set-up script below installs with it (scripts/install.sh).
+source scripts/install.sh
+ensure_uv
 # The environments install side by side (mostly waiting on downloads and unpacking), and lint
 # and types run while .venv-vllm and .venv-quant are still installing: on 2 cores that saves minutes of CI.
 setup_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-vllm.XXXXXX")
@@ -37,10 +40,12 @@ cat "$vllm33_log" && rm -f "$vllm33_log"
 [ "$status" = 0 ] || { echo "scripts/setup_vllm33.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
-# on CI's two cores. (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose
+# on CI's two cores. Modules start in tests/conftest.py's order, the longest tiers first (not
+# xdist's default, the modules with the most tests first, which started the serving modules last
+# and left one core idle while they ran). (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose
 # node ids it no longer rewrites.) MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
 # Each pass ends with its 25 slowest tests (setup, call or teardown), for whoever keeps CI's time.
-workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --durations=25)
+workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder --durations=25)
 record=$(mktemp -d "${TMPDIR:-/tmp}/moeprune-transformers.XXXXXX")
 trap 'rm -rf "$record"' EXIT
 MOEPRUNE_TRANSFORMERS_RECORD="$record" .venv/bin/python -m pytest "${workers[@]}" "$@"

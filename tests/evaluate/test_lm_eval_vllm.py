@@ -93,9 +93,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return made
 
 
-def _eval(models, task_dir, out: Path, engine: str) -> dict:
-    extra = ["--engine", "vllm", "--vllm-python", str(VLLM_PYTHON),
-             "--vllm-option", f"kv_cache_memory_bytes={1 << 26}"] if engine == "vllm" else []  # fmt: skip
+def _eval(models, task_dir, out: Path, engine: str, vllm_python: Path | None = None) -> dict:
+    extra = ["--engine", "vllm", "--vllm-python", str(vllm_python),
+             "--vllm-option", f"kv_cache_memory_bytes={1 << 26}", "--vllm-option", "enforce_eager=true",
+             ] if engine == "vllm" else []  # fmt: skip
     result = CliRunner().invoke(
         main,
         ["eval", str(models["stock"]), str(models["uneven"]), "--compare", "-r", str(models["reference"]),
@@ -107,11 +108,15 @@ def _eval(models, task_dir, out: Path, engine: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def both(models, task_dir, tmp_path_factory) -> dict[str, dict]:
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run ./scripts/setup_vllm.sh", pytrace=False)
+def both(models, task_dir, tmp_path_factory, shared_vllm_python) -> dict[str, dict]:
+    """Both engines' documents. The three vLLM runs (one per model, as the bridge starts them) go to
+    the warm shared .venv-vllm process (conftest.py): vLLM and lm-eval are imported once, not
+    three times; each run still builds its own engine from the folder."""
     work = tmp_path_factory.mktemp("eval")
-    return {engine: _eval(models, task_dir, work / f"{engine}.json", engine) for engine in ("hf", "vllm")}
+    return {
+        engine: _eval(models, task_dir, work / f"{engine}.json", engine, shared_vllm_python)
+        for engine in ("hf", "vllm")
+    }
 
 
 def _scores(doc: dict) -> dict[str, dict]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
+from test_serve_vllm import (
     DRIVER,
     LOGPROB_ATOL,
     NEW_TOKENS,
@@ -21,7 +21,6 @@ from test_serve_vllm import (  # noqa: F401  (vllm_python: the fixture)
     _reference,
     code_calibration,
     drive_vllm,
-    vllm_python,
 )
 
 import moeprune
@@ -32,7 +31,8 @@ from moeprune.job import PruneRequest, prune_checkpoint
 pytestmark = pytest.mark.vllm  # drives vLLM's CPU build in a subprocess (.venv-vllm)
 
 
-def test_vllm_serves_a_repaired_uniform_drop_like_moeprune(vllm_python, tmp_path):  # noqa: F811
+def test_vllm_serves_a_repaired_uniform_drop_like_moeprune(shared_vllm_python, tmp_path):
+    """Served in the worker's warm vLLM process (conftest.py): nothing here asks a fresh one."""
     tokenizer = byte_tokenizer()
     _reference("qwen3_moe", tmp_path / "ref", len(tokenizer))
     tokenizer.save_pretrained(tmp_path / "ref")
@@ -44,7 +44,7 @@ def test_vllm_serves_a_repaired_uniform_drop_like_moeprune(vllm_python, tmp_path
     spec = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "logprobs": TOP_LOGPROBS, "models": [[str(out), {}]],
             "refuse": []}  # fmt: skip
     (tmp_path / "vllm").mkdir()
-    result = drive_vllm(vllm_python, tmp_path / "vllm", spec, DRIVER)["models"][str(out)]
+    result = drive_vllm(shared_vllm_python, tmp_path / "vllm", spec, DRIVER)["models"][str(out)]
     assert result["architecture"] == json.loads((out / "config.json").read_text())["architectures"][0]
     assert not result["architecture"].startswith("MoePrune"), "a stock result needs no plugin"
     model, worst = moeprune.load_pretrained(out), 0.0
