@@ -64,7 +64,11 @@ MOEPRUNE_TRANSFORMERS_RECORD="$record" .venv/bin/python -m pytest "${workers[@]}
 # at those environments' own transformers.
 stages="tests/models/ tests/checkpoint/ tests/shards/ tests/quant/ tests/surgery/ tests/observe/ tests/repair/
   tests/serve/ tests/e2e/ tests/evaluate/test_speculative.py tests/test_pipelines.py"
-mapfile -t modules < <(cat "$record"/*.txt | cut -d: -f1 | sort -u | grep -F "$(printf '%s\n' $stages)")
+# Within those stages, a module whose assertions read no model class even though its runs load one:
+# kill -9 during saves and searches (atomic replacement, a resumed search's state files).
+neutral="tests/e2e/test_interrupted.py"
+mapfile -t modules < <(cat "$record"/*.txt | cut -d: -f1 | sort -u | grep -F "$(printf '%s\n' $stages)" \
+  | grep -v -x -F "$(printf '%s\n' $neutral)")
 echo "== again on the lowest supported transformers ($(.venv-vllm/bin/python -c 'import transformers; print(transformers.__version__)')):" \
   "the tests of ${#modules[@]} modules that ran its model code"
 if [ "${#modules[@]}" -gt 0 ]; then
