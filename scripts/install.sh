@@ -2,15 +2,18 @@
 # Python (pip's arguments: requirements, -e, -c, --no-deps, ...).
 #
 # It uses uv's pip when uv is at hand (.venv/bin/uv, made by `ensure_uv`, or uv on PATH) and pip
-# otherwise. Same requirements, same resolution rules; on CI's two cores uv sets up the six test
-# environments in about a third of pip's time: it downloads in parallel, unpacks each wheel once
-# into its cache and links it into every environment that needs it (torch goes into four), and it
-# does not compile every module to bytecode up front (Python does that on first import).
-# MOEPRUNE_INSTALLER=pip forces pip.
+# otherwise. On CI's two cores uv sets up the six test environments in about half of pip's time:
+# it downloads in parallel, unpacks each wheel once into its cache and links it into every
+# environment that needs it (torch goes into four), and it does not compile every module to
+# bytecode up front (Python does that on first import). The same requirements and pins hold; where
+# a transitive dependency is left free, uv's resolver may take another version than pip's (seen:
+# lm-eval's table writer), both valid. MOEPRUNE_INSTALLER=pip forces pip.
 #
 # uv does not read pip's configuration, so what pip would take from it is passed on: find-links
-# folders, extra indexes and the constraint file (this machine's pip.conf names /opt/wheels, where
-# the CPU torch wheel lies, and caps torch), each only where it exists.
+# folders, the index and extra indexes, the constraint file (this machine's pip.conf names
+# /opt/wheels, where the CPU torch wheel lies, and caps torch), each only where it exists; and
+# like pip, uv takes the best version over all indexes (uv's default is the first index that has
+# the package).
 
 _uv_path() {
   local root
@@ -22,18 +25,20 @@ _uv_path() {
 
 # pip's settings (configuration files and PIP_* variables) as uv's options.
 _pip_settings_for_uv() {
-  local py=${PYTHON:-python3} key value item
-  for key in find-links extra-index-url constraint; do
-    value=$("$py" -m pip config list 2>/dev/null | sed -n "s/^[a-z:]*\.$key='\(.*\)'$/\1/p" | tr '\n' ' ')
+  local py=${PYTHON:-python3} key value item config
+  config=$("$py" -m pip config list 2>/dev/null || true)
+  for key in find-links index-url extra-index-url constraint; do
+    value=$(sed -n "s/^[a-z:]*\.$key='\(.*\)'$/\1/p" <<< "$config" | tr '\n' ' ')
     case $key in
       find-links) value="$value ${PIP_FIND_LINKS:-}" ;;
+      index-url) value="$value ${PIP_INDEX_URL:-}" ;;
       extra-index-url) value="$value ${PIP_EXTRA_INDEX_URL:-}" ;;
       constraint) value="$value ${PIP_CONSTRAINT:-}" ;;
     esac
     for item in $value; do
       case $key in
         find-links) [ -d "$item" ] && echo "--find-links=$item" ;;
-        extra-index-url) [ "${item#file://}" = "$item" ] || [ -d "${item#file://}" ] && echo "--extra-index-url=$item" ;;
+        index-url | extra-index-url) [ "${item#file://}" = "$item" ] || [ -d "${item#file://}" ] && echo "--$key=$item" ;;
         constraint) [ -f "$item" ] && echo "--constraint=$item" ;;
       esac
     done
@@ -46,7 +51,6 @@ install_into() {
   if uv=$(_uv_path); then
     local settings
     mapfile -t settings < <(_pip_settings_for_uv)
-    # pip takes the best version over all indexes; uv, by default, only the first index that has a package
     UV_INDEX_STRATEGY=${UV_INDEX_STRATEGY:-unsafe-best-match} UV_LINK_MODE=${UV_LINK_MODE:-hardlink} \
       "$uv" pip install -q --python "$venv/bin/python" "${settings[@]}" "$@"
   else

@@ -24,7 +24,9 @@ vllm33_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-vllm33.XXXXXX")  # .venv-vll
 ./scripts/setup_vllm33.sh > "$vllm33_log" 2>&1 &
 setup_vllm33=$!
 ./setup.sh
-./scripts/setup_ct20.sh   # .venv-ct20: compressed-tensors 0.20 alone (it reads torch from .venv), seconds
+ct20_log=$(mktemp "${TMPDIR:-/tmp}/moeprune-setup-ct20.XXXXXX")  # .venv-ct20: compressed-tensors 0.20 alone
+./scripts/setup_ct20.sh > "$ct20_log" 2>&1 &   # (it reads torch from .venv, so after it), beside lint and types
+setup_ct20=$!
 .venv/bin/ruff check src tests benchmarks scripts   # lint, then the formatter (src is formatted as ruff formats it)
 .venv/bin/ruff format --check src
 .venv/bin/mypy   # types of src/moeprune, as pyproject's [tool.mypy] says (modules not yet typed are listed there)
@@ -38,13 +40,17 @@ cat "$quant_log" && rm -f "$quant_log"
 wait "$setup_vllm33" || status=$?
 cat "$vllm33_log" && rm -f "$vllm33_log"
 [ "$status" = 0 ] || { echo "scripts/setup_vllm33.sh failed (exit $status)" >&2; exit "$status"; }
+wait "$setup_ct20" || status=$?
+cat "$ct20_log" && rm -f "$ct20_log"
+[ "$status" = 0 ] || { echo "scripts/setup_ct20.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
 # on CI's two cores. Modules start in tests/conftest.py's order, the longest tiers first (not
 # xdist's default, the modules with the most tests first, which started the serving modules last
-# and left one core idle while they ran). (Not --dist loadgroup: pytest-xdist 3.8 cannot regroup under pytest 9.2, whose
-# node ids it no longer rewrites.) MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does.
-# Each pass ends with its 25 slowest tests (setup, call or teardown), for whoever keeps CI's time.
+# and left one core idle while they ran). Not --dist loadgroup: pytest-xdist 3.8 cannot regroup
+# under pytest 9.2, whose node ids it no longer rewrites. MOEPRUNE_TEST_WORKERS=0 runs in this
+# process, as plain pytest does. Each pass ends with its 25 slowest tests (setup, call or teardown),
+# for whoever keeps CI's time.
 workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder --durations=25)
 record=$(mktemp -d "${TMPDIR:-/tmp}/moeprune-transformers.XXXXXX")
 trap 'rm -rf "$record"' EXIT
