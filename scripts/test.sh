@@ -45,13 +45,13 @@ cat "$ct20_log" && rm -f "$ct20_log"
 [ "$status" = 0 ] || { echo "scripts/setup_ct20.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
-# on CI's two cores. Modules start in tests/conftest.py's order, the longest tiers first (not
-# xdist's default, the modules with the most tests first, which started the serving modules last
-# and left one core idle while they ran). Not --dist loadgroup: pytest-xdist 3.8 cannot regroup
-# under pytest 9.2, whose node ids it no longer rewrites. MOEPRUNE_TEST_WORKERS=0 runs in this
-# process, as plain pytest does. Each pass ends with its 25 slowest tests (setup, call or teardown),
-# for whoever keeps CI's time.
-workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder --durations=25)
+# on CI's two cores. Modules start in xdist's order (most tests first): starting the serving,
+# quantizing and torchrun modules first (tried) put their child processes on both cores at once,
+# and each ran 1.5-2x longer (first pass 1,919 s against 1,679 s). Not --dist loadgroup:
+# pytest-xdist 3.8 cannot regroup under pytest 9.2, whose node ids it no longer rewrites.
+# MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does. Each pass ends with its 25
+# slowest tests (setup, call or teardown), for whoever keeps CI's time.
+workers=(-n "${MOEPRUNE_TEST_WORKERS:-auto}" --dist loadfile --durations=25)
 record=$(mktemp -d "${TMPDIR:-/tmp}/moeprune-transformers.XXXXXX")
 trap 'rm -rf "$record"' EXIT
 MOEPRUNE_TRANSFORMERS_RECORD="$record" .venv/bin/python -m pytest "${workers[@]}" "$@"

@@ -105,12 +105,7 @@ def pytest_configure(config) -> None:
     transformers_use.register(config)
 
 
-# The tiers in the order their modules start, longest first. Under xdist (--dist loadfile) a worker
-# takes the next module when it is free, so a long module started last leaves the other core idle
-# while it runs: the serving and quantizing modules (a minute or more each, their engines in other
-# processes) start first and the many short unit modules fill the end. The sort is stable (within a
-# tier, collection order) and every worker sorts the same way, as xdist requires.
-TIERS = ("vllm", "quant_env", "distributed", "integration", "unit")
+TIERS = ("unit", "integration", "vllm", "quant_env", "distributed")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -120,8 +115,3 @@ def pytest_collection_modifyitems(config, items) -> None:
                        if sum(1 for tier in TIERS if item.get_closest_marker(tier)) != 1})  # fmt: skip
     if untiered:
         raise pytest.UsageError(f"give these test files one tier marker ({', '.join(TIERS)}): {', '.join(untiered)}")
-    items.sort(key=_tier_rank)
-
-
-def _tier_rank(item) -> int:
-    return next(i for i, tier in enumerate(TIERS) if item.get_closest_marker(tier))
