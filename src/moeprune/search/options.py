@@ -13,9 +13,12 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from moeprune.search.teacher import SharedTeacher
 
 # How a candidate's removed experts ({decoder layer: positions}) are applied virtually: router
 # slicing for drop (the default), constant substitution for MoNE novices.
@@ -43,8 +46,8 @@ class SearchRuntime:
     state_path: str | os.PathLike[str] | None = None  # the search checkpoints here every generation
     resume: bool = False  # continue the search saved at state_path (refuses other data or settings)
     # The full model on the search data, computed once for several searches (`SharedTeacher`,
-    # search/candidates.py): a search on the same data and batches takes it instead of its own pass.
-    teacher: Any = None
+    # search/teacher.py): a search on the same data and batches takes it instead of its own pass.
+    teacher: SharedTeacher | None = None
     # Where a search leaves its state for a larger run of the same search to continue in memory
     # (evo: `EvoSearch.run(carry=...)`, to the result a fresh run of that size reaches); None: none.
     continuation: dict[str, Any] | None = None
