@@ -7,6 +7,7 @@ is faster than two fighting for them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,27 @@ import torch
 
 torch.set_num_threads(1)
 
+
+def _child_environment() -> None:
+    """What the processes the tests start (vLLM engines, CLI runs, torchrun ranks, the warm shared
+    interpreters) inherit from this one.
+
+    - One core per test worker. vLLM's CPU build binds its OpenMP threads by itself: with `auto` on
+      2 cores it reserves the last core for its scheduler and binds every engine to core 0, so two
+      workers' engines ran on one core while the other waited. Worker N's engines are bound to core
+      N, and other children get one OpenMP thread, as this process has. An explicit setting in the
+      environment wins; a single-process run keeps vLLM's own choice.
+    - vllm_site/sitecustomize.py on PYTHONPATH: in vLLM's environment, vLLM's explicit full garbage
+      collections (three quarters of serving a tiny model) collect the young generations only."""
+    site = str(TESTS / "vllm_site")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != site]
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, *paths])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if worker.startswith("gw"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The tests mirror the package (tests/<stage>/test_<module>.py). Test modules share a few helpers
 # by module name (helpers.py here; `from test_observe import calibration`), so every folder is
 # importable by name, as the workers started in subprocesses also arrange (tests_on_path).
@@ -23,6 +45,7 @@ TESTS = Path(__file__).resolve().parent
 QUANT_PYTHON = TESTS.parent / ".venv-quant" / "bin" / "python"
 VLLM_PYTHON = TESTS.parent / ".venv-vllm" / "bin" / "python"
 sys.path[:0] = [str(TESTS), *(str(p) for p in sorted(TESTS.iterdir()) if p.is_dir() and not p.name.startswith((".", "_")))]
+_child_environment()
 
 
 @pytest.fixture(scope="session")
