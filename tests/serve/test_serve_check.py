@@ -101,11 +101,17 @@ def stock_run(made, vllm_python) -> subprocess.CompletedProcess:
                        "--reference", made["base"])  # fmt: skip
 
 
-def test_the_installed_vllm_is_in_the_tested_range(vllm_python):
-    code = "import vllm; from moeprune.serve.vllm.version import is_tested; print(vllm.__version__, is_tested(vllm.__version__))"
-    done = subprocess.run([str(vllm_python), "-c", code], capture_output=True, text=True, check=True)
-    version, tested = done.stdout.split()[-2:]
-    assert tested == "True", f"vLLM {version} in .venv-vllm is outside the range the plugin accepts"
+def test_the_installed_vllm_is_in_the_tested_range(vllm_python, tmp_path):
+    # a driver (DRIVER SPEC OUT) runs in the shared warm process, where vLLM is already imported
+    driver = tmp_path / "version.py"
+    driver.write_text(
+        "import json, sys, vllm\n"
+        "from moeprune.serve.vllm.version import is_tested\n"
+        "json.dump([vllm.__version__, is_tested(vllm.__version__)], open(sys.argv[2], 'w'))\n"
+    )
+    subprocess.run([str(vllm_python), str(driver), "-", str(tmp_path / "out.json")], check=True)
+    version, tested = json.loads((tmp_path / "out.json").read_text())
+    assert tested is True, f"vLLM {version} in .venv-vllm is outside the range the plugin accepts"
 
 
 def test_a_stock_result_matches_and_is_timed_against_its_base(made, stock_run):

@@ -103,35 +103,41 @@ def plot_search_curve(path: PathLike, history: Sequence[Any], fitness: str = "fi
 
 def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
     """`--method auto`'s contest: each recipe's runs as fitness on the search data against the
-    seconds it took (one marker per successive-halving rung, joined per recipe), the winner marked."""
+    seconds it took (one marker per successive-halving rung, joined per recipe, its size the share
+    of the recipe's search budget), the winner marked. Seconds span orders of magnitude (a plan
+    without a search takes a fraction of a second, a full search minutes), so the axis is
+    logarithmic once they do; sizes, not text, tell the rungs apart, since the first rungs of
+    several recipes land on one spot."""
     fitness, rows = portfolio.fitness, [r for r in portfolio.recipes if r.get("runs")]
     if not rows:
         raise ValueError("no recipe ran: nothing to plot")
     fig, ax = plt.subplots(figsize=(8, 4.6))
+    spans = []
     for row in rows:
         runs = row["runs"]
         seconds = list(accumulate(r["seconds"] for r in runs))  # spent on the recipe so far
         values = [r[fitness] for r in runs]
+        spans += seconds
         won = row["label"] == portfolio.chosen
         (line,) = ax.plot(
             seconds,
             values,
             marker="o",
+            ms=4,
             lw=2.5 if won else 1,
             label=row["label"] + (" (chosen)" if won else ""),
         )
-        for r, spent, value in zip(runs, seconds, values):  # at its marker: the time spent so far
-            ax.annotate(
-                f"{r['budget']:.2g}",
-                (spent, value),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-                color=line.get_color(),
-            )
+        sizes = [20 + 60 * min(1.0, float(r["budget"])) for r in runs]
+        edge = "black" if won else "none"
+        ax.scatter(seconds, values, s=sizes, color=line.get_color(), zorder=3, edgecolors=edge)
+    positive = [s for s in spans if s > 0]
+    if positive and max(positive) / min(positive) > 20:
+        ax.set_xscale("log")
     ax.set_xlabel("seconds spent on the recipe so far (shared observation and teacher not included)")
     ax.set_ylabel(f"{fitness} on the search data")
-    ax.set_title("auto: every recipe's plan (labels: fraction of its search budget)")
+    ax.set_title(
+        "auto: every recipe's plan at each rung (marker size: share of its search budget)", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     return save_figure(fig, path)
