@@ -359,10 +359,16 @@ def _width_followers(model: nn.Module, field: str, block_attr: str, index: int) 
 
 
 def _config_key(config) -> str:
-    return config.to_json_string(use_diff=False)
+    """The config as the probe's cache key: every field but where it was loaded from, which builds
+    nothing (the same model saved in two folders is probed once)."""
+    import json
+
+    fields = json.loads(config.to_json_string(use_diff=False))
+    fields.pop("_name_or_path", None)
+    return json.dumps(fields, sort_keys=True)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=4096)  # a few KB each; the test suite probes ~100 families in a process
 def _probe_widths(
     cls: type[PreTrainedModel], config_json: str, field: str, block_attr: str, index: int
 ) -> tuple[bool, bool]:
