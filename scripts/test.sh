@@ -51,9 +51,10 @@ cat "$ct20_log" && rm -f "$ct20_log"
 [ "$status" = 0 ] || { echo "scripts/setup_ct20.sh failed (exit $status)" >&2; exit "$status"; }
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
-# on CI's two cores. Modules start in xdist's order (most tests first): starting the serving,
-# quantizing and torchrun modules first (tried) put their child processes on both cores at once,
-# and each ran 1.5-2x longer (first pass 1,919 s against 1,679 s). Not --dist loadgroup:
+# on CI's two cores. Modules start in xdist's order (most tests first). Starting the serving,
+# quantizing and torchrun modules first was tried once (first pass 1,919 s against 1,679 s), but that
+# run also lacked bytecode and had vLLM's engines on one core (both fixed since): worth measuring
+# again. Not --dist loadgroup:
 # pytest-xdist 3.8 cannot regroup under pytest 9.2, whose node ids it no longer rewrites.
 # MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does. Each pass ends with its 25
 # slowest tests (setup, call or teardown), for whoever keeps CI's time.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import warnings
 from dataclasses import replace
 from functools import lru_cache
@@ -361,8 +362,6 @@ def _width_followers(model: nn.Module, field: str, block_attr: str, index: int) 
 def _config_key(config) -> str:
     """The config as the probe's cache key: every field but where it was loaded from, which builds
     nothing (the same model saved in two folders is probed once)."""
-    import json
-
     fields = json.loads(config.to_json_string(use_diff=False))
     fields.pop("_name_or_path", None)
     return json.dumps(fields, sort_keys=True)
@@ -372,8 +371,6 @@ def _config_key(config) -> str:
 def _probe_widths(
     cls: type[PreTrainedModel], config_json: str, field: str, block_attr: str, index: int
 ) -> tuple[bool, bool]:
-    import json
-
     config_class = _config_class(cls)
     if config_class is None:
         return False, False
