@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from helpers import random_data as _data  # tests/helpers.py, beside this file (no test module: see there)
+from helpers import random_orders as _orders
 from moeprune.config import DataOptions, PruneConfig, RunOptions, SearchConfig
 from moeprune.errors import MoePruneError
 from moeprune.job import (
@@ -27,6 +29,8 @@ from moeprune.job import (
 from moeprune.job import (
     run as pipeline,  # the module that writes the output (its atomic_write_dir is spied on)
 )
+from moeprune.models import MoEModel
+from moeprune.models.factory import tiny_model
 from moeprune.observe.observer import observe
 from moeprune.runtime.distributed import init_distributed
 from moeprune.search import auto, evo
@@ -35,9 +39,6 @@ from moeprune.search.candidates import CandidateEvaluator
 from moeprune.search.evo import EvoSearch, _rank_key
 from moeprune.search.options import SearchRuntime
 from moeprune.search.run import run_evo_search
-
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parent.iterdir() if p.is_dir()]  # tests/<stage>/
-from test_search import _data, _moe, _orders  # noqa: E402  (found through the path set above)
 
 CONFIG = SearchConfig(population=8, elites=2, generations=4, seed=11)
 BUDGET = 12
@@ -48,7 +49,7 @@ INTERRUPTED_AT = 2
 
 def problem():
     """The model and search set every rank (and the one-process reference) searches on."""
-    moe = _moe("olmoe", num_hidden_layers=4)
+    moe = MoEModel(tiny_model("olmoe", num_hidden_layers=4))
     return moe, _data(n=12)
 
 

@@ -10,14 +10,12 @@ from pathlib import Path
 
 import torch
 
+from helpers import calibration  # tests/helpers.py, beside this file (no test module: see there)
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.observe.distributed import observe_distributed
 from moeprune.runtime.distributed import init_distributed
 from moeprune.shards.sequential import observe_sequential_distributed
-
-sys.path[:0] = [str(p) for p in Path(__file__).resolve().parent.iterdir() if p.is_dir()]  # tests/<stage>/
-from test_observe import calibration  # noqa: E402  (found through the path set above)
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 SEQUENTIAL_FAMILY = "qwen3_next"

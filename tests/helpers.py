@@ -228,3 +228,47 @@ def kept_quantization(quantization_config: dict) -> dict:
     """A result's quantization_config without the `moe_sparsity_config` moeprune adds to it (the
     metadata standard, checkpoint/sparsity_metadata.py): what the input's must equal, key for key."""
     return {k: v for k, v in quantization_config.items() if k != "moe_sparsity_config"}
+
+
+# Random data for tiny models, here rather than in the test modules that use it most: the torchrun
+# workers (distributed_worker.py, distributed_search_worker.py) import them, and importing a test
+# module that parametrizes over supported_families() built every family's tiny model in each rank
+# (about 30 s of a rank's 40 on CI's two cores).
+TINY_VOCAB = 96  # the tiny models' vocabulary the random ids stay under
+
+
+def calibration(lengths=(9, 6, 4)):
+    """Random answer-only samples of the given lengths (seeded): CalibrationData."""
+    from moeprune.data.loading import CalibrationData, Sample
+
+    gen = torch.Generator().manual_seed(1)
+    samples = [
+        Sample(
+            input_ids=torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist(),
+            answer_mask=[True] * n,
+            source="t",
+            truncated=False,
+        )
+        for n in lengths
+    ]
+    return CalibrationData(samples=samples, fingerprint="test", truncated=0, text_only=True, sources=["t"])
+
+
+def random_data(n: int = 10, text_only: bool = False, seed: int = 0):
+    """Random prompt/answer samples of different lengths (so batches are padded): CalibrationData."""
+    from moeprune.data.loading import CalibrationData, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        length = int(torch.randint(8, 20, (1,), generator=g))
+        ids = torch.randint(3, TINY_VOCAB, (length,), generator=g).tolist()
+        cut = 0 if text_only else length // 2
+        samples.append(Sample(ids, [False] * cut + [True] * (length - cut), "mem", False))
+    return CalibrationData(samples, f"fp{seed}", 0, text_only, ["mem"])
+
+
+def random_orders(moe, seed: int = 0) -> list[list[int]]:
+    """A random expert order per MoE layer (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(m.num_experts, generator=g).tolist() for m in moe.layers]

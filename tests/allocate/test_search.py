@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers import TINY_VOCAB, random_data, random_orders
 from moeprune.allocate import budget_from_sparsity
 from moeprune.allocate.fitness import FitnessAccumulator
 from moeprune.checkpoint import load_model
@@ -36,25 +37,12 @@ from moeprune.search.run import run_evo_search, search_allocation
 
 pytestmark = pytest.mark.integration  # builds, prunes, saves or serves models end to end
 
-VOCAB = 96  # the tiny models' vocabulary
+VOCAB = TINY_VOCAB
 SMALL = SearchConfig(population=6, elites=2, generations=4, seed=5)
 
 
-def _data(n: int = 10, text_only: bool = False, seed: int = 0) -> CalibrationData:
-    """Random prompt/answer samples of different lengths (so batches are padded)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for _ in range(n):
-        length = int(torch.randint(8, 20, (1,), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-        cut = 0 if text_only else length // 2
-        samples.append(Sample(ids, [False] * cut + [True] * (length - cut), "mem", False))
-    return CalibrationData(samples, f"fp{seed}", 0, text_only, ["mem"])
-
-
-def _orders(moe: MoEModel, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randperm(m.num_experts, generator=g).tolist() for m in moe.layers]
+_data = random_data  # the names the other search tests import from here
+_orders = random_orders
 
 
 def _moe(family: str, **overrides) -> MoEModel:

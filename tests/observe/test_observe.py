@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import calibration  # noqa: F401 - other test modules import it from here
 from moeprune.criteria import get_criterion
 from moeprune.criteria.data import UNIFIED_FORM
-from moeprune.data.loading import CalibrationData, Sample
+from moeprune.data.loading import CalibrationData
 from moeprune.errors import MoePruneError
 from moeprune.models import MoEModel, supported_families
 from moeprune.models.factory import tiny_model
@@ -16,20 +17,6 @@ from moeprune.observe.observer import observe
 pytestmark = pytest.mark.unit  # fast, small inputs: `pytest -m unit` runs them all in about a minute
 
 F64 = torch.float64
-
-
-def calibration(lengths=(9, 6, 4)) -> CalibrationData:
-    gen = torch.Generator().manual_seed(1)
-    samples = [
-        Sample(
-            input_ids=torch.randint(3, 96, (n,), generator=gen).tolist(),
-            answer_mask=[True] * n,
-            source="t",
-            truncated=False,
-        )
-        for n in lengths
-    ]
-    return CalibrationData(samples=samples, fingerprint="test", truncated=0, text_only=True, sources=["t"])
 
 
 def capture_routing(moe: MoEModel, data: CalibrationData):

@@ -79,14 +79,24 @@ def plot_kept(
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    # below the axes, never over the data; three entries per legend row, two when the labels are
-    # long enough that three would run past the figure's edges
-    columns = min(3 if max(map(len, labels)) <= 26 else 2, len(labels))
+    # below the axes, never over the data; three entries per legend row, two or one when the labels
+    # are long enough that more would run past the figure's edges
+    longest = max(map(len, labels))
+    columns = min(3 if longest <= 26 else 2 if longest <= 44 else 1, len(labels))
     legend_rows = -(-len(labels) // columns)
     fig.legend(handles, labels, loc="lower center", ncol=columns, frameon=False)
-    bottom = (0.045 * legend_rows + 0.02) * (1.0 if panels == 1 else 0.75)
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    # Margins in inches, fixed (the labels, fonts and legend columns are), and the figure saved as
+    # laid out: a layout engine and a tight bounding box each drew it once more (0.28 s against
+    # 0.16 s a figure, and every prune draws one).
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(
+        left=1.0 / width,  # the two-line y label and "100%"
+        right=1 - 0.25 / width,
+        top=1 - 0.4 / height,  # the title
+        bottom=(0.65 + 0.27 * legend_rows) / height,  # tick labels, the x label, then the legend
+        hspace=0.08,
+    )
     path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # a legend wider than the axes is kept whole
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return series
