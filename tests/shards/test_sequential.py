@@ -117,7 +117,7 @@ _MEASURE = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from moeprune.shards.sequential import observe_sequential
-    from test_observe import calibration
+    from helpers import calibration
 
     def status(field):  # VmHWM is this process's own peak (ru_maxrss would include the parent's at fork)
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
@@ -152,7 +152,7 @@ def test_peak_memory_is_about_one_layer(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).parents[1] / "observe",  # where test_observe (calibration) lives
+        cwd=Path(__file__).parents[1],  # tests/, where helpers.py (calibration) lives
     )
     assert done.returncode == 0, done.stderr[-3000:]
     growth = int(done.stdout.split()[-1])
