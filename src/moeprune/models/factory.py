@@ -223,10 +223,9 @@ _GENERIC_EXTRA: dict[str, dict[str, Any]] = {
 _MAX_TINY_PARAMETERS = 4_000_000
 _GENERIC_LAYERS = 4  # one of each layer kind the defaults stack, then later (MoE) layers
 # Vision and audio towers of multimodal wrappers: one small layer, projected to hidden 32.
+_TOWER_DEPTH = ("depth", "num_hidden_layers", "num_layers", "n_layers", "encoder_layers")
 _TOWER: dict[str, int] = {
-    "depth": 1,
-    "num_hidden_layers": 1,
-    "num_layers": 1,
+    **dict.fromkeys(_TOWER_DEPTH, 1),
     "hidden_size": 32,
     "intermediate_size": 48,
     "num_heads": 4,
@@ -243,8 +242,6 @@ _TOWER: dict[str, int] = {
     "projector_output_dim": 32,
     "image_size": 56,
     # audio encoders (whisper-like) and other towers' own names
-    "n_layers": 1,
-    "encoder_layers": 1,
     "encoder_attention_heads": 4,
     "encoder_ffn_dim": 48,
     "d_model": 32,
@@ -257,7 +254,6 @@ _TOWER: dict[str, int] = {
     "adapter_out_dim": 32,
 }
 _WRAPPER: dict[str, int] = {"vision_hidden_size": 32}
-_TOWER_DEPTH = ("depth", "num_hidden_layers", "num_layers", "n_layers", "encoder_layers")
 _TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
@@ -460,10 +456,8 @@ def tiny_config(model_type: str, **overrides: Any):
 
 @cache
 def _default_size(model_type: str) -> int:
-    """Parameters of `model_type`'s tiny config as it is (no overrides), counted on the meta device
-    once a process: a default left large (a vision tower, say) is refused before any allocation,
-    and the suite's thousands of tiny models do not each build a meta copy first (12-16 ms each,
-    40 % of a tiny model)."""
+    """Parameters of the tiny config without overrides, counted on the meta device once a process
+    (a meta copy built before every tiny model was 40 % of its time)."""
     config = tiny_config(model_type)
     with torch.device("meta"):
         return sum(p.numel() for p in model_class(config)._from_config(config).parameters())
@@ -471,7 +465,6 @@ def _default_size(model_type: str) -> int:
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     """A random tiny model in fp32 and eval mode; routers and biases are randomised too.
-
     Zero-initialised tensors (routers, selection biases) would make routing degenerate, so
     every floating tensor gets random values: the tests then exercise real routing.
     """
