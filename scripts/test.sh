@@ -52,9 +52,10 @@ cat "$ct20_log" && rm -f "$ct20_log"
 # Every core runs tests (pytest-xdist), a test module on one worker so that its module-scoped
 # fixtures (a trained, pruned or served set of models) are built once: about half the suite's time
 # on CI's two cores. Modules start in xdist's order (most tests first). Starting the serving,
-# quantizing and torchrun modules first was tried once (first pass 1,919 s against 1,679 s), but that
-# run also lacked bytecode and had vLLM's engines on one core (both fixed since): worth measuring
-# again. Not --dist loadgroup:
+# quantizing and torchrun modules first was tried once (first pass 1,919 s against 1,679 s, in a run
+# that also lacked bytecode and had vLLM's engines on one core). A per-module timeline of both
+# passes at e1e6be2 showed no tail left to shorten: the two workers ended 46 s and 3 s apart, with
+# 1-2 % of the CPU idle, so only less work makes CI faster. Not --dist loadgroup:
 # pytest-xdist 3.8 cannot regroup under pytest 9.2, whose node ids it no longer rewrites.
 # MOEPRUNE_TEST_WORKERS=0 runs in this process, as plain pytest does. Each pass ends with its 25
 # slowest tests (setup, call or teardown), for whoever keeps CI's time.
