@@ -53,6 +53,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--no-repair", action="store_true", help="leave out the repaired runs")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="LABEL",
+        help="run only these (auto, or a recipe's label as in the table)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = load_demo(args.family, True, args.spec, args.threads)
@@ -63,6 +69,7 @@ def main() -> None:
         for sparsity in args.sparsity:
             at = argparse.Namespace(**{**vars(args), "sparsity": sparsity})  # what common_flags reads
             runs = _runs(demo.model_dir, at, repairs, Path(tmp) / f"s{sparsity}")
+            runs = [r for r in runs if args.only is None or r[0] in args.only]
             with ThreadPoolExecutor(args.jobs) as pool:
                 seconds = list(pool.map(lambda run: prune(run[2], run[3])[0], runs))
             rows = []
@@ -112,6 +119,8 @@ def _table(sparsity: float, rows: list) -> None:
     walls = {(label, repaired): wall for label, repaired, _, wall in rows}
     for repaired in sorted({r for _, r, _, _ in rows}):
         others = [k for k in esap if k[1] == repaired and k[0] != "auto"]
+        if not others or ("auto", repaired) not in esap:
+            continue
         best = max(others, key=lambda k: esap[k])
         total = sum(walls[k] for k in others)
         tag = "with repair" if repaired else "without repair"

@@ -19,7 +19,17 @@ from moeprune.data.tokenizer import byte_tokenizer
 from moeprune.models import MoEModel
 from moeprune.models.factory import tiny_model
 from moeprune.search.options import SearchRuntime
-from moeprune.search.portfolio import RUNGS, Entry, Shared, contest, halving, observe_once
+from moeprune.search.portfolio import (
+    NOISE,
+    RUNGS,
+    Entry,
+    Score,
+    Shared,
+    contest,
+    halving,
+    observe_once,
+    within_noise,
+)
 from moeprune.surgery.lowrank import fit_novices
 from moeprune.surgery.planning import check_config
 from moeprune.surgery.plans import apply_plan_physical
@@ -39,9 +49,9 @@ def test_halving_keeps_the_recipe_that_wins_at_the_full_budget():
     }
     calls: list[tuple[int, float]] = []
 
-    def evaluate(i: int, fraction: float) -> float:
+    def evaluate(i: int, fraction: float) -> Score:
         calls.append((i, fraction))
-        return 0.6 if i == 6 else table[i][RUNGS.index(fraction)]
+        return Score(0.6 if i == 6 else table[i][RUNGS.index(fraction)])  # no samples: no noise rule
 
     runs = halving(7, [True] * 6 + [False], evaluate)
     assert calls[0] == (6, 1.0)  # the plan without a search first, once
@@ -49,7 +59,52 @@ def test_halving_keeps_the_recipe_that_wins_at_the_full_budget():
     assert best == 3 and runs[3][-1] == (1.0, 0.90)
     assert [i for i, f in calls if f == RUNGS[1]] == [1, 3]  # the best third of six at 1/3
     assert [i for i, f in calls if f == 1.0 and i != 6] == [3]
-    assert halving(2, [True, True], lambda i, f: float(i), higher=False)[0][-1] == (1.0, 0.0)
+    assert halving(2, [True, True], lambda i, f: Score(float(i)), higher=False)[0][-1] == (1.0, 0.0)
+
+
+def test_within_noise_is_the_paired_gap_against_its_standard_error():
+    # per-sample gaps leader - other: 0.03, -0.01, 0.01, -0.01 -> mean 0.005,
+    # sd = sqrt((0.025^2 + 0.015^2 + 0.005^2 + 0.015^2) / 3) = sqrt(0.0011 / 3) = 0.019149,
+    # se = sd / 2 = 0.0095743; 0.005 <= 1 se: within
+    leader = Score(0.5, {0: 0.53, 1: 0.49, 2: 0.51, 3: 0.47})
+    close = Score(0.495, {0: 0.50, 1: 0.50, 2: 0.50, 3: 0.48})
+    assert NOISE == 1.0 and within_noise(leader, close)
+    # the same gap on every sample (sd 0): the other is surely behind
+    steady = Score(0.49, {k: v - 0.01 for k, v in leader.samples.items()})
+    assert not within_noise(leader, steady)
+    # lower-is-better fitness: the signs turn; the gaps 0.02, 0.0, -0.02, 0.04 for the other's
+    # excess: mean 0.01, sd = sqrt((0.01^2 + 0.01^2 + 0.03^2 + 0.03^2) / 3) = 0.025820,
+    # se 0.012910: within; shifted by 0.03 more on each sample (mean 0.04 > 1 se): not
+    low = Score(0.1, {0: 0.10, 1: 0.12, 2: 0.14, 3: 0.04})
+    other = Score(0.11, {0: 0.12, 1: 0.12, 2: 0.12, 3: 0.08})
+    assert within_noise(low, other, higher=False)
+    assert not within_noise(low, Score(0.14, {k: v + 0.03 for k, v in other.samples.items()}), higher=False)
+    assert not within_noise(leader, Score(0.5, {0: 0.5}))  # fewer than two shared samples
+
+
+def test_halving_carries_on_a_recipe_within_the_noise_of_the_leader():
+    # four searched recipes at 1/9: the best quarter (ceil(4/3) = 2) goes on, and recipe 2, 0.002
+    # behind the second on noisy samples but within 1 se of the leader, goes on with them
+    noisy = [0.1, -0.1, 0.1, -0.1, 0.05, -0.05]
+
+    def at(value: float, spread: float) -> Score:
+        return Score(value, {k: value + spread * g for k, g in enumerate(noisy)})
+
+    rung = {0: at(0.800, 1.0), 1: at(0.799, 1.0), 2: at(0.797, -1.0), 3: at(0.60, 0.0)}
+    ran: list[tuple[int, float]] = []
+
+    def evaluate(i: int, fraction: float) -> Score:
+        ran.append((i, fraction))
+        return rung[i] if fraction == RUNGS[0] else Score(rung[i].value + (0.1 if i == 2 else 0.0))
+
+    heard: list[tuple] = []
+    runs = halving(4, [True] * 4, evaluate, log=lambda *said: heard.append(said))
+    assert [i for i, f in ran if f == RUNGS[1]] == [0, 1, 2]
+    # gaps 0.003 + 2g: mean 0.003; 2g's sd sqrt(0.18 / 5) = 0.189737, se 0.189737 / sqrt(6) = 0.077460
+    assert len(heard) == 1 and heard[0][:2] == (2, 0)
+    assert heard[0][2:] == pytest.approx((0.003, 0.077460), abs=1e-6)
+    assert runs[3] == [(RUNGS[0], 0.60)]
+    assert max(range(4), key=lambda i: runs[i][-1][1]) == 2
 
 
 def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
@@ -67,7 +122,7 @@ def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
     runtime = SearchRuntime(batch_size=4, pad_token_id=0, progress=False)
     stats = observe_once(moe, configs, sets, runtime, 0)
     entries = [Entry(f"{c.criterion} {c.method}", c) for c in configs]
-    found = contest(Shared(moe, stats, sets, search, runtime), entries, lambda _: None)
+    ranked = contest(Shared(moe, stats, sets, search, runtime), entries, lambda _: None)
     # independently: the full model's logits, each recipe's plan cut into a copy, scored here
     batches = list(search.batches(4, 0))
     teacher = TeacherCache()
@@ -91,7 +146,9 @@ def test_the_winner_is_the_best_recipe_by_an_independent_fitness(data):
                         b.answer_mask, b.attention_mask)  # fmt: skip
         values[entry.label] = acc.result()
         assert entry.runs[0]["esap"] == pytest.approx(values[entry.label], abs=1e-4)
-    assert found.label == max(values, key=values.__getitem__)
+    assert ranked[0].label == max(values, key=values.__getitem__)
+    # every recipe's run, ranked by the independent fitness too
+    assert [f.label for f in ranked] == sorted(values, key=lambda label: -values[label])
 
 
 def _tiny_contest(data, num_samples: int = 6):

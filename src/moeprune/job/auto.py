@@ -5,6 +5,7 @@ its recipe (job/run.py), from the contest's observation, search result and fits.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -14,26 +15,31 @@ from typing import Any
 
 import torch
 
+from moeprune.allocate.fitness import higher_is_better
 from moeprune.checkpoint import check_model_path, require_tokenizer
 from moeprune.checkpoint.quantized import quantization_format
+from moeprune.config.repair import RepairConfig
 from moeprune.data.loading import CalibrationData, load_data
 from moeprune.errors import MoePruneError
 from moeprune.job.prepare import PlannedSizes, PruneJob, PruneRequest, plan_sizes, prepare
 from moeprune.job.run import run_job
 from moeprune.models import MoEModel
 from moeprune.models.expert_parallel import apply_ep_size
+from moeprune.repair import prepare_repair, run_repair
 from moeprune.report.parts import Portfolio
 from moeprune.runtime.atomic import output_lock
+from moeprune.runtime.device import room_for_a_copy
 from moeprune.runtime.distributed import barrier, rank_and_world
 from moeprune.search.options import SearchRuntime
-from moeprune.search.portfolio import ETA, RUNGS, Entry, Shared, contest, observe_once
-from moeprune.surgery.planning import check_config, check_feasible, requirements
+from moeprune.search.portfolio import ETA, NOISE, RUNGS, Entry, Found, Shared, contest, observe_once
+from moeprune.surgery.planning import apply_plan, check_config, check_feasible, requirements
 from moeprune.surgery.registry import ResolvedConfig
 
 _LOG = logging.getLogger(__name__)
 HALVING = (
     f"plans without a search once; searched recipes at {', '.join(f'{r:.3g}' for r in RUNGS)} of their "
-    f"search budget (evo's generations, gradient's steps), the best 1/{ETA} going on"
+    f"search budget (evo's generations, gradient's steps), the best 1/{ETA} going on with any within "
+    f"{NOISE:g} standard error(s) of the leader's paired gap"
 )
 # a rough rate for the dry run's estimate: floating-point operations a second of a forward pass
 _FLOPS = {"cuda": 5e13, "cpu": 2e10}
@@ -43,6 +49,10 @@ _FLOPS = {"cuda": 5e13, "cpu": 2e10}
 _TIMED_PARAMETERS = 50_000_000
 # A contest's estimate is within this factor of its measured time on a tiny model (tested).
 ESTIMATE_FACTOR = 3.0
+# With --repair, the best plans of this many recipes are each repaired and the best repaired one
+# wins: repair lifts some plans far more than others (novices it can train, routers of a drop),
+# so the best plan before repair need not be the best after it.
+FINALISTS = 3
 
 
 def check_auto(request: PruneRequest, config: ResolvedConfig) -> None:
@@ -155,11 +165,14 @@ def _timed_pass(meta: Any, data: CalibrationData, batch_size: int) -> float:
     return min(passes)
 
 
-def _contest_seconds(candidates: list[_Candidate], per_pass: float, calibration_passes: float) -> float:
+def _contest_seconds(
+    candidates: list[_Candidate], per_pass: float, calibration_passes: float, batches: int = 1
+) -> float:
     """The contest's estimated seconds: the observation (a pass over the calibration data) and the
     teacher pass, the fits of each novice rank (a calibration pass each), every plan without a
     search once, and the searches by successive halving as `halving` runs them: each rung's
-    recipes at the mean cost of the searched ones at that budget (a continued run counted afresh)."""
+    recipes at the mean cost of the searched ones at that budget (a continued run counted afresh);
+    with --repair, the repairs (`_repair_passes`) of the finalists and of the winner."""
     ran = [c for c in candidates if not c.entry.refused]
     searched = [c for c in ran if c.entry.config.allocator.searches]
     ranks = {c.entry.config.options.novice_rank for c in ran} - {0}
@@ -172,7 +185,20 @@ def _contest_seconds(candidates: list[_Candidate], per_pass: float, calibration_
         if alive > 1 or rung == len(RUNGS) - 1:
             total += per_pass * alive * (fixed + varying * fraction)
             alive = max(1, math.ceil(alive / ETA))
+    repair = ran[0].entry.config.repair if ran else None
+    if repair is not None and repair.enabled:  # the finalists repaired, then the winner again
+        repairs = min(FINALISTS, len(ran)) + 1 if len(ran) > 1 else 1
+        total += per_pass * repairs * _repair_passes(repair, calibration_passes, batches)
     return total if searched or ran else 0.0
+
+
+def _repair_passes(repair: RepairConfig, calibration_passes: float, batches: int) -> float:
+    """A repair's estimated passes over the search data: its teacher (a calibration pass and a
+    held-out one), its steps at most (one calibration batch forward and backward, 3 forward
+    passes' worth, each 1/`batches` of a calibration pass), a held-out evaluation every
+    `eval_every` steps. Early stopping makes it less."""
+    steps = 3 * repair.steps * calibration_passes / max(batches, 1)
+    return calibration_passes + 1 + steps + repair.steps / repair.eval_every
 
 
 def _rows(candidates: list[_Candidate], job: PruneJob) -> list[dict]:
@@ -195,6 +221,8 @@ def _rows(candidates: list[_Candidate], job: PruneJob) -> list[dict]:
             row["estimated_s"] = float(f"{c.passes * per_pass:.3g}")
         if c.entry.runs:
             row["runs"] = c.entry.runs
+        if c.entry.repaired:
+            row["repaired"] = c.entry.repaired
         rows.append(row)
     return rows
 
@@ -235,7 +263,8 @@ def _dry_run(job: PruneJob, auto: ResolvedConfig, candidates: list[_Candidate]) 
     plan = {k: v for k, v in job.describe().items() if k not in job.layer_budget}  # the base recipe's
     plan |= {"criterion": auto.criterion, "method": auto.method, "allocation": "chosen per recipe"}
     calibration = sum(_tokens(d) for d in job.calibration) / max(_tokens(job.search_set), 1)
-    total = _contest_seconds(candidates, _seconds_a_pass(job), calibration)
+    batches = sum(math.ceil(len(d.samples) / job.data.batch_size) for d in job.calibration)
+    total = _contest_seconds(candidates, _seconds_a_pass(job), calibration, batches)
     rows = _rows(candidates, job)
     return plan | {"portfolio": rows, "halving": HALVING, "estimated_s": float(f"{total:.3g}")}
 
@@ -257,7 +286,8 @@ def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple
     assert job.search_set is not None  # check_auto refused auto without search data
     stats = observe_once(moe, [e.config for e in entries], job.calibration, runtime, job.data.seed)
     shared = Shared(moe, stats, job.calibration, job.search_set, runtime)
-    found = contest(shared, entries, _LOG.info)
+    ranked = contest(shared, entries, _LOG.info)
+    found = _repaired_best(shared, ranked, entries) if ranked[0].config.repair.enabled else ranked[0]
     winner = next(c for c in candidates if c.entry.label == found.label)
     run = replace(
         job.run,
@@ -275,3 +305,47 @@ def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple
     )
     chosen = replace(job, config=found.config, run=run, sizes=winner.sizes or job.sizes, choose=None)
     return replace(chosen, search_doc=found.searched.doc), portfolio
+
+
+def _repaired_best(shared: Shared, ranked: list[Found], entries: list[Entry]) -> Found:
+    """With `--repair`: the best plans of the first FINALISTS recipes, each cut into a copy of the
+    model and repaired there against one teacher pass, and the one best after repair on the
+    held-out tokens (of equal ones, the better before repair); each finalist's fitness before and
+    after goes to its entry. The job then repairs the winner on the model itself (repair is seeded:
+    the same result). Without room for a copy, the best plan before repair (said in the log)."""
+    finalists = ranked[:FINALISTS]
+    moe = shared.moe
+    if len(finalists) < 2:
+        return ranked[0]
+    if not room_for_a_copy(moe.model):
+        _LOG.info("auto: no room for a copy of the model to repair candidates on; repairing the winner only")
+        return ranked[0]
+    settings = finalists[0].config
+    data = prepare_repair(
+        moe,
+        settings.repair,
+        shared.sets,
+        shared.search_set,
+        fitness=settings.search.fitness,
+        seed=settings.seed,
+        batch_size=shared.runtime.batch_size,
+        pad=shared.runtime.pad_token_id or 0,
+    )
+    after = {}
+    for found in finalists:
+        candidate = MoEModel(copy.deepcopy(moe.model))
+        apply_plan(candidate, found.plan, shared.stats, found.fits)
+        outcome = run_repair(candidate, found.config.repair, data, progress=False)
+        del candidate
+        after[found.label] = outcome["after"]
+        entry = next(e for e in entries if e.label == found.label)
+        entry.repaired = {"before": outcome["before"], "after": outcome["after"]}
+        _LOG.info(
+            "auto: %s repaired: held-out %s %.4f -> %.4f",
+            found.label,
+            data.fitness,
+            outcome["before"],
+            outcome["after"],
+        )
+    sign = 1.0 if higher_is_better(data.fitness) else -1.0
+    return max(finalists, key=lambda found: sign * after[found.label])

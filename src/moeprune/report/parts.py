@@ -183,9 +183,11 @@ class CriterionAuto(Part):
 class Portfolio(Part):
     """`portfolio`: `--method auto`'s contest (search/portfolio.py). Each of `recipes` is one:
     `label`, `criterion`, `method`, `allocation`, `sparsity`, and its `runs` ({budget, fitness,
-    seconds}: successive halving ran it at those fractions of its search budget) or `refused`
-    (why it could not run); `chosen` is the winning row's label, `budget` the fraction it won at,
-    `halving` how the contest stopped recipes."""
+    seconds}: successive halving ran it at those fractions of its search budget; `within_noise`
+    {leader, gap, standard_error} on a run outside its rung's best third that went on) or `refused`
+    (why it could not run), and `repaired` ({before, after}: with --repair, the held-out fitness of
+    its best plan repaired, for the finalists); `chosen` is the winning row's label, `budget` the
+    fraction it won at, `halving` how the contest stopped recipes."""
 
     fitness: str
     chosen: str
@@ -198,9 +200,16 @@ class Portfolio(Part):
         """The summary's line: the winner and how many recipes it beat."""
         ran = [r for r in self.recipes if r.get("runs")]
         best = max((run[self.fitness] for run in _runs_of(self.recipes, self.chosen)), default=float("nan"))
+        repaired = [r for r in self.recipes if r.get("repaired")]
+        after = next((r["repaired"]["after"] for r in repaired if r["label"] == self.chosen), None)
+        tail = (
+            f"; of the {len(repaired)} best repaired, it was best after repair ({after:.4f})"
+            if after is not None
+            else ""
+        )
         return (
             f"{self.chosen} ({self.fitness} {best:.4f} on the search data) beat {len(ran) - 1} other "
-            f"recipes in {self.seconds or 0:.0f} s; portfolio.png shows them all"
+            f"recipes in {self.seconds or 0:.0f} s{tail}; portfolio.png shows them all"
         )
 
 

@@ -107,7 +107,8 @@ def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
     of the recipe's search budget), the winner marked. Seconds span orders of magnitude (a plan
     without a search takes a fraction of a second, a full search minutes), so the axis is
     logarithmic once they do; sizes, not text, tell the rungs apart, since the first rungs of
-    several recipes land on one spot."""
+    several recipes land on one spot. With --repair, each finalist's plan after repair is a star above
+    its last run."""
     fitness, rows = portfolio.fitness, [r for r in portfolio.recipes if r.get("runs")]
     if not rows:
         raise ValueError("no recipe ran: nothing to plot")
@@ -130,6 +131,12 @@ def plot_portfolio(path: PathLike, portfolio: Any) -> Path:
         sizes = [20 + 60 * min(1.0, float(r["budget"])) for r in runs]
         edge = "black" if won else "none"
         ax.scatter(seconds, values, s=sizes, color=line.get_color(), zorder=3, edgecolors=edge)
+        if row.get("repaired"):  # auto --repair's finalists: before -> after repair, dotted, a star
+            fixed = row["repaired"]
+            ax.plot([seconds[-1]] * 2, [fixed["before"], fixed["after"]], ":", color=line.get_color(), lw=1)
+            ax.scatter([seconds[-1]], [fixed["after"]], marker="*", s=110, color=line.get_color(), zorder=4)
+    if any(r.get("repaired") for r in rows):
+        ax.scatter([], [], marker="*", s=110, color="grey", label="after repair (finalists)")
     positive = [s for s in spans if s > 0]
     if positive and max(positive) / min(positive) > 20:
         ax.set_xscale("log")

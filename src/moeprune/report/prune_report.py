@@ -167,6 +167,14 @@ def _novice_fits_table(report: PruneReport) -> list[str]:
     return [*out, "", *[f"- too few tokens: {line}" for line in fits.too_few or []], ""]
 
 
+def _went_on(run: dict) -> str:
+    """A run outside its rung's best third that went on: how far behind the leader, and the noise."""
+    close = run.get("within_noise")
+    if not close:
+        return ""
+    return f" (went on: {close['gap']:.4f} behind {close['leader']}, standard error {close['standard_error']:.4f})"
+
+
 def _portfolio_table(report: PruneReport) -> list[str]:
     """`--method auto`'s recipes: each one's runs (budget fraction: fitness, seconds), the winner marked."""
     part = report.portfolio
@@ -185,8 +193,11 @@ def _portfolio_table(report: PruneReport) -> list[str]:
     ]
     for row in part.recipes:
         runs = "; ".join(
-            f"{r['budget']:.3g}: {r[fitness]:.6g}, {r['seconds']:.1f} s" for r in row.get("runs") or []
+            f"{r['budget']:.3g}: {r[fitness]:.6g}, {r['seconds']:.1f} s{_went_on(r)}"
+            for r in row.get("runs") or []
         )
         label = row["label"] + (" (chosen)" if row["label"] == part.chosen else "")
+        if row.get("repaired"):
+            runs += f"; repaired: {row['repaired']['before']:.6g} -> {row['repaired']['after']:.6g}"
         out.append(f"| {label} | {runs or 'not run: ' + row.get('refused', 'stopped')} |")
     return [*out, ""]

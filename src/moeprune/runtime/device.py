@@ -167,3 +167,24 @@ class Placement:
             int(share * 100),
         )
         return torch.device("cpu")
+
+
+def room_for_a_copy(model: nn.Module, share: float = 0.5) -> bool:
+    """Whether a second copy of `model` fits in `share` of the memory free where it lives (one
+    device; a model split over several, or on a device that does not say, has no room)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return False
+    (device,) = devices
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return need <= share * free
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/meminfo") as info:
+            free = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return False
+    return need <= share * free

@@ -18,7 +18,9 @@ What the candidates share, so the contest costs little more than its searches:
 Successive halving over the searches' own budgets (evo's generations, gradient's steps): plans
 that need no search are final after one pass and go first; then every searched recipe runs at
 1/9 of its budget, the best third (at least one) again at 1/3, the best third of those at the full
-budget. Each run is a complete recipe (its config says the budget it ran with, seeded, so it
+budget; a recipe outside the best third goes on too when its gap to the rung's leader is within one
+standard error of that gap over the search samples (`within_noise`: on 32 samples, plans 0.002
+apart at 1/3 of their budget can finish in either order). Each run is a complete recipe (its config says the budget it ran with, seeded, so it
 reruns to the same plan), and the winner is the best plan any rung produced: a candidate stopped
 early still competes with what it reached. The searches themselves run only through the search
 registry (search_for, SearchJob).
@@ -63,30 +65,78 @@ from moeprune.surgery.registry import ResolvedConfig
 
 RUNGS = (1 / 9, 1 / 3, 1.0)  # the searched recipes' budget fractions, rung by rung
 ETA = 3  # each rung keeps the best 1/ETA of the recipes that ran in it (at least one)
+# ... and every recipe whose gap to the rung's leader is within this many standard errors of the
+# gap, over the search samples (paired: both plans scored on the same samples). Two plans 0.002
+# apart on 32 samples (one standard error 0.008) are a coin toss, and the one stopped there may be
+# the better at full budget; one standard error, not two, since a gap at a small budget is also
+# what the recipes make of their budget (on the DeepSeek-V3 demo at 50 %, two let both mixed +
+# gradient recipes 0.005-0.006 behind run their full budgets, to the same plan as at 1/9).
+NOISE = 1.0
+
+
+@dataclass(frozen=True)
+class Score:
+    """A run's fitness on the search data and its value on each search sample (by sample id)."""
+
+    value: float
+    samples: dict = field(default_factory=dict)
+
+
+def paired_gap(leader: Score, other: Score, higher: bool = True) -> tuple[float, float]:
+    """How far `other` trails `leader`, as the mean over their shared search samples of the
+    per-sample gap, and that mean's standard error (sd / sqrt(n)); (inf, 0) without two shared
+    samples or a finite score."""
+    shared = [k for k in leader.samples if k in other.samples]
+    if len(shared) < 2 or not math.isfinite(other.value):
+        return math.inf, 0.0
+    sign = 1.0 if higher else -1.0
+    gaps = [sign * (leader.samples[k] - other.samples[k]) for k in shared]
+    mean = math.fsum(gaps) / len(gaps)
+    spread = math.sqrt(math.fsum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1))
+    return mean, spread / math.sqrt(len(gaps))
+
+
+def within_noise(leader: Score, other: Score, higher: bool = True) -> bool:
+    """Whether `other` trails `leader` by no more than NOISE standard errors of their paired
+    per-sample gap; False without two shared samples."""
+    gap, error = paired_gap(leader, other, higher)
+    return gap <= NOISE * error
 
 
 def halving(
-    count: int, searched: Sequence[bool], evaluate: Callable[[int, float], float], higher: bool = True
+    count: int,
+    searched: Sequence[bool],
+    evaluate: Callable[[int, float], Score],
+    higher: bool = True,
+    log: Callable[[int, int, float, float], None] | None = None,
 ) -> list[list[tuple[float, float]]]:
-    """Successive halving: `evaluate(i, fraction)` is recipe i's fitness at that fraction of its
+    """Successive halving: `evaluate(i, fraction)` is recipe i's score at that fraction of its
     search budget. Recipes that search nothing run once at 1.0, first; the searched run at each
-    of RUNGS in turn, the best 1/ETA (at least one) going on. Returns each recipe's (fraction,
-    fitness) runs, in order."""
+    of RUNGS in turn, the best 1/ETA (at least one) going on, with every recipe within the noise
+    of the rung's leader (`within_noise`; `log(recipe, leader, gap, standard error)` hears of each).
+    Returns each recipe's (fraction, fitness) runs, in order."""
     runs: list[list[tuple[float, float]]] = [[] for _ in range(count)]
     sign = 1.0 if higher else -1.0
     for i in range(count):
         if not searched[i]:
-            runs[i].append((1.0, evaluate(i, 1.0)))
+            runs[i].append((1.0, evaluate(i, 1.0).value))
     alive = [i for i in range(count) if searched[i]]
     for rung, fraction in enumerate(RUNGS):
         last = rung == len(RUNGS) - 1
         if len(alive) <= 1 and not last:
             continue  # one left: straight to the full budget
+        scores = {i: evaluate(i, fraction) for i in alive}
         for i in alive:
-            runs[i].append((fraction, evaluate(i, fraction)))
+            runs[i].append((fraction, scores[i].value))
         if not last:
-            alive.sort(key=lambda i: -sign * runs[i][-1][1])
-            alive = alive[: max(1, math.ceil(len(alive) / ETA))]
+            alive.sort(key=lambda i: -sign * scores[i].value)
+            best = max(1, math.ceil(len(alive) / ETA))
+            leader = scores[alive[0]]
+            close = [i for i in alive[best:] if within_noise(leader, scores[i], higher)]
+            for i in close:
+                if log is not None:
+                    log(i, alive[0], *paired_gap(leader, scores[i], higher))
+            alive = alive[:best] + close
     return runs
 
 
@@ -112,6 +162,7 @@ class Entry:
     runs: list[dict] = field(default_factory=list)  # {budget, fitness, seconds} per run
     refused: str = ""  # why it could not run here (a budget only super experts meet, ...)
     continuation: dict = field(default_factory=dict)  # its search's state for the next rung
+    repaired: dict = field(default_factory=dict)  # {before, after}: its best plan repaired (auto --repair)
 
 
 @dataclass
@@ -124,6 +175,8 @@ class Found:
     searched: Searched
     plan: Plan
     fitness: float
+    samples: dict = field(default_factory=dict)  # the fitness on each search sample, by sample id
+    fits: Any = None  # the rank-R novices its plan keeps (None for constant novices or none)
     label: str = ""  # the recipe's
     budget: float = 1.0  # the fraction of its search budget it ran at
 
@@ -243,7 +296,7 @@ def run_once(shared: Shared, config: ResolvedConfig, continuation: dict | None =
     teacher, _ = shared.teacher
     accumulator = FitnessAccumulator(teacher, config.search.fitness, config.seed)
     value = plan_fitness(moe, plan, shared.teacher, accumulator, stats, fits)
-    return Found(config, criterion, ordered, searched, plan, value)
+    return Found(config, criterion, ordered, searched, plan, value, dict(accumulator.per_sample), fits)
 
 
 def teacher_once(shared: Shared, fitness: str) -> SharedTeacher:
@@ -257,15 +310,18 @@ def teacher_once(shared: Shared, fitness: str) -> SharedTeacher:
     return prepared
 
 
-def contest(shared: Shared, entries: list[Entry], log: Callable[[str], None] = print) -> Found:
-    """Every entry run by successive halving; returns the best run (its plan and how to rebuild it)."""
+def contest(shared: Shared, entries: list[Entry], log: Callable[[str], None] = print) -> list[Found]:
+    """Every entry run by successive halving; returns each recipe's best run (its plan and how to
+    rebuild it), the best first."""
     fitness = entries[0].config.search.fitness
     shared.prepared = teacher_once(shared, fitness)
     shared.teacher = shared.prepared.scored()
     higher = higher_is_better(fitness)
-    best: list[Found] = []
+    sign = 1.0 if higher else -1.0
+    best: dict[str, Found] = {}  # each recipe's best run
+    found_at: dict[str, int] = {}  # its run's number: of equal plans, the one found first leads
 
-    def evaluate(i: int, fraction: float) -> float:
+    def evaluate(i: int, fraction: float) -> Score:
         entry = entries[i]
         start = time.perf_counter()
         try:
@@ -273,24 +329,35 @@ def contest(shared: Shared, entries: list[Entry], log: Callable[[str], None] = p
         except MoePruneError as refusal:  # this recipe cannot run here; the others still compete
             entry.refused = str(refusal)
             log(f"auto: {entry.label}: {refusal}")
-            return -math.inf if higher else math.inf
+            return Score(-math.inf if higher else math.inf)
         seconds = time.perf_counter() - start
         found.label, found.budget = entry.label, fraction
         entry.runs.append({"budget": fraction, fitness: found.fitness, "seconds": round(seconds, 3)})
         log(
             f"auto: {entry.label} at {fraction:.3g} of its budget: {fitness} {found.fitness:.4f} ({seconds:.1f} s)"
         )
-        sign = 1.0 if higher else -1.0
-        if not best or sign * found.fitness > sign * best[0].fitness:
-            best[:] = [found]
-        return found.fitness
+        if entry.label not in best or sign * found.fitness > sign * best[entry.label].fitness:
+            best[entry.label], found_at[entry.label] = found, sum(len(e.runs) for e in entries)
+        return Score(found.fitness, found.samples)
 
     searched = [ResolvedConfig.of(e.config).allocator.searches for e in entries]
-    halving(len(entries), searched, evaluate, higher)
+
+    def close(i: int, leader: int, gap: float, error: float) -> None:
+        entries[i].runs[-1]["within_noise"] = {
+            "leader": entries[leader].label,
+            "gap": round(gap, 6),
+            "standard_error": round(error, 6),
+        }
+        log(
+            f"auto: {entries[i].label} goes on within the noise of {entries[leader].label} "
+            f"({gap:.4f} behind; {NOISE:g} standard error(s) of the gap: {NOISE * error:.4f})"
+        )
+
+    halving(len(entries), searched, evaluate, higher, close)
     if not best:
         raise MoePruneError(
             "no recipe of the auto method could run on this model: "
             + "; ".join(f"{e.label}: {e.refused}" for e in entries),
             options=("method",),
         )
-    return best[0]
+    return sorted(best.values(), key=lambda found: (-sign * found.fitness, found_at[found.label]))
