@@ -80,6 +80,23 @@ def test_with_repair_the_best_three_are_repaired_and_the_best_after_repair_wins(
     assert "repaired:" in (out / "report.md").read_text()
 
 
+def test_without_room_for_a_copy_repair_takes_the_best_plan_before_repair_and_warns(
+    tiny_checkpoint, data, tmp_path, monkeypatch
+):
+    import moeprune.job.auto as job_auto
+
+    monkeypatch.setattr(job_auto, "room_for_a_copy", lambda model: False)
+    out = tmp_path / "out"
+    run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data",
+        data, "--search-samples", "6", "--stock", "--allow-super-experts", "--repair", "--repair-steps", "4",
+        "--repair-eval-every", "2")  # fmt: skip
+    part = json.loads((out / "report.json").read_text())["portfolio"]
+    ran = [row for row in part["recipes"] if row.get("runs")]
+    assert not any(row.get("repaired") for row in part["recipes"])
+    assert part["chosen"] == max(ran, key=lambda row: max(r["esap"] for r in row["runs"]))["label"]
+    assert "no room for a second copy of the model" in (out / "moeprune.log").read_text()
+
+
 def test_the_python_api_on_a_loaded_model_takes_one_recipe():
     from moeprune.api import prune
     from moeprune.config import PruneConfig

@@ -312,13 +312,17 @@ def _repaired_best(shared: Shared, ranked: list[Found], entries: list[Entry]) ->
     model and repaired there against one teacher pass, and the one best after repair on the
     held-out tokens (of equal ones, the better before repair); each finalist's fitness before and
     after goes to its entry. The job then repairs the winner on the model itself (repair is seeded:
-    the same result). Without room for a copy, the best plan before repair (said in the log)."""
+    the same result). Without room for a copy, the best plan before repair (with a warning)."""
     finalists = ranked[:FINALISTS]
     moe = shared.moe
     if len(finalists) < 2:
         return ranked[0]
     if not room_for_a_copy(moe.model):
-        _LOG.info("auto: no room for a copy of the model to repair candidates on; repairing the winner only")
+        _LOG.warning(
+            "auto: no room for a second copy of the model to repair the %d best recipes on; "
+            "repairing the best plan before repair only",
+            len(finalists),
+        )
         return ranked[0]
     settings = finalists[0].config
     data = prepare_repair(
@@ -335,7 +339,7 @@ def _repaired_best(shared: Shared, ranked: list[Found], entries: list[Entry]) ->
     for found in finalists:
         candidate = MoEModel(copy.deepcopy(moe.model))
         apply_plan(candidate, found.plan, shared.stats, found.fits)
-        outcome = run_repair(candidate, found.config.repair, data, progress=False)
+        outcome = run_repair(candidate, found.config.repair, data, progress=shared.runtime.progress)
         del candidate
         after[found.label] = outcome["after"]
         entry = next(e for e in entries if e.label == found.label)
