@@ -58,9 +58,9 @@ def test_with_repair_the_best_three_are_repaired_and_the_best_after_repair_wins(
     tiny_checkpoint, data, tmp_path
 ):
     out = tmp_path / "out"
-    run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data",
-        data, "--search-samples", "6", "--stock", "--allow-super-experts", "--repair", "--repair-steps", "6",
-        "--repair-eval-every", "2")  # fmt: skip
+    done = run("prune", tiny_checkpoint, "--output", out, "--sparsity", "0.5", "--data", data, "--search-data",
+               data, "--search-samples", "6", "--stock", "--allow-super-experts", "--repair", "--repair-steps",
+               "6", "--repair-eval-every", "2")  # fmt: skip
     report = json.loads((out / "report.json").read_text())
     part = report["portfolio"]
     ran = [row for row in part["recipes"] if row.get("runs")]
@@ -78,6 +78,9 @@ def test_with_repair_the_best_three_are_repaired_and_the_best_after_repair_wins(
     assert report["repair"]["after"] == pytest.approx(chosen["repaired"]["after"], abs=1e-6)
     assert report["repair"]["before"] == pytest.approx(chosen["repaired"]["before"], abs=1e-6)
     assert "repaired:" in (out / "report.md").read_text()
+    # the contest says what it does as it goes: each run, each finalist's repair
+    assert f"auto: {chosen['label']} at 1 of its budget: esap" in done.output
+    assert f"auto: {chosen['label']} repaired: held-out esap" in done.output
 
 
 def test_without_room_for_a_copy_repair_takes_the_best_plan_before_repair_and_warns(

@@ -11,6 +11,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from moeprune.report.parts import Portfolio
 from moeprune.runtime.atomic import output_lock
 from moeprune.runtime.device import room_for_a_copy
 from moeprune.runtime.distributed import barrier, rank_and_world
+from moeprune.runtime.progress import say
 from moeprune.search.options import SearchRuntime
 from moeprune.search.portfolio import ETA, NOISE, RUNGS, Entry, Found, Shared, contest, observe_once
 from moeprune.surgery.planning import apply_plan, check_config, check_feasible, requirements
@@ -286,7 +288,7 @@ def _choose(moe: MoEModel, job: PruneJob, candidates: list[_Candidate]) -> tuple
     assert job.search_set is not None  # check_auto refused auto without search data
     stats = observe_once(moe, [e.config for e in entries], job.calibration, runtime, job.data.seed)
     shared = Shared(moe, stats, job.calibration, job.search_set, runtime)
-    ranked = contest(shared, entries, _LOG.info)
+    ranked = contest(shared, entries, partial(say, enabled=job.run.progress))
     found = _repaired_best(shared, ranked, entries) if ranked[0].config.repair.enabled else ranked[0]
     winner = next(c for c in candidates if c.entry.label == found.label)
     run = replace(
@@ -344,12 +346,10 @@ def _repaired_best(shared: Shared, ranked: list[Found], entries: list[Entry]) ->
         after[found.label] = outcome["after"]
         entry = next(e for e in entries if e.label == found.label)
         entry.repaired = {"before": outcome["before"], "after": outcome["after"]}
-        _LOG.info(
-            "auto: %s repaired: held-out %s %.4f -> %.4f",
-            found.label,
-            data.fitness,
-            outcome["before"],
-            outcome["after"],
+        say(
+            f"auto: {found.label} repaired: held-out {data.fitness} {outcome['before']:.4f} -> "
+            f"{outcome['after']:.4f}",
+            shared.runtime.progress,
         )
     sign = 1.0 if higher_is_better(data.fitness) else -1.0
     return max(finalists, key=lambda found: sign * after[found.label])

@@ -173,6 +173,13 @@ def progress_bar(
     return _Timed(bar, desc)
 
 
+def say(line: str, enabled: bool = True) -> None:
+    """One line of what a long stage is doing between its bars (a contest's recipe scored, a
+    recipe let through), on stderr beside the bars when `enabled`."""
+    if enabled:
+        print(line, file=sys.stderr, flush=True)
+
+
 @contextmanager
 def stage(desc: str, enabled: bool = True) -> Iterator[None]:
     """A stage with no steps to count (loading, saving): a line at its start and end when
