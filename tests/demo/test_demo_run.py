@@ -23,7 +23,7 @@ def quick_on_fixture(monkeypatch, trained_moe):
 def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     out = tmp_path / "demo"
     result = CliRunner().invoke(
-        main, ["demo", "--quick", "--output", str(out), "--quiet"], catch_exceptions=False
+        main, ["demo", "--quick", "--output", str(out)], catch_exceptions=False
     )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
@@ -58,6 +58,12 @@ def test_demo_quick_writes_table_results_and_plots(quick_on_fixture, tmp_path):
     assert (out / "results.md").read_text().startswith("| criterion |")
     assert (out / "density_50.png").is_file() and list(out.glob("search_*.png"))
     assert "ESAP" in result.output
+    # without a terminal, a line per configuration as it finishes, with its ESAP
+    last = rows[-1]
+    assert (
+        f"demo: {len(rows) - 1}/{len(rows) - 1} config, {last['criterion']} {last['allocation']} "
+        f"{last['method']} at {last['sparsity']:g}: ESAP {last['esap']:.3f}"
+    ) in result.output
     assert (out / "moeprune.log").is_file() and "demo --quick" in (out / "moeprune.log").read_text()
     # the summary's output line lists what is in the folder
     assert all(p.name in result.output for p in out.iterdir())
