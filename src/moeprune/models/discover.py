@@ -224,7 +224,52 @@ def _takes_routing(experts: nn.Module) -> bool:
 
 
 def discover_spec(model: nn.Module) -> FamilySpec:
-    """The FamilySpec of a transformers MoE model, read off the instance (meta tensors suffice)."""
+    """The FamilySpec of a transformers MoE model, read off the instance (meta tensors suffice).
+
+    Kept for the process by the instance's structure (`_structure_key`): another instance built
+    the same way (the same class, config, modules, tensor shapes and plain attributes) has the
+    same spec, and discovery (a probe of the router, transformers' save-time conversion on meta
+    tensors, two meta builds) cost 20-40 ms a model: a tenth of the test suite's time, which
+    builds thousands of tiny models. A refusal is not kept (it is raised each time)."""
+    key = _structure_key(model)
+    if key is None:
+        return _discover(model)
+    spec = _DISCOVERED.get(key)
+    if spec is None:
+        if len(_DISCOVERED) >= _DISCOVERED_MAX:
+            _DISCOVERED.clear()
+        spec = _DISCOVERED[key] = _discover(model)
+    return spec
+
+
+_DISCOVERED: dict[tuple, FamilySpec] = {}
+_DISCOVERED_MAX = 4096
+
+
+def _structure_key(model: nn.Module) -> tuple | None:
+    """Everything discovery reads of an instance: its class and config, each module's name, class
+    and plain attributes, and each tensor's name, shape, dtype and device. None (not kept) when a
+    module's forward was replaced on the instance itself."""
+    modules = []
+    for name, module in model.named_modules():
+        own = vars(module)
+        if "forward" in own:
+            return None
+        plain = tuple(
+            sorted((k, v) for k, v in own.items() if type(v) in (int, float, bool, str, type(None)))
+        )
+        modules.append((name, type(module), plain))
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.device.type)
+        for name, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+    )
+    return type(model), _config_key(model.config), tuple(modules), tensors
+
+
+def _discover(model: nn.Module) -> FamilySpec:
     config = text_config(model.config)
     # the family is the whole model's type (a multimodal wrapper's, whose language model it prunes)
     model_type = str(getattr(model.config, "model_type", None) or getattr(config, "model_type", ""))
