@@ -53,12 +53,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each run")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--no-repair", action="store_true", help="leave out the repaired runs")
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        metavar="LABEL",
-        help="run only these (auto, or a recipe's label as in the table)",
-    )
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help="run only these: auto, recipes' labels")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = load_demo(args.family, True, args.spec, args.threads)

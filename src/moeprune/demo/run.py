@@ -274,13 +274,11 @@ def _run_demo(
     found: dict[int, list[int]] | None = None
     search_docs: list[dict] = []
     shared = _Shared(stats, calibration, search, evals, settings, pad, before)
-    bar = progress_bar(configs, desc="demo", unit="config", enabled=progress, each_step=True)
-    for entry in bar:  # without a terminal, a line per configuration (a full demo runs ~20 minutes)
-        row, found, document = _prune_row(moe, entry, shared)
+    for entry in (bar := progress_bar(configs, desc="demo", unit="config", enabled=progress, each_step=True)):
+        row, found, document = _prune_row(moe, entry, shared)  # a line each without a terminal
         rows.append(row)
-        bar.set_postfix_str(
-            f"{row['criterion']} {row['allocation']} {row['method']} at {row['sparsity']:g}: ESAP {row['esap']:.3f}"
-        )
+        what = " ".join(str(row[k]) for k in ("criterion", "allocation", "method"))
+        bar.set_postfix_str(f"{what} at {row['sparsity']:g}: ESAP {row['esap']:.3f}")
         if document is not None:
             search_docs.append(document)
     results = {
