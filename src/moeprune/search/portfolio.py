@@ -20,10 +20,10 @@ that need no search are final after one pass and go first; then every searched r
 1/9 of its budget, the best third (at least one) again at 1/3, the best third of those at the full
 budget; a recipe outside the best third goes on too when its gap to the rung's leader is within one
 standard error of that gap over the search samples (`within_noise`: on 32 samples, plans 0.002
-apart at 1/3 of their budget can finish in either order). Each run is a complete recipe (its config says the budget it ran with, seeded, so it
-reruns to the same plan), and the winner is the best plan any rung produced: a candidate stopped
-early still competes with what it reached. The searches themselves run only through the search
-registry (search_for, SearchJob).
+apart at 1/3 of their budget can finish in either order). Each run is a complete recipe (its
+config says the budget it ran with, seeded, so it reruns to the same plan), and the winner is the
+best plan any rung produced: a candidate stopped early still competes with what it reached. The
+searches themselves run only through the search registry (search_for, SearchJob).
 
 A recipe going on to a larger rung continues where its previous rung stopped when that reaches
 the plan a fresh run at the larger budget reaches (`SearchRuntime.continuation`): evo keeps its
